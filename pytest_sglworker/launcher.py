@@ -1,0 +1,618 @@
+"""Launching an sglang worker, waiting for real health while watching the process, and tearing the whole
+process tree down.
+
+Plain Python: no pytest here. Usable outside pytest::
+
+    with spawn_worker(get_model_spec("qwen3-0.6b")) as worker:
+        worker.client.post("/generate", json={...})
+
+Promises kept here:
+- the argv is a list (never a shell string) and binds 127.0.0.1 only;
+- stdout and stderr go to one log file per port, ``sglang-worker-<port>.log``; the parent closes its
+  handle right after ``Popen`` so that a chatty engine can never block on a pipe;
+- the health wait polls ``/health_generate`` and checks the process on every iteration: an exit fails at
+  once with :class:`WorkerStartupError` (code, signal, diagnosis, log tail), the deadline with
+  :class:`WorkerStartupTimeout`; a 200 counts only if the listening socket belongs to our process tree, so
+  a stale server left on the port is never mistaken for ours;
+- teardown sends SIGTERM to the process group, waits, SIGKILLs, then sweeps every process that carries
+  this worker's environment marker (schedulers that left the group or were re-parented to PID 1).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .errors import LaunchError, WorkerDied, WorkerStartupError, WorkerStartupTimeout
+from .specs import ModelSpec
+
+if TYPE_CHECKING:
+    import httpx
+    import psutil
+
+    from .ports import PortBlock
+
+LOOPBACK_HOST = "127.0.0.1"
+HEALTH_PATH = "/health_generate"
+#: The environment variable that marks every process of a worker (inherited by its children), so that
+#: teardown finds a scheduler that left the process group or was re-parented. Value: ``<session>:<worker>``.
+OWNER_ENV = "SGLWORKER_OWNER"
+#: Environment variables whose values never appear in a message, report or JSON the plugin writes.
+SECRET_ENV_PATTERN = re.compile(r"TOKEN|SECRET|PASSWORD|PASSWD|API_?KEY|CREDENTIAL|AUTH", re.IGNORECASE)
+DEFAULT_TAIL_LINES = 40
+SESSION_ID = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+_LOOPBACK = {"127.0.0.1", "localhost", "::1"}
+_HOST_ABBREVS = ("--ho", "--hos", "--host")
+
+
+def default_launcher() -> list[str]:
+    """``<this python> -m sglang.launch_server``."""
+    return [sys.executable, "-m", "sglang.launch_server"]
+
+
+def sim_launcher() -> list[str]:
+    """The simulated engine shipped with this package."""
+    return [sys.executable, "-m", "pytest_sglworker.sim"]
+
+
+def parse_launcher(value: str) -> list[str]:
+    """A ``--sgl-launcher`` value, shlex-split. Raises ``ValueError`` on an empty or unbalanced value."""
+    try:
+        parts = shlex.split(value)
+    except ValueError as exc:
+        raise ValueError(f"cannot split launcher {value!r}: {exc}") from None
+    if not parts:
+        raise ValueError("the launcher is empty; give a command such as 'python -m sglang.launch_server'")
+    return parts
+
+
+def foreign_hosts(argv: Sequence[str]) -> list[str]:
+    """Hosts other than loopback that ``argv`` would bind (``--host`` and its abbreviations)."""
+    hosts: list[str] = []
+    for i, arg in enumerate(argv):
+        name, eq, value = arg.partition("=")
+        if name in _HOST_ABBREVS:
+            if not eq:
+                value = argv[i + 1] if i + 1 < len(argv) else ""
+            if value not in _LOOPBACK:
+                hosts.append(value)
+    return hosts
+
+
+def build_argv(
+    spec: ModelSpec,
+    *,
+    port: int,
+    nccl_port: int | None = None,
+    launcher: Sequence[str] | None = None,
+    extra_args: Sequence[str] = (),
+    model_path: str | None = None,
+    allow_foreign_host: bool = False,
+) -> list[str]:
+    """The full worker argv: launcher, model, 127.0.0.1, port, tp, the spec's args, the test's extra args."""
+    hosts = foreign_hosts(extra_args) + foreign_hosts(spec.worker_args)
+    if hosts and not allow_foreign_host:
+        raise LaunchError(
+            f"worker {spec.name}: extra args would bind {', '.join(map(repr, hosts))}, not loopback; workers "
+            "listen on 127.0.0.1 only (opt out with allow_foreign_host=True / "
+            "@pytest.mark.sgl_worker(allow_foreign_host='reason'))"
+        )
+    argv = list(launcher if launcher is not None else default_launcher())
+    argv += ["--model-path", model_path or spec.resolve_model_path(), "--host", LOOPBACK_HOST, "--port", str(port)]
+    if nccl_port is not None:
+        argv += ["--nccl-port", str(nccl_port)]
+    argv += ["--tp-size", str(spec.tp)]
+    argv += list(spec.worker_args)
+    argv += list(extra_args)
+    return argv
+
+
+def signal_name(returncode: int | None) -> str:
+    """``"code -9 (SIGKILL)"`` / ``"code 1"``."""
+    if returncode is None:
+        return "no exit code"
+    if returncode < 0:
+        try:
+            return f"code {returncode} ({signal.Signals(-returncode).name})"
+        except ValueError:
+            return f"code {returncode}"
+    return f"code {returncode}"
+
+
+def read_tail(path: Path | str, lines: int = DEFAULT_TAIL_LINES, *, max_bytes: int = 256 * 1024) -> str:
+    """The last ``lines`` lines of a file, reading at most ``max_bytes`` from its end."""
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            size = fh.tell()
+            fh.seek(max(0, size - max_bytes))
+            data = fh.read()
+    except OSError as exc:
+        return f"<log unreadable: {exc.strerror}>"
+    text = data.decode("utf-8", errors="replace")
+    return "\n".join(text.splitlines()[-lines:]) if lines > 0 else ""
+
+
+def read_head(path: Path | str, max_bytes: int = 4 * 1024 * 1024) -> str:
+    try:
+        with open(path, "rb") as fh:
+            return fh.read(max_bytes).decode("utf-8", errors="replace")
+    except OSError:
+        return ""
+
+
+def secret_values(env: Mapping[str, str], argv: Sequence[str] = ()) -> list[str]:
+    """Values to redact: secret-looking env vars and ``--api-key`` values (4+ characters)."""
+    values = [v for k, v in env.items() if SECRET_ENV_PATTERN.search(k) and len(v) >= 4]
+    for i, arg in enumerate(argv):
+        name, eq, value = arg.partition("=")
+        if name == "--api-key":
+            value = value if eq else (argv[i + 1] if i + 1 < len(argv) else "")
+            if len(value) >= 4:
+                values.append(value)
+    return sorted(set(values), key=len, reverse=True)
+
+
+def redact(text: str, secrets: Sequence[str]) -> str:
+    for value in secrets:
+        text = text.replace(value, "***")
+    return text
+
+
+def _log_path_for(log_dir: Path, port: int) -> Path:
+    """``sglang-worker-<port>.log``; an older log on that port (a kept failure) is moved aside, never lost."""
+    path = log_dir / f"sglang-worker-{port}.log"
+    if path.exists():
+        stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(path.stat().st_mtime))
+        aside = log_dir / f"sglang-worker-{port}.{stamp}.log"
+        n = 1
+        while aside.exists():
+            aside = log_dir / f"sglang-worker-{port}.{stamp}-{n}.log"
+            n += 1
+        path.rename(aside)
+    return path
+
+
+@dataclass
+class ModelInstance:
+    """A running sglang worker. Use as a context manager, or call :meth:`stop`."""
+
+    spec: ModelSpec
+    argv: list[str]
+    host: str
+    port: int
+    log_path: Path
+    process: subprocess.Popen[bytes]
+    owner_tag: str
+    secrets: list[str] = field(default_factory=list, repr=False)
+    started_at: float = field(default_factory=time.monotonic)
+    ready_at: float | None = None
+    port_block: PortBlock | None = field(default=None, repr=False)
+    pids_seen: set[int] = field(default_factory=set)
+    gpus: str | None = None
+    _client: httpx.Client | None = field(default=None, repr=False)
+    _stopped: bool = field(default=False, repr=False)
+
+    # -- identity -----------------------------------------------------------------------------------------
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def returncode(self) -> int | None:
+        return self.process.poll()
+
+    @property
+    def startup_seconds(self) -> float | None:
+        return None if self.ready_at is None else self.ready_at - self.started_at
+
+    def describe(self) -> str:
+        gpus = f", GPUs {self.gpus}" if self.gpus else ""
+        return f"worker {self.spec.name} on {self.host}:{self.port} (pid {self.pid}{gpus})"
+
+    def __str__(self) -> str:
+        return self.describe()
+
+    # -- state --------------------------------------------------------------------------------------------
+    def is_alive(self) -> bool:
+        return self.process.poll() is None
+
+    def check_alive(self) -> None:
+        """Raise :class:`WorkerDied` (diagnosis and tail included) if the worker has exited."""
+        if not self.is_alive():
+            raise WorkerDied(self.failure_message(f"exited with {signal_name(self.returncode)}"),
+                             log_path=str(self.log_path), diagnosis=self.diagnosis())
+
+    def log_tail(self, lines: int = DEFAULT_TAIL_LINES) -> str:
+        """The last lines of this worker's log (secrets redacted)."""
+        return redact(read_tail(self.log_path, lines), self.secrets)
+
+    def log_text(self, max_bytes: int = 4 * 1024 * 1024) -> str:
+        return redact(read_head(self.log_path, max_bytes), self.secrets)
+
+    def diagnosis(self) -> Any:
+        """The first error in the log, classified (:class:`pytest_sglworker.diagnosis.Diagnosis`)."""
+        from .diagnosis import diagnose
+
+        return diagnose(self.log_text(), self.returncode)
+
+    def failure_message(self, what: str, *, lines: int = DEFAULT_TAIL_LINES, extra: str = "") -> str:
+        """``<worker> <what>`` + diagnosis + log path + the last ``lines`` lines."""
+        parts = [f"{self.describe()} {what}"]
+        try:
+            rendered = self.diagnosis().render()
+        except Exception as exc:  # a diagnosis must never hide the log
+            rendered = f"diagnosis unavailable: {exc!r}"
+        if rendered:
+            parts.append(rendered)
+        if extra:
+            parts.append(extra)
+        parts.append(f"argv: {redact(shlex.join(self.argv), self.secrets)}")
+        parts.append(f"log: {self.log_path}")
+        parts.append(f"last {lines} lines:")
+        parts.append(_indent(self.log_tail(lines)))
+        return "\n".join(parts)
+
+    @property
+    def client(self) -> httpx.Client:
+        """An ``httpx.Client`` bound to :attr:`url` (created on first use, closed by :meth:`stop`)."""
+        if self._client is None:
+            import httpx
+
+            self._client = httpx.Client(base_url=self.url, timeout=httpx.Timeout(60.0, connect=5.0))
+        return self._client
+
+    # -- tree ---------------------------------------------------------------------------------------------
+    def _tree(self) -> list[psutil.Process]:
+        """The root and every descendant, plus any process carrying our owner tag (escaped children)."""
+        import psutil
+
+        procs: dict[int, psutil.Process] = {}
+        try:
+            root = psutil.Process(self.pid)
+            procs[root.pid] = root
+            for child in root.children(recursive=True):
+                procs[child.pid] = child
+        except psutil.Error:
+            pass
+        for proc in find_tagged_processes(self.owner_tag):
+            procs.setdefault(proc.pid, proc)
+        self.pids_seen.update(procs)
+        return list(procs.values())
+
+    def stop(self, *, term_timeout: float = 15.0, kill_timeout: float = 10.0) -> list[int]:
+        """Tear the whole process tree down; returns the PIDs that needed SIGKILL. Idempotent."""
+        if self._client is not None:
+            with contextlib.suppress(Exception):
+                self._client.close()
+            self._client = None
+        if self._stopped:
+            return []
+        killed = terminate_tree(self.process, self._tree, term_timeout=term_timeout, kill_timeout=kill_timeout)
+        self._stopped = True
+        if self.port_block is not None:
+            self.port_block.release()
+            self.port_block = None
+        return killed
+
+    def remove_log(self) -> None:
+        """Delete the log (the retention policy keeps only the logs of failed runs)."""
+        with contextlib.suppress(OSError):
+            self.log_path.unlink()
+
+    def __enter__(self) -> ModelInstance:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _indent(text: str, prefix: str = "    ") -> str:
+    return "\n".join(prefix + line for line in text.splitlines()) or prefix + "<empty log>"
+
+
+def find_tagged_processes(owner_tag: str) -> list[psutil.Process]:
+    """Our own processes whose environment carries ``SGLWORKER_OWNER=<owner_tag>`` (or start with it,
+    for a session-wide tag ending in ':')."""
+    import psutil
+
+    found: list[psutil.Process] = []
+    me = os.getpid()
+    uid = os.getuid()
+    for proc in psutil.process_iter(["pid", "uids"]):
+        try:
+            if proc.pid == me or proc.info["uids"] is None or proc.info["uids"].real != uid:
+                continue
+            value = proc.environ().get(OWNER_ENV)
+        except (psutil.Error, OSError):
+            continue
+        if value is not None and (value == owner_tag or (owner_tag.endswith(":") and value.startswith(owner_tag))):
+            found.append(proc)
+    return found
+
+
+def terminate_tree(
+    process: subprocess.Popen[bytes] | None,
+    collect: Callable[[], list[psutil.Process]],
+    *,
+    term_timeout: float = 15.0,
+    kill_timeout: float = 10.0,
+) -> list[int]:
+    """SIGTERM to the process group and every collected process, bounded wait, SIGKILL what is left, then
+    wait until every collected process is gone (zombies count as gone). Returns the PIDs killed."""
+    import psutil
+
+    procs = collect()
+    if process is not None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(process.pid, signal.SIGTERM)
+    for proc in procs:
+        with contextlib.suppress(psutil.Error):
+            proc.terminate()
+    _wait_gone(process, procs, term_timeout)
+    leftovers = [p for p in collect() + procs if _alive(p)]
+    killed: list[int] = []
+    if process is not None and process.poll() is None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(process.pid, signal.SIGKILL)
+    for proc in {p.pid: p for p in leftovers}.values():
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+            killed.append(proc.pid)
+    _wait_gone(process, leftovers, kill_timeout)
+    if process is not None:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(timeout=kill_timeout)
+    return sorted(set(killed))
+
+
+def _alive(proc: psutil.Process) -> bool:
+    import psutil
+
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _wait_gone(process: subprocess.Popen[bytes] | None, procs: list[psutil.Process], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process is not None:
+            process.poll()  # reap our direct child so it does not linger as a zombie
+        if not any(_alive(p) for p in procs) and (process is None or process.poll() is not None):
+            return
+        time.sleep(0.05)
+
+
+def _listening_in_tree(instance: ModelInstance) -> bool:
+    """Whether a process of the worker's tree listens on its port (a stale server's answer is not ours)."""
+    import psutil
+
+    for proc in instance._tree():
+        try:
+            conns = proc.net_connections(kind="tcp")
+        except (psutil.Error, OSError):
+            continue
+        for conn in conns:
+            if conn.status == psutil.CONN_LISTEN and conn.laddr and conn.laddr.port == instance.port:
+                return True
+    return False
+
+
+ProgressCallback = Callable[["ModelInstance", float], None]
+
+
+def wait_until_healthy(
+    instance: ModelInstance,
+    *,
+    timeout: float,
+    on_progress: ProgressCallback | None = None,
+    progress_interval: float = 1.0,
+) -> None:
+    """Poll ``/health_generate`` until it answers 200 from our own process, checking the process on every
+    iteration. Raises :class:`WorkerStartupError` at once if it exits, :class:`WorkerStartupTimeout` at the
+    deadline; both carry the diagnosis and the log tail."""
+    import httpx
+
+    deadline = instance.started_at + timeout
+    url = instance.url + HEALTH_PATH
+    last_progress = 0.0
+    last_status = "not listening yet"
+    stale_seen = False
+    with httpx.Client(timeout=httpx.Timeout(5.0, connect=1.0)) as http:
+        while True:
+            code = instance.process.poll()
+            now = time.monotonic()
+            if code is not None:
+                elapsed = now - instance.started_at
+                raise WorkerStartupError(
+                    instance.failure_message(f"exited during startup with {signal_name(code)} after {elapsed:.1f} s"),
+                    log_path=str(instance.log_path), diagnosis=instance.diagnosis(),
+                )
+            if now >= deadline:
+                extra = "a server that is not ours answers on this port" if stale_seen else ""
+                raise WorkerStartupTimeout(
+                    instance.failure_message(
+                        f"did not become healthy within {timeout:g} s (last health answer: {last_status})", extra=extra
+                    ),
+                    log_path=str(instance.log_path), diagnosis=instance.diagnosis(),
+                )
+            if on_progress is not None and now - last_progress >= progress_interval:
+                last_progress = now
+                on_progress(instance, now - instance.started_at)
+            interval = 0.05
+            try:
+                resp = http.get(url, timeout=min(5.0, max(0.1, deadline - now)))
+                last_status = f"HTTP {resp.status_code}"
+                if resp.status_code == 200:
+                    if _listening_in_tree(instance):
+                        instance.ready_at = time.monotonic()
+                        return
+                    stale_seen = True
+                    last_status = "HTTP 200 from a process that is not this worker (stale server on the port?)"
+                interval = 0.2
+            except httpx.TransportError as exc:
+                last_status = f"{type(exc).__name__}"
+            time.sleep(min(interval, max(0.0, deadline - time.monotonic())))
+
+
+def _popen(argv: list[str], env: dict[str, str], log_path: Path) -> subprocess.Popen[bytes]:
+    try:
+        log = open(log_path, "ab", buffering=0)
+    except OSError as exc:
+        raise LaunchError(f"cannot write the worker log {log_path}: {exc.strerror}; choose a writable --sgl-log-dir",
+                          log_path=str(log_path)) from None
+    try:
+        return subprocess.Popen(
+            argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
+            start_new_session=True, close_fds=True,
+        )
+    except FileNotFoundError:
+        raise LaunchError(
+            f"launcher {argv[0]!r} not found; install sglang, or set --sgl-launcher / SGLWORKER_LAUNCHER, "
+            "or use --sgl-engine sim", log_path=str(log_path),
+        ) from None
+    except PermissionError:
+        raise LaunchError(f"launcher {argv[0]!r} is not executable", log_path=str(log_path)) from None
+    finally:
+        log.close()
+
+
+@dataclass(frozen=True)
+class LaunchOptions:
+    """How to launch: everything that is not the spec or the test's args."""
+
+    launcher: tuple[str, ...] | None = None
+    log_dir: Path | None = None
+    lock_dir: Path | None = None
+    startup_timeout: float = 600.0
+    port_range: tuple[int, int] | None = None
+    port_retries: int = 3
+    allow_foreign_host: bool = False
+
+
+def spawn_worker(
+    spec: ModelSpec,
+    *,
+    extra_args: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
+    port: int | None = None,
+    options: LaunchOptions | None = None,
+    on_progress: ProgressCallback | None = None,
+    gpus: str | None = None,
+) -> ModelInstance:
+    """Launch a worker for ``spec`` and return it once it is healthy.
+
+    ``env`` is added to the inherited environment (after the spec's env): a GPU lease's
+    ``CUDA_VISIBLE_DEVICES`` goes here. Without ``port``, a port block is reserved across processes (and
+    the launch is retried on another block if the port was taken between reservation and bind).
+    """
+    from . import state
+
+    options = options or LaunchOptions()
+    log_dir = state.ensure_private_dir(options.log_dir or state.default_log_dir(), what="log directory")
+    attempts = 1 if port is not None else max(1, options.port_retries)
+    for attempt in range(1, attempts + 1):
+        block = None
+        if port is None:
+            from .ports import reserve_port_block
+
+            block = reserve_port_block(
+                state.ensure_private_dir(options.lock_dir or state.default_lock_dir(), what="lock directory"),
+                port_range=options.port_range,
+            )
+            http_port, nccl_port = block.port, block.nccl_port
+        else:
+            http_port, nccl_port = port, None
+        try:
+            instance = _start(spec, http_port, nccl_port, extra_args, env, options, log_dir, gpus)
+        except BaseException:
+            if block is not None:
+                block.release()
+            raise
+        instance.port_block = block
+        try:
+            wait_until_healthy(instance, timeout=options.startup_timeout, on_progress=on_progress)
+            return instance
+        except WorkerStartupError as exc:
+            instance.stop()
+            kind = getattr(getattr(exc.diagnosis, "kind", None), "value", getattr(exc.diagnosis, "kind", None))
+            if kind == "port_in_use" and attempt < attempts:
+                continue
+            raise
+        except BaseException:
+            instance.stop()
+            raise
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _start(
+    spec: ModelSpec,
+    port: int,
+    nccl_port: int | None,
+    extra_args: Sequence[str],
+    env: Mapping[str, str] | None,
+    options: LaunchOptions,
+    log_dir: Path,
+    gpus: str | None,
+) -> ModelInstance:
+    argv = build_argv(spec, port=port, nccl_port=nccl_port, launcher=options.launcher, extra_args=extra_args,
+                      allow_foreign_host=options.allow_foreign_host)
+    owner_tag = f"{SESSION_ID}:{uuid.uuid4().hex[:12]}"
+    full_env = dict(os.environ)
+    full_env.update(spec.env)
+    full_env.update(env or {})
+    full_env["PYTHONUNBUFFERED"] = "1"
+    full_env[OWNER_ENV] = owner_tag
+    log_path = _log_path_for(log_dir, port)
+    process = _popen(argv, full_env, log_path)
+    return ModelInstance(
+        spec=spec, argv=argv, host=LOOPBACK_HOST, port=port, log_path=log_path, process=process,
+        owner_tag=owner_tag, secrets=secret_values(full_env, argv), gpus=gpus,
+    )
+
+
+@contextlib.contextmanager
+def running_worker(spec: ModelSpec, **kwargs: Any) -> Iterator[ModelInstance]:
+    """``with running_worker(spec) as w:`` — :func:`spawn_worker` and a guaranteed :meth:`stop`."""
+    instance = spawn_worker(spec, **kwargs)
+    try:
+        yield instance
+    finally:
+        instance.stop()
+
+
+def session_sweep(session_id: str = SESSION_ID, *, timeout: float = 10.0) -> list[int]:
+    """Kill every process still tagged with this session (the last line of defence at session end)."""
+    tag = f"{session_id}:"
+    return terminate_tree(None, lambda: find_tagged_processes(tag), term_timeout=timeout, kill_timeout=timeout)
+
+
+__all__ = [
+    "LaunchOptions",
+    "ModelInstance",
+    "build_argv",
+    "running_worker",
+    "spawn_worker",
+    "wait_until_healthy",
+]

@@ -1,0 +1,910 @@
+"""The pytest face of pytest-sglworker: options, markers, fixtures, collection checks, reports.
+
+This is the only module that knows pytest (with ``hookspecs.py``). It is loaded into every pytest run of an
+environment that installs the package, so it imports nothing heavy at module level: httpx, psutil,
+pynvml, filelock and sglang are imported when a worker is first needed.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+from . import budget
+from .errors import SglWorkerError, SpecError
+from .specs import ModelSpec, SpecRegistry, set_active_registry
+
+if TYPE_CHECKING:
+    from .launcher import ModelInstance
+    from .pool import WorkerConfig, WorkerPool
+
+# --------------------------------------------------------------------------------------------------------
+# Options: every option is --sgl-*, with an ini twin and an SGLWORKER_* environment variable.
+# Precedence: command line > environment > ini > default.
+# --------------------------------------------------------------------------------------------------------
+
+MODEL_DESC = "model spec(s) to run worker tests against; repeatable or comma-separated (see --sgl-list-models)"
+ENGINE_DESC = "'real' (python -m sglang.launch_server, default) or 'sim' (the simulated engine, CPU only)"
+LAUNCHER_DESC = "command that starts the engine, shlex-split (default: '<python> -m sglang.launch_server')"
+LOG_DIR_DESC = "directory for sglang-worker-<port>.log files (default: <tmp>/pytest-sglworker-<uid>/logs)"
+LOCK_DIR_DESC = "directory for GPU and port lock files shared by every pytest process of the machine"
+STARTUP_TIMEOUT_DESC = "seconds a worker may take to become healthy (default 600)"
+LEASE_TIMEOUT_DESC = "seconds to wait for a free GPU lease before failing (default 1800)"
+GPUS_DESC = "GPUs to use: NVML indices '0,2', UUIDs, or a declared inventory 'sim:N' / 'sim:NxGiB' (e.g. sim:4x80)"
+PORT_RANGE_DESC = "port range for worker port blocks, 'LOW-HIGH' (default: below the ephemeral range)"
+KEEP_LOGS_DESC = "keep the logs of workers whose tests passed too (default: only failed runs' logs are kept)"
+REUSE_DESC = "reuse a running worker across tests of the same configuration: 'on' (default) or 'off'"
+REORDER_DESC = "reorder tests so that tests of one worker configuration run together: 'on' (default) or 'off'"
+REPORT_DESC = "write the run report (launches, reuses, startup times, failures) as JSON to this path"
+TAIL_DESC = "log lines shown in failure reports (default 40)"
+
+
+@dataclass(frozen=True)
+class _Opt:
+    name: str  # --sgl-<name>
+    env: str
+    ini: str
+    help: str
+    default: Any
+    parse: Callable[[str], Any] | None = None
+
+
+def _positive_float(value: str) -> float:
+    try:
+        number = float(value)
+    except ValueError:
+        raise ValueError(f"{value!r} is not a number of seconds") from None
+    if not number > 0:
+        raise ValueError(f"{value!r} must be greater than 0")
+    return number
+
+
+def _positive_int(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        raise ValueError(f"{value!r} is not an integer") from None
+    if number < 0:
+        raise ValueError(f"{value!r} must be 0 or more")
+    return number
+
+
+def _on_off(value: str) -> bool:
+    lowered = value.strip().lower()
+    if lowered in {"on", "1", "true", "yes"}:
+        return True
+    if lowered in {"off", "0", "false", "no"}:
+        return False
+    raise ValueError(f"{value!r} is not 'on' or 'off'")
+
+
+def _engine(value: str) -> str:
+    if value not in {"real", "sim"}:
+        raise ValueError(f"{value!r} is not an engine; choose 'real' or 'sim'")
+    return value
+
+
+def _launcher(value: str) -> tuple[str, ...]:
+    from .launcher import parse_launcher
+
+    return tuple(parse_launcher(value))
+
+
+def _port_range(value: str) -> tuple[int, int]:
+    from .ports import parse_port_range
+
+    return parse_port_range(value)
+
+
+def _gpus(value: str) -> str:
+    from .gpus import parse_gpus_option
+
+    parse_gpus_option(value)
+    return value
+
+
+OPTIONS: tuple[_Opt, ...] = (
+    _Opt("engine", "SGLWORKER_ENGINE", "sgl_engine", ENGINE_DESC, "real", _engine),
+    _Opt("launcher", "SGLWORKER_LAUNCHER", "sgl_launcher", LAUNCHER_DESC, None, _launcher),
+    _Opt("log-dir", "SGLWORKER_LOG_DIR", "sgl_log_dir", LOG_DIR_DESC, None, Path),
+    _Opt("lock-dir", "SGLWORKER_LOCK_DIR", "sgl_lock_dir", LOCK_DIR_DESC, None, Path),
+    _Opt("startup-timeout", "SGLWORKER_STARTUP_TIMEOUT", "sgl_startup_timeout", STARTUP_TIMEOUT_DESC, 600.0,
+         _positive_float),
+    _Opt("lease-timeout", "SGLWORKER_LEASE_TIMEOUT", "sgl_lease_timeout", LEASE_TIMEOUT_DESC, 1800.0,
+         _positive_float),
+    _Opt("gpus", "SGLWORKER_GPUS", "sgl_gpus", GPUS_DESC, None, _gpus),
+    _Opt("port-range", "SGLWORKER_PORT_RANGE", "sgl_port_range", PORT_RANGE_DESC, None, _port_range),
+    _Opt("keep-logs", "SGLWORKER_KEEP_LOGS", "sgl_keep_logs", KEEP_LOGS_DESC, False, _on_off),
+    _Opt("reuse", "SGLWORKER_REUSE", "sgl_reuse", REUSE_DESC, True, _on_off),
+    _Opt("reorder", "SGLWORKER_REORDER", "sgl_reorder", REORDER_DESC, True, _on_off),
+    _Opt("report", "SGLWORKER_REPORT", "sgl_report", REPORT_DESC, None, Path),
+    _Opt("tail-lines", "SGLWORKER_TAIL_LINES", "sgl_tail_lines", TAIL_DESC, 40, _positive_int),
+)
+
+
+def _dest(name: str) -> str:
+    return "sgl_" + name.replace("-", "_")
+
+
+def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
+    from . import hookspecs
+
+    pluginmanager.add_hookspecs(hookspecs)
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("sglworker", "sglang workers (pytest-sglworker)")
+    group.addoption("--sgl-model", dest="sgl_model", action="append", default=None, metavar="NAME",
+                    help=MODEL_DESC + " [env SGLWORKER_MODELS, ini sgl_models]")
+    parser.addini("sgl_models", MODEL_DESC, default="")
+    group.addoption("--sgl-list-models", dest="sgl_list_models", action="store_true", default=False,
+                    help="print the model registry (model, memory, tp, features, budget, memory ledger) and exit")
+    for opt in OPTIONS:
+        flag = f"--sgl-{opt.name}"
+        if opt.default is False and opt.parse is _on_off:
+            group.addoption(flag, dest=_dest(opt.name), action="store_const", const="on", default=None,
+                            help=f"{opt.help} [env {opt.env}, ini {opt.ini}]")
+        else:
+            group.addoption(flag, dest=_dest(opt.name), default=None, metavar="VALUE",
+                            help=f"{opt.help} [env {opt.env}, ini {opt.ini}]")
+        parser.addini(opt.ini, opt.help, default="")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The resolved options of the session."""
+
+    models: tuple[str, ...] = ()
+    engine: str = "real"
+    launcher: tuple[str, ...] | None = None
+    log_dir: Path | None = None
+    lock_dir: Path | None = None
+    startup_timeout: float = 600.0
+    lease_timeout: float = 1800.0
+    gpus: str | None = None
+    port_range: tuple[int, int] | None = None
+    keep_logs: bool = False
+    reuse: bool = True
+    reorder: bool = True
+    report: Path | None = None
+    tail_lines: int = 40
+    sources: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def gpus_explicit(self) -> bool:
+        return self.sources.get("gpus", "default") != "default"
+
+
+def _raw(config: pytest.Config, name: str, env: str, ini: str) -> tuple[str | None, str]:
+    cli = config.getoption(_dest(name))
+    if cli is not None:
+        return str(cli), f"--sgl-{name}"
+    if os.environ.get(env, "") != "":
+        return os.environ[env], env
+    value = config.getini(ini)
+    if value not in ("", None, []):
+        return str(value), f"ini {ini}"
+    return None, "default"
+
+
+def resolve_settings(config: pytest.Config) -> Settings:
+    """Resolve every option (command line > env > ini > default); a bad value is a usage error naming it."""
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    for opt in OPTIONS:
+        raw, source = _raw(config, opt.name, opt.env, opt.ini)
+        sources[opt.name] = source
+        if raw is None:
+            values[_dest(opt.name)[4:]] = opt.default
+            continue
+        try:
+            values[_dest(opt.name)[4:]] = opt.parse(raw) if opt.parse else raw
+        except (ValueError, SglWorkerError) as exc:
+            raise pytest.UsageError(f"{source}: invalid value {raw!r}: {exc}") from None
+    models: list[str] = []
+    cli_models = config.getoption("sgl_model")
+    if cli_models:
+        raw_models, sources["model"] = list(cli_models), "--sgl-model"
+    elif os.environ.get("SGLWORKER_MODELS"):
+        raw_models, sources["model"] = [os.environ["SGLWORKER_MODELS"]], "SGLWORKER_MODELS"
+    else:
+        raw_models, sources["model"] = [str(config.getini("sgl_models") or "")], "ini sgl_models"
+    for chunk in raw_models:
+        for name in chunk.replace("\n", ",").split(","):
+            name = name.strip()
+            if name and name not in models:
+                models.append(name)
+    if values["engine"] == "sim" and values["gpus"] is None:
+        values["gpus"] = "sim:8x80"
+    return Settings(models=tuple(models), sources=sources, **values)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Markers
+# --------------------------------------------------------------------------------------------------------
+
+WORKER_MARKER_DOC = (
+    "sgl_worker(args=(), env=None, fresh=False, startup_timeout=None, allow_foreign_host=None): "
+    "extra sglang args and env for this test's sgl_worker; fresh=True for an unshared worker"
+)
+REQUIRES_MARKER_DOC = "sgl_requires(*features): skip models whose spec lacks one of these features"
+OPT_OUT_MARKER_DOC = (
+    "sgl_budget_opt_out(reason): allow this test's extra args to raise --mem-fraction-static or re-enable "
+    "the prefill CUDA graph; the reason is required and shown in the report"
+)
+
+
+@dataclass(frozen=True)
+class WorkerMarker:
+    """``@pytest.mark.sgl_worker(...)`` as a typed object."""
+
+    args: tuple[str, ...] = ()
+    env: Mapping[str, str] = field(default_factory=dict)
+    fresh: bool = False
+    startup_timeout: float | None = None
+    allow_foreign_host: str | None = None
+
+    @classmethod
+    def from_mark(cls, mark: pytest.Mark | None) -> WorkerMarker:
+        if mark is None:
+            return cls()
+        if mark.args:
+            raise ValueError("sgl_worker takes keyword arguments only, e.g. @pytest.mark.sgl_worker(args=[...])")
+        known = {"args", "env", "fresh", "startup_timeout", "allow_foreign_host"}
+        unknown = sorted(set(mark.kwargs) - known)
+        if unknown:
+            raise ValueError(
+                f"sgl_worker got unknown argument(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}"
+            )
+        args = mark.kwargs.get("args", ())
+        if isinstance(args, str):
+            raise ValueError(f"sgl_worker(args=...) must be a list of arguments, not the string {args!r}")
+        if not all(isinstance(a, str) for a in args):
+            raise ValueError(f"sgl_worker(args=...) must contain strings only, got {list(args)!r}")
+        env = mark.kwargs.get("env") or {}
+        if not isinstance(env, Mapping) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
+            raise ValueError("sgl_worker(env=...) must be a dict of strings to strings")
+        fresh = mark.kwargs.get("fresh", False)
+        if not isinstance(fresh, bool):
+            raise ValueError(f"sgl_worker(fresh=...) must be True or False, got {fresh!r}")
+        timeout = mark.kwargs.get("startup_timeout")
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
+            raise ValueError(f"sgl_worker(startup_timeout=...) must be a positive number of seconds, got {timeout!r}")
+        foreign = mark.kwargs.get("allow_foreign_host")
+        if foreign is not None and (not isinstance(foreign, str) or not foreign.strip()):
+            raise ValueError("sgl_worker(allow_foreign_host=...) must be a non-empty reason string")
+        return cls(tuple(args), dict(env), fresh, None if timeout is None else float(timeout), foreign)
+
+
+def _opt_out_reason(item: pytest.Item) -> str | None:
+    mark = item.get_closest_marker("sgl_budget_opt_out")
+    if mark is None:
+        return None
+    reason = mark.kwargs.get("reason", mark.args[0] if mark.args else None)
+    if not isinstance(reason, str) or not reason.strip():
+        raise ValueError("sgl_budget_opt_out needs a reason: @pytest.mark.sgl_budget_opt_out(reason='why')")
+    return reason
+
+
+# --------------------------------------------------------------------------------------------------------
+# Session state, kept in typed stash keys
+# --------------------------------------------------------------------------------------------------------
+
+
+class SessionState:
+    """Everything the plugin holds for one session."""
+
+    def __init__(self, config: pytest.Config, settings: Settings) -> None:
+        self.config = config
+        self.settings = settings
+        self.registry = SpecRegistry.with_builtins()
+        self.registered_from: set[int] = set()
+        self._pool: WorkerPool | None = None
+        self.inventory_error: str | None = None
+        self.flag_check: str = "not needed (no worker test collected)"
+        self.sglang_version: str | None = None
+        self.messages: list[str] = []
+        self.worker_stats: list[dict[str, Any]] = []  # from xdist workers
+
+    # -- registry -----------------------------------------------------------------------------------------
+    def register_from(self, plugin: object) -> None:
+        hook = getattr(plugin, "pytest_sglworker_register_specs", None)
+        if hook is None or id(plugin) in self.registered_from:
+            return
+        self.registered_from.add(id(plugin))
+        try:
+            hook(registry=self.registry)
+        except SpecError as exc:
+            raise pytest.UsageError(f"pytest_sglworker_register_specs in {_plugin_name(plugin)}: {exc}") from None
+
+    def register_all(self) -> None:
+        for plugin in self.config.pluginmanager.get_plugins():
+            self.register_from(plugin)
+
+    def check_specs(self) -> None:
+        problems = []
+        for spec in self.registry:
+            found = budget.check_spec(spec)
+            if found:
+                problems.append(budget.describe_violation(f"model spec {spec.name!r} ({spec.model})", found))
+        if problems:
+            raise pytest.UsageError("\n".join(problems))
+
+    def selected_specs(self) -> list[ModelSpec]:
+        unknown = [m for m in self.settings.models if m not in self.registry]
+        if unknown:
+            raise pytest.UsageError(
+                f"{self.settings.sources.get('model', '--sgl-model')}: "
+                f"unknown model(s) {', '.join(map(repr, unknown))}; "
+                f"known: {', '.join(self.registry.names())} (register more with pytest_sglworker_register_specs)"
+            )
+        return [self.registry.get(m) for m in self.settings.models]
+
+    # -- workers ------------------------------------------------------------------------------------------
+    @property
+    def pool(self) -> WorkerPool:
+        if self._pool is None:
+            self._pool = self._make_pool()
+        return self._pool
+
+    def _make_pool(self) -> WorkerPool:
+        from .launcher import LaunchOptions, sim_launcher
+        from .pool import WorkerPool
+
+        s = self.settings
+        launcher = s.launcher or (tuple(sim_launcher()) if s.engine == "sim" else None)
+        options = LaunchOptions(
+            launcher=launcher, log_dir=s.log_dir, lock_dir=s.lock_dir, startup_timeout=s.startup_timeout,
+            port_range=s.port_range,
+        )
+        return WorkerPool(
+            options, leases=self.lease_manager(), lease_timeout=s.lease_timeout, reuse=s.reuse,
+            keep_logs=s.keep_logs, on_progress=self.progress, on_message=self.message,
+            worker_env=self._worker_env,
+        )
+
+    def _worker_env(self, spec: ModelSpec, lease_env: dict[str, str]) -> dict[str, str]:
+        result = self.config.hook.pytest_sglworker_worker_env(spec=spec, lease_env=dict(lease_env))
+        return dict(lease_env) if result is None else dict(result)
+
+    def lease_manager(self) -> Any:
+        """The GPU lease manager; None when the inventory cannot be read (tests then skip with the reason)."""
+        from . import state
+        from .errors import InventoryUnavailable
+        from .gpus import LeaseManager, load_inventory, parse_gpus_option
+
+        selection = parse_gpus_option(self.settings.gpus or "")
+        try:
+            inventory = load_inventory(selection, os.environ)
+        except InventoryUnavailable as exc:
+            self.inventory_error = str(exc)
+            raise
+        lock_dir = state.ensure_private_dir(self.settings.lock_dir or state.default_lock_dir(),
+                                            what="lock directory", shared_ok=self.settings.lock_dir is not None)
+        namespace = "nvml" if inventory.source == "nvml" else (self.settings.gpus or "sim").replace(":", "-")
+        return LeaseManager(lock_dir, inventory, namespace=namespace)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.close()
+
+    # -- output -------------------------------------------------------------------------------------------
+    def message(self, text: str) -> None:
+        self.messages.append(text)
+        _terminal_line(self.config, f"[sglworker] {text}")
+
+    def progress(self, instance: ModelInstance, elapsed: float) -> None:
+        _progress_line(self.config, instance, elapsed)
+
+
+STATE_KEY = pytest.StashKey[SessionState]()
+WORKERS_KEY = pytest.StashKey[list["ModelInstance"]]()
+ITEM_ERROR_KEY = pytest.StashKey[str]()
+CONFIG_KEY = pytest.StashKey["WorkerConfig"]()
+REPORTS_KEY = pytest.StashKey[dict[str, pytest.TestReport]]()
+
+
+def _plugin_name(plugin: object) -> str:
+    return getattr(plugin, "__file__", None) or getattr(plugin, "__name__", None) or repr(plugin)
+
+
+def _state(config: pytest.Config) -> SessionState:
+    return config.stash[STATE_KEY]
+
+
+# --------------------------------------------------------------------------------------------------------
+# Terminal output (live status line, sparse lines off a terminal, quiet under -q)
+# --------------------------------------------------------------------------------------------------------
+
+_last_plain_line: dict[str, float] = {}
+
+
+def _terminal_line(config: pytest.Config, text: str) -> None:
+    tr = config.pluginmanager.get_plugin("terminalreporter")
+    if tr is None or config.get_verbosity() < 0:
+        return
+    capman = config.pluginmanager.get_plugin("capturemanager")
+    cm = capman.global_and_fixture_disabled() if capman is not None else _null_cm()
+    with cm:
+        tr.ensure_newline()
+        tr.write_line(text)
+
+
+class _null_cm:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def _progress_line(config: pytest.Config, instance: ModelInstance, elapsed: float) -> None:
+    tr = config.pluginmanager.get_plugin("terminalreporter")
+    if tr is None or config.get_verbosity() < 0:
+        return
+    from .diagnosis import startup_phase
+    from .launcher import read_tail
+
+    phase = startup_phase(read_tail(instance.log_path, 200, max_bytes=64 * 1024)) or "starting"
+    text = f"[sglworker] waiting for {instance.describe()}: {phase}, {elapsed:.0f} s"
+    capman = config.pluginmanager.get_plugin("capturemanager")
+    cm = capman.global_and_fixture_disabled() if capman is not None else _null_cm()
+    with cm:
+        if getattr(tr, "isatty", False):
+            tr.write("\r" + text.ljust(tr._tw.fullwidth - 1)[: tr._tw.fullwidth - 1] if hasattr(tr, "_tw") else text)
+        else:
+            key = str(instance.port)
+            if time.monotonic() - _last_plain_line.get(key, 0.0) >= 30.0:
+                _last_plain_line[key] = time.monotonic()
+                tr.ensure_newline()
+                tr.write_line(text)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Hooks
+# --------------------------------------------------------------------------------------------------------
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", WORKER_MARKER_DOC)
+    config.addinivalue_line("markers", REQUIRES_MARKER_DOC)
+    config.addinivalue_line("markers", OPT_OUT_MARKER_DOC)
+    state = SessionState(config, resolve_settings(config))
+    config.stash[STATE_KEY] = state
+    state.register_all()
+    set_active_registry(state.registry)
+    if _xdist_present(config):
+        config.pluginmanager.register(XdistHooks(), "sglworker-xdist")
+
+
+def pytest_plugin_registered(plugin: object, manager: pytest.PytestPluginManager) -> None:
+    # Conftests of sub-directories are loaded during collection: register their specs when they arrive.
+    config = manager.get_plugin("pytestconfig")
+    if isinstance(config, pytest.Config) and STATE_KEY in config.stash:
+        config.stash[STATE_KEY].register_from(plugin)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    state = config.stash.get(STATE_KEY, None)
+    if state is not None:
+        state.close()
+        set_active_registry(None)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config: pytest.Config) -> int | None:
+    if not config.getoption("sgl_list_models"):
+        return None
+    settings = resolve_settings(config)
+    state = SessionState(config, settings)
+    state.register_all()
+    print(render_registry(state.registry, settings))
+    return 0
+
+
+def render_registry(registry: SpecRegistry, settings: Settings) -> str:
+    lines = ["pytest-sglworker model registry:"]
+    for spec in registry:
+        problems = budget.check_spec(spec)
+        lines.append(f"  {spec.name}")
+        lines.append(f"    model:       {spec.model} -> {spec.resolve_model_path()}")
+        lines.append(f"    memory:      {spec.memory_gb:g} GB   tp: {spec.tp}")
+        lines.append(f"    features:    {', '.join(sorted(spec.features)) or '-'}")
+        lines.append(f"    worker_args: {' '.join(spec.worker_args)}")
+        lines.append("    budget:      " + ("ok" if not problems else "VIOLATED: " + "; ".join(map(str, problems))))
+        if spec.description:
+            lines.append(f"    about:       {spec.description}")
+    return "\n".join(lines)
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    state = _state(session.config)
+    state.check_specs()
+    state.selected_specs()
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "sgl_model" not in metafunc.fixturenames:
+        return
+    state = _state(metafunc.config)
+    specs = state.selected_specs()
+    if not specs:
+        metafunc.parametrize("sgl_model", [pytest.param(None, marks=pytest.mark.skip(
+            reason="no sglang model selected: run with --sgl-model NAME (see --sgl-list-models)"))], ids=["no-model"])
+        return
+    required = _required_features(metafunc.definition)
+    params = []
+    for spec in specs:
+        missing = sorted(required - spec.features)
+        marks = [pytest.mark.skip(reason=f"model {spec.name} lacks feature(s) {', '.join(missing)} "
+                                         "required by @pytest.mark.sgl_requires")] if missing else []
+        params.append(pytest.param(spec, id=spec.name, marks=marks))
+    metafunc.parametrize("sgl_model", params)
+
+
+def _required_features(node: pytest.Item | Any) -> set[str]:
+    features: set[str] = set()
+    for mark in node.iter_markers("sgl_requires"):
+        for feature in mark.args:
+            if isinstance(feature, (list, tuple, set, frozenset)):
+                features.update(str(f) for f in feature)
+            else:
+                features.add(str(feature))
+    return features
+
+
+def _item_spec(item: pytest.Item) -> ModelSpec | None:
+    callspec = getattr(item, "callspec", None)
+    spec = callspec.params.get("sgl_model") if callspec is not None else None
+    return spec if isinstance(spec, ModelSpec) else None
+
+
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
+    from .pool import WorkerConfig
+
+    state = _state(config)
+    state.check_specs()  # specs registered by conftests loaded during collection
+    violations: list[str] = []
+    for item in items:
+        fixturenames = getattr(item, "fixturenames", ())
+        if "sgl_worker" not in fixturenames and "sgl_spawn_worker" not in fixturenames:
+            continue
+        try:
+            marker = WorkerMarker.from_mark(item.get_closest_marker("sgl_worker"))
+            reason = _opt_out_reason(item)
+        except ValueError as exc:
+            item.stash[ITEM_ERROR_KEY] = str(exc)
+            continue
+        spec = _item_spec(item)
+        if spec is None or "sgl_worker" not in fixturenames:
+            continue
+        if marker.args and reason is None:
+            problems = budget.check_argv(list(spec.worker_args) + list(marker.args))
+            if problems:
+                violations.append(budget.describe_violation(
+                    f"test {item.nodeid}: @pytest.mark.sgl_worker(args={list(marker.args)!r})", problems,
+                    fix="drop the args that loosen the budget, or add "
+                        "@pytest.mark.sgl_budget_opt_out(reason='why this test needs it')"))
+                continue
+        item.stash[CONFIG_KEY] = WorkerConfig.of(spec, marker.args, marker.env)
+    if violations:
+        raise pytest.UsageError("\n".join(violations))
+    _skip_impossible(state, items)
+    if state.settings.reorder:
+        _reorder(items)
+    for item in items:
+        worker_config = item.stash.get(CONFIG_KEY, None)
+        if worker_config is not None and item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(name=f"sgl-{worker_config.key}"))
+
+
+def _skip_impossible(state: SessionState, items: list[pytest.Item]) -> None:
+    """Skip, before anything launches, tests whose worker can never get a GPU lease here."""
+    configs = {item.stash[CONFIG_KEY] for item in items if CONFIG_KEY in item.stash}
+    if not configs:
+        return
+    try:
+        manager = state.lease_manager()
+    except SglWorkerError as exc:
+        reason = f"no GPU inventory: {exc}"
+        if state.settings.gpus_explicit:
+            raise pytest.UsageError(f"{state.settings.sources['gpus']}: {exc}") from None
+        for item in items:
+            if CONFIG_KEY in item.stash:
+                item.add_marker(pytest.mark.skip(reason=reason))
+        return
+    reasons = {c: manager.can_ever_fit(c.spec.tp, c.spec.memory_mib) for c in configs}
+    for item in items:
+        worker_config = item.stash.get(CONFIG_KEY, None)
+        if worker_config is not None and reasons.get(worker_config):
+            item.add_marker(pytest.mark.skip(reason=f"{worker_config.spec.name}: {reasons[worker_config]}"))
+
+
+def _reorder(items: list[pytest.Item]) -> None:
+    """Stable: tests of one worker configuration move up to the first test of that configuration."""
+    first: dict[str, int] = {}
+    keys: list[tuple[int, int]] = []
+    for index, item in enumerate(items):
+        worker_config = item.stash.get(CONFIG_KEY, None)
+        if worker_config is None:
+            keys.append((index, 0))
+            continue
+        anchor = first.setdefault(worker_config.key, index)
+        keys.append((anchor, 1 if anchor != index else 0))
+    order = sorted(range(len(items)), key=lambda i: (keys[i], i))
+    items[:] = [items[i] for i in order]
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    error = item.stash.get(ITEM_ERROR_KEY, None)
+    if error is not None:
+        pytest.fail(f"{item.nodeid}: {error}", pytrace=False)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    report = yield
+    item.stash.setdefault(REPORTS_KEY, {})[report.when] = report
+    workers = item.stash.get(WORKERS_KEY, None)
+    if workers and report.failed:
+        tail = _state(item.config).settings.tail_lines
+        for instance in workers:
+            if instance.is_alive():
+                title = f"sglang worker {instance.spec.name} {instance.host}:{instance.port}"
+                body = f"log: {instance.log_path}\nlast {tail} lines:\n{instance.log_tail(tail)}"
+            else:
+                from .launcher import signal_name
+
+                title = (f"sglang worker {instance.spec.name} {instance.host}:{instance.port} "
+                         f"exited with {signal_name(instance.returncode)} during the test")
+                body = instance.failure_message("exited during the test", lines=tail)
+            report.sections.append((title, body))
+    return report
+
+
+# --------------------------------------------------------------------------------------------------------
+# Fixtures
+# --------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def sgl_model(request: pytest.FixtureRequest) -> ModelSpec:
+    """The model spec of this test: parametrized over ``--sgl-model`` (ids are the spec names)."""
+    raise pytest.UsageError("sgl_model is parametrized by pytest-sglworker; it cannot be requested here")
+
+
+@pytest.fixture(scope="session")
+def sgl_registry(pytestconfig: pytest.Config) -> SpecRegistry:
+    """The session's model registry (built-ins + specs registered by conftests)."""
+    return _state(pytestconfig).registry
+
+
+def _holder(request: pytest.FixtureRequest) -> str:
+    return f"{request.node.nodeid} (pid {os.getpid()})"
+
+
+def _fail_with(exc: SglWorkerError) -> None:
+    pytest.fail(str(exc), pytrace=False)
+
+
+@pytest.fixture
+def sgl_worker(request: pytest.FixtureRequest, sgl_model: ModelSpec) -> Iterator[ModelInstance]:
+    """A healthy sglang worker for the current ``sgl_model``, with extra args from
+    ``@pytest.mark.sgl_worker(args=[...], env={...})``. Drawn from the session pool (reused by later tests
+    of the same configuration unless ``fresh=True``)."""
+    from .errors import InventoryUnavailable
+    from .pool import WorkerConfig
+
+    state = _state(request.config)
+    item = request.node
+    worker_config = item.stash.get(CONFIG_KEY, None) or WorkerConfig.of(sgl_model)
+    marker = WorkerMarker.from_mark(item.get_closest_marker("sgl_worker"))
+    try:
+        pool = state.pool
+    except InventoryUnavailable as exc:
+        pytest.skip(f"no GPU inventory: {exc}")
+    try:
+        instance = _acquire(state, pool, worker_config, marker, _holder(request))
+    except SglWorkerError as exc:
+        _fail_with(exc)
+        raise
+    item.stash.setdefault(WORKERS_KEY, []).append(instance)
+    yield instance
+    reports = item.stash.get(REPORTS_KEY, {})
+    call = reports.get("call")
+    failed = call is not None and call.failed
+    if not instance.is_alive():
+        pool.discard(instance, failed=True)
+        if not failed:
+            from .launcher import signal_name
+
+            pytest.fail(instance.failure_message(f"exited with {signal_name(instance.returncode)} during the test",
+                                                 lines=state.settings.tail_lines), pytrace=False)
+    elif marker.fresh:
+        pool.discard(instance, failed=failed)
+    else:
+        pool.release(instance, failed=failed)
+
+
+def _acquire(state: SessionState, pool: WorkerPool, worker_config: WorkerConfig, marker: WorkerMarker,
+             holder: str) -> ModelInstance:
+    import dataclasses
+
+    if marker.startup_timeout is not None or marker.allow_foreign_host is not None:
+        options = dataclasses.replace(
+            pool.options,
+            startup_timeout=marker.startup_timeout or pool.options.startup_timeout,
+            allow_foreign_host=marker.allow_foreign_host is not None,
+        )
+        saved, pool.options = pool.options, options
+        try:
+            return pool.acquire(worker_config, holder=holder, fresh=True)
+        finally:
+            pool.options = saved
+    return pool.acquire(worker_config, holder=holder, fresh=marker.fresh)
+
+
+class SpawnWorker:
+    """The ``sgl_spawn_worker`` factory: ``sgl_spawn_worker("qwen3-0.6b", args=[...], env={...})``."""
+
+    def __init__(self, state: SessionState, request: pytest.FixtureRequest) -> None:
+        self._state = state
+        self._request = request
+        self.instances: list[ModelInstance] = []
+
+    def __call__(
+        self,
+        model: str | ModelSpec | None = None,
+        *,
+        args: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
+        budget_opt_out: str | None = None,
+    ) -> ModelInstance:
+        from .errors import InventoryUnavailable
+        from .pool import WorkerConfig
+
+        spec = self._resolve(model)
+        if isinstance(args, str):
+            raise TypeError(f"sgl_spawn_worker(args=...) must be a list of arguments, not the string {args!r}")
+        problems = budget.check_argv(list(spec.worker_args) + list(args))
+        if problems and not (budget_opt_out or "").strip():
+            raise pytest.UsageError(budget.describe_violation(
+                f"sgl_spawn_worker({spec.name!r}, args={list(args)!r}) in {self._request.node.nodeid}", problems,
+                fix="drop the args that loosen the budget, or pass budget_opt_out='why this test needs it'"))
+        try:
+            pool = self._state.pool
+        except InventoryUnavailable as exc:
+            pytest.skip(f"no GPU inventory: {exc}")
+        try:
+            instance = pool.acquire(WorkerConfig.of(spec, args, env), holder=_holder(self._request), fresh=True)
+        except SglWorkerError as exc:
+            _fail_with(exc)
+            raise
+        self.instances.append(instance)
+        self._request.node.stash.setdefault(WORKERS_KEY, []).append(instance)
+        return instance
+
+    def _resolve(self, model: str | ModelSpec | None) -> ModelSpec:
+        if isinstance(model, ModelSpec):
+            return model
+        if model is None:
+            callspec = getattr(self._request.node, "callspec", None)
+            spec = callspec.params.get("sgl_model") if callspec is not None else None
+            if isinstance(spec, ModelSpec):
+                return spec
+            selected = self._state.selected_specs()
+            if not selected:
+                pytest.skip("no sglang model selected: run with --sgl-model NAME, or pass a model name")
+            return selected[0]
+        try:
+            return self._state.registry.get(model)
+        except SpecError as exc:
+            raise pytest.UsageError(str(exc)) from None
+
+    def close(self, failed: bool) -> None:
+        pool = self._state._pool
+        for instance in self.instances:
+            if pool is not None:
+                pool.discard(instance, failed=failed or not instance.is_alive())
+            else:
+                instance.stop()
+
+
+@pytest.fixture
+def sgl_spawn_worker(request: pytest.FixtureRequest) -> Iterator[SpawnWorker]:
+    """A factory for fresh, unshared workers with extra args and env, torn down at the end of the test."""
+    factory = SpawnWorker(_state(request.config), request)
+    yield factory
+    reports = request.node.stash.get(REPORTS_KEY, {})
+    call = reports.get("call")
+    factory.close(failed=call is None or call.failed)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Report
+# --------------------------------------------------------------------------------------------------------
+
+
+def pytest_report_header(config: pytest.Config) -> list[str] | None:
+    state = config.stash.get(STATE_KEY, None)
+    if state is None:
+        return None
+    s = state.settings
+    models = ", ".join(s.models) or "none selected"
+    launcher = " ".join(s.launcher) if s.launcher else ("simulated engine" if s.engine == "sim" else
+                                                         f"{sys.executable} -m sglang.launch_server")
+    return [f"sglworker: models: {models}; engine: {s.engine} ({launcher}); gpus: {s.gpus or 'auto (NVML)'}"]
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    state = session.config.stash.get(STATE_KEY, None)
+    if state is None:
+        return
+    state.close()
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None and state._pool is not None:
+        workeroutput["sglworker_stats"] = {k: v.as_dict() for k, v in state._pool.stats.items()}
+
+
+def _collected_stats(state: SessionState) -> dict[str, Any]:
+    from .pool import merge_stats
+
+    sources = list(state.worker_stats)
+    if state._pool is not None:
+        sources.append({k: v.as_dict() for k, v in state._pool.stats.items()})
+    return merge_stats(sources)
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    state = config.stash.get(STATE_KEY, None)
+    if state is None or getattr(config, "workerinput", None) is not None:
+        return
+    stats = _collected_stats(state)
+    if state.settings.report is not None:
+        from .pool import write_report
+
+        write_report(state.settings.report, stats, {
+            "engine": state.settings.engine, "models": list(state.settings.models), "exitstatus": int(exitstatus),
+        })
+        terminalreporter.write_line(f"sglworker: run report written to {state.settings.report}")
+    if not stats:
+        return
+    terminalreporter.write_sep("-", "sglang workers")
+    for st in stats.values():
+        times = st.startup_seconds
+        span = "-" if not times else f"{min(times):.1f}/{statistics.median(times):.1f}/{max(times):.1f} s"
+        kv = ""
+        if st.kv_tokens_actual is not None:
+            kv = f", KV #tokens {st.kv_tokens_actual}"
+            if st.kv_tokens_predicted is not None:
+                kv += f" (predicted {st.kv_tokens_predicted})"
+        terminalreporter.write_line(
+            f"{st.label}: {st.launches} launched, {st.reuses} reused, startup min/median/max {span}, "
+            f"lease wait {st.lease_wait_seconds:.1f} s, GPU-seconds {st.gpu_seconds:.1f}, "
+            f"{st.failures} failed to start, {st.deaths} died{kv}"
+        )
+        for log in st.failed_logs:
+            terminalreporter.write_line(f"    log kept: {log}")
+
+
+def _xdist_present(config: pytest.Config) -> bool:
+    return config.pluginmanager.hasplugin("xdist")
+
+
+class XdistHooks:
+    """Registered only when pytest-xdist is present."""
+
+    def pytest_testnodedown(self, node: Any, error: Any) -> None:
+        stats = getattr(node, "workeroutput", {}).get("sglworker_stats")
+        if stats:
+            _state(node.config).worker_stats.append(stats)
