@@ -840,6 +840,8 @@ def pytest_report_header(config: pytest.Config) -> list[str] | None:
     if state is None:
         return None
     s = state.settings
+    if not s.models and all(src == "default" for src in s.sources.values() if not src.startswith("ini sgl_models")):
+        return None  # a run that does not use the plugin prints nothing
     models = ", ".join(s.models) or "none selected"
     launcher = " ".join(s.launcher) if s.launcher else ("simulated engine" if s.engine == "sim" else
                                                          f"{sys.executable} -m sglang.launch_server")

@@ -57,7 +57,10 @@ class ModelSpec:
                 f"model spec {self.name!r}: 'worker_args' must be a list of arguments, not one string "
                 f"(write [{', '.join(repr(a) for a in self.worker_args.split())}])"
             )
-        args = tuple(self.worker_args)
+        try:
+            args = tuple(self.worker_args)
+        except TypeError:
+            raise SpecError(f"model spec {self.name!r}: 'worker_args' must be a list of strings") from None
         if not all(isinstance(a, str) for a in args):
             raise SpecError(f"model spec {self.name!r}: every worker arg must be a string, got {args!r}")
         features = self.features
@@ -106,7 +109,7 @@ class ModelSpec:
             memory_gb=data["memory_gb"],
             tp=data.get("tp", 1),
             features=frozenset(data.get("features", ())),
-            worker_args=tuple(data.get("worker_args", ())),
+            worker_args=data.get("worker_args", ()),
             env=dict(data.get("env", {})),
             description=data.get("description", ""),
         )

@@ -1,0 +1,136 @@
+"""Model specs, the registry, and the mandatory budget check (plain Python, no worker)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from pytest_sglworker import CI_WORKER_ARGS, ModelSpec, SpecRegistry, check_argv
+from pytest_sglworker.budget import describe_violation, flag_values
+from pytest_sglworker.errors import SpecError
+
+
+def test_ci_worker_args_are_the_budget_and_immutable() -> None:
+    assert CI_WORKER_ARGS == ("--mem-fraction-static=0.6", "--cuda-graph-backend-prefill=disabled")
+    assert isinstance(CI_WORKER_ARGS, tuple)
+
+
+def test_builtin_specs() -> None:
+    registry = SpecRegistry.with_builtins()
+    assert registry.names() == ["llama-1b", "llama-8b", "qwen3-0.6b"]
+    qwen = registry.get("qwen3-0.6b")
+    assert (qwen.model, qwen.memory_gb, qwen.tp) == ("Qwen/Qwen3-0.6B", 4, 1)
+    assert {"chat", "streaming"} <= qwen.features
+    assert registry.get("llama-8b").memory_gb == 16
+    for spec in registry:
+        assert set(CI_WORKER_ARGS) <= set(spec.worker_args)
+        assert check_argv(spec.worker_args) == []
+
+
+def test_spec_is_immutable() -> None:
+    spec = SpecRegistry.with_builtins().get("llama-1b")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        spec.tp = 2  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        spec.env["X"] = "1"  # type: ignore[index]
+
+
+def test_unknown_name_lists_known_ones() -> None:
+    with pytest.raises(SpecError, match=r"unknown model spec 'nope'; known: llama-1b, llama-8b, qwen3-0.6b"):
+        SpecRegistry.with_builtins().get("nope")
+
+
+def test_gateway_dict_specs_are_accepted() -> None:
+    registry = SpecRegistry()
+    registry.update({"mistral": {"model": "mistralai/Mistral-7B", "memory_gb": 16, "tp": 1,
+                                 "features": ["chat"], "worker_args": list(CI_WORKER_ARGS)}})
+    spec = registry.get("mistral")
+    assert spec.features == frozenset({"chat"}) and spec.worker_args == CI_WORKER_ARGS
+    assert registry.with_feature("chat") == [spec]
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        ({"model": "m"}, "'model' and 'memory_gb' are required"),
+        ({"model": "m", "memory_gb": 4, "gpus": 2}, "unknown key"),
+        ({"model": "m", "memory_gb": -1}, "'memory_gb' must be a positive number"),
+        ({"model": "m", "memory_gb": 4, "tp": 0}, "'tp' must be an integer >= 1"),
+        ({"model": "m", "memory_gb": 4, "worker_args": "--mem-fraction-static=0.6"}, "not one string"),
+    ],
+)
+def test_bad_dict_specs_are_clear_errors(data: dict[str, object], message: str) -> None:
+    with pytest.raises(SpecError, match=message):
+        SpecRegistry().add(data, name="bad")
+
+
+def test_duplicate_name_needs_replace() -> None:
+    registry = SpecRegistry.with_builtins()
+    other = ModelSpec("qwen3-0.6b", "my/qwen", 4)
+    with pytest.raises(SpecError, match="already registered; pass replace=True"):
+        registry.add(other)
+    registry.add(other, replace=True)
+    assert registry.get("qwen3-0.6b").model == "my/qwen"
+
+
+def test_local_model_root(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    spec = SpecRegistry.with_builtins().get("qwen3-0.6b")
+    monkeypatch.delenv("SGLWORKER_MODEL_ROOT", raising=False)
+    monkeypatch.setenv("ROUTER_LOCAL_MODEL_PATH", str(tmp_path))
+    assert spec.resolve_model_path() == "Qwen/Qwen3-0.6B"  # no local copy: the hub id
+    (tmp_path / "Qwen" / "Qwen3-0.6B").mkdir(parents=True)
+    assert spec.resolve_model_path() == str(tmp_path / "Qwen" / "Qwen3-0.6B")
+    other = tmp_path / "other"
+    (other / "Qwen" / "Qwen3-0.6B").mkdir(parents=True)
+    monkeypatch.setenv("SGLWORKER_MODEL_ROOT", str(other))  # ours comes first
+    assert spec.resolve_model_path() == str(other / "Qwen" / "Qwen3-0.6B")
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--mem-fraction-static=0.6", "--cuda-graph-backend-prefill=disabled"],
+        ["--mem-fraction-static", "0.6", "--cuda-graph-backend-prefill", "disabled"],
+        ["--mem-fraction-static=0.5", "--cuda-graph-backend-prefill", "disabled", "--max-total-tokens", "512"],
+        [*CI_WORKER_ARGS, "--mem-fraction-static", "0.3"],  # tightening is always allowed
+    ],
+)
+def test_budget_accepts(argv: list[str]) -> None:
+    assert check_argv(argv) == []
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["--cuda-graph-backend-prefill=disabled"], ["--mem-fraction-static: missing"]),
+        (["--mem-fraction-static=0.6"], ["--cuda-graph-backend-prefill: missing"]),
+        ([], ["--mem-fraction-static: missing", "--cuda-graph-backend-prefill: missing"]),
+        (["--mem-fraction-static", "0.83", "--cuda-graph-backend-prefill", "disabled"],
+         ["--mem-fraction-static: 0.83 is above the budget of 0.6"]),
+        ([*CI_WORKER_ARGS, "--mem-fraction-static=0.9"], ["--mem-fraction-static: 0.9 is above"]),
+        ([*CI_WORKER_ARGS, "--cuda-graph-backend-prefill", "breakable"], ["'breakable' re-enables the prefill"]),
+        ([*CI_WORKER_ARGS, "--cuda-graph-backend-prefill=full"], ["'full' re-enables"]),
+        ([*CI_WORKER_ARGS, "--mem", "0.9"], ["0.9 is above"]),  # argparse abbreviation, as sglang accepts it
+        ([*CI_WORKER_ARGS, "--cuda-graph-backend-p=full"], ["'full' re-enables"]),
+        (["--mem-fraction-static=lots", "--cuda-graph-backend-prefill=disabled"], ["'lots' is not a number"]),
+        ([*CI_WORKER_ARGS, "--config", "cfg.yaml"], ["--config: a config file"]),
+    ],
+)
+def test_budget_rejects(argv: list[str], expected: list[str]) -> None:
+    problems = [str(p) for p in check_argv(argv)]
+    assert len(problems) == len(expected), problems
+    for problem, fragment in zip(problems, expected):
+        assert fragment in problem
+
+
+def test_flag_values_keeps_order() -> None:
+    assert flag_values(["--mem-fraction-static=0.6", "--mem-fraction-static", "0.4"])["--mem-fraction-static"] == [
+        "0.6", "0.4"]
+
+
+def test_violation_message_names_subject_problem_and_fix() -> None:
+    message = describe_violation("model spec 'x'", check_argv([]))
+    assert message.startswith("model spec 'x' breaks the mandatory worker budget:")
+    assert "--mem-fraction-static: missing" in message
+    assert "fix: add CI_WORKER_ARGS" in message
