@@ -44,6 +44,10 @@ class InventoryUnavailable(SglWorkerError):
     """No GPU inventory could be read (NVML missing or failing) and none was declared."""
 
 
+class LeaseImpossible(SglWorkerError, ValueError):
+    """A lease that can never be granted here (tp larger than the GPUs visible, memory larger than any GPU)."""
+
+
 class LeaseTimeout(SglWorkerError):
     """No GPU lease became free before the lease timeout. The message names the holders."""
 

@@ -389,8 +389,7 @@ class SessionState:
             raise
         lock_dir = state.ensure_private_dir(self.settings.lock_dir or state.default_lock_dir(),
                                             what="lock directory", shared_ok=self.settings.lock_dir is not None)
-        namespace = "nvml" if inventory.source == "nvml" else (self.settings.gpus or "sim").replace(":", "-")
-        return LeaseManager(lock_dir, inventory, namespace=namespace)
+        return LeaseManager(lock_dir, inventory, namespace=selection.namespace)
 
     def close(self) -> None:
         if self._pool is not None:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .errors import LeaseTimeout, WorkerError
+from .errors import SglWorkerError
 from .launcher import LaunchOptions, ModelInstance, ProgressCallback, spawn_worker
 from .specs import ModelSpec
 
@@ -247,10 +247,11 @@ class WorkerPool:
                 config.spec, extra_args=config.extra_args, env=env, options=self.options,
                 on_progress=self.on_progress, gpus=lease.cuda_visible_devices if lease is not None else None,
             )
-        except WorkerError as exc:
+        except SglWorkerError as exc:
             stats.failures += 1
-            if exc.log_path:
-                stats.failed_logs.append(exc.log_path)
+            log_path = getattr(exc, "log_path", None)
+            if log_path:
+                stats.failed_logs.append(str(log_path))
             if lease is not None:
                 self._give_back(lease, [], leased_at, stats)
             raise
@@ -272,14 +273,14 @@ class WorkerPool:
         start = time.monotonic()
         # First without waiting; evict idle workers (LRU first) while that frees a lease.
         while True:
-            try:
-                return self.leases.acquire(spec.tp, spec.memory_mib, holder=holder, timeout=0), 0.0
-            except LeaseTimeout:
-                if not self._idle:
-                    break
-                _, victim = self._idle.popitem(last=False)
-                self.on_message(f"evicting idle {victim.instance.describe()} to free its GPU lease for {spec.name}")
-                self._retire(victim, failed=victim.tainted)
+            lease = self.leases.try_acquire(spec.tp, spec.memory_mib, holder=holder)
+            if lease is not None:
+                return lease, 0.0
+            if not self._idle:
+                break
+            _, victim = self._idle.popitem(last=False)
+            self.on_message(f"evicting idle {victim.instance.describe()} to free its GPU lease for {spec.name}")
+            self._retire(victim, failed=victim.tainted)
         lease = self.leases.acquire(spec.tp, spec.memory_mib, holder=holder, timeout=self.lease_timeout,
                                     on_wait=self.on_message)
         return lease, time.monotonic() - start

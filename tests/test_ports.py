@@ -241,3 +241,18 @@ def test_reservations_do_not_overlap_across_processes(
     with reserve_port_block(tmp_path, port_range=(low, high)) as reclaimed:
         assert reclaimed.ports == second
     mine.release()
+
+
+def test_forgotten_block_stays_reserved(tmp_path: Path) -> None:
+    import gc
+
+    from pytest_sglworker import ports
+
+    low, high = free_range(1, 4)
+    reserve_port_block(tmp_path, port_range=(low, high))  # no reference kept
+    gc.collect()
+    with pytest.raises(PortUnavailable):
+        reserve_port_block(tmp_path, port_range=(low, high))
+    for block in [b for b in ports._HELD_BLOCKS if b.port == low]:
+        block.release()
+    reserve_port_block(tmp_path, port_range=(low, high)).release()

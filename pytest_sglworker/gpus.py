@@ -1,0 +1,1081 @@
+"""GPU inventory (NVML or a declared ``sim:N`` one) and file-locked GPU leases.
+
+Plain Python, no pytest. ``pynvml``, ``filelock`` and ``psutil`` are imported lazily, inside functions,
+so importing this module costs nothing in a run that uses no worker. The pytest process only ever
+talks to NVML: nothing here initialises CUDA.
+
+Index conventions
+-----------------
+* ``GpuInfo.index`` of an NVML inventory is the **NVML index** (the number ``nvidia-smi`` shows, in PCI
+  bus order). Indices given with ``--sgl-gpus 0,2`` are NVML indices too.
+* Index entries of the parent's ``CUDA_VISIBLE_DEVICES`` are read as NVML indices as well. CUDA numbers
+  devices the same way when ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` is set or all GPUs are of one model.
+  Parsing follows the CUDA driver's rule: the list ends at the first entry that names no device
+  (``-1``, an out-of-range index, an unknown or ambiguous UUID, a ``MIG-`` id, a duplicate), so
+  ``CUDA_VISIBLE_DEVICES=-1`` or ``""`` makes no GPU visible; unset makes all visible.
+* Workers get ``CUDA_VISIBLE_DEVICES`` as full UUIDs (NVML) plus ``CUDA_DEVICE_ORDER=PCI_BUS_ID``, which
+  is unambiguous whatever order CUDA would use; a declared inventory hands out plain indices.
+
+Leases
+------
+One lock file per GPU, ``<lock_dir>/gpu-<namespace>-<index>.lock``, held with ``filelock.FileLock``
+(``flock`` on Linux: the kernel drops it when the holder dies, so a dead holder never blocks anyone),
+plus a holder record ``<lock_dir>/gpu-<namespace>-<index>.json`` written after locking and removed
+before unlocking. The record only feeds messages and the declared inventory's free memory; a record
+whose process is gone (or whose pid was reused by a younger process) is ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Literal
+
+from .errors import InventoryUnavailable, LeaseImpossible, LeaseTimeout
+
+if TYPE_CHECKING:
+    from filelock import BaseFileLock
+    from typing_extensions import Self
+
+__all__ = [
+    "DEFAULT_SIM_GIB",
+    "DeclaredInventory",
+    "GpuInfo",
+    "GpuSelection",
+    "GpuShortfall",
+    "HolderRecord",
+    "Inventory",
+    "Lease",
+    "LeaseManager",
+    "NvmlInventory",
+    "ReleaseReport",
+    "can_ever_fit",
+    "load_inventory",
+    "parse_gpus_option",
+    "resolve_visible_devices",
+]
+
+MIB = 1024 * 1024
+#: Leases not yet released. The strong reference keeps a forgotten lease held until the process exits
+#: (then the kernel drops the locks) instead of letting garbage collection unlock GPUs a worker may use.
+_HELD_LEASES: set[Lease] = set()
+DEFAULT_SIM_GIB = 80
+_NAMESPACE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+_ACCEPTED_FORMS = (
+    "accepted forms: '' or 'auto' (every GPU NVML reports), '0,2' (NVML indices, as nvidia-smi numbers "
+    "them), 'GPU-<uuid>,...' (UUIDs or unique UUID prefixes), 'sim:N' or 'sim:NxGiB' (N simulated GPUs "
+    f"of GiB each, default {DEFAULT_SIM_GIB}, e.g. sim:4x80)"
+)
+
+
+# --------------------------------------------------------------------------------------------------
+# values
+
+
+@dataclass(frozen=True)
+class GpuInfo:
+    """One reading of one GPU. Memory in MiB; ``pids`` are the compute and graphics processes on it."""
+
+    index: int
+    uuid: str
+    name: str
+    total_mib: int
+    free_mib: int
+    pids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class GpuSelection:
+    """A parsed ``--sgl-gpus`` value (see :func:`parse_gpus_option`)."""
+
+    kind: Literal["auto", "indices", "uuids", "sim"]
+    indices: tuple[int, ...] = ()
+    uuids: tuple[str, ...] = ()
+    sim_count: int = 0
+    sim_total_mib: int = 0
+    raw: str = ""
+
+    @property
+    def is_simulated(self) -> bool:
+        return self.kind == "sim"
+
+    @property
+    def namespace(self) -> str:
+        """Lock-file namespace: ``nvml`` for real GPUs, ``sim-<N>x<GiB>`` for a declared inventory."""
+        if self.kind != "sim":
+            return "nvml"
+        return _sim_namespace(self.sim_count, self.sim_total_mib)
+
+    def __str__(self) -> str:
+        if self.kind == "auto":
+            return "auto"
+        if self.kind == "indices":
+            return ",".join(str(i) for i in self.indices)
+        if self.kind == "uuids":
+            return ",".join(self.uuids)
+        return f"sim:{self.sim_count}x{_gib_text(self.sim_total_mib)}"
+
+
+def _gib_text(total_mib: int) -> str:
+    return f"{total_mib / 1024:g}"
+
+
+def _sim_namespace(count: int, total_mib: int) -> str:
+    return f"sim-{count}x{_gib_text(total_mib)}"
+
+
+def parse_gpus_option(value: str) -> GpuSelection:
+    """Parse ``--sgl-gpus``: ``''``/``auto``, ``0,2``, ``GPU-<uuid>,...``, ``sim:N``, ``sim:NxGiB``.
+
+    Indices are NVML indices. Raises ``ValueError`` naming the bad value and the accepted forms.
+    """
+    raw = value
+    text = value.strip()
+
+    def bad(why: str) -> ValueError:
+        return ValueError(f"invalid GPU selection {raw!r}: {why}; {_ACCEPTED_FORMS}")
+
+    if text == "" or text.lower() == "auto":
+        return GpuSelection(kind="auto", raw=raw)
+    if text.lower().startswith("sim:"):
+        spec = text[4:].strip().lower()
+        count_text, sep, gib_text = spec.partition("x")
+        try:
+            count = int(count_text)
+        except ValueError:
+            raise bad(f"{count_text!r} is not a whole number of simulated GPUs") from None
+        if count < 1:
+            raise bad("a simulated inventory needs at least one GPU")
+        gib = float(DEFAULT_SIM_GIB)
+        if sep:
+            try:
+                gib = float(gib_text)
+            except ValueError:
+                raise bad(f"{gib_text!r} is not a GPU size in GiB") from None
+            if not 0 < gib < float("inf"):
+                raise bad(f"the GPU size must be a positive number of GiB, not {gib_text!r}")
+        total_mib = round(gib * 1024)
+        if total_mib < 1:
+            raise bad(f"{gib_text!r} GiB is less than 1 MiB")
+        return GpuSelection(kind="sim", sim_count=count, sim_total_mib=total_mib, raw=raw)
+    tokens = [t.strip() for t in text.split(",")]
+    if any(t == "" for t in tokens):
+        raise bad("empty entry in the list")
+    if all(t.isdigit() for t in tokens):
+        indices = tuple(int(t) for t in tokens)
+        if len(set(indices)) != len(indices):
+            raise bad("an index is listed twice")
+        return GpuSelection(kind="indices", indices=indices, raw=raw)
+    if all(t.upper().startswith("GPU-") and len(t) > 4 for t in tokens):
+        uuids = tuple("GPU-" + t[4:] for t in tokens)
+        if len({u.lower() for u in uuids}) != len(uuids):
+            raise bad("a UUID is listed twice")
+        return GpuSelection(kind="uuids", uuids=uuids, raw=raw)
+    wrong = [t for t in tokens if not (t.isdigit() or (t.upper().startswith("GPU-") and len(t) > 4))]
+    if wrong:
+        raise bad(f"{wrong[0]!r} is neither a GPU index nor a GPU UUID")
+    raise bad("indices and UUIDs cannot be mixed")
+
+
+def resolve_visible_devices(value: str | None, uuids: Sequence[str]) -> list[int]:
+    """Which NVML indices a ``CUDA_VISIBLE_DEVICES`` value makes visible, given the UUID of each index.
+
+    ``None`` (unset): all. Entries are NVML indices, ``GPU-`` UUIDs or unique UUID prefixes; like the
+    CUDA driver, the list ends at the first entry that names no device (``-1``, out of range, unknown,
+    ambiguous, ``MIG-...``, repeated). The result is sorted.
+    """
+    if value is None:
+        return list(range(len(uuids)))
+    chosen: list[int] = []
+    for token in (t.strip() for t in value.split(",")):
+        index: int | None = None
+        if token.isdigit():
+            number = int(token)
+            index = number if number < len(uuids) else None
+        elif token.upper().startswith("GPU-") and len(token) > 4:
+            matches = [i for i, u in enumerate(uuids) if u.lower().startswith(token.lower())]
+            index = matches[0] if len(matches) == 1 else None
+        if index is None or index in chosen:
+            break
+        chosen.append(index)
+    return sorted(chosen)
+
+
+def _text(value: object) -> str:
+    """pynvml returns ``bytes`` in old releases and ``str`` in new ones."""
+    if isinstance(value, (bytes, bytearray)):
+        return bytes(value).decode("utf-8", "replace")
+    return str(value)
+
+
+def can_ever_fit(gpus: Sequence[GpuInfo], tp: int, memory_mib: int, *, where: str = "") -> str | None:
+    """Why ``tp`` GPUs with ``memory_mib`` free each can never be leased from ``gpus`` (or ``None``).
+
+    Judged on the GPUs' total memory: what is free now does not matter here.
+    """
+    suffix = f" ({where})" if where else ""
+    if tp < 1:
+        return f"tp={tp}: a lease needs at least one GPU"
+    if memory_mib < 0:
+        return f"memory_mib={memory_mib}: needed memory cannot be negative"
+    if tp > len(gpus):
+        return f"tp={tp} needs {tp} GPUs but the inventory has {len(gpus)}{suffix}"
+    big_enough = [g for g in gpus if g.total_mib >= memory_mib]
+    if len(big_enough) < tp:
+        largest = max(g.total_mib for g in gpus)
+        return (
+            f"{memory_mib} MiB per GPU on {tp} GPU(s) can never fit: {len(big_enough)} GPU(s) of the "
+            f"inventory have that much memory in total (largest: {largest} MiB){suffix}"
+        )
+    return None
+
+
+# --------------------------------------------------------------------------------------------------
+# inventories
+
+
+class Inventory(ABC):
+    """Where GPUs come from: NVML, or a declared (simulated) set."""
+
+    source: str = ""
+    namespace: str = ""
+    _totals: tuple[GpuInfo, ...] | None = None
+
+    @abstractmethod
+    def snapshot(self) -> list[GpuInfo]:
+        """A fresh reading of every GPU this inventory may use, in index order."""
+
+    @abstractmethod
+    def visible_devices_value(self, gpus: Sequence[GpuInfo]) -> str:
+        """The ``CUDA_VISIBLE_DEVICES`` value that gives a worker exactly ``gpus``."""
+
+    @abstractmethod
+    def describe(self) -> str:
+        """One line for messages, e.g. ``NVML GPUs 0,1 of 8 (CUDA_VISIBLE_DEVICES=0,1)``."""
+
+    def bind_leases(self, lock_dir: Path, namespace: str) -> None:  # noqa: B027 - optional hook
+        """Called by :class:`LeaseManager`; a declared inventory reads its leases' records from there."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Free what the inventory holds (the NVML handle). Safe to call twice; ``snapshot`` reopens."""
+
+    def static_gpus(self) -> tuple[GpuInfo, ...]:
+        """The GPUs as first read (totals, names and UUIDs do not change); read once, then cached."""
+        if self._totals is None:
+            self._totals = tuple(self.snapshot())
+        return self._totals
+
+    def can_ever_fit(self, tp: int, memory_mib: int) -> str | None:
+        """Reason why ``tp`` GPUs with ``memory_mib`` each can never be leased here, or ``None``."""
+        return can_ever_fit(self.static_gpus(), tp, memory_mib, where=self.describe())
+
+
+class NvmlInventory(Inventory):
+    """Real GPUs read through NVML (``pynvml``), limited by ``CUDA_VISIBLE_DEVICES`` and a selection.
+
+    ``nvml_module`` replaces ``pynvml`` (tests pass a fake). ``visible`` is the parent's
+    ``CUDA_VISIBLE_DEVICES`` (``None`` = unset = all). ``selection`` (indices or UUIDs) narrows it further;
+    its indices are NVML indices and each must be visible, else ``ValueError``. NVML is initialised here
+    (``InventoryUnavailable`` if it cannot be) and stays initialised until :meth:`close`.
+    """
+
+    source = "nvml"
+    namespace = "nvml"
+
+    def __init__(
+        self,
+        nvml_module: Any = None,
+        visible: str | None = None,
+        selection: GpuSelection | None = None,
+    ) -> None:
+        if nvml_module is None:
+            try:
+                import pynvml  # lazy: keeps the plugin import cheap
+            except ImportError as exc:
+                raise InventoryUnavailable(
+                    f"NVML is not available (cannot import pynvml: {exc}); install nvidia-ml-py, or declare "
+                    "a simulated inventory with --sgl-gpus sim:N"
+                ) from None
+            nvml_module = pynvml
+        self._nvml: Any = nvml_module
+        self._initialised = False
+        self._lock = threading.Lock()
+        self._visible = visible
+        self._selection = selection
+        self._init()
+        try:
+            count = int(self._nvml.nvmlDeviceGetCount())
+            self._all_uuids: list[str] = []
+            self._names: dict[int, str] = {}
+            for index in range(count):
+                handle = self._nvml.nvmlDeviceGetHandleByIndex(index)
+                self._all_uuids.append(_text(self._nvml.nvmlDeviceGetUUID(handle)))
+                self._names[index] = _text(self._nvml.nvmlDeviceGetName(handle))
+        except self._nvml.NVMLError as exc:
+            self.close()
+            raise InventoryUnavailable(f"NVML failed while listing GPUs ({_text(exc)})") from None
+        try:
+            self._visible_indices = resolve_visible_devices(visible, self._all_uuids)
+            self._indices = self._apply_selection(selection)
+        except ValueError:
+            self.close()
+            raise
+
+    # -- NVML session
+
+    def _init(self) -> None:
+        with self._lock:
+            if self._initialised:
+                return
+            try:
+                self._nvml.nvmlInit()
+            except self._nvml.NVMLError as exc:
+                reason = _text(exc)
+                raise InventoryUnavailable(
+                    f"NVML is not available ({reason}): {_nvml_hint(reason)}; declare a simulated inventory "
+                    "with --sgl-gpus sim:N"
+                ) from None
+            self._initialised = True
+
+    def close(self) -> None:
+        with self._lock:
+            if not self._initialised:
+                return
+            self._initialised = False
+            try:
+                self._nvml.nvmlShutdown()
+            except self._nvml.NVMLError:
+                pass
+
+    # -- selection
+
+    def _apply_selection(self, selection: GpuSelection | None) -> list[int]:
+        visible = self._visible_indices
+        if selection is None or selection.kind == "auto":
+            return list(visible)
+        if selection.kind == "sim":
+            raise ValueError(
+                "a simulated selection (sim:N) cannot limit an NVML inventory; use DeclaredInventory"
+            )
+        count = len(self._all_uuids)
+        chosen: list[int] = []
+        if selection.kind == "indices":
+            for index in selection.indices:
+                if index >= count:
+                    raise ValueError(
+                        f"GPU selection {str(selection)!r} names NVML index {index}, but NVML reports "
+                        f"{count} GPU(s) (indices 0..{count - 1}); selection indices are NVML indices as "
+                        "nvidia-smi shows them"
+                    )
+                chosen.append(index)
+        else:
+            for prefix in selection.uuids:
+                matches = [i for i, u in enumerate(self._all_uuids) if u.lower().startswith(prefix.lower())]
+                if len(matches) != 1:
+                    what = "matches no GPU" if not matches else f"is ambiguous ({len(matches)} GPUs match)"
+                    raise ValueError(
+                        f"GPU selection {str(selection)!r}: {prefix} {what}; NVML reports "
+                        + ", ".join(f"{i}={u}" for i, u in enumerate(self._all_uuids))
+                    )
+                chosen.append(matches[0])
+        hidden = [i for i in chosen if i not in visible]
+        if hidden:
+            raise ValueError(
+                f"GPU selection {str(selection)!r} names NVML GPU(s) {_join(hidden)} that "
+                f"{_visible_text(self._visible)} hides; visible NVML indices: {_join(visible) or 'none'} "
+                "(selection indices are NVML indices, as nvidia-smi shows them)"
+            )
+        return sorted(set(chosen))
+
+    # -- Inventory
+
+    @property
+    def indices(self) -> tuple[int, ...]:
+        """NVML indices this inventory may use."""
+        return tuple(self._indices)
+
+    def describe(self) -> str:
+        text = f"NVML GPUs {_join(self._indices) or 'none'} of {len(self._all_uuids)}"
+        extras = []
+        if self._visible is not None:
+            extras.append(f"CUDA_VISIBLE_DEVICES={self._visible!r}")
+        if self._selection is not None and self._selection.kind != "auto":
+            extras.append(f"selection {str(self._selection)!r}")
+        return text + (f" ({', '.join(extras)})" if extras else "")
+
+    def snapshot(self) -> list[GpuInfo]:
+        self._init()
+        nvml = self._nvml
+        result: list[GpuInfo] = []
+        for index in self._indices:
+            try:
+                handle = nvml.nvmlDeviceGetHandleByIndex(index)
+                memory = nvml.nvmlDeviceGetMemoryInfo(handle)
+                total, free = int(memory.total), int(memory.free)
+            except nvml.NVMLError as exc:
+                raise InventoryUnavailable(f"NVML failed to read GPU {index} ({_text(exc)})") from None
+            pids: set[int] = set()
+            for getter in (
+                nvml.nvmlDeviceGetComputeRunningProcesses,
+                nvml.nvmlDeviceGetGraphicsRunningProcesses,
+            ):
+                try:
+                    processes = getter(handle)
+                except nvml.NVMLError:
+                    continue  # e.g. NotSupported for graphics processes on some boards
+                pids.update(int(p.pid) for p in processes)
+            result.append(
+                GpuInfo(
+                    index=index,
+                    uuid=self._all_uuids[index],
+                    name=self._names[index],
+                    total_mib=total // MIB,
+                    free_mib=free // MIB,
+                    pids=tuple(sorted(pids)),
+                )
+            )
+        return result
+
+    def visible_devices_value(self, gpus: Sequence[GpuInfo]) -> str:
+        # NVML indices, not UUIDs: with CUDA_DEVICE_ORDER=PCI_BUS_ID (set by Lease.env) CUDA numbers the
+        # GPUs as NVML does, and sglang 0.5.23 parses CUDA_VISIBLE_DEVICES as integers in places
+        # (srt/utils/cuda_vmm_utils.py: ``map(int, cuda_visible_devices.split(","))``), so UUIDs would
+        # crash it. The UUIDs are in the lease record and in messages.
+        return ",".join(str(g.index) for g in gpus)
+
+
+def _nvml_hint(reason: str) -> str:
+    lowered = reason.lower()
+    if "library not found" in lowered:
+        return "no NVIDIA driver (libnvidia-ml.so.1) on this machine"
+    if "driver not loaded" in lowered:
+        return "the NVIDIA kernel driver is not loaded"
+    if "insufficient permissions" in lowered or "no permission" in lowered:
+        return "this user may not open the NVIDIA devices"
+    return "NVML could not be initialised"
+
+
+def _visible_text(value: str | None) -> str:
+    return "nothing" if value is None else f"CUDA_VISIBLE_DEVICES={value!r}"
+
+
+def _join(values: Collection[int]) -> str:
+    return ",".join(str(v) for v in values)
+
+
+class DeclaredInventory(Inventory):
+    """``count`` simulated GPUs of ``total_mib`` each: ``sim-gpu-<i>``, UUID ``GPU-sim-000...<i>``.
+
+    Free memory is the total minus what a live lease on the GPU declared (read from the holder records
+    in the lock directory the :class:`LeaseManager` binds), so the allocator behaves as with NVML.
+    """
+
+    source = "declared"
+
+    def __init__(
+        self,
+        count: int,
+        total_mib: int,
+        *,
+        lock_dir: Path | None = None,
+        namespace: str | None = None,
+    ) -> None:
+        if count < 1:
+            raise ValueError(f"a declared inventory needs at least one GPU, not {count}")
+        if total_mib < 1:
+            raise ValueError(f"a declared GPU needs a positive memory size, not {total_mib} MiB")
+        self.count = count
+        self.total_mib = total_mib
+        self.namespace = namespace or _sim_namespace(count, total_mib)
+        self._lock_dir = lock_dir
+
+    @classmethod
+    def from_selection(cls, selection: GpuSelection) -> DeclaredInventory:
+        if selection.kind != "sim":
+            raise ValueError(f"{str(selection)!r} is not a simulated inventory (sim:N)")
+        return cls(selection.sim_count, selection.sim_total_mib, namespace=selection.namespace)
+
+    def bind_leases(self, lock_dir: Path, namespace: str) -> None:
+        self._lock_dir = lock_dir
+        self.namespace = namespace
+
+    def describe(self) -> str:
+        gib = _gib_text(self.total_mib)
+        return (
+            f"{self.count} simulated GPU(s) of {gib} GiB (sim:{self.count}x{gib}, namespace {self.namespace})"
+        )
+
+    def snapshot(self) -> list[GpuInfo]:
+        result = []
+        for index in range(self.count):
+            used = 0
+            if self._lock_dir is not None:
+                record = read_holder_record(_record_path(self._lock_dir, self.namespace, index))
+                if record is not None:
+                    used = record.memory_mib
+            result.append(
+                GpuInfo(
+                    index=index,
+                    uuid=f"GPU-sim-{index:012d}",
+                    name=f"sim-gpu-{index}",
+                    total_mib=self.total_mib,
+                    free_mib=max(self.total_mib - used, 0),
+                    pids=(),
+                )
+            )
+        return result
+
+    def visible_devices_value(self, gpus: Sequence[GpuInfo]) -> str:
+        return ",".join(str(g.index) for g in gpus)
+
+
+def load_inventory(selection: GpuSelection, env: Mapping[str, str]) -> Inventory:
+    """The inventory for a parsed ``--sgl-gpus`` value.
+
+    ``sim:...`` gives a :class:`DeclaredInventory` (``CUDA_VISIBLE_DEVICES`` is ignored); anything else an
+    :class:`NvmlInventory` limited by ``env['CUDA_VISIBLE_DEVICES']``. NVML missing or failing raises
+    :class:`InventoryUnavailable` with a one-line reason; a selection naming hidden GPUs, ``ValueError``.
+    """
+    if selection.kind == "sim":
+        return DeclaredInventory.from_selection(selection)
+    return NvmlInventory(visible=env.get("CUDA_VISIBLE_DEVICES"), selection=selection)
+
+
+# --------------------------------------------------------------------------------------------------
+# holder records
+
+
+@dataclass(frozen=True)
+class HolderRecord:
+    """Who holds one GPU lock: written next to the lock, for messages and declared free memory."""
+
+    pid: int
+    hostname: str
+    holder: str
+    since: float
+    uuid: str
+    memory_mib: int
+    index: int
+    namespace: str
+    gpus: tuple[int, ...] = ()
+
+    def describe(self, now: float | None = None) -> str:
+        now = time.time() if now is None else now
+        stamp = time.strftime("%H:%M:%S", time.localtime(self.since))
+        host = "" if self.hostname == _hostname() else f" on {self.hostname}"
+        return f"pid {self.pid}{host} for {self.holder!r} since {stamp} ({max(now - self.since, 0):.0f} s)"
+
+
+def _hostname() -> str:
+    import socket
+
+    return socket.gethostname()
+
+
+def _record_path(lock_dir: Path, namespace: str, index: int) -> Path:
+    return lock_dir / f"gpu-{namespace}-{index}.json"
+
+
+def _lock_path(lock_dir: Path, namespace: str, index: int) -> Path:
+    return lock_dir / f"gpu-{namespace}-{index}.lock"
+
+
+def _process_alive(pid: int, since: float, hostname: str) -> bool:
+    """Whether the process that wrote a record still runs (a reused pid of a younger process does not)."""
+    if hostname != _hostname():
+        return True  # cannot tell; the lock itself is the truth
+    import psutil
+
+    try:
+        process = psutil.Process(pid)
+        if process.status() == psutil.STATUS_ZOMBIE:
+            return False
+        return process.create_time() <= since + 2.0
+    except psutil.NoSuchProcess:
+        return False
+    except psutil.AccessDenied:
+        return True
+
+
+def read_holder_record(path: Path, *, only_live: bool = True) -> HolderRecord | None:
+    """The record at ``path``; ``None`` if missing, unreadable, or (``only_live``) its process is gone."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        record = HolderRecord(
+            pid=int(data["pid"]),
+            hostname=str(data["hostname"]),
+            holder=str(data["holder"]),
+            since=float(data["since"]),
+            uuid=str(data["uuid"]),
+            memory_mib=int(data["memory_mib"]),
+            index=int(data["index"]),
+            namespace=str(data["namespace"]),
+            gpus=tuple(int(i) for i in data.get("gpus", ())),
+        )
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if only_live and not _process_alive(record.pid, record.since, record.hostname):
+        return None
+    return record
+
+
+def _write_record(path: Path, record: HolderRecord) -> None:
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    payload = {
+        "pid": record.pid,
+        "hostname": record.hostname,
+        "holder": record.holder,
+        "since": record.since,
+        "uuid": record.uuid,
+        "memory_mib": record.memory_mib,
+        "index": record.index,
+        "namespace": record.namespace,
+        "gpus": list(record.gpus),
+    }
+    tmp.write_text(json.dumps(payload, indent=1), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+# --------------------------------------------------------------------------------------------------
+# release reports
+
+
+@dataclass(frozen=True)
+class GpuShortfall:
+    """A leased GPU whose free memory had not come back at release time."""
+
+    index: int
+    free_before_mib: int
+    free_after_mib: int
+
+    @property
+    def missing_mib(self) -> int:
+        return max(self.free_before_mib - self.free_after_mib, 0)
+
+
+@dataclass(frozen=True)
+class ReleaseReport:
+    """What :meth:`Lease.release` saw while waiting for the leased GPUs to come back."""
+
+    gpus: tuple[int, ...]
+    source: str
+    memory_back: bool
+    waited_s: float
+    lingering_pids: tuple[int, ...] = ()
+    shortfalls: tuple[GpuShortfall, ...] = ()
+    error: str | None = None
+
+    @property
+    def message(self) -> str:
+        where = f"GPU(s) {_join(self.gpus)}"
+        if self.source == "declared":
+            return f"released declared {where}"
+        if self.memory_back:
+            return f"released {where}; memory came back after {self.waited_s:.1f} s"
+        parts = []
+        if self.lingering_pids:
+            parts.append(f"worker process(es) {_join(self.lingering_pids)} still listed on the GPU(s)")
+        for s in self.shortfalls:
+            parts.append(
+                f"GPU {s.index}: {s.free_after_mib} MiB free, {s.free_before_mib} MiB before the lease "
+                f"({s.missing_mib} MiB missing)"
+            )
+        if self.error:
+            parts.append(f"NVML error: {self.error}")
+        return (
+            f"released {where} after waiting {self.waited_s:.1f} s although the memory did not come back: "
+            + "; ".join(parts)
+        )
+
+    def __str__(self) -> str:
+        return self.message
+
+
+# --------------------------------------------------------------------------------------------------
+# leases
+
+
+class Lease:
+    """Exclusive use of some GPUs, held until :meth:`release` (also a context manager)."""
+
+    def __init__(
+        self,
+        manager: LeaseManager,
+        gpus: tuple[GpuInfo, ...],
+        locks: list[BaseFileLock],
+        *,
+        holder: str,
+        memory_mib: int,
+    ) -> None:
+        self._manager = manager
+        self.gpus = gpus
+        self._locks = locks
+        self.holder = holder
+        self.memory_mib = memory_mib
+        self.namespace = manager.namespace
+        self.acquired_at = time.time()
+        self.cuda_visible_devices = manager.inventory.visible_devices_value(gpus)
+        self._free_before = {g.index: g.free_mib for g in gpus}
+        self._release_lock = threading.Lock()
+        self._report: ReleaseReport | None = None
+        self._unlocked = False
+        _HELD_LEASES.add(self)
+
+    @property
+    def indices(self) -> tuple[int, ...]:
+        return tuple(g.index for g in self.gpus)
+
+    @property
+    def released(self) -> bool:
+        return self._unlocked
+
+    @property
+    def report(self) -> ReleaseReport | None:
+        """The report of the release, once released."""
+        return self._report
+
+    def env(self) -> dict[str, str]:
+        """Environment entries that give a worker exactly these GPUs."""
+        return {"CUDA_VISIBLE_DEVICES": self.cuda_visible_devices, "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+
+    def release(self, *, worker_pids: Collection[int] = (), wait_timeout: float = 60.0) -> ReleaseReport:
+        """Wait (bounded) for the GPUs to come back, then unlock them. Idempotent.
+
+        With NVML: polls until none of ``worker_pids`` is listed on the leased GPUs and each GPU's free
+        memory is back to what it was at acquisition (minus the manager's tolerance), or until
+        ``wait_timeout``; the locks are released either way and the report says what was seen.
+        """
+        with self._release_lock:
+            if self._report is not None:
+                return self._report
+            if self._unlocked:  # an earlier release() was interrupted after unlocking
+                return ReleaseReport(
+                    gpus=self.indices,
+                    source=self._manager.inventory.source,
+                    memory_back=False,
+                    waited_s=0.0,
+                    error="an earlier release was interrupted before the memory check finished",
+                )
+            try:
+                report = self._wait_for_gpus(worker_pids, wait_timeout)
+            finally:
+                # Unlocked even when the wait is interrupted (Ctrl-C): the lease never outlives release().
+                self._unlock()
+                self._unlocked = True
+                _HELD_LEASES.discard(self)
+            self._report = report
+            return report
+
+    def _wait_for_gpus(self, worker_pids: Collection[int], wait_timeout: float) -> ReleaseReport:
+        manager = self._manager
+        inventory = manager.inventory
+        if inventory.source == "declared":
+            return ReleaseReport(gpus=self.indices, source=inventory.source, memory_back=True, waited_s=0.0)
+        clock, sleep = manager.clock, manager.sleep
+        wanted = set(worker_pids)
+        tolerance = manager.release_tolerance_mib
+        start = clock()
+        lingering: tuple[int, ...] = ()
+        shortfalls: tuple[GpuShortfall, ...] = ()
+        while True:
+            try:
+                reading = {g.index: g for g in inventory.snapshot()}
+            except InventoryUnavailable as exc:
+                return ReleaseReport(
+                    gpus=self.indices,
+                    source=inventory.source,
+                    memory_back=False,
+                    waited_s=clock() - start,
+                    lingering_pids=lingering,
+                    shortfalls=shortfalls,
+                    error=str(exc),
+                )
+            present = [reading[i] for i in self.indices if i in reading]
+            lingering = tuple(sorted(wanted.intersection(p for g in present for p in g.pids)))
+            shortfalls = tuple(
+                GpuShortfall(g.index, self._free_before[g.index], g.free_mib)
+                for g in present
+                if g.free_mib < self._free_before[g.index] - tolerance
+            )
+            waited = clock() - start
+            if not lingering and not shortfalls:
+                return ReleaseReport(
+                    gpus=self.indices, source=inventory.source, memory_back=True, waited_s=waited
+                )
+            if waited >= wait_timeout:
+                return ReleaseReport(
+                    gpus=self.indices,
+                    source=inventory.source,
+                    memory_back=False,
+                    waited_s=waited,
+                    lingering_pids=lingering,
+                    shortfalls=shortfalls,
+                )
+            sleep(max(min(manager.release_poll_interval, wait_timeout - waited), 0.0))
+
+    def _unlock(self) -> None:
+        manager = self._manager
+        for index in self.indices:
+            path = _record_path(manager.lock_dir, manager.namespace, index)
+            record = read_holder_record(path, only_live=False)
+            if record is not None and record.pid == os.getpid():
+                try:
+                    path.unlink()
+                except OSError:
+                    pass
+        for lock in self._locks:
+            lock.release(force=True)
+        self._locks = []
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.release()
+
+    def __repr__(self) -> str:
+        state = "released" if self.released else "held"
+        return f"<Lease {self.namespace} GPUs {_join(self.indices)} for {self.holder!r} ({state})>"
+
+
+@dataclass
+class _Attempt:
+    """Why one allocation attempt failed: for the wait and timeout messages."""
+
+    gpus: list[GpuInfo]
+    locked: set[int] = field(default_factory=set)
+    low: set[int] = field(default_factory=set)
+
+
+class LeaseManager:
+    """Hands out exclusive GPU leases from ``inventory``, coordinated through lock files in ``lock_dir``.
+
+    ``namespace`` keeps lock files of different inventories apart (``nvml``, ``sim-4x80``). ``clock``
+    and ``sleep`` drive polling (monotonic seconds); tests pass fakes.
+    """
+
+    def __init__(
+        self,
+        lock_dir: Path,
+        inventory: Inventory,
+        *,
+        namespace: str,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+        notice_interval: float = 30.0,
+        release_tolerance_mib: int = 256,
+        release_poll_interval: float = 0.5,
+    ) -> None:
+        if not _NAMESPACE_RE.match(namespace):
+            raise ValueError(f"lease namespace {namespace!r} may only hold letters, digits, '.', '_' and '-'")
+        self.lock_dir = Path(lock_dir)
+        self.lock_dir.mkdir(parents=True, exist_ok=True)
+        self.inventory = inventory
+        self.namespace = namespace
+        self.clock = clock
+        self.sleep = sleep
+        self.notice_interval = notice_interval
+        self.release_tolerance_mib = release_tolerance_mib
+        self.release_poll_interval = release_poll_interval
+        inventory.bind_leases(self.lock_dir, namespace)
+
+    def lock_path(self, index: int) -> Path:
+        return _lock_path(self.lock_dir, self.namespace, index)
+
+    def record_path(self, index: int) -> Path:
+        return _record_path(self.lock_dir, self.namespace, index)
+
+    def can_ever_fit(self, tp: int, memory_mib: int) -> str | None:
+        """Reason why such a lease can never be granted by this inventory, or ``None``."""
+        return self.inventory.can_ever_fit(tp, memory_mib)
+
+    def holders(self) -> dict[int, HolderRecord]:
+        """Live holder records by GPU index."""
+        result = {}
+        for gpu in self.inventory.static_gpus():
+            record = read_holder_record(self.record_path(gpu.index))
+            if record is not None:
+                result[gpu.index] = record
+        return result
+
+    # -- acquisition
+
+    def try_acquire(self, tp: int, memory_mib: int, *, holder: str) -> Lease | None:
+        """One non-blocking attempt; ``None`` if no fitting GPUs are free now."""
+        reason = self.can_ever_fit(tp, memory_mib)
+        if reason is not None:
+            raise LeaseImpossible(reason)
+        lease, _ = self._attempt(tp, memory_mib, holder)
+        return lease
+
+    def acquire(
+        self,
+        tp: int,
+        memory_mib: int,
+        *,
+        holder: str,
+        timeout: float,
+        poll_interval: float = 0.5,
+        on_wait: Callable[[str], None] | None = None,
+    ) -> Lease:
+        """Lease ``tp`` GPUs with at least ``memory_mib`` MiB free each, waiting up to ``timeout`` s.
+
+        Raises :class:`LeaseImpossible` at once if the request can never be met (:meth:`can_ever_fit`), and
+        :class:`LeaseTimeout` naming the holders and the GPUs short of memory when the time is up.
+        ``on_wait`` gets a message when the wait starts and then every ``notice_interval`` seconds.
+        """
+        reason = self.can_ever_fit(tp, memory_mib)
+        if reason is not None:
+            raise LeaseImpossible(reason)
+        start = self.clock()
+        next_notice: float | None = None
+        while True:
+            lease, attempt = self._attempt(tp, memory_mib, holder)
+            if lease is not None:
+                return lease
+            now = self.clock()
+            waited = now - start
+            if waited >= timeout:
+                raise LeaseTimeout(
+                    f"no lease of {tp} GPU(s) with {memory_mib} MiB free each for {holder!r} within "
+                    f"{timeout:g} s ({self.inventory.describe()}, locks in {self.lock_dir}): "
+                    + self._explain(attempt, memory_mib)
+                )
+            if on_wait is not None and (next_notice is None or now >= next_notice):
+                on_wait(
+                    f"waiting for {tp} GPU(s) with {memory_mib} MiB free each for {holder!r} "
+                    f"({waited:.0f} s of {timeout:g} s): " + self._explain(attempt, memory_mib)
+                )
+                next_notice = now + self.notice_interval
+            self.sleep(max(min(poll_interval, timeout - waited), 0.0))
+
+    def _attempt(self, tp: int, memory_mib: int, holder: str) -> tuple[Lease | None, _Attempt]:
+        gpus = self.inventory.snapshot()
+        attempt = _Attempt(gpus=gpus)
+        eligible = [g.index for g in gpus if g.free_mib >= memory_mib]
+        attempt.low = {g.index for g in gpus if g.free_mib < memory_mib}
+        for group in _candidate_groups(eligible, tp, attempt):
+            locks = self._lock_group(group, attempt)
+            if locks is None:
+                continue
+            # Re-read after locking: someone may have started on a GPU between the reading and the lock.
+            try:
+                fresh = {g.index: g for g in self.inventory.snapshot()}
+            except BaseException:
+                for lock in locks:
+                    lock.release(force=True)
+                raise
+            short = [i for i in group if i not in fresh or fresh[i].free_mib < memory_mib]
+            if short:
+                attempt.low.update(short)
+                for lock in locks:
+                    lock.release(force=True)
+                continue
+            chosen = tuple(fresh[i] for i in group)
+            try:
+                self._write_records(chosen, holder, memory_mib)
+            except BaseException:
+                for index in group:
+                    self.record_path(index).unlink(missing_ok=True)
+                for lock in locks:
+                    lock.release(force=True)
+                raise
+            return Lease(self, chosen, locks, holder=holder, memory_mib=memory_mib), attempt
+        return None, attempt
+
+    def _lock_group(self, group: Sequence[int], attempt: _Attempt) -> list[BaseFileLock] | None:
+        from filelock import FileLock, Timeout
+
+        locks: list[BaseFileLock] = []
+        for index in group:
+            lock = FileLock(self.lock_path(index), thread_local=False)
+            try:
+                lock.acquire(blocking=False)
+            except Timeout:
+                attempt.locked.add(index)
+                for held in locks:
+                    held.release(force=True)
+                return None
+            locks.append(lock)
+        return locks
+
+    def _write_records(self, gpus: Sequence[GpuInfo], holder: str, memory_mib: int) -> None:
+        now = time.time()
+        host = _hostname()
+        indices = tuple(g.index for g in gpus)
+        for gpu in gpus:
+            _write_record(
+                self.record_path(gpu.index),
+                HolderRecord(
+                    pid=os.getpid(),
+                    hostname=host,
+                    holder=holder,
+                    since=now,
+                    uuid=gpu.uuid,
+                    memory_mib=memory_mib,
+                    index=gpu.index,
+                    namespace=self.namespace,
+                    gpus=indices,
+                ),
+            )
+
+    def _explain(self, attempt: _Attempt, memory_mib: int) -> str:
+        now = time.time()
+        parts = []
+        for gpu in attempt.gpus:
+            record = read_holder_record(self.record_path(gpu.index))
+            label = f"GPU {gpu.index}"
+            if record is not None:
+                parts.append(f"{label} leased by {record.describe(now)}")
+            elif gpu.index in attempt.locked:
+                parts.append(f"{label} locked (holder record not written yet or unreadable)")
+            elif gpu.index in attempt.low:
+                procs = f"; processes on it: {_join(gpu.pids)}" if gpu.pids else ""
+                parts.append(
+                    f"{label} skipped: {gpu.free_mib} MiB free of {gpu.total_mib} MiB < {memory_mib} MiB "
+                    f"needed{procs}"
+                )
+            else:
+                parts.append(f"{label} free")
+        return "; ".join(parts) if parts else "the inventory has no GPU"
+
+
+def _candidate_groups(eligible: Sequence[int], tp: int, attempt: _Attempt) -> Iterator[list[int]]:
+    """Groups of ``tp`` GPUs to try, best first: runs of consecutive indices (aligned runs first), then
+    any ``tp`` GPUs not known to be locked, lowest indices first. Skips GPUs found locked meanwhile."""
+    ordered = sorted(eligible)
+    present = set(ordered)
+    if tp > 1:
+        runs = [
+            list(range(start, start + tp))
+            for start in ordered
+            if all(start + k in present for k in range(tp))
+        ]
+        runs.sort(key=lambda run: (run[0] % tp != 0, run[0]))
+        for run in runs:
+            if not attempt.locked.intersection(run) and not attempt.low.intersection(run):
+                yield run
+    tried: set[tuple[int, ...]] = set()
+    while True:
+        free = [i for i in ordered if i not in attempt.locked and i not in attempt.low]
+        if len(free) < tp:
+            return
+        group = free[:tp]
+        key = tuple(group)
+        if key in tried:
+            return
+        tried.add(key)
+        yield group
