@@ -401,7 +401,10 @@ class SessionState:
         _terminal_line(self.config, f"[sglworker] {text}")
 
     def progress(self, instance: ModelInstance, elapsed: float) -> None:
-        _progress_line(self.config, instance, elapsed)
+        try:
+            _progress_line(self.config, instance, elapsed)
+        except Exception as exc:  # a status line must never fail a launch
+            self.messages.append(f"status line failed: {exc!r}")
 
 
 STATE_KEY = pytest.StashKey[SessionState]()

@@ -73,6 +73,10 @@ class ModelSpec:
             raise SpecError(f"model spec {self.name!r}: 'env' must map strings to strings")
         object.__setattr__(self, "env", MappingProxyType(env))
 
+    def __hash__(self) -> int:
+        return hash((self.name, self.model, self.memory_gb, self.tp, self.features, self.worker_args,
+                     tuple(sorted(self.env.items())), self.description))
+
     @property
     def memory_mib(self) -> int:
         return round(self.memory_gb * 1024)

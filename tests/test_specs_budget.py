@@ -134,3 +134,10 @@ def test_violation_message_names_subject_problem_and_fix() -> None:
     assert message.startswith("model spec 'x' breaks the mandatory worker budget:")
     assert "--mem-fraction-static: missing" in message
     assert "fix: add CI_WORKER_ARGS" in message
+
+
+def test_specs_are_hashable_and_equal_by_value() -> None:
+    a = ModelSpec("x", "m", 1, env={"A": "1"})
+    b = ModelSpec("x", "m", 1, env={"A": "1"})
+    assert a == b and hash(a) == hash(b) and len({a, b}) == 1
+    assert ModelSpec("x", "m", 1, env={"A": "2"}) != a
