@@ -308,6 +308,7 @@ class SessionState:
         self.registry = SpecRegistry.with_builtins()
         self.registered_from: set[int] = set()
         self._pool: WorkerPool | None = None
+        self._watchdog: Any = None
         self.inventory_error: str | None = None
         self.flag_check: str = "not needed (no worker test collected)"
         self.sglang_version: str | None = None
@@ -356,10 +357,16 @@ class SessionState:
         return self._pool
 
     def _make_pool(self) -> WorkerPool:
+        from . import state as state_dirs
         from .launcher import LaunchOptions, sim_launcher
         from .pool import WorkerPool
+        from .reaper import Watchdog, reap_dead_sessions
 
         s = self.settings
+        reaped = reap_dead_sessions(s.log_dir or state_dirs.default_log_dir())
+        if reaped:
+            self.message(f"cleaned up after earlier sessions: {reaped}")
+        self._watchdog = Watchdog()
         launcher = s.launcher or (tuple(sim_launcher()) if s.engine == "sim" else None)
         options = LaunchOptions(
             launcher=launcher, log_dir=s.log_dir, lock_dir=s.lock_dir, startup_timeout=s.startup_timeout,
@@ -394,6 +401,14 @@ class SessionState:
     def close(self) -> None:
         if self._pool is not None:
             self._pool.close()
+        if self._watchdog is not None:
+            from .launcher import session_sweep
+
+            swept = session_sweep()
+            if swept:
+                self.message(f"killed {len(swept)} worker process(es) left after teardown: {swept}")
+            self._watchdog.close()
+            self._watchdog = None
 
     # -- output -------------------------------------------------------------------------------------------
     def message(self, text: str) -> None:

@@ -20,9 +20,26 @@ Environment:
 - ``SGLSIM_TOKEN_SECONDS`` (float, default 0): time to generate one token.
 - ``SGLSIM_RECORD`` (path): append one JSON line per event (``start``, ``ready``, ``exit``), each with a
   single ``O_APPEND`` write.
-- ``SGLSIM_FAULT``: comma-separated faults: ``crash_oom``, ``kv_oom``, ``exit=N``, ``hang``,
-  ``hang_before_bind``, ``flood=MB``, ``ignore_sigterm``, ``escape_child``, ``die_after=N``,
-  ``slow_health=SECONDS``.
+- ``SGLSIM_FAULT``: comma-separated faults (a bad value exits 2 naming the variable):
+
+  - ``crash_oom``: CUDA OOM in the prefill-graph capture (forced even when the prefill graph is disabled,
+    so that it works with the budget flags), then the secondary ``num_active_captures_`` assert, then
+    ``Received sigquit ...``, then SIGKILL of itself (returncode -9).
+  - ``kv_oom``: the 0.5.23 "Loaded weights leave no GPU memory for the KV cache" failure, exit 1.
+  - ``exit=N``: a scheduler traceback after the weights load, exit N.
+  - ``hang``: binds, then never becomes ready. ``hang_before_bind``: never binds.
+  - ``flood=MB``: MB MiB of log lines to stdout and as many to stderr while the weights load.
+  - ``ignore_sigterm``: SIGTERM is ignored (SIGINT and SIGKILL still work).
+  - ``escape_child``: spawns a child in its own session (``SGLSIM_ESCAPED=1`` in its environment, the rest
+    inherited), logged as ``spawned scheduler pid=N``; it outlives a kill of the sim's process group and
+    exits by itself only after 600 s.
+  - ``die_after=N``: SIGKILL of itself right after answering the N-th inference request (``/generate``,
+    ``/v1/chat/completions``, ``/v1/completions``; health and info probes do not count).
+  - ``slow_health=SECONDS``: every ``/health`` and ``/health_generate`` answer is delayed.
+
+Also like the real engine: ``--api-key`` is checked on everything but ``/health*``, ``/ready*`` and
+``/metrics*``; SIGTERM/SIGINT drain in-flight requests (``/health`` answers 503 meanwhile) and exit 0; a
+``CUDA_VISIBLE_DEVICES`` with fewer devices than ``--base-gpu-id + --tp-size`` fails the startup (exit 1).
 
 Memory arithmetic (deterministic, after sglang's ``memory_hook``; all per GPU, GB = GiB):
 
@@ -719,6 +736,7 @@ def _kill_self() -> NoReturn:
 
 class SimHTTPServer(ThreadingHTTPServer):
     daemon_threads = True
+    block_on_close = False  # an idle keep-alive connection must not hold up the shutdown
     request_queue_size = 2048
 
     def __init__(self, address: tuple[str, int], sim: Sim) -> None:
@@ -1320,8 +1338,8 @@ class Handler(BaseHTTPRequestHandler):
 
 
 def _server_args_line(plan: Plan) -> str:
-    fields = ", ".join(f"{key}={value!r}" for key, value in plan.args.items())
-    return f"server_args=ServerArgs({fields})"
+    # 0.5.23 logs the resolved arguments as a dict (older versions: ServerArgs(...)).
+    return f"server_args={plan.args!r}"
 
 
 def _scheduler_traceback(frames: list[tuple[str, int, str, str]], last: str) -> str:

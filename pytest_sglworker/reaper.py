@@ -1,0 +1,152 @@
+"""Nothing the plugin starts outlives the session, even when pytest itself is SIGKILLed.
+
+Plain Python: no pytest here. Two lines of defence beyond normal teardown:
+
+- a **watchdog** process per session (``python -m pytest_sglworker.reaper``), started with the first worker.
+  It blocks reading a pipe whose only write end the session holds; when the session exits by any means,
+  SIGKILL included, the kernel closes that end, the read returns, and the watchdog kills every process
+  carrying the session's environment marker;
+- a **janitor** run by the next session: it finds workers whose session is gone (the marker names the
+  session's pid), stale lease records, and logs past the retention age, and cleans them, saying what it
+  reaped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from .launcher import OWNER_ENV, SESSION_ID, terminate_tree
+
+if TYPE_CHECKING:
+    import psutil
+
+LOG_RETENTION_SECONDS = 7 * 24 * 3600
+
+
+def _session_pid(tag: str) -> int | None:
+    head = tag.split(":", 1)[0].split("-", 1)[0]
+    return int(head) if head.isdigit() else None
+
+
+def _session_tag_processes() -> dict[str, list[psutil.Process]]:
+    """Our own tagged processes, grouped by session id."""
+    import psutil
+
+    groups: dict[str, list[psutil.Process]] = {}
+    me = os.getpid()
+    uid = os.getuid()
+    for proc in psutil.process_iter(["pid", "uids"]):
+        try:
+            if proc.pid == me or proc.info["uids"] is None or proc.info["uids"].real != uid:
+                continue
+            value = proc.environ().get(OWNER_ENV)
+        except (psutil.Error, OSError):
+            continue
+        if value:
+            groups.setdefault(value.split(":", 1)[0], []).append(proc)
+    return groups
+
+
+@dataclass
+class JanitorReport:
+    processes: list[int] = field(default_factory=list)
+    logs: list[str] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.processes or self.logs)
+
+    def __str__(self) -> str:
+        parts = []
+        if self.processes:
+            parts.append(f"killed {len(self.processes)} worker process(es) of dead sessions "
+                         f"(pids {', '.join(map(str, self.processes))})")
+        if self.logs:
+            parts.append(f"removed {len(self.logs)} worker log(s) older than "
+                         f"{LOG_RETENTION_SECONDS // 86400} days")
+        return "; ".join(parts)
+
+
+def reap_dead_sessions(log_dir: Path | None = None, *, retention: float = LOG_RETENTION_SECONDS) -> JanitorReport:
+    """Kill workers of sessions whose pytest process is gone; remove old logs from ``log_dir``."""
+    import psutil
+
+    report = JanitorReport()
+    for session, procs in _session_tag_processes().items():
+        pid = _session_pid(session)
+        if session == SESSION_ID or pid is None or (psutil.pid_exists(pid) and _is_pytest_like(pid)):
+            continue
+        report.processes += sorted(p.pid for p in procs)
+        terminate_tree(None, lambda procs=procs: [p for p in procs if p.is_running()],  # type: ignore[misc]
+                       term_timeout=5.0, kill_timeout=5.0)
+    if log_dir is not None and log_dir.is_dir():
+        cutoff = time.time() - retention
+        for path in log_dir.glob("sglang-worker-*.log"):
+            with contextlib.suppress(OSError):
+                if path.stat().st_mtime < cutoff:
+                    path.unlink()
+                    report.logs.append(str(path))
+    return report
+
+
+def _is_pytest_like(pid: int) -> bool:
+    """The pid of a dead session may have been reused by an unrelated process."""
+    import psutil
+
+    try:
+        return OWNER_ENV not in psutil.Process(pid).environ() and psutil.Process(pid).is_running()
+    except psutil.Error:
+        return False
+
+
+class Watchdog:
+    """The session's watchdog process; :meth:`close` at normal session end."""
+
+    def __init__(self, session_id: str = SESSION_ID) -> None:
+        read_end, self._write_end = os.pipe()
+        try:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "pytest_sglworker.reaper", session_id],
+                stdin=read_end, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                start_new_session=True, close_fds=True,
+                env={k: v for k, v in os.environ.items() if k != OWNER_ENV},
+            )
+        finally:
+            os.close(read_end)
+        os.set_inheritable(self._write_end, False)
+
+    def close(self, timeout: float = 15.0) -> None:
+        if self._write_end >= 0:
+            os.close(self._write_end)
+            self._write_end = -1
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(timeout=timeout)
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m pytest_sglworker.reaper SESSION_ID  (reads stdin until EOF)", file=sys.stderr)
+        return 2
+    session_id = args[0]
+    with contextlib.suppress(OSError):
+        while sys.stdin.buffer.read(4096):
+            pass
+    # The session is gone (or closed its end after its own teardown): kill whatever still carries its tag.
+    from .launcher import find_tagged_processes
+
+    terminate_tree(None, lambda: find_tagged_processes(f"{session_id}:"), term_timeout=10.0, kill_timeout=10.0)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
