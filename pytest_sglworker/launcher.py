@@ -236,6 +236,18 @@ class ModelInstance:
     def is_alive(self) -> bool:
         return self.process.poll() is None
 
+    def responds(self, timeout: float = 1.0) -> bool:
+        """Alive and accepting connections on its port: the pool's fast check before reusing a worker."""
+        import socket
+
+        if not self.is_alive():
+            return False
+        try:
+            with socket.create_connection((self.host, self.port), timeout=timeout):
+                return True
+        except OSError:
+            return False
+
     def check_alive(self) -> None:
         """Raise :class:`WorkerDied` (diagnosis and tail included) if the worker has exited."""
         if not self.is_alive():

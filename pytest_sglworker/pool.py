@@ -190,7 +190,7 @@ class WorkerPool:
                 if entry.config != config:
                     continue
                 del self._idle[key]
-                if entry.instance.is_alive():
+                if entry.instance.responds():
                     entry.in_use = True
                     self._busy[key] = entry
                     stats.reuses += 1

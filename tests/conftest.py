@@ -1,13 +1,15 @@
 """Shared fixtures of the project's own tests.
 
-Every test is checked for leftovers: a worker process (anything carrying the SGLWORKER_OWNER marker, or
-running the simulated engine) that appeared during the test and is still alive afterwards fails the test.
+Every test is checked for leftovers: each test runs with a unique ``SGLWORKER_TEST_MARK`` in its
+environment, which every process it starts inherits (inner pytest sessions, workers, escaped children);
+any such process still alive after the test fails it.
 """
 
 from __future__ import annotations
 
 import os
 import time
+import uuid
 from collections.abc import Iterator
 
 import psutil
@@ -16,45 +18,45 @@ import pytest
 pytest_plugins = ["pytester"]
 
 
-def _worker_processes() -> dict[tuple[int, float], str]:
-    found: dict[tuple[int, float], str] = {}
+MARK = "SGLWORKER_TEST_MARK"
+
+
+def _marked_processes(mark: str) -> dict[int, str]:
+    found: dict[int, str] = {}
     me = os.getpid()
-    for proc in psutil.process_iter(["pid", "cmdline", "create_time", "status"]):
+    for proc in psutil.process_iter(["pid", "cmdline", "status"]):
         try:
             if proc.pid == me or proc.info["status"] == psutil.STATUS_ZOMBIE:
                 continue
-            cmdline = " ".join(proc.info["cmdline"] or ())
-            marked = "pytest_sglworker.sim" in cmdline or "sglang.launch_server" in cmdline
-            if not marked:
-                marked = "SGLWORKER_OWNER" in proc.environ() or "SGLSIM_ESCAPED" in proc.environ()
+            if proc.environ().get(MARK) == mark:
+                found[proc.pid] = " ".join(proc.info["cmdline"] or ())
         except (psutil.Error, OSError):
             continue
-        if marked:
-            found[(proc.pid, proc.info["create_time"])] = cmdline
     return found
 
 
-def leftover_processes(before: dict[tuple[int, float], str], timeout: float = 10.0) -> dict[tuple[int, float], str]:
-    """Worker processes that were not there ``before``, after waiting up to ``timeout`` for them to go."""
+def leftover_processes(mark: str, timeout: float = 10.0) -> dict[int, str]:
+    """Processes started under ``mark`` that are still alive after waiting up to ``timeout`` for them."""
     deadline = time.monotonic() + timeout
     while True:
-        new = {k: v for k, v in _worker_processes().items() if k not in before}
-        if not new or time.monotonic() >= deadline:
-            return new
+        left = _marked_processes(mark)
+        if not left or time.monotonic() >= deadline:
+            return left
         time.sleep(0.1)
 
 
 @pytest.fixture(autouse=True)
-def _no_leftover_workers() -> Iterator[None]:
-    before = _worker_processes()
+def _no_leftover_workers(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    mark = uuid.uuid4().hex
+    monkeypatch.setenv(MARK, mark)
     yield
-    left = leftover_processes(before)
-    for (pid, _), _cmd in left.items():  # clean up so that one failure does not cascade
+    left = leftover_processes(mark)
+    for pid in left:  # clean up so that one failure does not cascade
         try:
             psutil.Process(pid).kill()
         except psutil.Error:
             pass
-    assert not left, f"worker processes left running after the test: {left}"
+    assert not left, f"processes left running after the test: {left}"
 
 
 @pytest.fixture
