@@ -41,6 +41,8 @@ if TYPE_CHECKING:
     import httpx
     import psutil
 
+    from .diagnosis import Diagnosis
+
     from .ports import PortBlock
 
 LOOPBACK_HOST = "127.0.0.1"
@@ -261,11 +263,11 @@ class ModelInstance:
     def log_text(self, max_bytes: int = 4 * 1024 * 1024) -> str:
         return redact(read_head(self.log_path, max_bytes), self.secrets)
 
-    def diagnosis(self) -> Any:
-        """The first error in the log, classified (:class:`pytest_sglworker.diagnosis.Diagnosis`)."""
+    def diagnosis(self, *, alive: bool = False) -> Diagnosis:
+        """The first error in the log, classified. ``alive``: diagnose the log of a running worker."""
         from .diagnosis import diagnose
 
-        return diagnose(self.log_text(), self.returncode)
+        return diagnose(self.log_text(), None if alive else self.returncode)
 
     def failure_message(self, what: str, *, lines: int = DEFAULT_TAIL_LINES, extra: str = "") -> str:
         """``<worker> <what>`` + diagnosis + log path + the last ``lines`` lines."""
@@ -433,6 +435,39 @@ def _listening_in_tree(instance: ModelInstance) -> bool:
 
 ProgressCallback = Callable[["ModelInstance", float], None]
 
+#: Kinds of first error after which sglang may stay alive without ever serving (a failed uvicorn bind
+#: leaves the process "Waiting for application shutdown"); seen in the log, they end the wait early.
+FATAL_KINDS = frozenset({
+    "graph_capture_oom", "graph_capture_error", "kv_pool_does_not_fit", "weights_oom", "cuda_oom",
+    "port_in_use", "model_not_found", "nccl_error", "bad_flag",
+})
+#: How long a worker that logged a fatal error may take to exit by itself before the wait gives up on it.
+FATAL_GRACE_SECONDS = 5.0
+_ERROR_HINTS = (b"Error", b"error", b"Traceback", b"in use", b"Exception", b"failed")
+
+
+class _LogWatch:
+    """Reads the log incrementally and diagnoses it only when new text looks like an error."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.offset = 0
+        self.fatal_since: float | None = None
+
+    def fatal_seen(self, instance: ModelInstance) -> bool:
+        try:
+            with open(self.path, "rb") as fh:
+                fh.seek(self.offset)
+                new = fh.read()
+        except OSError:
+            return False
+        self.offset += len(new)
+        if self.fatal_since is None and new and any(h in new for h in _ERROR_HINTS):
+            kind = getattr(instance.diagnosis(alive=True).kind, "value", None)
+            if kind in FATAL_KINDS:
+                self.fatal_since = time.monotonic()
+        return self.fatal_since is not None and time.monotonic() - self.fatal_since >= FATAL_GRACE_SECONDS
+
 
 def wait_until_healthy(
     instance: ModelInstance,
@@ -442,8 +477,8 @@ def wait_until_healthy(
     progress_interval: float = 1.0,
 ) -> None:
     """Poll ``/health_generate`` until it answers 200 from our own process, checking the process on every
-    iteration. Raises :class:`WorkerStartupError` at once if it exits, :class:`WorkerStartupTimeout` at the
-    deadline; both carry the diagnosis and the log tail."""
+    iteration. Raises :class:`WorkerStartupError` at once if it exits (or logs a fatal error and does not
+    exit), :class:`WorkerStartupTimeout` at the deadline; both carry the diagnosis and the log tail."""
     import httpx
 
     deadline = instance.started_at + timeout
@@ -451,15 +486,23 @@ def wait_until_healthy(
     last_progress = 0.0
     last_status = "not listening yet"
     stale_seen = False
+    watch = _LogWatch(instance.log_path)
     with httpx.Client(timeout=httpx.Timeout(5.0, connect=1.0)) as http:
         while True:
             code = instance.process.poll()
             now = time.monotonic()
+            elapsed = now - instance.started_at
             if code is not None:
-                elapsed = now - instance.started_at
                 raise WorkerStartupError(
                     instance.failure_message(f"exited during startup with {signal_name(code)} after {elapsed:.1f} s"),
                     log_path=str(instance.log_path), diagnosis=instance.diagnosis(),
+                )
+            if watch.fatal_seen(instance):
+                raise WorkerStartupError(
+                    instance.failure_message(
+                        f"logged a fatal error during startup and did not exit within {FATAL_GRACE_SECONDS:g} s "
+                        f"(after {elapsed:.1f} s)"),
+                    log_path=str(instance.log_path), diagnosis=instance.diagnosis(alive=True),
                 )
             if now >= deadline:
                 extra = "a server that is not ours answers on this port" if stale_seen else ""
@@ -467,11 +510,11 @@ def wait_until_healthy(
                     instance.failure_message(
                         f"did not become healthy within {timeout:g} s (last health answer: {last_status})", extra=extra
                     ),
-                    log_path=str(instance.log_path), diagnosis=instance.diagnosis(),
+                    log_path=str(instance.log_path), diagnosis=instance.diagnosis(alive=True),
                 )
             if on_progress is not None and now - last_progress >= progress_interval:
                 last_progress = now
-                on_progress(instance, now - instance.started_at)
+                on_progress(instance, elapsed)
             interval = 0.05
             try:
                 resp = http.get(url, timeout=min(5.0, max(0.1, deadline - now)))

@@ -467,10 +467,9 @@ def _progress_line(config: pytest.Config, instance: ModelInstance, elapsed: floa
     tr = config.pluginmanager.get_plugin("terminalreporter")
     if tr is None or config.get_verbosity() < 0:
         return
-    from .diagnosis import startup_phase
-    from .launcher import read_tail
+    from .diagnosis import startup_phase_from_file
 
-    phase = startup_phase(read_tail(instance.log_path, 200, max_bytes=64 * 1024)) or "starting"
+    phase = startup_phase_from_file(instance.log_path) or "starting"
     text = f"[sglworker] waiting for {instance.describe()}: {phase}, {elapsed:.0f} s"
     capman = config.pluginmanager.get_plugin("capturemanager")
     cm = capman.global_and_fixture_disabled() if capman is not None else _null_cm()

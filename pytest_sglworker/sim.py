@@ -28,6 +28,8 @@ Environment:
   - ``kv_oom``: the 0.5.23 "Loaded weights leave no GPU memory for the KV cache" failure, exit 1.
   - ``exit=N``: a scheduler traceback after the weights load, exit N.
   - ``hang``: binds, then never becomes ready. ``hang_before_bind``: never binds.
+  A port that is already in use is not a fault but the real behaviour: the bind error is logged and the
+  process stays alive (as sglang 0.5.23 does) until it is signalled.
   - ``flood=MB``: MB MiB of log lines to stdout and as many to stderr while the weights load.
   - ``ignore_sigterm``: SIGTERM is ignored (SIGINT and SIGKILL still work).
   - ``escape_child``: spawns a child in its own session (``SGLSIM_ESCAPED=1`` in its environment, the rest
@@ -1644,10 +1646,10 @@ def _startup(sim: Sim, pre_bind: float, warmup: float) -> SimHTTPServer:
         log.uvicorn(
             "ERROR", f"[Errno {exc.errno}] error while attempting to bind on address {(host, port)!r}: {reason}"
         )
+        # Like sglang 0.5.23: a failed uvicorn bind does not end the process; it waits for a shutdown
+        # that never comes (seen with the real engine on the CPU) until it is signalled.
         log.uvicorn("INFO", "Waiting for application shutdown.")
-        log.uvicorn("INFO", "Application shutdown complete.")
-        sim.recorder.record("exit", returncode=1, reason="bind failed")
-        raise _StartupExit(1) from None
+        _wait_forever()
     sim.bound = True
     sim.server = server
     threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, name="sim-http", daemon=True).start()

@@ -223,7 +223,10 @@ def test_stale_server_on_port_is_not_mistaken_for_ready(tmp_path: Path) -> None:
         with pytest.raises((WorkerStartupError, WorkerStartupTimeout)) as info:
             spawn_worker(QWEN, port=port, options=options, env={"SGLSIM_STARTUP_SECONDS": "0"})
         message = str(info.value)
-        assert "address already in use" in message.lower() or "not this worker" in message
+        # the engine logs the failed bind and stays alive (as sglang 0.5.23 does): the wait ends early anyway
+        assert "logged a fatal error during startup and did not exit" in message
+        assert "address already in use" in message.lower()
+        assert "diagnosis:" in message
     finally:
         stale.terminate()
         stale.wait(10)
