@@ -45,7 +45,10 @@ from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .specs import ModelSpec
 
 __all__ = [
     "GPU_CARDS",
@@ -692,3 +695,23 @@ def predict_memory(
         margin=margin,
         verdict=verdict,
     )
+
+
+def ledger_for_spec(
+    spec: ModelSpec,
+    gpu_total_mib: int,
+    *,
+    gpu_free_mib: int | None = None,
+    extra_args: Sequence[str] = (),
+) -> MemoryLedger | None:
+    """The ledger of a spec (its worker args, then ``extra_args``) on one of its GPUs; None when the model's
+    dimensions are unknown (not in the built-in table, no local ``config.json``)."""
+    local = spec.resolve_model_path()
+    dims = model_dims(spec.model, local if os.path.isdir(local) else None)
+    if dims is None:
+        return None
+    try:
+        return predict_memory(dims, gpu_total_mib, gpu_free_mib=gpu_free_mib,
+                              argv=[*spec.worker_args, *extra_args], tp=spec.tp)
+    except ValueError:
+        return None

@@ -45,6 +45,7 @@ REUSE_DESC = "reuse a running worker across tests of the same configuration: 'on
 REORDER_DESC = "reorder tests so that tests of one worker configuration run together: 'on' (default) or 'off'"
 REPORT_DESC = "write the run report (launches, reuses, startup times, failures) as JSON to this path"
 TAIL_DESC = "log lines shown in failure reports (default 40)"
+CARD_DESC = "GPU card for the memory ledger of --sgl-list-models, e.g. H100-80G, H200, A100-40G, L4"
 
 
 @dataclass(frozen=True)
@@ -104,6 +105,13 @@ def _port_range(value: str) -> tuple[int, int]:
     return parse_port_range(value)
 
 
+def _card(value: str) -> str:
+    from .ledger import gpu_card_mib
+
+    gpu_card_mib(value)
+    return value
+
+
 def _gpus(value: str) -> str:
     from .gpus import parse_gpus_option
 
@@ -127,6 +135,7 @@ OPTIONS: tuple[_Opt, ...] = (
     _Opt("reorder", "SGLWORKER_REORDER", "sgl_reorder", REORDER_DESC, True, _on_off),
     _Opt("report", "SGLWORKER_REPORT", "sgl_report", REPORT_DESC, None, Path),
     _Opt("tail-lines", "SGLWORKER_TAIL_LINES", "sgl_tail_lines", TAIL_DESC, 40, _positive_int),
+    _Opt("card", "SGLWORKER_CARD", "sgl_card", CARD_DESC, None, _card),
 )
 
 
@@ -176,6 +185,7 @@ class Settings:
     reorder: bool = True
     report: Path | None = None
     tail_lines: int = 40
+    card: str | None = None
     sources: Mapping[str, str] = field(default_factory=dict)
 
     @property
@@ -526,8 +536,38 @@ def pytest_cmdline_main(config: pytest.Config) -> int | None:
     return 0
 
 
+def _ledger_gpu(settings: Settings) -> tuple[str, int, int | None]:
+    """The GPU the ledger of --sgl-list-models is computed for: a named card, a declared inventory, the
+    first visible NVML GPU, or an H100 80 GB by default. Returns (label, total MiB, free MiB or None)."""
+    from .ledger import gpu_card_mib
+
+    if settings.card:
+        return settings.card, gpu_card_mib(settings.card), None
+    try:
+        from .gpus import load_inventory, parse_gpus_option
+
+        selection = parse_gpus_option(settings.gpus or "")
+        if selection.kind == "sim":
+            total = selection.sim_total_mib
+            return f"declared {settings.gpus} ({total} MiB)", total, None
+        inventory = load_inventory(selection, os.environ)
+        try:
+            gpus = inventory.snapshot()
+        finally:
+            inventory.close()
+        if gpus:
+            gpu = gpus[0]
+            return f"GPU {gpu.index} {gpu.name} ({gpu.total_mib} MiB, {gpu.free_mib} free)", gpu.total_mib, gpu.free_mib
+    except (SglWorkerError, ValueError):
+        pass
+    return "H100-80G (no GPU visible; choose another with --sgl-card)", gpu_card_mib("H100-80G"), None
+
+
 def render_registry(registry: SpecRegistry, settings: Settings) -> str:
-    lines = ["pytest-sglworker model registry:"]
+    from .ledger import ledger_for_spec
+
+    label, total, free = _ledger_gpu(settings)
+    lines = ["pytest-sglworker model registry:", f"memory ledger for: {label}"]
     for spec in registry:
         problems = budget.check_spec(spec)
         lines.append(f"  {spec.name}")
@@ -538,6 +578,11 @@ def render_registry(registry: SpecRegistry, settings: Settings) -> str:
         lines.append("    budget:      " + ("ok" if not problems else "VIOLATED: " + "; ".join(map(str, problems))))
         if spec.description:
             lines.append(f"    about:       {spec.description}")
+        ledger = ledger_for_spec(spec, total, gpu_free_mib=free)
+        if ledger is None:
+            lines.append("    ledger:      unknown model dimensions (no local config.json)")
+        else:
+            lines.append("    ledger:      " + ledger.render().replace("\n", "\n                 "))
     return "\n".join(lines)
 
 
@@ -921,6 +966,25 @@ def _xdist_present(config: pytest.Config) -> bool:
 
 class XdistHooks:
     """Registered only when pytest-xdist is present."""
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_collection_modifyitems(self, config: pytest.Config, items: list[pytest.Item]) -> None:
+        # Under --dist loadgroup, xdist's worker appends the xdist_group name to each node id in its own
+        # pytest_collection_modifyitems, which pluggy calls before the plugin's (xdist registers it later):
+        # the group marks must be in place first. The main hook reports marker errors.
+        from .pool import WorkerConfig
+
+        for item in items:
+            spec = _item_spec(item)
+            if (spec is None or "sgl_worker" not in getattr(item, "fixturenames", ())
+                    or item.get_closest_marker("xdist_group") is not None):
+                continue
+            try:
+                marker = WorkerMarker.from_mark(item.get_closest_marker("sgl_worker"))
+            except ValueError:
+                continue
+            key = WorkerConfig.of(spec, marker.args, marker.env).key
+            item.add_marker(pytest.mark.xdist_group(name=f"sgl-{key}"))
 
     def pytest_testnodedown(self, node: Any, error: Any) -> None:
         stats = getattr(node, "workeroutput", {}).get("sglworker_stats")

@@ -43,7 +43,11 @@ class WorkerConfig:
         """Stable across processes (used as the xdist group name): ``<spec>`` or ``<spec>-<hash>``."""
         if not self.extra_args and not self.env:
             return self.spec.name
-        digest = hashlib.sha1(repr((self.spec, self.extra_args, self.env)).encode()).hexdigest()[:8]
+        # Not repr(spec): its frozenset of features prints in hash-seed order, which differs per process.
+        spec = self.spec
+        canonical = (spec.name, spec.model, spec.memory_gb, spec.tp, sorted(spec.features), spec.worker_args,
+                     sorted(spec.env.items()), spec.description, self.extra_args, self.env)
+        digest = hashlib.sha1(repr(canonical).encode()).hexdigest()[:8]
         return f"{self.spec.name}-{digest}"
 
     @property
@@ -118,6 +122,46 @@ class ConfigStats:
         self.failed_logs += other.failed_logs
         self.kv_tokens_predicted = self.kv_tokens_predicted or other.kv_tokens_predicted
         self.kv_tokens_actual = self.kv_tokens_actual or other.kv_tokens_actual
+
+
+MEMORY_KINDS = frozenset({"graph_capture_oom", "kv_pool_does_not_fit", "weights_oom", "cuda_oom",
+                          "killed_by_signal"})
+
+
+def _gpu_of(lease: Lease | None) -> tuple[int, int] | None:
+    if lease is None or not lease.gpus:
+        return None
+    gpu = lease.gpus[0]
+    return gpu.total_mib, gpu.free_mib
+
+
+def _attach_ledger(exc: SglWorkerError, config: WorkerConfig, lease: Lease | None) -> None:
+    """Add the memory ledger to a startup failure whose diagnosis is about memory."""
+    kind = getattr(getattr(exc, "diagnosis", None), "kind", None)
+    gpu = _gpu_of(lease)
+    if gpu is None or getattr(kind, "value", kind) not in MEMORY_KINDS:
+        return
+    from .ledger import ledger_for_spec
+
+    ledger = ledger_for_spec(config.spec, gpu[0], gpu_free_mib=gpu[1], extra_args=config.extra_args)
+    if ledger is not None:
+        exc.args = (f"{exc.args[0]}\nmemory ledger (predicted before launch):\n{ledger.render()}", *exc.args[1:])
+
+
+def _record_kv_tokens(instance: ModelInstance, config: WorkerConfig, lease: Lease | None, stats: ConfigStats) -> None:
+    """The actual ``KV Cache is allocated ... #tokens: N`` against the ledger's prediction."""
+    from .diagnosis import parse_kv_tokens
+
+    actual = parse_kv_tokens(instance.log_text(max_bytes=1024 * 1024))
+    if actual is not None:
+        stats.kv_tokens_actual = actual
+    gpu = _gpu_of(lease)
+    if gpu is not None and stats.kv_tokens_predicted is None:
+        from .ledger import ledger_for_spec
+
+        ledger = ledger_for_spec(config.spec, gpu[0], gpu_free_mib=gpu[1], extra_args=config.extra_args)
+        if ledger is not None:
+            stats.kv_tokens_predicted = ledger.kv_tokens
 
 
 def merge_stats(sources: Sequence[Mapping[str, Mapping[str, Any]]]) -> dict[str, ConfigStats]:
@@ -249,6 +293,7 @@ class WorkerPool:
             )
         except SglWorkerError as exc:
             stats.failures += 1
+            _attach_ledger(exc, config, lease)
             log_path = getattr(exc, "log_path", None)
             if log_path:
                 stats.failed_logs.append(str(log_path))
@@ -262,6 +307,7 @@ class WorkerPool:
         stats.launches += 1
         if instance.startup_seconds is not None:
             stats.startup_seconds.append(instance.startup_seconds)
+        _record_kv_tokens(instance, config, lease, stats)
         entry = _Entry(config, instance, lease, leased_at, in_use=True, poolable=not fresh)
         self._busy[id(instance)] = entry
         return instance
@@ -296,14 +342,8 @@ class WorkerPool:
                     stats.failed_logs.append(str(instance.log_path))
             elif not self.keep_logs:
                 instance.remove_log()
-            self._record_kv(entry, stats)
             if entry.lease is not None:
                 self._give_back(entry.lease, sorted(instance.pids_seen), entry.leased_at, stats)
-
-    def _record_kv(self, entry: _Entry, stats: ConfigStats) -> None:
-        kv = getattr(entry.instance, "kv_tokens", None)
-        if kv is not None:
-            stats.kv_tokens_actual = kv
 
     def _give_back(self, lease: Lease, pids: list[int], leased_at: float, stats: ConfigStats) -> None:
         report = lease.release(worker_pids=pids, wait_timeout=self.release_wait)
