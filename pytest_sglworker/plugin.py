@@ -408,6 +408,57 @@ class SessionState:
                                             what="lock directory", shared_ok=self.settings.lock_dir is not None)
         return LeaseManager(lock_dir, inventory, namespace=selection.namespace)
 
+    # -- sglang's own parser ------------------------------------------------------------------------------
+    def launcher(self) -> tuple[str, ...]:
+        from .launcher import default_launcher, sim_launcher
+
+        s = self.settings
+        return s.launcher or tuple(sim_launcher() if s.engine == "sim" else default_launcher())
+
+    def check_flags(self, subjects: Mapping[str, tuple[ModelSpec, tuple[str, ...]]]) -> dict[str, str]:
+        """Parse each subject's worker argv with sglang's own parser (in the engine's interpreter, cached).
+        Returns ``{subject: message}`` for the argvs sglang rejects (a misspelt flag, an invalid choice)."""
+        import importlib.util
+
+        from . import state as state_dirs
+        from .engine_args import check_with_sglang, find_sglang_python
+        from .launcher import build_argv
+
+        if not subjects:
+            return {}
+        python = find_sglang_python(self.launcher())
+        if python is None and self.settings.engine == "sim":
+            python = sys.executable  # the sim engine: check with sglang if this environment has it
+        if python is None:
+            self.flag_check = f"not checked: cannot tell which python runs the launcher {' '.join(self.launcher())!r}"
+            return {}
+        if python == sys.executable and importlib.util.find_spec("sglang") is None:
+            self.flag_check = f"not checked: sglang is not importable by {python}"
+            return {}
+        argvs = {name: build_argv(spec, port=30000, nccl_port=30001, launcher=(), extra_args=extra,
+                                  allow_foreign_host=True) for name, (spec, extra) in subjects.items()}
+        try:
+            cache_dir = state_dirs.ensure_private_dir(state_dirs.default_root() / "cache", what="cache directory")
+        except SglWorkerError:
+            cache_dir = None
+        env: dict[str, str] = {}
+        for spec, _ in subjects.values():
+            env.update(spec.env)
+        result = check_with_sglang(python, list(argvs.values()), cache_dir=cache_dir, env=env)
+        if not result.available:
+            self.flag_check = f"not checked: {result.reason}"
+            return {}
+        self.sglang_version = result.version
+        self.flag_check = f"checked by sglang {result.version}'s own parser"
+        problems = {}
+        for name, argv in argvs.items():
+            check = result.results.get(tuple(argv))
+            if check is not None and not check.ok:
+                problems[name] = (f"{name}: sglang {result.version} rejects its worker args:\n  {check.message}\n"
+                                  f"  argv: {' '.join(argv)}\n  fix: correct the flag (see "
+                                  "'python -m sglang.launch_server --help' of the engine you run)")
+        return problems
+
     def close(self) -> None:
         if self._pool is not None:
             self._pool.close()
@@ -589,7 +640,12 @@ def render_registry(registry: SpecRegistry, settings: Settings) -> str:
 def pytest_sessionstart(session: pytest.Session) -> None:
     state = _state(session.config)
     state.check_specs()
-    state.selected_specs()
+    selected = state.selected_specs()
+    if selected and getattr(session.config, "workerinput", None) is None:
+        # Before any GPU time is spent; a run that selects no model launches nothing and checks nothing.
+        problems = state.check_flags({f"model spec {spec.name!r}": (spec, ()) for spec in selected})
+        if problems:
+            raise pytest.UsageError("\n".join(problems.values()))
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -628,12 +684,23 @@ def _item_spec(item: pytest.Item) -> ModelSpec | None:
     return spec if isinstance(spec, ModelSpec) else None
 
 
+def _is_xdist_worker(config: pytest.Config) -> bool:
+    return getattr(config, "workerinput", None) is not None
+
+
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
     from .pool import WorkerConfig
 
     state = _state(config)
-    state.check_specs()  # specs registered by conftests loaded during collection
-    violations: list[str] = []
+    # A usage error stops the session; an xdist worker cannot stop it cleanly (xdist would report an
+    # INTERNALERROR), so there each offending test fails on its own with the same message instead.
+    problems: dict[str, str] = {}  # nodeid -> message
+    spec_problems = {}
+    for registered in state.registry:  # specs registered by conftests loaded during collection
+        found = budget.check_spec(registered)
+        if found:
+            spec_problems[registered.name] = budget.describe_violation(
+                f"model spec {registered.name!r} ({registered.model})", found)
     for item in items:
         fixturenames = getattr(item, "fixturenames", ())
         if "sgl_worker" not in fixturenames and "sgl_spawn_worker" not in fixturenames:
@@ -647,17 +714,34 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
         spec = _item_spec(item)
         if spec is None or "sgl_worker" not in fixturenames:
             continue
+        if spec.name in spec_problems:
+            problems[item.nodeid] = spec_problems[spec.name]
+            continue
         if marker.args and reason is None:
-            problems = budget.check_argv(list(spec.worker_args) + list(marker.args))
-            if problems:
-                violations.append(budget.describe_violation(
-                    f"test {item.nodeid}: @pytest.mark.sgl_worker(args={list(marker.args)!r})", problems,
+            found = budget.check_argv(list(spec.worker_args) + list(marker.args))
+            if found:
+                problems[item.nodeid] = budget.describe_violation(
+                    f"test {item.nodeid}: @pytest.mark.sgl_worker(args={list(marker.args)!r})", found,
                     fix="drop the args that loosen the budget, or add "
-                        "@pytest.mark.sgl_budget_opt_out(reason='why this test needs it')"))
+                        "@pytest.mark.sgl_budget_opt_out(reason='why this test needs it')")
                 continue
         item.stash[CONFIG_KEY] = WorkerConfig.of(spec, marker.args, marker.env)
-    if violations:
-        raise pytest.UsageError("\n".join(violations))
+    with_args = {item.nodeid: item.stash[CONFIG_KEY] for item in items
+                 if CONFIG_KEY in item.stash and item.stash[CONFIG_KEY].extra_args}
+    flagged = state.check_flags({f"test {nodeid}": (c.spec, c.extra_args) for nodeid, c in with_args.items()})
+    for nodeid in with_args:
+        if f"test {nodeid}" in flagged:
+            problems[nodeid] = flagged[f"test {nodeid}"]
+    if spec_problems and not _is_xdist_worker(config):
+        raise pytest.UsageError("\n".join(spec_problems.values()))
+    if problems:
+        if not _is_xdist_worker(config):
+            raise pytest.UsageError("\n".join(dict.fromkeys(problems.values())))
+        for item in items:
+            if item.nodeid in problems:
+                item.stash[ITEM_ERROR_KEY] = problems[item.nodeid]
+                if CONFIG_KEY in item.stash:
+                    del item.stash[CONFIG_KEY]
     _skip_impossible(state, items)
     if state.settings.reorder:
         _reorder(items)
@@ -707,7 +791,7 @@ def _reorder(items: list[pytest.Item]) -> None:
 def pytest_runtest_setup(item: pytest.Item) -> None:
     error = item.stash.get(ITEM_ERROR_KEY, None)
     if error is not None:
-        pytest.fail(f"{item.nodeid}: {error}", pytrace=False)
+        pytest.fail(error, pytrace=False)
 
 
 @pytest.hookimpl(wrapper=True)
@@ -906,7 +990,8 @@ def pytest_report_header(config: pytest.Config) -> list[str] | None:
     models = ", ".join(s.models) or "none selected"
     launcher = " ".join(s.launcher) if s.launcher else ("simulated engine" if s.engine == "sim" else
                                                          f"{sys.executable} -m sglang.launch_server")
-    return [f"sglworker: models: {models}; engine: {s.engine} ({launcher}); gpus: {s.gpus or 'auto (NVML)'}"]
+    return [f"sglworker: models: {models}; engine: {s.engine} ({launcher}); gpus: {s.gpus or 'auto (NVML)'}",
+            f"sglworker: worker flags {state.flag_check}"]
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
@@ -967,8 +1052,10 @@ def _xdist_present(config: pytest.Config) -> bool:
 class XdistHooks:
     """Registered only when pytest-xdist is present."""
 
-    @pytest.hookimpl(tryfirst=True)
-    def pytest_collection_modifyitems(self, config: pytest.Config, items: list[pytest.Item]) -> None:
+    @pytest.hookimpl(wrapper=True)
+    def pytest_collection_modifyitems(
+        self, config: pytest.Config, items: list[pytest.Item]
+    ) -> Generator[None, None, None]:
         # Under --dist loadgroup, xdist's worker appends the xdist_group name to each node id in its own
         # pytest_collection_modifyitems, which pluggy calls before the plugin's (xdist registers it later):
         # the group marks must be in place first. The main hook reports marker errors.
@@ -985,6 +1072,17 @@ class XdistHooks:
                 continue
             key = WorkerConfig.of(spec, marker.args, marker.env).key
             item.add_marker(pytest.mark.xdist_group(name=f"sgl-{key}"))
+        result = yield
+        # pytest >= 9.2 derives the node id from the structured item._id, while xdist <= 3.8 still writes the
+        # suffixed id to the legacy item._nodeid: the @group suffix is lost and loadgroup silently stops
+        # grouping (pytest-dev/pytest-xdist#1386). Carry it over; a no-op once xdist sets the id itself.
+        for item in items:
+            legacy = getattr(item, "_nodeid", None)
+            if isinstance(legacy, str) and legacy.startswith(item.nodeid + "@") and hasattr(item, "_id"):
+                from _pytest.nodeid import NodeId
+
+                item._id = NodeId.parse(legacy)
+        return result
 
     def pytest_testnodedown(self, node: Any, error: Any) -> None:
         stats = getattr(node, "workeroutput", {}).get("sglworker_stats")

@@ -209,3 +209,18 @@ def test_plugin_is_quiet_when_unused(pytester: pytest.Pytester) -> None:
     result.assert_outcomes(passed=1)
     assert "sglang workers" not in result.stdout.str()
     assert "sglworker:" not in result.stdout.str()
+
+
+def test_budget_violation_under_xdist_fails_the_test_not_the_run(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile("""
+        import pytest
+
+        @pytest.mark.sgl_worker(args=["--mem-fraction-static", "0.85"])
+        def test_loose(sgl_worker): pass
+
+        def test_other(): pass
+    """)
+    result = pytester.runpytest_subprocess("-n", "2", "--sgl-model", "qwen3-0.6b", "--sgl-engine", "sim")
+    result.assert_outcomes(passed=1, errors=1)
+    result.stdout.fnmatch_lines(["*0.85 is above the budget of 0.6*"])
+    assert "INTERNALERROR" not in result.stdout.str() + result.stderr.str()
