@@ -42,7 +42,6 @@ if TYPE_CHECKING:
     import psutil
 
     from .diagnosis import Diagnosis
-
     from .ports import PortBlock
 
 LOOPBACK_HOST = "127.0.0.1"

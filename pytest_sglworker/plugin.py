@@ -1025,7 +1025,7 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
             "engine": state.settings.engine, "models": list(state.settings.models), "exitstatus": int(exitstatus),
         })
         terminalreporter.write_line(f"sglworker: run report written to {state.settings.report}")
-    if not stats:
+    if not stats or config.get_verbosity() < -1:
         return
     terminalreporter.write_sep("-", "sglang workers")
     for st in stats.values():

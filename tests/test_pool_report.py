@@ -1,0 +1,162 @@
+"""The worker pool, test ordering, the live status and the run report, through real pytest sessions."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+SIM = ["--sgl-engine", "sim", "-p", "no:cacheprovider", "-p", "no:randomly"]
+
+
+def _records(path: Path) -> list[dict[str, object]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def test_pool_reuses_by_configuration_and_fresh_is_unshared(
+    pytester: pytest.Pytester, sim_env: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    record = tmp_path / "record.jsonl"
+    monkeypatch.setenv("SGLSIM_RECORD", str(record))
+    pytester.makepyfile("""
+        import pytest
+
+        SEEN = {}
+
+        def test_a1(sgl_worker): SEEN.setdefault("a", set()).add(sgl_worker.pid)
+        def test_a2(sgl_worker): SEEN.setdefault("a", set()).add(sgl_worker.pid)
+
+        @pytest.mark.sgl_worker(args=["--max-total-tokens", "512"])
+        def test_b1(sgl_worker): SEEN.setdefault("b", set()).add(sgl_worker.pid)
+
+        @pytest.mark.sgl_worker(args=["--max-total-tokens", "512"])
+        def test_b2(sgl_worker): SEEN.setdefault("b", set()).add(sgl_worker.pid)
+
+        @pytest.mark.sgl_worker(fresh=True)
+        def test_fresh(sgl_worker): SEEN.setdefault("fresh", set()).add(sgl_worker.pid)
+
+        def test_a3(sgl_worker): SEEN.setdefault("a", set()).add(sgl_worker.pid)
+
+        def test_check():
+            assert len(SEEN["a"]) == 1 and len(SEEN["b"]) == 1
+            assert SEEN["fresh"].isdisjoint(SEEN["a"] | SEEN["b"])
+    """)
+    report = tmp_path / "report.json"
+    result = pytester.runpytest_subprocess(*SIM, "--sgl-model", "qwen3-0.6b", "--sgl-gpus", "sim:4",
+                                           "--sgl-report", str(report))
+    result.assert_outcomes(passed=7)
+    data = json.loads(report.read_text())
+    assert data["schema"] == "pytest-sglworker/report/v1"
+    workers = data["workers"]
+    plain = workers["qwen3-0.6b"]
+    assert (plain["launches"], plain["reuses"]) == (2, 2)  # one pooled + one fresh; a2 and a3 reused
+    tight = next(v for k, v in workers.items() if k.startswith("qwen3-0.6b-"))
+    assert (tight["launches"], tight["reuses"]) == (1, 1)
+    assert tight["label"] == "qwen3-0.6b --max-total-tokens 512"
+    assert plain["startup_seconds"]["min"] > 0 and len(plain["startup_seconds"]["samples"]) == 2
+    assert plain["kv_tokens"]["actual"] > 0 and plain["kv_tokens"]["predicted"] > 0
+    assert tight["kv_tokens"]["actual"] == 512
+    assert sum(1 for r in _records(record) if r["event"] == "start") == 3
+
+
+def test_idle_worker_is_evicted_when_its_lease_is_needed(
+    pytester: pytest.Pytester, sim_env: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    record = tmp_path / "record.jsonl"
+    monkeypatch.setenv("SGLSIM_RECORD", str(record))
+    pytester.makepyfile("""
+        import pytest
+
+        def test_a(sgl_worker): pass
+
+        @pytest.mark.sgl_worker(args=["--max-total-tokens", "512"])
+        def test_b(sgl_worker): pass
+
+        def test_a_again(sgl_worker): pass
+    """)
+    result = pytester.runpytest_subprocess(*SIM, "--sgl-model", "qwen3-0.6b", "--sgl-gpus", "sim:1",
+                                           "--sgl-lease-timeout", "20", "--sgl-reorder", "off", "-s")
+    result.assert_outcomes(passed=3)
+    result.stdout.fnmatch_lines(["*evicting idle worker qwen3-0.6b on 127.0.0.1:*to free its GPU lease*"])
+    events = _records(record)
+    # one GPU: a worker exits before the next one starts
+    starts = [r for r in events if r["event"] == "start"]
+    exits = [r for r in events if r["event"] == "exit"]
+    assert len(starts) == 3 and len(exits) == 3
+    for later, earlier_exit in zip(starts[1:], exits):
+        assert earlier_exit["time"] <= later["time"]
+
+
+def test_reorder_groups_tests_of_one_configuration(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile("""
+        import pytest
+
+        def test_1(sgl_worker): pass
+
+        @pytest.mark.sgl_worker(args=["--max-total-tokens", "512"])
+        def test_2(sgl_worker): pass
+
+        def test_3(): pass
+
+        def test_4(sgl_worker): pass
+    """)
+    result = pytester.runpytest(*SIM, "--sgl-model", "qwen3-0.6b", "--collect-only", "-q")
+    result.stdout.fnmatch_lines(["*test_1*", "*test_4*", "*test_2*", "*test_3*"])
+    result = pytester.runpytest(*SIM, "--sgl-model", "qwen3-0.6b", "--collect-only", "-q", "--sgl-reorder", "off")
+    result.stdout.fnmatch_lines(["*test_1*", "*test_2*", "*test_3*", "*test_4*"])
+
+
+def test_worker_tests_get_an_xdist_group_per_configuration(pytester: pytest.Pytester) -> None:
+    pytester.makeconftest("""
+        def pytest_collection_finish(session):
+            for item in session.items:
+                mark = item.get_closest_marker("xdist_group")
+                print("GROUP", item.name, mark.kwargs["name"] if mark else None)
+    """)
+    pytester.makepyfile("""
+        import pytest
+
+        def test_1(sgl_worker): pass
+
+        @pytest.mark.sgl_worker(args=["--max-total-tokens", "512"])
+        def test_2(sgl_worker): pass
+
+        def test_3(): pass
+    """)
+    result = pytester.runpytest(*SIM, "--sgl-model", "qwen3-0.6b", "--collect-only", "-s")
+    out = result.stdout.str()
+    assert "GROUP test_1[qwen3-0.6b] sgl-qwen3-0.6b" in out
+    assert "GROUP test_3 None" in out
+    group2 = [line for line in out.splitlines() if line.startswith("GROUP test_2")][0]
+    assert group2.split()[-1].startswith("sgl-qwen3-0.6b-")
+
+
+def test_waiting_status_and_summary(pytester: pytest.Pytester, sim_env: dict[str, str],
+                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SGLSIM_STARTUP_SECONDS", "2.5")
+    pytester.makepyfile("def test_a(sgl_worker): pass")
+    result = pytester.runpytest_subprocess(*SIM, "--sgl-model", "qwen3-0.6b")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines([
+        "*[[]sglworker[]] waiting for worker qwen3-0.6b on 127.0.0.1:* (pid *, GPUs 0): *, * s",
+        "*sglang workers*",
+        "qwen3-0.6b: 1 launched, 0 reused, startup min/median/max */*/* s*KV #tokens * (predicted *)",
+    ])
+    quiet = pytester.runpytest_subprocess(*SIM, "--sgl-model", "qwen3-0.6b", "-q")
+    quiet.assert_outcomes(passed=1)
+    assert "waiting for worker" not in quiet.stdout.str()
+    assert "1 launched" in quiet.stdout.str()  # the summary stays under -q
+    silent = pytester.runpytest_subprocess(*SIM, "--sgl-model", "qwen3-0.6b", "-qq")
+    assert silent.ret == 0 and "sglang workers" not in silent.stdout.str()
+
+
+def test_list_models_uses_declared_inventory_for_the_ledger(pytester: pytest.Pytester) -> None:
+    result = pytester.runpytest("--sgl-list-models", "--sgl-gpus", "sim:2x24")
+    assert result.ret == 0
+    result.stdout.fnmatch_lines([
+        "memory ledger for: declared sim:2x24 (24576 MiB)",
+        "*llama-8b*",
+    ])
+    result = pytester.runpytest("--sgl-list-models", "--sgl-card", "H100-80G")
+    result.stdout.fnmatch_lines(["memory ledger for: H100-80G", "*verdict: fits*"])
