@@ -313,10 +313,14 @@ def _serve_argv(model: str, worker_args: tuple[str, ...]) -> tuple[str, ...]:
 
 @pytest.mark.real_engine
 def test_real_parser_accepts_every_builtin_spec_and_rejects_mistakes(real_python: str, tmp_path: Path) -> None:
+    from pytest_sglworker.launcher import build_argv
+
     cpu = cpu_engine_spec("cpu-tiny", "/models/tiny", extra_args=("--skip-server-warmup",))
-    good = {spec.name: _serve_argv(spec.model, spec.worker_args) for spec in (*BUILTIN_SPECS, cpu)}
-    for argv in good.values():
-        assert not check_argv(argv[8:]), argv
+    # exactly the argv the plugin builds (without the launcher), --nccl-port included
+    good = {spec.name: tuple(build_argv(spec, port=30000, nccl_port=30001, launcher=()))
+            for spec in (*BUILTIN_SPECS, cpu)}
+    for spec in (*BUILTIN_SPECS, cpu):
+        assert not check_argv(spec.worker_args), spec.name
     misspelt = _serve_argv("/models/tiny", (*CI_WORKER_ARGS, "--max-total-tokenz", "1024"))
     bad_choice = _serve_argv("/models/tiny", ("--mem-fraction-static=0.6", "--cuda-graph-backend-prefill=bogus"))
     # budget.py assumes these are the shortest unambiguous prefixes of the budget flags in sglang 0.5.23
