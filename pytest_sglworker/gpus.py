@@ -640,7 +640,14 @@ def _write_record(path: Path, record: HolderRecord) -> None:
         "namespace": record.namespace,
         "gpus": list(record.gpus),
     }
-    tmp.write_text(json.dumps(payload, indent=1), encoding="utf-8")
+    # 0644 whatever the umask; O_EXCL: never write through a file or symlink planted at the temporary name.
+    try:
+        tmp.unlink()
+    except FileNotFoundError:
+        pass
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    with os.fdopen(fd, "w", encoding="utf-8") as fh:
+        fh.write(json.dumps(payload, indent=1))
     os.replace(tmp, path)
 
 
@@ -858,6 +865,8 @@ class _Attempt:
     gpus: list[GpuInfo]
     locked: set[int] = field(default_factory=set)
     low: set[int] = field(default_factory=set)
+    #: GPU index -> (dead holder pid, pids of the workers it left running there)
+    orphans: dict[int, tuple[int, tuple[int, ...]]] = field(default_factory=dict)
 
 
 class LeaseManager:
@@ -971,6 +980,13 @@ class LeaseManager:
             locks = self._lock_group(group, attempt)
             if locks is None:
                 continue
+            orphans = _dead_holder_leftovers(self.lock_dir, self.namespace, group)
+            if orphans:  # the GPU is unlocked but its dead holder's engine still runs there: not free yet
+                attempt.orphans.update(orphans)
+                attempt.locked.update(orphans)
+                for lock in locks:
+                    lock.release(force=True)
+                continue
             # Re-read after locking: someone may have started on a GPU between the reading and the lock.
             try:
                 fresh = {g.index: g for g in self.inventory.snapshot()}
@@ -1040,6 +1056,10 @@ class LeaseManager:
             label = f"GPU {gpu.index}"
             if record is not None:
                 parts.append(f"{label} leased by {record.describe(now)}")
+            elif gpu.index in attempt.orphans:
+                dead, pids = attempt.orphans[gpu.index]
+                parts.append(f"{label} still used by worker process(es) {_join(pids)} of pid {dead}, which died "
+                             "without releasing its lease (its session watchdog ends them)")
             elif gpu.index in attempt.locked:
                 parts.append(f"{label} locked (holder record not written yet or unreadable)")
             elif gpu.index in attempt.low:
@@ -1051,6 +1071,57 @@ class LeaseManager:
             else:
                 parts.append(f"{label} free")
         return "; ".join(parts) if parts else "the inventory has no GPU"
+
+
+def _dead_holder_leftovers(
+    lock_dir: Path, namespace: str, group: Sequence[int]
+) -> dict[int, tuple[int, tuple[int, ...]]]:
+    """Workers still running on GPUs of ``group`` whose lease holder died without releasing the lease.
+
+    The kernel drops a dead holder's ``flock`` at once, but the engine it launched lives on until the
+    holder's session watchdog (or the next session's janitor) ends it, which may take the engine's whole
+    SIGTERM grace: the GPU must not be handed out meanwhile. Only a clean release removes the holder record,
+    so a record whose process is gone names the dead holder; its workers carry ``SGLWORKER_OWNER=<pid>-...``.
+    Cheap when nobody died: the process table is scanned only for such stale records.
+    """
+    result: dict[int, tuple[int, tuple[int, ...]]] = {}
+    for index in group:
+        record = read_holder_record(_record_path(lock_dir, namespace, index), only_live=False)
+        if record is None or record.hostname != _hostname():
+            continue
+        if _process_alive(record.pid, record.since, record.hostname):
+            continue
+        pids = _session_worker_pids(record.pid, record.since)
+        if pids:
+            result[index] = (record.pid, pids)
+    return result
+
+
+def _session_worker_pids(session_pid: int, since: float) -> tuple[int, ...]:
+    """Live processes tagged by the session of the (dead) pytest process ``session_pid``, which leased at
+    ``since``."""
+    import psutil
+
+    from .launcher import OWNER_ENV
+
+    prefix = f"{session_pid}-"
+    try:  # a process with that pid created after the lease reused it: its own workers are not leftovers
+        created = psutil.Process(session_pid).create_time()  # (the dead holder itself, as a zombie, is not)
+        reused_at: float | None = created if created > since + 2.0 else None
+    except psutil.Error:
+        reused_at = None
+    found = []
+    for proc in psutil.process_iter(["pid", "uids", "create_time"]):
+        try:
+            if proc.info["uids"] is None or proc.info["uids"].real != os.getuid():
+                continue
+            if reused_at is not None and proc.info["create_time"] >= reused_at:
+                continue
+            if proc.environ().get(OWNER_ENV, "").startswith(prefix):
+                found.append(proc.pid)
+        except (psutil.Error, OSError):
+            continue  # gone, a zombie, or not ours to read
+    return tuple(sorted(found))
 
 
 def _candidate_groups(eligible: Sequence[int], tp: int, attempt: _Attempt) -> Iterator[list[int]]:

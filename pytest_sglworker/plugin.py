@@ -102,7 +102,26 @@ def _launcher(value: str) -> tuple[str, ...]:
 def _port_range(value: str) -> tuple[int, int]:
     from .ports import parse_port_range
 
-    return parse_port_range(value)
+    low, high = parse_port_range(value)
+    if high - low + 1 < _PORT_BLOCK:  # one worker reserves a block of 4 ports (HTTP, NCCL, 2 spare)
+        raise ValueError(f"{value!r} holds {high - low + 1} port(s), less than one worker's block of {_PORT_BLOCK}")
+    return low, high
+
+
+_PORT_BLOCK = 4
+
+
+def _path(value: str) -> Path:
+    if not value.strip():
+        raise ValueError("the path is empty")
+    return Path(value)
+
+
+def _report_path(value: str) -> Path:
+    path = _path(value)
+    if path.is_dir():
+        raise ValueError(f"{value!r} is a directory; give a file path, e.g. {path / 'sglworker-report.json'}")
+    return path
 
 
 def _card(value: str) -> str:
@@ -122,8 +141,8 @@ def _gpus(value: str) -> str:
 OPTIONS: tuple[_Opt, ...] = (
     _Opt("engine", "SGLWORKER_ENGINE", "sgl_engine", ENGINE_DESC, "real", _engine),
     _Opt("launcher", "SGLWORKER_LAUNCHER", "sgl_launcher", LAUNCHER_DESC, None, _launcher),
-    _Opt("log-dir", "SGLWORKER_LOG_DIR", "sgl_log_dir", LOG_DIR_DESC, None, Path),
-    _Opt("lock-dir", "SGLWORKER_LOCK_DIR", "sgl_lock_dir", LOCK_DIR_DESC, None, Path),
+    _Opt("log-dir", "SGLWORKER_LOG_DIR", "sgl_log_dir", LOG_DIR_DESC, None, _path),
+    _Opt("lock-dir", "SGLWORKER_LOCK_DIR", "sgl_lock_dir", LOCK_DIR_DESC, None, _path),
     _Opt("startup-timeout", "SGLWORKER_STARTUP_TIMEOUT", "sgl_startup_timeout", STARTUP_TIMEOUT_DESC, 600.0,
          _positive_float),
     _Opt("lease-timeout", "SGLWORKER_LEASE_TIMEOUT", "sgl_lease_timeout", LEASE_TIMEOUT_DESC, 1800.0,
@@ -133,7 +152,7 @@ OPTIONS: tuple[_Opt, ...] = (
     _Opt("keep-logs", "SGLWORKER_KEEP_LOGS", "sgl_keep_logs", KEEP_LOGS_DESC, False, _on_off),
     _Opt("reuse", "SGLWORKER_REUSE", "sgl_reuse", REUSE_DESC, True, _on_off),
     _Opt("reorder", "SGLWORKER_REORDER", "sgl_reorder", REORDER_DESC, True, _on_off),
-    _Opt("report", "SGLWORKER_REPORT", "sgl_report", REPORT_DESC, None, Path),
+    _Opt("report", "SGLWORKER_REPORT", "sgl_report", REPORT_DESC, None, _report_path),
     _Opt("tail-lines", "SGLWORKER_TAIL_LINES", "sgl_tail_lines", TAIL_DESC, 40, _positive_int),
     _Opt("card", "SGLWORKER_CARD", "sgl_card", CARD_DESC, None, _card),
 )
@@ -274,9 +293,11 @@ class WorkerMarker:
             raise ValueError(
                 f"sgl_worker got unknown argument(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}"
             )
-        args = mark.kwargs.get("args", ())
+        args = mark.kwargs.get("args") or ()
         if isinstance(args, str):
             raise ValueError(f"sgl_worker(args=...) must be a list of arguments, not the string {args!r}")
+        if not isinstance(args, (list, tuple)):
+            raise ValueError(f"sgl_worker(args=...) must be a list of arguments, got {args!r}")
         if not all(isinstance(a, str) for a in args):
             raise ValueError(f"sgl_worker(args=...) must contain strings only, got {list(args)!r}")
         env = mark.kwargs.get("env") or {}
@@ -286,7 +307,8 @@ class WorkerMarker:
         if not isinstance(fresh, bool):
             raise ValueError(f"sgl_worker(fresh=...) must be True or False, got {fresh!r}")
         timeout = mark.kwargs.get("startup_timeout")
-        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                    or not 0 < timeout < float("inf")):  # NaN too: it would never time out
             raise ValueError(f"sgl_worker(startup_timeout=...) must be a positive number of seconds, got {timeout!r}")
         foreign = mark.kwargs.get("allow_foreign_host")
         if foreign is not None and (not isinstance(foreign, str) or not foreign.strip()):
@@ -298,6 +320,10 @@ def _opt_out_reason(item: pytest.Item) -> str | None:
     mark = item.get_closest_marker("sgl_budget_opt_out")
     if mark is None:
         return None
+    unknown = sorted(set(mark.kwargs) - {"reason"})
+    if unknown or len(mark.args) > 1 or (mark.args and "reason" in mark.kwargs):
+        raise ValueError(f"sgl_budget_opt_out takes one reason only, got args {mark.args!r} and kwargs "
+                         f"{mark.kwargs!r}: @pytest.mark.sgl_budget_opt_out(reason='why')")
     reason = mark.kwargs.get("reason", mark.args[0] if mark.args else None)
     if not isinstance(reason, str) or not reason.strip():
         raise ValueError("sgl_budget_opt_out needs a reason: @pytest.mark.sgl_budget_opt_out(reason='why')")
@@ -373,10 +399,12 @@ class SessionState:
         from .reaper import Watchdog, reap_dead_sessions
 
         s = self.settings
-        reaped = reap_dead_sessions(s.log_dir or state_dirs.default_log_dir())
+        lock_dir = state_dirs.ensure_private_dir(s.lock_dir or state_dirs.default_lock_dir(), what="lock directory",
+                                                 shared_ok=s.lock_dir is not None)
+        reaped = reap_dead_sessions(s.log_dir or state_dirs.default_log_dir(), lock_dir=lock_dir)
         if reaped:
             self.message(f"cleaned up after earlier sessions: {reaped}")
-        self._watchdog = Watchdog()
+        self._watchdog = Watchdog(lock_dir=lock_dir)
         launcher = s.launcher or (tuple(sim_launcher()) if s.engine == "sim" else None)
         options = LaunchOptions(
             launcher=launcher, log_dir=s.log_dir, lock_dir=s.lock_dir, startup_timeout=s.startup_timeout,
@@ -657,7 +685,10 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         metafunc.parametrize("sgl_model", [pytest.param(None, marks=pytest.mark.skip(
             reason="no sglang model selected: run with --sgl-model NAME (see --sgl-list-models)"))], ids=["no-model"])
         return
-    required = _required_features(metafunc.definition)
+    try:
+        required = _required_features(metafunc.definition)
+    except ValueError:  # reported on each test by pytest_collection_modifyitems, not hidden by a skip
+        required = set()
     params = []
     for spec in specs:
         missing = sorted(required - spec.features)
@@ -670,11 +701,16 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 def _required_features(node: pytest.Item | Any) -> set[str]:
     features: set[str] = set()
     for mark in node.iter_markers("sgl_requires"):
+        if mark.kwargs:
+            raise ValueError(f"sgl_requires takes feature names only, got keyword(s) {', '.join(sorted(mark.kwargs))}: "
+                             "@pytest.mark.sgl_requires('streaming', 'chat')")
         for feature in mark.args:
-            if isinstance(feature, (list, tuple, set, frozenset)):
-                features.update(str(f) for f in feature)
-            else:
-                features.add(str(feature))
+            names = feature if isinstance(feature, (list, tuple, set, frozenset)) else [feature]
+            for name in names:
+                if not isinstance(name, str) or not name.strip():
+                    raise ValueError(f"sgl_requires takes feature names (non-empty strings), got {name!r}: "
+                                     "@pytest.mark.sgl_requires('streaming', 'chat')")
+                features.add(name)
     return features
 
 
@@ -701,6 +737,12 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
         if found:
             spec_problems[registered.name] = budget.describe_violation(
                 f"model spec {registered.name!r} ({registered.model})", found)
+    for item in items:
+        if "sgl_model" in getattr(item, "fixturenames", ()):
+            try:
+                _required_features(item)
+            except ValueError as exc:
+                item.stash[ITEM_ERROR_KEY] = str(exc)
     for item in items:
         fixturenames = getattr(item, "fixturenames", ())
         if "sgl_worker" not in fixturenames and "sgl_spawn_worker" not in fixturenames:
@@ -745,10 +787,6 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     _skip_impossible(state, items)
     if state.settings.reorder:
         _reorder(items)
-    for item in items:
-        worker_config = item.stash.get(CONFIG_KEY, None)
-        if worker_config is not None and item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(name=f"sgl-{worker_config.key}"))
 
 
 def _skip_impossible(state: SessionState, items: list[pytest.Item]) -> None:
@@ -758,8 +796,19 @@ def _skip_impossible(state: SessionState, items: list[pytest.Item]) -> None:
         return
     try:
         manager = state.lease_manager()
-    except SglWorkerError as exc:
+    except (SglWorkerError, ValueError) as exc:  # ValueError: --sgl-gpus names GPUs that are not visible
+        from .errors import InventoryUnavailable
+
         reason = f"no GPU inventory: {exc}"
+        inventory = isinstance(exc, InventoryUnavailable)
+        if not inventory or (state.settings.gpus_explicit and _is_xdist_worker(state.config)):
+            # An unsafe or unusable lock directory is an error, never a skip (a green run would hide it); an
+            # xdist worker cannot stop the session cleanly, so each worker test fails with the message.
+            source = f"{state.settings.sources['gpus']}: " if inventory else ""
+            for item in items:
+                if CONFIG_KEY in item.stash:
+                    item.stash[ITEM_ERROR_KEY] = f"{source}{exc}"
+            return
         if state.settings.gpus_explicit:
             raise pytest.UsageError(f"{state.settings.sources['gpus']}: {exc}") from None
         for item in items:
@@ -839,7 +888,9 @@ def _holder(request: pytest.FixtureRequest) -> str:
 
 
 def _fail_with(exc: SglWorkerError) -> None:
-    pytest.fail(str(exc), pytrace=False)
+    # "from None": called inside "except SglWorkerError", the failure would otherwise chain that error as
+    # its context, and pytest prints a chain even with pytrace=False: the whole message twice.
+    raise pytest.fail.Exception(str(exc), pytrace=False) from None
 
 
 @pytest.fixture
@@ -867,7 +918,9 @@ def sgl_worker(request: pytest.FixtureRequest, sgl_model: ModelSpec) -> Iterator
     yield instance
     reports = item.stash.get(REPORTS_KEY, {})
     call = reports.get("call")
-    failed = call is not None and call.failed
+    # No call report: the test was interrupted (Ctrl-C, pytest.exit) and this teardown runs at session end;
+    # keep the log, and do not raise from here (a failure raised at session finish crashes pytest).
+    failed = call is None or call.failed
     if not instance.is_alive():
         pool.discard(instance, failed=True)
         if not failed:
@@ -994,6 +1047,7 @@ def pytest_report_header(config: pytest.Config) -> list[str] | None:
             f"sglworker: worker flags {state.flag_check}"]
 
 
+@pytest.hookimpl(trylast=True)  # after the runner's, which tears down the fixtures of an interrupted test
 def pytest_sessionfinish(session: pytest.Session) -> None:
     state = session.config.stash.get(STATE_KEY, None)
     if state is None:
@@ -1021,10 +1075,16 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
     if state.settings.report is not None:
         from .pool import write_report
 
-        write_report(state.settings.report, stats, {
-            "engine": state.settings.engine, "models": list(state.settings.models), "exitstatus": int(exitstatus),
-        })
-        terminalreporter.write_line(f"sglworker: run report written to {state.settings.report}")
+        try:
+            write_report(state.settings.report, stats, {
+                "engine": state.settings.engine, "models": list(state.settings.models), "exitstatus": int(exitstatus),
+            })
+        except OSError as exc:  # a crash here would end pytest with a traceback instead of its summary
+            terminalreporter.write_line(f"sglworker: ERROR: cannot write the run report to {state.settings.report} "
+                                        f"({state.settings.sources.get('report', '--sgl-report')}): "
+                                        f"{exc.strerror or exc}", red=True)
+        else:
+            terminalreporter.write_line(f"sglworker: run report written to {state.settings.report}")
     if not stats or config.get_verbosity() < -1:
         return
     terminalreporter.write_sep("-", "sglang workers")
@@ -1076,12 +1136,16 @@ class XdistHooks:
         # pytest >= 9.2 derives the node id from the structured item._id, while xdist <= 3.8 still writes the
         # suffixed id to the legacy item._nodeid: the @group suffix is lost and loadgroup silently stops
         # grouping (pytest-dev/pytest-xdist#1386). Carry it over; a no-op once xdist sets the id itself.
+        # This is the plugin's one use of pytest internals, guarded so that another pytest cannot break a run.
         for item in items:
             legacy = getattr(item, "_nodeid", None)
             if isinstance(legacy, str) and legacy.startswith(item.nodeid + "@") and hasattr(item, "_id"):
-                from _pytest.nodeid import NodeId
+                try:
+                    from _pytest.nodeid import NodeId
 
-                item._id = NodeId.parse(legacy)
+                    item._id = NodeId.parse(legacy)
+                except Exception:  # noqa: BLE001 - a workaround must never fail a run
+                    break
         return result
 
     def pytest_testnodedown(self, node: Any, error: Any) -> None:

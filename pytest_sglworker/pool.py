@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import os
 import statistics
 import time
 from collections import OrderedDict
@@ -54,7 +55,10 @@ class WorkerConfig:
     def label(self) -> str:
         parts = [self.spec.name]
         if self.extra_args:
-            parts.append(" ".join(self.extra_args))
+            from .launcher import redact, secret_values
+
+            # The label goes to the terminal summary and the --sgl-report JSON: never an --api-key value.
+            parts.append(redact(" ".join(self.extra_args), secret_values({}, self.extra_args)))
         if self.env:
             parts.append("env " + ",".join(k for k, _ in self.env))
         return " ".join(parts)
@@ -360,4 +364,6 @@ def write_report(path: Path, stats: Mapping[str, ConfigStats], extra: Mapping[st
     data = {"schema": "pytest-sglworker/report/v1", **extra,
             "workers": {key: s.as_dict() for key, s in sorted(stats.items())}}
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    # 0644 whatever the umask: never world-writable.
+    with open(path, "w", encoding="utf-8", opener=lambda p, flags: os.open(p, flags, 0o644)) as fh:
+        fh.write(json.dumps(data, indent=2, sort_keys=True) + "\n")
