@@ -1144,7 +1144,7 @@ class XdistHooks:
                     from _pytest.nodeid import NodeId
 
                     item._id = NodeId.parse(legacy)
-                except Exception:  # noqa: BLE001 - a workaround must never fail a run
+                except Exception:  # a workaround must never fail a run
                     break
         return result
 

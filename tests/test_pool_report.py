@@ -84,7 +84,7 @@ def test_idle_worker_is_evicted_when_its_lease_is_needed(
     starts = [r for r in events if r["event"] == "start"]
     exits = [r for r in events if r["event"] == "exit"]
     assert len(starts) == 3 and len(exits) == 3
-    for later, earlier_exit in zip(starts[1:], exits):
+    for later, earlier_exit in zip(starts[1:], exits[:-1], strict=True):
         assert earlier_exit["time"] <= later["time"]
 
 
@@ -128,7 +128,7 @@ def test_worker_tests_get_an_xdist_group_per_configuration(pytester: pytest.Pyte
     out = result.stdout.str()
     assert "GROUP test_1[qwen3-0.6b] sgl-qwen3-0.6b" in out
     assert "GROUP test_3 None" in out
-    group2 = [line for line in out.splitlines() if line.startswith("GROUP test_2")][0]
+    group2 = next(line for line in out.splitlines() if line.startswith("GROUP test_2"))
     assert group2.split()[-1].startswith("sgl-qwen3-0.6b-")
 
 

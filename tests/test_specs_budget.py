@@ -120,7 +120,7 @@ def test_budget_accepts(argv: list[str]) -> None:
 def test_budget_rejects(argv: list[str], expected: list[str]) -> None:
     problems = [str(p) for p in check_argv(argv)]
     assert len(problems) == len(expected), problems
-    for problem, fragment in zip(problems, expected):
+    for problem, fragment in zip(problems, expected, strict=True):
         assert fragment in problem
 
 
