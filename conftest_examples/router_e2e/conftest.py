@@ -10,7 +10,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from router import RoundRobinRouter  # noqa: E402
+from router import RoundRobinRouter
 
 
 @pytest.fixture
