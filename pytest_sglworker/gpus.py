@@ -27,6 +27,7 @@ whose process is gone (or whose pid was reused by a younger process) is ignored.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -951,25 +952,63 @@ class LeaseManager:
             raise LeaseImpossible(reason)
         start = self.clock()
         next_notice: float | None = None
-        while True:
-            lease, attempt = self._attempt(tp, memory_mib, holder)
-            if lease is not None:
-                return lease
-            now = self.clock()
-            waited = now - start
-            if waited >= timeout:
-                raise LeaseTimeout(
-                    f"no lease of {tp} GPU(s) with {memory_mib} MiB free each for {holder!r} within "
-                    f"{timeout:g} s ({self.inventory.describe()}, locks in {self.lock_dir}): "
-                    + self._explain(attempt, memory_mib)
-                )
-            if on_wait is not None and (next_notice is None or now >= next_notice):
-                on_wait(
-                    f"waiting for {tp} GPU(s) with {memory_mib} MiB free each for {holder!r} "
-                    f"({waited:.0f} s of {timeout:g} s): " + self._explain(attempt, memory_mib)
-                )
-                next_notice = now + self.notice_interval
-            self.sleep(max(min(poll_interval, timeout - waited), 0.0))
+        waiting_flag: Path | None = None
+        try:
+            while True:
+                lease, attempt = self._attempt(tp, memory_mib, holder)
+                if lease is not None:
+                    return lease
+                if waiting_flag is None:
+                    waiting_flag = self._flag_waiting()
+                now = self.clock()
+                waited = now - start
+                if waited >= timeout:
+                    raise LeaseTimeout(
+                        f"no lease of {tp} GPU(s) with {memory_mib} MiB free each for {holder!r} within "
+                        f"{timeout:g} s ({self.inventory.describe()}, locks in {self.lock_dir}): "
+                        + self._explain(attempt, memory_mib)
+                    )
+                if on_wait is not None and (next_notice is None or now >= next_notice):
+                    on_wait(
+                        f"waiting for {tp} GPU(s) with {memory_mib} MiB free each for {holder!r} "
+                        f"({waited:.0f} s of {timeout:g} s): " + self._explain(attempt, memory_mib)
+                    )
+                    next_notice = now + self.notice_interval
+                self.sleep(max(min(poll_interval, timeout - waited), 0.0))
+        finally:
+            if waiting_flag is not None:
+                with contextlib.suppress(OSError):
+                    waiting_flag.unlink()
+
+    # -- waiters: a process that waits for a lease says so, so that holders of idle pooled workers let go
+
+    def _waiting_path(self, pid: int) -> Path:
+        return self.lock_dir / f"waiting-{self.namespace}-{pid}"
+
+    def _flag_waiting(self) -> Path | None:
+        path = self._waiting_path(os.getpid())
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+            os.close(fd)
+        except OSError:
+            return None
+        return path
+
+    def others_waiting(self) -> bool:
+        """Whether another live process of this machine waits for a lease of this inventory: a pool then
+        retires its idle workers instead of keeping their GPUs."""
+        import psutil
+
+        me = os.getpid()
+        for path in self.lock_dir.glob(f"waiting-{self.namespace}-*"):
+            pid_text = path.name.rsplit("-", 1)[-1]
+            if not pid_text.isdigit() or int(pid_text) == me:
+                continue
+            if psutil.pid_exists(int(pid_text)):
+                return True
+            with contextlib.suppress(OSError):
+                path.unlink()  # a waiter that died
+        return False
 
     def _attempt(self, tp: int, memory_mib: int, holder: str) -> tuple[Lease | None, _Attempt]:
         gpus = self.inventory.snapshot()

@@ -153,12 +153,22 @@ def read_head(path: Path | str, max_bytes: int = 4 * 1024 * 1024) -> str:
         return ""
 
 
+#: The secret word must stand as a whole word of the name (HF_TOKEN, OPENAI_API_KEY, AWS_SECRET_ACCESS_KEY), so
+#: that TOKENIZERS_PARALLELISM=false does not turn every "false" of a log into "***".
+_SECRET_NAME_WORD = re.compile(r"(?:^|_)(?:TOKEN|SECRET|PASSWORD|PASSWD|API_?KEY|CREDENTIALS?|AUTH)(?:_|$)",
+                               re.IGNORECASE)
+_NOT_SECRET_VALUES = frozenset({"true", "false", "none", "null", "auto"})
+#: ``--api-key`` and its kin (``--admin-api-key``, ``--hf-token``...).
+_SECRET_FLAG = re.compile(r"--(?:[a-z0-9-]*-)?(?:api-key|token|secret|password)")
+
+
 def secret_values(env: Mapping[str, str], argv: Sequence[str] = ()) -> list[str]:
     """Values to redact: secret-looking env vars and ``--api-key`` values (4+ characters)."""
-    values = [v for k, v in env.items() if SECRET_ENV_PATTERN.search(k) and len(v) >= 4]
+    values = [v for k, v in env.items() if SECRET_ENV_PATTERN.search(k) and _SECRET_NAME_WORD.search(k)
+              and len(v) >= 4 and v.lower() not in _NOT_SECRET_VALUES]
     for i, arg in enumerate(argv):
         name, eq, value = arg.partition("=")
-        if name == "--api-key":
+        if _SECRET_FLAG.fullmatch(name):
             value = value if eq else (argv[i + 1] if i + 1 < len(argv) else "")
             if len(value) >= 4:
                 values.append(value)
@@ -295,8 +305,12 @@ class ModelInstance:
         return self._client
 
     # -- tree ---------------------------------------------------------------------------------------------
-    def _tree(self) -> list[psutil.Process]:
-        """The root and every descendant, plus any process carrying our owner tag (escaped children)."""
+    def _tree(self, *, sweep: bool = True) -> list[psutil.Process]:
+        """The root and every descendant; with ``sweep``, also every process of the worker's session (the
+        root leads it) and every process carrying our owner tag (children that left the session). Both
+        are needed: sglang's scheduler and detokenizer rename themselves (setproctitle), which hides their
+        environment from /proc, but they stay in the session; an escaped child leaves the session but
+        keeps the tag."""
         import psutil
 
         procs: dict[int, psutil.Process] = {}
@@ -307,12 +321,19 @@ class ModelInstance:
                 procs[child.pid] = child
         except psutil.Error:
             pass
-        for proc in find_tagged_processes(self.owner_tag):
-            procs.setdefault(proc.pid, proc)
+        if sweep:
+            for proc in psutil.process_iter():
+                try:
+                    if proc.pid not in procs and os.getsid(proc.pid) == self.pid:
+                        procs[proc.pid] = proc
+                except (OSError, psutil.Error):
+                    continue
+            for proc in find_tagged_processes(self.owner_tag):
+                procs.setdefault(proc.pid, proc)
         self.pids_seen.update(procs)
         return list(procs.values())
 
-    def stop(self, *, term_timeout: float = 15.0, kill_timeout: float = 10.0) -> list[int]:
+    def stop(self, *, term_timeout: float = 10.0, kill_timeout: float = 10.0) -> list[int]:
         """Tear the whole process tree down; returns the PIDs that needed SIGKILL. Idempotent."""
         if self._client is not None:
             with contextlib.suppress(Exception):
@@ -367,27 +388,39 @@ def terminate_tree(
     process: subprocess.Popen[bytes] | None,
     collect: Callable[[], list[psutil.Process]],
     *,
-    term_timeout: float = 15.0,
+    term_timeout: float = 10.0,
     kill_timeout: float = 10.0,
 ) -> list[int]:
-    """SIGTERM to the process group and every collected process, bounded wait, SIGKILL what is left, then
-    wait until every collected process is gone (zombies count as gone). Returns the PIDs killed."""
+    """Stop a worker's whole tree; returns the PIDs that needed SIGKILL.
+
+    The root first: on SIGTERM sglang's parent shuts its scheduler and detokenizer down cleanly (about 4 s,
+    exit 0), whereas a SIGTERM to the whole group kills the scheduler first and the parent then sleeps 5 s
+    and ends with -9. Then SIGTERM to the group and to every collected process still alive (escaped
+    children included), a bounded wait, SIGKILL to what is left, and a wait until every collected process
+    is gone (zombies count as gone)."""
     import psutil
 
-    procs = collect()
+    procs = {p.pid: p for p in collect()}
+    if process is not None and process.poll() is None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            process.send_signal(signal.SIGTERM)
+        _wait_gone(process, [], term_timeout)
+        procs.update((p.pid, p) for p in collect())
+    remaining = [p for p in procs.values() if _alive(p)]
     if process is not None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(process.pid, signal.SIGTERM)
-    for proc in procs:
+    for proc in remaining:
         with contextlib.suppress(psutil.Error):
             proc.terminate()
-    _wait_gone(process, procs, term_timeout)
-    leftovers = [p for p in collect() + procs if _alive(p)]
+    _wait_gone(process, remaining, min(5.0, term_timeout) if process is not None else term_timeout)
+    procs.update((p.pid, p) for p in collect())
+    leftovers = [p for p in procs.values() if _alive(p)]
     killed: list[int] = []
     if process is not None and process.poll() is None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(process.pid, signal.SIGKILL)
-    for proc in {p.pid: p for p in leftovers}.values():
+    for proc in leftovers:
         with contextlib.suppress(psutil.Error):
             proc.kill()
             killed.append(proc.pid)
@@ -421,7 +454,7 @@ def _listening_in_tree(instance: ModelInstance) -> bool:
     """Whether a process of the worker's tree listens on its port (a stale server's answer is not ours)."""
     import psutil
 
-    for proc in instance._tree():
+    for proc in instance._tree(sweep=False):
         try:
             conns = proc.net_connections(kind="tcp")
         except (psutil.Error, OSError):
@@ -524,15 +557,77 @@ def wait_until_healthy(
                         return
                     stale_seen = True
                     last_status = "HTTP 200 from a process that is not this worker (stale server on the port?)"
-                interval = 0.2
+                interval = 0.1
             except httpx.TransportError as exc:
                 last_status = f"{type(exc).__name__}"
             time.sleep(min(interval, max(0.0, deadline - time.monotonic())))
 
 
+#: Below this much free space (or with no free inode) in the log directory a launch fails at once: an engine
+#: that cannot write its log dies or hangs with nothing to show.
+MIN_LOG_FREE_BYTES = 1024 * 1024
+_LAUNCHER_CHECKS: dict[tuple[str, ...], str | None] = {}
+_PYTHON_RE = re.compile(r"python[0-9.]*")
+
+
+def _check_free_space(log_dir: Path) -> None:
+    try:
+        st = os.statvfs(log_dir)
+    except OSError:
+        return
+    free = st.f_bavail * st.f_frsize
+    if free < MIN_LOG_FREE_BYTES or (st.f_files > 0 and st.f_favail == 0):
+        what = f"{free // 1024} KiB free" if free < MIN_LOG_FREE_BYTES else "no free inode"
+        raise LaunchError(f"log directory {log_dir} is full ({what}; a worker log needs at least "
+                          f"{MIN_LOG_FREE_BYTES // (1024 * 1024)} MiB): free some space or choose another "
+                          "--sgl-log-dir")
+
+
+def check_launcher(launcher: Sequence[str], env: Mapping[str, str] | None = None) -> None:
+    """Raise :class:`LaunchError` before anything is launched when the launcher cannot start an engine: its
+    executable is missing or not executable, or it is ``<python> -m <module>`` and that python cannot import
+    the module (sglang not installed there). The module check runs once per process and launcher."""
+    import shutil
+
+    env = os.environ if env is None else env
+    exe = launcher[0]
+    found = shutil.which(exe, path=env.get("PATH", os.defpath))
+    if found is None:
+        if os.sep in exe and os.path.exists(exe):
+            raise LaunchError(f"launcher {exe!r} is not executable")
+        raise LaunchError(f"launcher {exe!r} not found; install sglang, or set --sgl-launcher / SGLWORKER_LAUNCHER, "
+                          "or use --sgl-engine sim")
+    rest = list(launcher[1:])
+    if not _PYTHON_RE.fullmatch(os.path.basename(exe)) or "-m" not in rest or rest.index("-m") + 1 >= len(rest):
+        return
+    module = rest[rest.index("-m") + 1]
+    top = module.split(".", 1)[0]
+    key = (found, top, env.get("PYTHONPATH", ""), env.get("PYTHONHOME", ""))
+    if key not in _LAUNCHER_CHECKS:
+        probe = "import importlib.util, sys; sys.exit(0 if importlib.util.find_spec(sys.argv[1]) else 3)"
+        try:
+            code = subprocess.run([found, "-c", probe, top], env=dict(env), stdin=subprocess.DEVNULL,
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=60).returncode
+        except (OSError, subprocess.TimeoutExpired):
+            code = None  # cannot tell: let the launch itself show what happens
+        _LAUNCHER_CHECKS[key] = (
+            f"{exe} cannot import {top!r}, so '{shlex.join(launcher)}' cannot start: {top} is not installed for "
+            f"that python. Install it there (for sglang: pip install sglang, or bash scripts/install-real-engine.sh), "
+            "point --sgl-launcher / SGLWORKER_LAUNCHER at a python that has it, or use --sgl-engine sim"
+        ) if code == 3 else None
+    message = _LAUNCHER_CHECKS[key]
+    if message is not None:
+        raise LaunchError(message)
+
+
+def _private_file(path: str, flags: int) -> int:
+    """Opener for worker logs: 0600 whatever the umask (the engine logs its arguments, --api-key included)."""
+    return os.open(path, flags, 0o600)
+
+
 def _popen(argv: list[str], env: dict[str, str], log_path: Path) -> subprocess.Popen[bytes]:
     try:
-        log = open(log_path, "ab", buffering=0)
+        log = open(log_path, "ab", buffering=0, opener=_private_file)
     except OSError as exc:
         raise LaunchError(f"cannot write the worker log {log_path}: {exc.strerror}; choose a writable --sgl-log-dir",
                           log_path=str(log_path)) from None
@@ -584,7 +679,9 @@ def spawn_worker(
     from . import state
 
     options = options or LaunchOptions()
+    check_launcher(options.launcher or default_launcher(), {**os.environ, **spec.env, **(env or {})})
     log_dir = state.ensure_private_dir(options.log_dir or state.default_log_dir(), what="log directory")
+    _check_free_space(log_dir)
     attempts = 1 if port is not None else max(1, options.port_retries)
     for attempt in range(1, attempts + 1):
         block = None
@@ -592,7 +689,8 @@ def spawn_worker(
             from .ports import reserve_port_block
 
             block = reserve_port_block(
-                state.ensure_private_dir(options.lock_dir or state.default_lock_dir(), what="lock directory"),
+                state.ensure_private_dir(options.lock_dir or state.default_lock_dir(), what="lock directory",
+                                         shared_ok=options.lock_dir is not None),  # as the plugin's GPU leases
                 port_range=options.port_range,
             )
             http_port, nccl_port = block.port, block.nccl_port

@@ -8,7 +8,6 @@ pynvml, filelock and sglang are imported when a worker is first needed.
 from __future__ import annotations
 
 import os
-import statistics
 import sys
 import time
 from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
@@ -350,6 +349,8 @@ class SessionState:
         self.sglang_version: str | None = None
         self.messages: list[str] = []
         self.worker_stats: list[dict[str, Any]] = []  # from xdist workers
+        #: node ids of the last test of each worker configuration: its worker is retired after it, not pooled
+        self.last_users: set[str] = set()
 
     # -- registry -----------------------------------------------------------------------------------------
     def register_from(self, plugin: object) -> None:
@@ -446,14 +447,13 @@ class SessionState:
     def check_flags(self, subjects: Mapping[str, tuple[ModelSpec, tuple[str, ...]]]) -> dict[str, str]:
         """Parse each subject's worker argv with sglang's own parser (in the engine's interpreter, cached).
         Returns ``{subject: message}`` for the argvs sglang rejects (a misspelt flag, an invalid choice)."""
+        if not subjects:
+            return {}
         import importlib.util
 
         from . import state as state_dirs
         from .engine_args import check_with_sglang, find_sglang_python
         from .launcher import build_argv
-
-        if not subjects:
-            return {}
         python = find_sglang_python(self.launcher())
         if python is None and self.settings.engine == "sim":
             python = sys.executable  # the sim engine: check with sglang if this environment has it
@@ -725,8 +725,6 @@ def _is_xdist_worker(config: pytest.Config) -> bool:
 
 
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
-    from .pool import WorkerConfig
-
     state = _state(config)
     # A usage error stops the session; an xdist worker cannot stop it cleanly (xdist would report an
     # INTERNALERROR), so there each offending test fails on its own with the same message instead.
@@ -756,6 +754,8 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
         spec = _item_spec(item)
         if spec is None or "sgl_worker" not in fixturenames:
             continue
+        from .pool import WorkerConfig
+
         if spec.name in spec_problems:
             problems[item.nodeid] = spec_problems[spec.name]
             continue
@@ -787,6 +787,12 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     _skip_impossible(state, items)
     if state.settings.reorder:
         _reorder(items)
+    if not _is_xdist_worker(config):  # an xdist worker does not know which tests it will get
+        last_users: dict[Any, str] = {}  # WorkerConfig -> node id
+        for item in items:
+            if CONFIG_KEY in item.stash:
+                last_users[item.stash[CONFIG_KEY]] = item.nodeid
+        state.last_users = set(last_users.values())
 
 
 def _skip_impossible(state: SessionState, items: list[pytest.Item]) -> None:
@@ -928,8 +934,8 @@ def sgl_worker(request: pytest.FixtureRequest, sgl_model: ModelSpec) -> Iterator
 
             pytest.fail(instance.failure_message(f"exited with {signal_name(instance.returncode)} during the test",
                                                  lines=state.settings.tail_lines), pytrace=False)
-    elif marker.fresh:
-        pool.discard(instance, failed=failed)
+    elif marker.fresh or item.nodeid in state.last_users:
+        pool.discard(instance, failed=failed)  # unshared, or no later test needs this configuration
     else:
         pool.release(instance, failed=failed)
 
@@ -1087,6 +1093,7 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
             terminalreporter.write_line(f"sglworker: run report written to {state.settings.report}")
     if not stats or config.get_verbosity() < -1:
         return
+    import statistics
     terminalreporter.write_sep("-", "sglang workers")
     for st in stats.values():
         times = st.startup_seconds

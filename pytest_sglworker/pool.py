@@ -257,7 +257,7 @@ class WorkerPool:
         entry.tainted = entry.tainted or failed
         entry.in_use = False
         entry.last_used = time.monotonic()
-        if self.reuse and entry.poolable and instance.is_alive():
+        if self.reuse and entry.poolable and instance.is_alive() and not self._others_wait():
             self._idle[id(instance)] = entry
         else:
             if not instance.is_alive():
@@ -277,6 +277,18 @@ class WorkerPool:
                 self._retire(entry, failed=entry.tainted or not entry.instance.is_alive())
         self._busy.clear()
         self._idle.clear()
+
+    def _others_wait(self) -> bool:
+        """Another process waits for a GPU: do not keep an idle worker's lease (it queues behind us)."""
+        if self.leases is None:
+            return False
+        try:
+            waiting = self.leases.others_waiting()
+        except OSError:
+            return False
+        if waiting:
+            self.on_message("another process waits for a GPU lease: retiring the idle worker instead of pooling it")
+        return waiting
 
     def live_workers(self) -> list[ModelInstance]:
         return [e.instance for e in list(self._busy.values()) + list(self._idle.values())]

@@ -764,6 +764,9 @@ _INFERENCE_PATHS = ("/generate", "/v1/chat/completions", "/v1/completions")
 
 
 class Handler(BaseHTTPRequestHandler):
+    # Headers and body go out as separate writes: without TCP_NODELAY each response with a body stalls
+    # ~40 ms on loopback (Nagle + delayed ACK), as uvicorn does not.
+    disable_nagle_algorithm = True
     protocol_version = "HTTP/1.1"
     server_version = "uvicorn"
     sys_version = ""

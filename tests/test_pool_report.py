@@ -160,3 +160,29 @@ def test_list_models_uses_declared_inventory_for_the_ledger(pytester: pytest.Pyt
     ])
     result = pytester.runpytest("--sgl-list-models", "--sgl-card", "H100-80G")
     result.stdout.fnmatch_lines(["memory ledger for: H100-80G", "*verdict: fits*"])
+
+
+def test_worker_is_retired_after_the_last_test_of_its_configuration(
+    pytester: pytest.Pytester, sim_env: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    record = tmp_path / "record.jsonl"
+    monkeypatch.setenv("SGLSIM_RECORD", str(record))
+    pytester.makepyfile("""
+        import json, os, pytest
+
+        def _live():
+            path = os.environ["SGLSIM_RECORD"]
+            events = [json.loads(line) for line in open(path)]
+            started = {e["pid"] for e in events if e["event"] == "start"}
+            exited = {e["pid"] for e in events if e["event"] == "exit"}
+            return started - exited
+
+        def test_a1(sgl_worker): pass
+        def test_a2(sgl_worker): pass
+
+        @pytest.mark.sgl_worker(args=["--max-total-tokens", "512"])
+        def test_b(sgl_worker):
+            assert len(_live()) == 1  # the worker of a1/a2 is gone: no later test needed it
+    """)
+    result = pytester.runpytest_subprocess(*SIM, "--sgl-model", "qwen3-0.6b", "--sgl-gpus", "sim:4")
+    result.assert_outcomes(passed=3)
