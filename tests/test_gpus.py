@@ -772,3 +772,33 @@ def test_forgotten_lease_stays_held(tmp_path: Path) -> None:
     again = manager.try_acquire(1, 0, holder="t")
     assert again is not None
     again.release()
+
+
+def test_a_waiting_process_is_visible_to_holders(tmp_path: Path) -> None:
+    """A process waiting for a lease flags itself, so that holders of idle pooled workers let go."""
+    lock_dir = tmp_path / "locks"
+    lock_dir.mkdir()
+    holder = LeaseManager(lock_dir, DeclaredInventory(1, 1024), namespace="sim-1x1")
+    lease = holder.acquire(1, 100, holder="holder", timeout=5)
+    assert not holder.others_waiting()
+    script = textwrap.dedent(f"""
+        from pathlib import Path
+        from pytest_sglworker.gpus import DeclaredInventory, LeaseManager
+        m = LeaseManager(Path({str(lock_dir)!r}), DeclaredInventory(1, 1024), namespace="sim-1x1")
+        lease = m.acquire(1, 100, holder="waiter", timeout=30, poll_interval=0.05)
+        lease.release()
+    """)
+    waiter = subprocess.Popen([sys.executable, "-c", script])
+    try:
+        deadline = time.monotonic() + 20
+        while not holder.others_waiting():
+            assert time.monotonic() < deadline, "the waiter never flagged itself"
+            time.sleep(0.05)
+        lease.release()
+        assert waiter.wait(timeout=20) == 0
+        assert not holder.others_waiting()  # the flag is gone with the wait
+        assert not list(lock_dir.glob("waiting-*"))
+    finally:
+        if waiter.poll() is None:
+            waiter.kill()
+            waiter.wait()
