@@ -531,6 +531,8 @@ def _state(config: pytest.Config) -> SessionState:
 # --------------------------------------------------------------------------------------------------------
 
 _last_plain_line: dict[str, float] = {}
+#: A worker that is healthy sooner than this shows no status line at all.
+STATUS_AFTER_SECONDS = 2.0
 
 
 def _terminal_line(config: pytest.Config, text: str) -> None:
@@ -554,7 +556,7 @@ class _null_cm:
 
 def _progress_line(config: pytest.Config, instance: ModelInstance, elapsed: float) -> None:
     tr = config.pluginmanager.get_plugin("terminalreporter")
-    if tr is None or config.get_verbosity() < 0:
+    if tr is None or config.get_verbosity() < 0 or elapsed < STATUS_AFTER_SECONDS:
         return
     from .diagnosis import startup_phase_from_file
 

@@ -268,3 +268,16 @@ def test_sgl_spawn_worker_factory(pytester: pytest.Pytester, sim_env: dict[str, 
                 sgl_spawn_worker("qwen3-0.6b", args=["--mem-fraction-static", "0.9"])
     """)
     _run(pytester).assert_outcomes(passed=2)
+
+
+def test_example_router_e2e_suite_runs_on_the_sim(pytester: pytest.Pytester, sim_env: dict[str, str]) -> None:
+    """The README's first command runs this suite: keep it green."""
+    import shutil
+
+    examples = Path(__file__).resolve().parent.parent / "conftest_examples"
+    shutil.copytree(examples / "router_e2e", pytester.path / "router_e2e")
+    result = pytester.runpytest_subprocess("router_e2e", *SIM, timeout=180)
+    result.assert_outcomes(passed=5)
+    # one pooled worker for three tests, two fresh ones for the round-robin test
+    result.stdout.fnmatch_lines(["qwen3-0.6b: 3 launched, 2 reused*"])
+    assert "waiting for worker" not in result.stdout.str()  # quick startups show no status line
