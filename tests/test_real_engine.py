@@ -9,7 +9,8 @@ import sglang), so the whole tier makes exactly two launches, in ONE inner pytes
   API, read the real log while the worker runs, record the worker's process tree, and one fails on purpose;
 - the bad spec ``tiny-missing`` (a model directory that does not exist), launched by ``sgl_spawn_worker``
   after the good tests (the good worker is retired after its last test, or evicted for this lease on
-  ``--sgl-gpus sim:1``: a teardown in the middle of the session), then it fails fast with sglang's real traceback and the plugin's diagnosis;
+  ``--sgl-gpus sim:1``: a teardown in the middle of the session), then it fails fast with sglang's real
+  traceback and the plugin's diagnosis;
 - a last inner test checks, inside the session, that nothing of either launch is left.
 
 Each outer test asserts one promise over that shared run; whichever runs first pays for it (a failed run
