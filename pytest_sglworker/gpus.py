@@ -1056,7 +1056,7 @@ class LeaseManager:
 
         locks: list[BaseFileLock] = []
         for index in group:
-            lock = FileLock(self.lock_path(index), thread_local=False)
+            lock = FileLock(self.lock_path(index), thread_local=False, mode=0o644)  # not umask-dependent
             try:
                 lock.acquire(blocking=False)
             except Timeout:

@@ -604,12 +604,21 @@ def check_launcher(launcher: Sequence[str], env: Mapping[str, str] | None = None
     top = module.split(".", 1)[0]
     key = (found, top, env.get("PYTHONPATH", ""), env.get("PYTHONHOME", ""))
     if key not in _LAUNCHER_CHECKS:
-        probe = "import importlib.util, sys; sys.exit(0 if importlib.util.find_spec(sys.argv[1]) else 3)"
-        try:
-            code = subprocess.run([found, "-c", probe, top], env=dict(env), stdin=subprocess.DEVNULL,
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=60).returncode
-        except (OSError, subprocess.TimeoutExpired):
-            code = None  # cannot tell: let the launch itself show what happens
+        me = os.path.abspath(sys.executable)
+        same_python = os.path.abspath(found) == me or (
+            os.path.dirname(os.path.abspath(found)) == os.path.dirname(me)  # python/python3 of one venv
+            and os.path.realpath(found) == os.path.realpath(me))
+        if same_python and all(env.get(k) == os.environ.get(k) for k in ("PYTHONPATH", "PYTHONHOME")):
+            import importlib.util
+
+            code: int | None = 0 if importlib.util.find_spec(top) is not None else 3  # finds, does not import
+        else:
+            probe = "import importlib.util, sys; sys.exit(0 if importlib.util.find_spec(sys.argv[1]) else 3)"
+            try:
+                code = subprocess.run([found, "-c", probe, top], env=dict(env), stdin=subprocess.DEVNULL,
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=60).returncode
+            except (OSError, subprocess.TimeoutExpired):
+                code = None  # cannot tell: let the launch itself show what happens
         _LAUNCHER_CHECKS[key] = (
             f"{exe} cannot import {top!r}, so '{shlex.join(launcher)}' cannot start: {top} is not installed for "
             f"that python. Install it there (for sglang: pip install sglang, or bash scripts/install-real-engine.sh), "

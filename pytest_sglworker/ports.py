@@ -204,7 +204,7 @@ def reserve_port_block(
     for k in _block_order(blocks, _start_block(blocks)):
         base = low + k * size
         lock_path = lock_dir / f"port-{base}.lock"
-        lock = FileLock(lock_path, thread_local=False)
+        lock = FileLock(lock_path, thread_local=False, mode=0o644)  # never world-writable, whatever the umask
         try:
             lock.acquire(blocking=False)
         except Timeout:

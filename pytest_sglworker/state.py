@@ -31,6 +31,13 @@ def ensure_private_dir(path: Path, *, what: str, shared_ok: bool = False) -> Pat
     multi-user runner) may be group/other writable if it has the sticky bit; it must still not be a symlink.
     """
     path = Path(path)
+    root = default_root()
+    if path != root and root in path.parents:
+        # <tmp>/pytest-sglworker-<uid> sits in a world-writable place: check it before creating anything in it,
+        # or a directory (or symlink) planted there by another user would be used as our parent.
+        ensure_private_dir(root, what=f"{what} parent")
+    if os.path.islink(path):
+        raise UnsafeDirectory(f"{what} {path} is a symlink; refusing to follow it (remove it or choose another path)")
     try:
         path.mkdir(mode=0o700, parents=True, exist_ok=True)
     except FileExistsError:
@@ -43,7 +50,9 @@ def ensure_private_dir(path: Path, *, what: str, shared_ok: bool = False) -> Pat
     if not stat.S_ISDIR(st.st_mode):
         raise UnsafeDirectory(f"{what} {path} is not a directory")
     writable_by_others = bool(st.st_mode & (stat.S_IWGRP | stat.S_IWOTH))
-    if st.st_uid != os.getuid() and not shared_ok:
+    # A shared lock directory may belong to root or be a sticky one (1777) of another user; a plain directory
+    # of another user is theirs to swap files in.
+    if st.st_uid != os.getuid() and not (shared_ok and (st.st_uid == 0 or st.st_mode & stat.S_ISVTX)):
         raise UnsafeDirectory(
             f"{what} {path} belongs to uid {st.st_uid}, not to you (uid {os.getuid()}); "
             "another user may have planted it: remove it or choose another path"
