@@ -364,12 +364,11 @@ def _indent(text: str, prefix: str = "    ") -> str:
     return "\n".join(prefix + line for line in text.splitlines()) or prefix + "<empty log>"
 
 
-def find_tagged_processes(owner_tag: str) -> list[psutil.Process]:
-    """Our own processes whose environment carries ``SGLWORKER_OWNER=<owner_tag>`` (or start with it,
-    for a session-wide tag ending in ':')."""
+def tagged_processes() -> list[tuple[psutil.Process, str]]:
+    """Every process of ours (same uid, not this one) that carries ``SGLWORKER_OWNER``, with its value."""
     import psutil
 
-    found: list[psutil.Process] = []
+    found: list[tuple[psutil.Process, str]] = []
     me = os.getpid()
     uid = os.getuid()
     for proc in psutil.process_iter(["pid", "uids"]):
@@ -379,9 +378,17 @@ def find_tagged_processes(owner_tag: str) -> list[psutil.Process]:
             value = proc.environ().get(OWNER_ENV)
         except (psutil.Error, OSError):
             continue
-        if value is not None and (value == owner_tag or (owner_tag.endswith(":") and value.startswith(owner_tag))):
-            found.append(proc)
+        if value:
+            found.append((proc, value))
     return found
+
+
+def find_tagged_processes(owner_tag: str) -> list[psutil.Process]:
+    """Our own processes whose environment carries ``SGLWORKER_OWNER=<owner_tag>`` (or start with it,
+    for a session-wide tag ending in ':')."""
+    session_wide = owner_tag.endswith(":")
+    return [proc for proc, value in tagged_processes()
+            if value == owner_tag or (session_wide and value.startswith(owner_tag))]
 
 
 def terminate_tree(

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .launcher import OWNER_ENV, SESSION_ID, terminate_tree
+from .launcher import OWNER_ENV, SESSION_ID, tagged_processes, terminate_tree
 
 if TYPE_CHECKING:
     import psutil
@@ -37,20 +37,9 @@ def _session_pid(tag: str) -> int | None:
 
 def _session_tag_processes() -> dict[str, list[psutil.Process]]:
     """Our own tagged processes, grouped by session id."""
-    import psutil
-
     groups: dict[str, list[psutil.Process]] = {}
-    me = os.getpid()
-    uid = os.getuid()
-    for proc in psutil.process_iter(["pid", "uids"]):
-        try:
-            if proc.pid == me or proc.info["uids"] is None or proc.info["uids"].real != uid:
-                continue
-            value = proc.environ().get(OWNER_ENV)
-        except (psutil.Error, OSError):
-            continue
-        if value:
-            groups.setdefault(value.split(":", 1)[0], []).append(proc)
+    for proc, value in tagged_processes():
+        groups.setdefault(value.split(":", 1)[0], []).append(proc)
     return groups
 
 
