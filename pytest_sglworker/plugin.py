@@ -673,7 +673,8 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     selected = state.selected_specs()
     if selected and getattr(session.config, "workerinput", None) is None:
         # Before any GPU time is spent; a run that selects no model launches nothing and checks nothing.
-        problems = state.check_flags({f"model spec {spec.name!r}": (spec, ()) for spec in selected})
+        # Every registered spec, like the budget check: one batch, cached per sglang install.
+        problems = state.check_flags({f"model spec {spec.name!r}": (spec, ()) for spec in state.registry})
         if problems:
             raise pytest.UsageError("\n".join(problems.values()))
 

@@ -164,11 +164,13 @@ THREE_CONFIGS = """
 """
 
 
-@pytest.mark.parametrize(("xdist_workers", "gpus"), [(2, 2), (4, 4)], ids=["n2-sim2", "n4-sim4"])
+@pytest.mark.parametrize(("xdist_workers", "gpus", "dist"), [(2, 2, "load"), (4, 4, "load"), (2, 2, "loadscope")],
+                         ids=["n2-sim2", "n4-sim4", "n2-sim2-loadscope"])
 def test_xdist_workers_never_share_a_gpu_or_port(pytester: pytest.Pytester, record: Path, xdist_workers: int,
-                                                   gpus: int) -> None:
+                                                   gpus: int, dist: str) -> None:
     pytester.makepyfile(THREE_CONFIGS)
-    result = _run(pytester, "-n", str(xdist_workers), "--sgl-gpus", f"sim:{gpus}", "--sgl-model", "qwen3-0.6b")
+    result = _run(pytester, "-n", str(xdist_workers), "--dist", dist, "--sgl-gpus", f"sim:{gpus}",
+                  "--sgl-model", "qwen3-0.6b")
     result.assert_outcomes(passed=11)
     lives = lifetimes(record)
     assert_exclusive(lives, gpu_count=gpus)
