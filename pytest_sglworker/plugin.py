@@ -344,9 +344,8 @@ class SessionState:
         self.registered_from: set[int] = set()
         self._pool: WorkerPool | None = None
         self._watchdog: Any = None
-        self.inventory_error: str | None = None
+        self._leases: Any = None
         self.flag_check: str = "not needed (no worker test collected)"
-        self.sglang_version: str | None = None
         self.messages: list[str] = []
         self.worker_stats: list[dict[str, Any]] = []  # from xdist workers
         #: node ids of the last test of each worker configuration: its worker is retired after it, not pooled
@@ -367,14 +366,19 @@ class SessionState:
         for plugin in self.config.pluginmanager.get_plugins():
             self.register_from(plugin)
 
-    def check_specs(self) -> None:
-        problems = []
+    def spec_problems(self) -> dict[str, str]:
+        """``{spec name: message}`` for every registered spec that breaks the budget."""
+        problems = {}
         for spec in self.registry:
             found = budget.check_spec(spec)
             if found:
-                problems.append(budget.describe_violation(f"model spec {spec.name!r} ({spec.model})", found))
+                problems[spec.name] = budget.describe_violation(f"model spec {spec.name!r} ({spec.model})", found)
+        return problems
+
+    def check_specs(self) -> None:
+        problems = self.spec_problems()
         if problems:
-            raise pytest.UsageError("\n".join(problems))
+            raise pytest.UsageError("\n".join(problems.values()))
 
     def selected_specs(self) -> list[ModelSpec]:
         unknown = [m for m in self.settings.models if m not in self.registry]
@@ -394,25 +398,22 @@ class SessionState:
         return self._pool
 
     def _make_pool(self) -> WorkerPool:
-        from . import state as state_dirs
-        from .launcher import LaunchOptions, sim_launcher
+        from .launcher import LaunchOptions
         from .pool import WorkerPool
         from .reaper import Watchdog, reap_dead_sessions
 
         s = self.settings
-        lock_dir = state_dirs.ensure_private_dir(s.lock_dir or state_dirs.default_lock_dir(), what="lock directory",
-                                                 shared_ok=s.lock_dir is not None)
-        reaped = reap_dead_sessions(s.log_dir or state_dirs.default_log_dir(), lock_dir=lock_dir)
+        leases = self.lease_manager()
+        reaped = reap_dead_sessions(s.log_dir or _default_log_dir(), lock_dir=leases.lock_dir)
         if reaped:
             self.message(f"cleaned up after earlier sessions: {reaped}")
-        self._watchdog = Watchdog(lock_dir=lock_dir)
-        launcher = s.launcher or (tuple(sim_launcher()) if s.engine == "sim" else None)
+        self._watchdog = Watchdog(lock_dir=leases.lock_dir)
         options = LaunchOptions(
-            launcher=launcher, log_dir=s.log_dir, lock_dir=s.lock_dir, startup_timeout=s.startup_timeout,
+            launcher=self.launcher(), log_dir=s.log_dir, lock_dir=s.lock_dir, startup_timeout=s.startup_timeout,
             port_range=s.port_range,
         )
         return WorkerPool(
-            options, leases=self.lease_manager(), lease_timeout=s.lease_timeout, reuse=s.reuse,
+            options, leases=leases, lease_timeout=s.lease_timeout, reuse=s.reuse,
             keep_logs=s.keep_logs, on_progress=self.progress, on_message=self.message,
             worker_env=self._worker_env,
         )
@@ -422,20 +423,19 @@ class SessionState:
         return dict(lease_env) if result is None else dict(result)
 
     def lease_manager(self) -> Any:
-        """The GPU lease manager; None when the inventory cannot be read (tests then skip with the reason)."""
-        from . import state
-        from .errors import InventoryUnavailable
-        from .gpus import LeaseManager, load_inventory, parse_gpus_option
+        """The session's GPU lease manager (one inventory, one lock directory). Raises InventoryUnavailable
+        when the inventory cannot be read, ValueError when --sgl-gpus names GPUs that are not visible, and
+        UnsafeDirectory for a lock directory that cannot be used."""
+        if self._leases is None:
+            from . import state
+            from .gpus import LeaseManager, load_inventory, parse_gpus_option
 
-        selection = parse_gpus_option(self.settings.gpus or "")
-        try:
+            selection = parse_gpus_option(self.settings.gpus or "")
             inventory = load_inventory(selection, os.environ)
-        except InventoryUnavailable as exc:
-            self.inventory_error = str(exc)
-            raise
-        lock_dir = state.ensure_private_dir(self.settings.lock_dir or state.default_lock_dir(),
-                                            what="lock directory", shared_ok=self.settings.lock_dir is not None)
-        return LeaseManager(lock_dir, inventory, namespace=selection.namespace)
+            lock_dir = state.ensure_private_dir(self.settings.lock_dir or state.default_lock_dir(),
+                                                what="lock directory", shared_ok=self.settings.lock_dir is not None)
+            self._leases = LeaseManager(lock_dir, inventory, namespace=selection.namespace)
+        return self._leases
 
     # -- sglang's own parser ------------------------------------------------------------------------------
     def launcher(self) -> tuple[str, ...]:
@@ -476,7 +476,6 @@ class SessionState:
         if not result.available:
             self.flag_check = f"not checked: {result.reason}"
             return {}
-        self.sglang_version = result.version
         self.flag_check = f"checked by sglang {result.version}'s own parser"
         problems = {}
         for name, argv in argvs.items():
@@ -498,6 +497,8 @@ class SessionState:
                 self.message(f"killed {len(swept)} worker process(es) left after teardown: {swept}")
             self._watchdog.close()
             self._watchdog = None
+        if self._leases is not None:
+            self._leases.inventory.close()  # NVML shutdown; a declared inventory has nothing to free
 
     # -- output -------------------------------------------------------------------------------------------
     def message(self, text: str) -> None:
@@ -516,6 +517,12 @@ WORKERS_KEY = pytest.StashKey[list["ModelInstance"]]()
 ITEM_ERROR_KEY = pytest.StashKey[str]()
 CONFIG_KEY = pytest.StashKey["WorkerConfig"]()
 REPORTS_KEY = pytest.StashKey[dict[str, pytest.TestReport]]()
+
+
+def _default_log_dir() -> Path:
+    from .state import default_log_dir
+
+    return default_log_dir()
 
 
 def _plugin_name(plugin: object) -> str:
@@ -732,12 +739,7 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     # A usage error stops the session; an xdist worker cannot stop it cleanly (xdist would report an
     # INTERNALERROR), so there each offending test fails on its own with the same message instead.
     problems: dict[str, str] = {}  # nodeid -> message
-    spec_problems = {}
-    for registered in state.registry:  # specs registered by conftests loaded during collection
-        found = budget.check_spec(registered)
-        if found:
-            spec_problems[registered.name] = budget.describe_violation(
-                f"model spec {registered.name!r} ({registered.model})", found)
+    spec_problems = state.spec_problems()  # also specs of conftests loaded during collection
     for item in items:
         if "sgl_model" in getattr(item, "fixturenames", ()):
             try:
