@@ -921,7 +921,7 @@ def sgl_worker(request: pytest.FixtureRequest, sgl_model: ModelSpec) -> Iterator
     except InventoryUnavailable as exc:
         pytest.skip(f"no GPU inventory: {exc}")
     try:
-        instance = _acquire(state, pool, worker_config, marker, _holder(request))
+        instance = _acquire(pool, worker_config, marker, _holder(request))
     except SglWorkerError as exc:
         _fail_with(exc)
         raise
@@ -945,22 +945,17 @@ def sgl_worker(request: pytest.FixtureRequest, sgl_model: ModelSpec) -> Iterator
         pool.release(instance, failed=failed)
 
 
-def _acquire(state: SessionState, pool: WorkerPool, worker_config: WorkerConfig, marker: WorkerMarker,
-             holder: str) -> ModelInstance:
-    import dataclasses
-
+def _acquire(pool: WorkerPool, worker_config: WorkerConfig, marker: WorkerMarker, holder: str) -> ModelInstance:
+    options = None
     if marker.startup_timeout is not None or marker.allow_foreign_host is not None:
+        import dataclasses
+
         options = dataclasses.replace(
             pool.options,
             startup_timeout=marker.startup_timeout or pool.options.startup_timeout,
             allow_foreign_host=marker.allow_foreign_host is not None,
         )
-        saved, pool.options = pool.options, options
-        try:
-            return pool.acquire(worker_config, holder=holder, fresh=True)
-        finally:
-            pool.options = saved
-    return pool.acquire(worker_config, holder=holder, fresh=marker.fresh)
+    return pool.acquire(worker_config, holder=holder, fresh=marker.fresh, options=options)
 
 
 class SpawnWorker:

@@ -230,8 +230,11 @@ class WorkerPool:
             stats = self.stats[config.key] = ConfigStats(config.label, config.spec.model)
         return stats
 
-    def acquire(self, config: WorkerConfig, *, holder: str, fresh: bool = False) -> ModelInstance:
-        """A healthy worker for ``config``: a pooled idle one if reuse is on, else a new one."""
+    def acquire(self, config: WorkerConfig, *, holder: str, fresh: bool = False,
+                options: LaunchOptions | None = None) -> ModelInstance:
+        """A healthy worker for ``config``: a pooled idle one if reuse is on, else a new one. ``options``
+        replaces the pool's launch options for this worker (which is then never shared)."""
+        fresh = fresh or options is not None
         stats = self.stats_for(config)
         if self.reuse and not fresh:
             for key, entry in list(self._idle.items()):
@@ -247,7 +250,7 @@ class WorkerPool:
                 self.on_message(entry.instance.failure_message("died while idle in the pool; replacing it",
                                                                lines=10))
                 self._retire(entry, failed=True)
-        return self._launch(config, holder=holder, fresh=fresh)
+        return self._launch(config, holder=holder, fresh=fresh, options=options or self.options)
 
     def release(self, instance: ModelInstance, *, failed: bool = False) -> None:
         """Give a worker back after a test; it stays pooled when reuse is on and it is alive."""
@@ -294,7 +297,7 @@ class WorkerPool:
         return [e.instance for e in list(self._busy.values()) + list(self._idle.values())]
 
     # -- internals ----------------------------------------------------------------------------------------
-    def _launch(self, config: WorkerConfig, *, holder: str, fresh: bool) -> ModelInstance:
+    def _launch(self, config: WorkerConfig, *, holder: str, fresh: bool, options: LaunchOptions) -> ModelInstance:
         stats = self.stats_for(config)
         lease, waited = self._lease_for(config, holder)
         stats.lease_wait_seconds += waited
@@ -304,7 +307,7 @@ class WorkerPool:
         leased_at = time.monotonic()
         try:
             instance = spawn_worker(
-                config.spec, extra_args=config.extra_args, env=env, options=self.options,
+                config.spec, extra_args=config.extra_args, env=env, options=options,
                 on_progress=self.on_progress, gpus=lease.cuda_visible_devices if lease is not None else None,
             )
         except SglWorkerError as exc:
