@@ -149,7 +149,11 @@ def _attach_ledger(exc: SglWorkerError, config: WorkerConfig, lease: Lease | Non
 
     ledger = ledger_for_spec(config.spec, gpu[0], gpu_free_mib=gpu[1], extra_args=config.extra_args)
     if ledger is not None:
-        exc.args = (f"{exc.args[0]}\nmemory ledger (predicted before launch):\n{ledger.render()}", *exc.args[1:])
+        # beside the diagnosis, above the argv and the log tail
+        message, block = str(exc.args[0]), f"memory ledger (predicted for this GPU):\n{ledger.render()}\n"
+        at = message.find("\nargv: ")
+        message = f"{message[:at + 1]}{block}{message[at + 1:]}" if at >= 0 else f"{message}\n{block}"
+        exc.args = (message, *exc.args[1:])
 
 
 def _record_kv_tokens(instance: ModelInstance, config: WorkerConfig, lease: Lease | None, stats: ConfigStats) -> None:

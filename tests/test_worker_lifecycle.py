@@ -68,7 +68,9 @@ def test_startup_exit_fails_fast_with_code_diagnosis_and_tail(pytester: pytest.P
     result.assert_outcomes(errors=1)
     result.stdout.fnmatch_lines([
         "*worker qwen3-0.6b on 127.0.0.1:* exited during startup with code -9 (SIGKILL)*",
-        "*diagnosis:*",
+        "*diagnosis: CUDA out of memory while capturing the prefill CUDA graph*",
+        "*memory ledger (predicted for this GPU):*",
+        "*verdict: *",
         "*log: *sglang-worker-*.log",
         "*last 40 lines:*",
     ])
