@@ -87,7 +87,7 @@ def check_argv(argv: Sequence[str]) -> list[BudgetProblem]:
             problems.append(BudgetProblem(FRACTION_FLAG, f"value {last!r} is not a number"))
         elif fraction > MAX_FRACTION:
             problems.append(BudgetProblem(FRACTION_FLAG, f"{fraction:g} is above the budget of {MAX_FRACTION}"))
-        elif fraction <= 0:
+        elif not 0 < fraction <= MAX_FRACTION:  # zero, negative, or NaN
             problems.append(BudgetProblem(FRACTION_FLAG, f"{fraction:g} is not in (0, {MAX_FRACTION}]"))
     prefills = values.get(PREFILL_FLAG)
     if not prefills:

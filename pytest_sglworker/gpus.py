@@ -13,8 +13,9 @@ Index conventions
   Parsing follows the CUDA driver's rule: the list ends at the first entry that names no device
   (``-1``, an out-of-range index, an unknown or ambiguous UUID, a ``MIG-`` id, a duplicate), so
   ``CUDA_VISIBLE_DEVICES=-1`` or ``""`` makes no GPU visible; unset makes all visible.
-* Workers get ``CUDA_VISIBLE_DEVICES`` as full UUIDs (NVML) plus ``CUDA_DEVICE_ORDER=PCI_BUS_ID``, which
-  is unambiguous whatever order CUDA would use; a declared inventory hands out plain indices.
+* Workers get ``CUDA_VISIBLE_DEVICES`` as NVML indices plus ``CUDA_DEVICE_ORDER=PCI_BUS_ID``, which
+  makes CUDA number the GPUs as NVML does. Not UUIDs: sglang 0.5.23 parses the variable as integers in
+  places (``srt/utils/cuda_vmm_utils.py``). A declared inventory hands out plain indices too.
 
 Leases
 ------

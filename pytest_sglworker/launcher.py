@@ -182,16 +182,14 @@ def redact(text: str, secrets: Sequence[str]) -> str:
 
 
 def _log_path_for(log_dir: Path, port: int) -> Path:
-    """``sglang-worker-<port>.log``; an older log on that port (a kept failure) is moved aside, never lost."""
+    """``sglang-worker-<port>.log``, or ``sglang-worker-<port>-<n>.log`` when a log of that port is already
+    there (a kept failure): an existing log is never renamed or overwritten, so the path a report names
+    stays right."""
     path = log_dir / f"sglang-worker-{port}.log"
-    if path.exists():
-        stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(path.stat().st_mtime))
-        aside = log_dir / f"sglang-worker-{port}.{stamp}.log"
-        n = 1
-        while aside.exists():
-            aside = log_dir / f"sglang-worker-{port}.{stamp}-{n}.log"
-            n += 1
-        path.rename(aside)
+    n = 2
+    while path.exists():
+        path = log_dir / f"sglang-worker-{port}-{n}.log"
+        n += 1
     return path
 
 
@@ -385,10 +383,32 @@ def tagged_processes() -> list[tuple[psutil.Process, str]]:
 
 def find_tagged_processes(owner_tag: str) -> list[psutil.Process]:
     """Our own processes whose environment carries ``SGLWORKER_OWNER=<owner_tag>`` (or start with it,
-    for a session-wide tag ending in ':')."""
+    for a session-wide tag ending in ':'), and the members of the sessions they lead (sglang's scheduler
+    and detokenizer rename themselves, which hides their environment, but stay in the worker's session)."""
     session_wide = owner_tag.endswith(":")
-    return [proc for proc, value in tagged_processes()
-            if value == owner_tag or (session_wide and value.startswith(owner_tag))]
+    tagged = [proc for proc, value in tagged_processes()
+              if value == owner_tag or (session_wide and value.startswith(owner_tag))]
+    return with_session_members(tagged)
+
+
+def with_session_members(procs: list[psutil.Process]) -> list[psutil.Process]:
+    """``procs`` plus every process whose session is led by one of them (a worker root leads its session)."""
+    import psutil
+
+    leaders = {p.pid for p in procs}
+    found = {p.pid: p for p in procs}
+    if not leaders:
+        return procs
+    uid = os.getuid()
+    for proc in psutil.process_iter(["pid", "uids"]):
+        try:
+            if proc.pid in found or proc.info["uids"] is None or proc.info["uids"].real != uid:
+                continue
+            if os.getsid(proc.pid) in leaders:
+                found[proc.pid] = proc
+        except (OSError, psutil.Error):
+            continue
+    return list(found.values())
 
 
 def terminate_tree(

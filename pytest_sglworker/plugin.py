@@ -734,6 +734,7 @@ def _is_xdist_worker(config: pytest.Config) -> bool:
     return getattr(config, "workerinput", None) is not None
 
 
+@pytest.hookimpl(trylast=True)  # after -k/-m/--deselect: deselected tests are neither checked nor counted
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
     state = _state(config)
     # A usage error stops the session; an xdist worker cannot stop it cleanly (xdist would report an
@@ -764,15 +765,14 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
         if spec.name in spec_problems:
             problems[item.nodeid] = spec_problems[spec.name]
             continue
-        if marker.args and reason is None:
-            found = budget.check_argv(list(spec.worker_args) + list(marker.args))
-            if found:
-                problems[item.nodeid] = budget.describe_violation(
-                    f"test {item.nodeid}: @pytest.mark.sgl_worker(args={list(marker.args)!r})", found,
-                    fix="drop the args that loosen the budget, or add "
-                        "@pytest.mark.sgl_budget_opt_out(reason='why this test needs it')")
-                continue
-        item.stash[CONFIG_KEY] = WorkerConfig.of(spec, marker.args, marker.env)
+        found = budget.check_argv(list(spec.worker_args) + list(marker.args)) if marker.args else []
+        if found and reason is None:
+            problems[item.nodeid] = budget.describe_violation(
+                f"test {item.nodeid}: @pytest.mark.sgl_worker(args={list(marker.args)!r})", found,
+                fix="drop the args that loosen the budget, or add "
+                    "@pytest.mark.sgl_budget_opt_out(reason='why this test needs it')")
+            continue
+        item.stash[CONFIG_KEY] = WorkerConfig.of(spec, marker.args, marker.env, opt_out=(reason or "") if found else "")
     with_args = {item.nodeid: item.stash[CONFIG_KEY] for item in items
                  if CONFIG_KEY in item.stash and item.stash[CONFIG_KEY].extra_args}
     flagged = state.check_flags({f"test {nodeid}": (c.spec, c.extra_args) for nodeid, c in with_args.items()})
@@ -914,8 +914,17 @@ def sgl_worker(request: pytest.FixtureRequest, sgl_model: ModelSpec) -> Iterator
 
     state = _state(request.config)
     item = request.node
-    worker_config = item.stash.get(CONFIG_KEY, None) or WorkerConfig.of(sgl_model)
     marker = WorkerMarker.from_mark(item.get_closest_marker("sgl_worker"))
+    worker_config = item.stash.get(CONFIG_KEY, None)
+    if worker_config is None:  # not seen at collection (e.g. request.getfixturevalue): check it here
+        reason = _opt_out_reason(item)
+        found = budget.check_argv(list(sgl_model.worker_args) + list(marker.args))
+        if found and reason is None:
+            pytest.fail(budget.describe_violation(
+                f"test {item.nodeid}: @pytest.mark.sgl_worker(args={list(marker.args)!r})", found,
+                fix="drop the args that loosen the budget, or add "
+                    "@pytest.mark.sgl_budget_opt_out(reason='why this test needs it')"), pytrace=False)
+        worker_config = WorkerConfig.of(sgl_model, marker.args, marker.env, opt_out=(reason or "") if found else "")
     try:
         pool = state.pool
     except InventoryUnavailable as exc:
@@ -989,8 +998,15 @@ class SpawnWorker:
             pool = self._state.pool
         except InventoryUnavailable as exc:
             pytest.skip(f"no GPU inventory: {exc}")
+        if args:
+            rejected = self._state.check_flags({f"sgl_spawn_worker({spec.name!r}) in {self._request.node.nodeid}":
+                                                (spec, tuple(args))})
+            if rejected:
+                pytest.fail("\n".join(rejected.values()), pytrace=False)
+        opt_out = (budget_opt_out or "").strip() if problems else ""
         try:
-            instance = pool.acquire(WorkerConfig.of(spec, args, env), holder=_holder(self._request), fresh=True)
+            instance = pool.acquire(WorkerConfig.of(spec, args, env, opt_out=opt_out), holder=_holder(self._request),
+                                    fresh=True)
         except SglWorkerError as exc:
             _fail_with(exc)
             raise
@@ -1126,13 +1142,13 @@ class XdistHooks:
         # Under --dist loadgroup, xdist's worker appends the xdist_group name to each node id in its own
         # pytest_collection_modifyitems, which pluggy calls before the plugin's (xdist registers it later):
         # the group marks must be in place first. The main hook reports marker errors.
-        from .pool import WorkerConfig
-
         for item in items:
             spec = _item_spec(item)
             if (spec is None or "sgl_worker" not in getattr(item, "fixturenames", ())
                     or item.get_closest_marker("xdist_group") is not None):
                 continue
+            from .pool import WorkerConfig  # only once a worker test is seen: unused runs import nothing more
+
             try:
                 marker = WorkerMarker.from_mark(item.get_closest_marker("sgl_worker"))
             except ValueError:

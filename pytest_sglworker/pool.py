@@ -34,10 +34,13 @@ class WorkerConfig:
     spec: ModelSpec
     extra_args: tuple[str, ...] = ()
     env: tuple[tuple[str, str], ...] = ()
+    #: the reason of a budget opt-out these args needed (shown in the summary and the report, not compared)
+    opt_out: str = field(default="", compare=False)
 
     @classmethod
-    def of(cls, spec: ModelSpec, extra_args: Sequence[str] = (), env: Mapping[str, str] | None = None) -> WorkerConfig:
-        return cls(spec, tuple(extra_args), tuple(sorted((env or {}).items())))
+    def of(cls, spec: ModelSpec, extra_args: Sequence[str] = (), env: Mapping[str, str] | None = None,
+           *, opt_out: str = "") -> WorkerConfig:
+        return cls(spec, tuple(extra_args), tuple(sorted((env or {}).items())), opt_out)
 
     @property
     def key(self) -> str:
@@ -61,6 +64,8 @@ class WorkerConfig:
             parts.append(redact(" ".join(self.extra_args), secret_values({}, self.extra_args)))
         if self.env:
             parts.append("env " + ",".join(k for k, _ in self.env))
+        if self.opt_out:
+            parts.append(f"(budget opt-out: {self.opt_out})")
         return " ".join(parts)
 
 
@@ -225,7 +230,6 @@ class WorkerPool:
         self.stats: dict[str, ConfigStats] = {}
         self._idle: OrderedDict[int, _Entry] = OrderedDict()  # id(instance) -> entry, LRU first
         self._busy: dict[int, _Entry] = {}
-        self.release_reports: list[str] = []
 
     # -- public -------------------------------------------------------------------------------------------
     def stats_for(self, config: WorkerConfig) -> ConfigStats:
@@ -275,6 +279,8 @@ class WorkerPool:
         """Stop a worker now (it died, or the test asked for a fresh one)."""
         entry = self._busy.pop(id(instance), None) or self._idle.pop(id(instance), None)
         if entry is not None:
+            if not instance.is_alive():
+                self.stats_for(entry.config).deaths += 1
             self._retire(entry, failed=failed or entry.tainted)
 
     def close(self) -> None:
@@ -305,11 +311,11 @@ class WorkerPool:
         stats = self.stats_for(config)
         lease, waited = self._lease_for(config, holder)
         stats.lease_wait_seconds += waited
-        lease_env = lease.env() if lease is not None else {}
-        env = dict(config.env)
-        env.update(self.worker_env(config.spec, lease_env) if self.worker_env else lease_env)
         leased_at = time.monotonic()
         try:
+            lease_env = lease.env() if lease is not None else {}
+            env = dict(config.env)
+            env.update(self.worker_env(config.spec, lease_env) if self.worker_env else lease_env)
             instance = spawn_worker(
                 config.spec, extra_args=config.extra_args, env=env, options=options,
                 on_progress=self.on_progress, gpus=lease.cuda_visible_devices if lease is not None else None,
@@ -323,16 +329,17 @@ class WorkerPool:
             if lease is not None:
                 self._give_back(lease, [], leased_at, stats)
             raise
-        except BaseException:
+        except BaseException:  # the lease must never outlive a failed launch (a hook, an interrupt)
             if lease is not None:
                 self._give_back(lease, [], leased_at, stats)
             raise
+        # Registered at once, so that whatever happens next, close() stops it and gives the lease back.
+        self._busy[id(instance)] = _Entry(config, instance, lease, leased_at, in_use=True, poolable=not fresh)
         stats.launches += 1
         if instance.startup_seconds is not None:
             stats.startup_seconds.append(instance.startup_seconds)
-        _record_kv_tokens(instance, config, lease, stats)
-        entry = _Entry(config, instance, lease, leased_at, in_use=True, poolable=not fresh)
-        self._busy[id(instance)] = entry
+        with contextlib.suppress(Exception):  # bookkeeping for the report must never fail a test
+            _record_kv_tokens(instance, config, lease, stats)
         return instance
 
     def _lease_for(self, config: WorkerConfig, holder: str) -> tuple[Lease | None, float]:
@@ -344,7 +351,7 @@ class WorkerPool:
         while True:
             lease = self.leases.try_acquire(spec.tp, spec.memory_mib, holder=holder)
             if lease is not None:
-                return lease, 0.0
+                return lease, time.monotonic() - start  # time spent evicting idle workers counts too
             if not self._idle:
                 break
             _, victim = self._idle.popitem(last=False)
@@ -372,7 +379,6 @@ class WorkerPool:
         report = lease.release(worker_pids=pids, wait_timeout=self.release_wait)
         stats.gpu_seconds += (time.monotonic() - leased_at) * max(1, len(lease.gpus))
         if report is not None and not getattr(report, "memory_back", True):
-            self.release_reports.append(str(report))
             self.on_message(str(report))
 
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .launcher import OWNER_ENV, SESSION_ID, tagged_processes, terminate_tree
+from .launcher import OWNER_ENV, SESSION_ID, tagged_processes, terminate_tree, with_session_members
 
 if TYPE_CHECKING:
     import psutil
@@ -40,7 +40,7 @@ def _session_tag_processes() -> dict[str, list[psutil.Process]]:
     groups: dict[str, list[psutil.Process]] = {}
     for proc, value in tagged_processes():
         groups.setdefault(value.split(":", 1)[0], []).append(proc)
-    return groups
+    return {session: with_session_members(procs) for session, procs in groups.items()}
 
 
 @dataclass

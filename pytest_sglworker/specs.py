@@ -112,7 +112,7 @@ class ModelSpec:
             model=data["model"],
             memory_gb=data["memory_gb"],
             tp=data.get("tp", 1),
-            features=frozenset(data.get("features", ())),
+            features=data.get("features", frozenset()),  # a plain string is one feature (see __post_init__)
             worker_args=data.get("worker_args", ()),
             env=dict(data.get("env", {})),
             description=data.get("description", ""),

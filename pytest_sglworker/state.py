@@ -27,8 +27,9 @@ def default_root() -> Path:
 def ensure_private_dir(path: Path, *, what: str, shared_ok: bool = False) -> Path:
     """Create ``path`` (and parents) if needed and check that it is safe to use.
 
-    ``shared_ok``: a directory the user named explicitly for sharing between users (e.g. a lock dir for a
-    multi-user runner) may be group/other writable if it has the sticky bit; it must still not be a symlink.
+    ``shared_ok``: a directory the user named explicitly (``--sgl-lock-dir``) may be group/other writable if
+    it has the sticky bit; it must still not be a symlink. Lock files are created 0644, so processes of
+    *one* user coordinate there; sharing leases between users is not supported yet.
     """
     path = Path(path)
     root = default_root()

@@ -186,3 +186,51 @@ def test_worker_is_retired_after_the_last_test_of_its_configuration(
     """)
     result = pytester.runpytest_subprocess(*SIM, "--sgl-model", "qwen3-0.6b", "--sgl-gpus", "sim:4")
     result.assert_outcomes(passed=3)
+
+
+def test_budget_opt_out_reason_is_in_the_report(pytester: pytest.Pytester, sim_env: dict[str, str],
+                                                tmp_path: Path) -> None:
+    pytester.makepyfile("""
+        import pytest
+
+        @pytest.mark.sgl_budget_opt_out(reason="measures the default fraction")
+        @pytest.mark.sgl_worker(args=["--mem-fraction-static", "0.8"])
+        def test_loose(sgl_worker): pass
+    """)
+    report = tmp_path / "report.json"
+    result = pytester.runpytest_subprocess(*SIM, "--sgl-model", "qwen3-0.6b", "--sgl-report", str(report))
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["*--mem-fraction-static 0.8 (budget opt-out: measures the default fraction)*"])
+    labels = [w["label"] for w in json.loads(report.read_text())["workers"].values()]
+    assert labels == ["qwen3-0.6b --mem-fraction-static 0.8 (budget opt-out: measures the default fraction)"]
+
+
+def test_deselected_tests_are_not_checked(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile("""
+        import pytest
+
+        @pytest.mark.sgl_worker(args=["--mem-fraction-static", "0.9"])
+        def test_loose(sgl_worker): pass
+
+        def test_other(): pass
+    """)
+    result = pytester.runpytest(*SIM, "--sgl-model", "qwen3-0.6b", "-k", "not loose")
+    result.assert_outcomes(passed=1, deselected=1)
+
+
+def test_worker_deaths_are_counted(pytester: pytest.Pytester, sim_env: dict[str, str], tmp_path: Path) -> None:
+    pytester.makepyfile("""
+        import time, pytest
+
+        @pytest.mark.sgl_worker(env={"SGLSIM_FAULT": "die_after=1"})
+        def test_dies(sgl_worker):
+            sgl_worker.client.post("/generate", json={"text": "x", "sampling_params": {"max_new_tokens": 1}})
+            deadline = time.monotonic() + 10
+            while sgl_worker.is_alive() and time.monotonic() < deadline:
+                time.sleep(0.05)
+    """)
+    report = tmp_path / "report.json"
+    result = pytester.runpytest_subprocess(*SIM, "--sgl-model", "qwen3-0.6b", "--sgl-report", str(report))
+    result.assert_outcomes(passed=1, errors=1)
+    (stats,) = json.loads(report.read_text())["workers"].values()
+    assert stats["deaths"] == 1

@@ -141,3 +141,13 @@ def test_specs_are_hashable_and_equal_by_value() -> None:
     b = ModelSpec("x", "m", 1, env={"A": "1"})
     assert a == b and hash(a) == hash(b) and len({a, b}) == 1
     assert ModelSpec("x", "m", 1, env={"A": "2"}) != a
+
+
+def test_nan_fraction_is_refused() -> None:
+    problems = [str(p) for p in check_argv(["--mem-fraction-static", "nan", "--cuda-graph-backend-prefill=disabled"])]
+    assert problems == ["--mem-fraction-static: nan is not in (0, 0.6]"]
+
+
+def test_dict_spec_with_one_feature_string() -> None:
+    spec = SpecRegistry().add({"model": "m", "memory_gb": 1, "features": "chat"}, name="x")
+    assert spec.features == frozenset({"chat"})

@@ -283,3 +283,43 @@ def test_example_router_e2e_suite_runs_on_the_sim(pytester: pytest.Pytester, sim
     # one pooled worker for three tests, two fresh ones for the round-robin test
     result.stdout.fnmatch_lines(["qwen3-0.6b: 3 launched, 2 reused*"])
     assert "waiting for worker" not in result.stdout.str()  # quick startups show no status line
+
+
+def test_kept_log_keeps_its_path_when_the_port_is_reused(pytester: pytest.Pytester, sim_env: dict[str, str]) -> None:
+    pytester.makepyfile("""
+        def test_fails(sgl_worker):
+            assert False, "router bug"
+
+        def test_passes_after(sgl_spawn_worker):
+            sgl_spawn_worker("qwen3-0.6b")
+    """)
+    result = _run(pytester, "--sgl-port-range", "21000-21003", "-p", "no:randomly")  # one block: same port
+    result.assert_outcomes(passed=1, failed=1)
+    kept = [line.split("log kept: ", 1)[1].strip() for line in result.stdout.lines if "log kept: " in line]
+    assert kept and all(Path(path).exists() for path in kept), kept
+    assert "router bug" not in Path(kept[0]).read_text() and "fired up" in Path(kept[0]).read_text()
+    assert [p.name for p in Path(sim_env["SGLWORKER_LOG_DIR"]).glob("*.log")] == [Path(kept[0]).name]
+
+
+def test_hook_failure_does_not_leak_the_gpu_lease(pytester: pytest.Pytester, sim_env: dict[str, str]) -> None:
+    pytester.makeconftest("""
+        CALLS = []
+
+        def pytest_sglworker_worker_env(spec, lease_env):
+            CALLS.append(1)
+            if len(CALLS) == 1:
+                raise RuntimeError("hook bug")
+            return None
+    """)
+    pytester.makepyfile("""
+        import pytest
+
+        @pytest.mark.sgl_worker(fresh=True)
+        def test_one(sgl_worker): pass
+
+        @pytest.mark.sgl_worker(fresh=True)
+        def test_two(sgl_worker): pass
+    """)
+    result = _run(pytester, "--sgl-gpus", "sim:1", "--sgl-lease-timeout", "5", "-p", "no:randomly")
+    result.assert_outcomes(passed=1, errors=1)
+    result.stdout.fnmatch_lines(["*RuntimeError: hook bug*"])
