@@ -315,6 +315,13 @@ class WorkerMarker:
         return cls(tuple(args), dict(env), fresh, None if timeout is None else float(timeout), foreign)
 
 
+def _marker_violation(item: pytest.Item, marker: WorkerMarker, found: Sequence[budget.BudgetProblem]) -> str:
+    return budget.describe_violation(
+        f"test {item.nodeid}: @pytest.mark.sgl_worker(args={list(marker.args)!r})", found,
+        fix="drop the args that loosen the budget, or add "
+            "@pytest.mark.sgl_budget_opt_out(reason='why this test needs it')")
+
+
 def _opt_out_reason(item: pytest.Item) -> str | None:
     mark = item.get_closest_marker("sgl_budget_opt_out")
     if mark is None:
@@ -767,10 +774,7 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
             continue
         found = budget.check_argv(list(spec.worker_args) + list(marker.args)) if marker.args else []
         if found and reason is None:
-            problems[item.nodeid] = budget.describe_violation(
-                f"test {item.nodeid}: @pytest.mark.sgl_worker(args={list(marker.args)!r})", found,
-                fix="drop the args that loosen the budget, or add "
-                    "@pytest.mark.sgl_budget_opt_out(reason='why this test needs it')")
+            problems[item.nodeid] = _marker_violation(item, marker, found)
             continue
         item.stash[CONFIG_KEY] = WorkerConfig.of(spec, marker.args, marker.env, opt_out=(reason or "") if found else "")
     with_args = {item.nodeid: item.stash[CONFIG_KEY] for item in items
@@ -920,10 +924,7 @@ def sgl_worker(request: pytest.FixtureRequest, sgl_model: ModelSpec) -> Iterator
         reason = _opt_out_reason(item)
         found = budget.check_argv(list(sgl_model.worker_args) + list(marker.args))
         if found and reason is None:
-            pytest.fail(budget.describe_violation(
-                f"test {item.nodeid}: @pytest.mark.sgl_worker(args={list(marker.args)!r})", found,
-                fix="drop the args that loosen the budget, or add "
-                    "@pytest.mark.sgl_budget_opt_out(reason='why this test needs it')"), pytrace=False)
+            pytest.fail(_marker_violation(item, marker, found), pytrace=False)
         worker_config = WorkerConfig.of(sgl_model, marker.args, marker.env, opt_out=(reason or "") if found else "")
     try:
         pool = state.pool
