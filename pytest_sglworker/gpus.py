@@ -1138,11 +1138,11 @@ def _dead_holder_leftovers(
 
 
 def _session_worker_pids(session_pid: int, since: float) -> tuple[int, ...]:
-    """Live processes tagged by the session of the (dead) pytest process ``session_pid``, which leased at
-    ``since``."""
+    """Live processes of the workers of the (dead) pytest process ``session_pid``, which leased at ``since``:
+    those tagged with its session, and the members of their sessions (sglang's renamed children)."""
     import psutil
 
-    from .launcher import OWNER_ENV
+    from .launcher import tagged_processes, with_session_members
 
     prefix = f"{session_pid}-"
     try:  # a process with that pid created after the lease reused it: its own workers are not leftovers
@@ -1151,16 +1151,12 @@ def _session_worker_pids(session_pid: int, since: float) -> tuple[int, ...]:
     except psutil.Error:
         reused_at = None
     found = []
-    for proc in psutil.process_iter(["pid", "uids", "create_time"]):
+    for proc in with_session_members([p for p, value in tagged_processes() if value.startswith(prefix)]):
         try:
-            if proc.info["uids"] is None or proc.info["uids"].real != os.getuid():
-                continue
-            if reused_at is not None and proc.info["create_time"] >= reused_at:
-                continue
-            if proc.environ().get(OWNER_ENV, "").startswith(prefix):
+            if reused_at is None or proc.create_time() < reused_at:
                 found.append(proc.pid)
-        except (psutil.Error, OSError):
-            continue  # gone, a zombie, or not ours to read
+        except psutil.Error:
+            continue  # gone meanwhile
     return tuple(sorted(found))
 
 

@@ -7,6 +7,7 @@ pynvml, filelock and sglang are imported when a worker is first needed.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
@@ -549,23 +550,19 @@ _last_plain_line: dict[str, float] = {}
 STATUS_AFTER_SECONDS = 2.0
 
 
+def _uncaptured(config: pytest.Config) -> contextlib.AbstractContextManager[object]:
+    """Write to the real terminal even while a test's output is captured (as live logging does)."""
+    capman = config.pluginmanager.get_plugin("capturemanager")
+    return capman.global_and_fixture_disabled() if capman is not None else contextlib.nullcontext()
+
+
 def _terminal_line(config: pytest.Config, text: str) -> None:
     tr = config.pluginmanager.get_plugin("terminalreporter")
     if tr is None or config.get_verbosity() < 0:
         return
-    capman = config.pluginmanager.get_plugin("capturemanager")
-    cm = capman.global_and_fixture_disabled() if capman is not None else _null_cm()
-    with cm:
+    with _uncaptured(config):
         tr.ensure_newline()
         tr.write_line(text)
-
-
-class _null_cm:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 def _progress_line(config: pytest.Config, instance: ModelInstance, elapsed: float) -> None:
@@ -576,9 +573,7 @@ def _progress_line(config: pytest.Config, instance: ModelInstance, elapsed: floa
 
     phase = startup_phase_from_file(instance.log_path) or "starting"
     text = f"[sglworker] waiting for {instance.describe()}: {phase}, {elapsed:.0f} s"
-    capman = config.pluginmanager.get_plugin("capturemanager")
-    cm = capman.global_and_fixture_disabled() if capman is not None else _null_cm()
-    with cm:
+    with _uncaptured(config):
         if getattr(tr, "isatty", False):
             tr.write("\r" + text.ljust(tr._tw.fullwidth - 1)[: tr._tw.fullwidth - 1] if hasattr(tr, "_tw") else text)
         else:
