@@ -13,8 +13,12 @@ from pathlib import Path
 import pytest
 
 from pytest_sglworker.diagnosis import (
+    FATAL_KINDS,
+    MEMORY_KINDS,
     Diagnosis,
     Kind,
+    Rule,
+    _interesting,
     diagnose,
     parse_kv_tokens,
     parse_max_total_tokens,
@@ -22,6 +26,7 @@ from pytest_sglworker.diagnosis import (
     startup_phase,
     startup_phase_from_file,
 )
+from pytest_sglworker.diagnosis_rules import RULES, required_literals, rule_for, using_rules
 
 LOGS = Path(__file__).parent / "data" / "logs"
 
@@ -637,3 +642,92 @@ def test_native_crash_lines() -> None:
     fatal = "[2026-12-02 10:00:00] Load weight end. elapsed=1 s\nFatal Python error: Segmentation fault\n"
     d = diagnose(fatal, -11)
     assert d.kind is Kind.UNKNOWN and d.first_error_line == 2
+
+
+# ---------------------------------------------------------------------------------------------- the rule records
+
+
+def test_every_kind_has_exactly_one_rule_and_its_flags() -> None:
+    assert [rule.kind for rule in RULES].count(Kind.UNKNOWN) == 1
+    assert {rule.kind for rule in RULES} == set(Kind) and len(RULES) == len(Kind)
+    for kind in Kind:
+        rule = rule_for(kind)
+        assert rule.kind is kind and kind.rule is rule
+        assert kind.fatal is rule.fatal and kind.memory is rule.memory
+    assert {k.value for k in FATAL_KINDS} == {
+        "graph_capture_oom", "graph_capture_error", "kv_pool_does_not_fit", "weights_oom", "cuda_oom",
+        "port_in_use", "model_not_found", "nccl_error", "bad_flag",
+    }
+    assert {k.value for k in MEMORY_KINDS} == {
+        "graph_capture_oom", "kv_pool_does_not_fit", "weights_oom", "cuda_oom", "killed_by_signal",
+    }
+    assert "port_in_use" in FATAL_KINDS  # a str Enum: the old string sets' callers keep working
+
+
+@pytest.mark.parametrize(
+    ("name", "returncode", "fatal", "memory"),
+    [
+        ("seed_prefill_capture_oom.log", -9, True, True),
+        ("real_port_in_use.log", None, True, False),
+        ("silent_sigkill.log", -9, False, True),
+        ("real_no_accelerator.log", 1, False, False),
+        ("healthy.log", None, False, False),
+    ],
+)
+def test_diagnosis_fatal_and_memory_related(name: str, returncode: int | None, fatal: bool, memory: bool) -> None:
+    d = diagnose(read(name), returncode)
+    assert d.fatal is fatal and d.kind.fatal is fatal
+    assert d.memory_related is memory and d.kind.memory is memory
+
+
+def test_required_literals() -> None:
+    assert required_literals(r"(?:foo|barbaz)\d+quux") == {"quux"}
+    assert required_literals(r"(?:FileNotFoundError|No such file)[^\n]*(?:x|y)") == {
+        "FileNotFoundError", "No such file"
+    }
+    assert required_literals(r"\bEADDRINUSE\b|\[Errno 98\]") == {"EADDRINUSE", "[Errno 98]"}
+    assert required_literals(r"(?i:Address) is in use now") == {" is in use now"}
+    assert required_literals(r"(?i:Address already) in") == {"address already"}
+    assert required_literals(r"\d+|abc") == frozenset()  # one branch needs no literal: nothing is required
+
+
+def test_a_rule_without_literal_text_is_refused() -> None:
+    with pytest.raises(ValueError, match="no literal text"):
+        Rule(Kind.UNKNOWN, lambda f: "", lambda f: "", patterns=(r"^\w+: \d+$",))
+
+
+def test_the_prefilter_covers_every_rule_pattern() -> None:
+    """Every match of every rule pattern contains one of its required literals, and the pre-filter matches each."""
+    interesting = _interesting()
+    for rule in RULES:
+        sources = (*rule.patterns, *(rule.standalone or ()), *rule.symptoms, *rule.warnings)
+        for source in sources:
+            literals = required_literals(source, rule.flags)
+            assert literals, (rule.kind, source)
+            for literal in literals:
+                assert interesting.search(literal), (rule.kind, source, literal)
+
+
+def test_a_new_pattern_is_enabled_by_its_record_alone() -> None:
+    """A synthetic rule: one more pattern in the port record, nothing else touched, and the scanner sees it."""
+    line = "[2026-12-02 10:00:00] flux capacitor is busy on 127.0.0.1:31000"
+    log = read("healthy.log") + line + "\n"
+    assert not _interesting().search(line)
+    assert diagnose(log, None).kind is Kind.NONE
+    port = rule_for(Kind.PORT_IN_USE)
+    extended = dataclasses.replace(port, patterns=(*port.patterns, r"flux capacitor is busy"))
+    with using_rules(extended if rule is port else rule for rule in RULES):
+        assert _interesting().search(line)
+        d = diagnose(log, None)
+        assert d.kind is Kind.PORT_IN_USE, d.render()
+        assert d.first_error_line == log.count("\n")
+        assert d.fatal
+    assert diagnose(log, None).kind is Kind.NONE  # the built-in records are back
+
+
+def test_no_reference_to_files_outside_the_repository() -> None:
+    import pytest_sglworker.diagnosis as module
+    import pytest_sglworker.diagnosis_rules as rules
+
+    for mod in (module, rules):
+        assert "FACTS.md" not in Path(str(mod.__file__)).read_text(encoding="utf-8")
