@@ -1,0 +1,144 @@
+"""``scripts/gpu-check --dry-run`` (fake NVML, fake CUDA, real pytest sessions of the plugin), so that the
+one-command GPU check cannot rot before a GPU machine runs it for real.
+
+The autouse guard of conftest.py checks that nothing the check started (inner sessions, holders) is left:
+they inherit this test's ``SGLWORKER_TEST_MARK``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "scripts" / "gpu-check"
+CHECKS = [
+    "environment", "nvml_inventory", "lease_visibility", "nvml_process_ids", "ledger_input", "lease_exclusivity",
+    "release_wait", "sigkill_teardown", "torch_view", "sglang_launch", "leftovers",
+]
+#: The fake driver frees the memory of a process this long after it dies (fakegpu.write_state).
+FAKE_RELEASE_DELAY_S = 0.3
+
+
+def run_check(*args: str, env: dict[str, str] | None = None, timeout: float = 90) -> subprocess.CompletedProcess[str]:
+    full_env = {**os.environ, "GPU_CHECK_PYTHON": sys.executable, **(env or {})}
+    return subprocess.run([str(SCRIPT), *args], env=full_env, capture_output=True, text=True, timeout=timeout,
+                          stdin=subprocess.DEVNULL, cwd=str(REPO))
+
+
+def rows(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {row["check"]: row for row in doc["checks"]}
+
+
+def test_dry_run_passes_every_check(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    done = run_check("--dry-run", env={"OUT": str(out)})  # $OUT is where results go without --out
+    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
+    doc = json.loads((out / "gpu-check.json").read_text())
+    assert doc["schema"] == "pytest-sglworker/gpu-check/v1"
+    assert doc["mode"] == "dry-run" and doc["ok"] and doc["failed"] == []
+    assert [row["check"] for row in doc["checks"]] == CHECKS
+    assert doc["duration_s"] < 60
+    by = rows(doc)
+    statuses = {name: row["status"] for name, row in by.items()}
+    assert statuses == {
+        "environment": "info", "nvml_inventory": "pass", "lease_visibility": "pass", "nvml_process_ids": "pass",
+        "ledger_input": "pass", "lease_exclusivity": "pass", "release_wait": "pass", "sigkill_teardown": "pass",
+        "torch_view": "skip", "sglang_launch": "skip", "leftovers": "pass",
+    }, {n: r["detail"] for n, r in by.items()}
+
+    # the table and the files
+    table = (out / "gpu-check.txt").read_text()
+    for name in CHECKS:
+        assert name in table and name in done.stdout
+    assert "11 checks, 0 failed" in done.stdout
+    assert (out / "logs" / "events.jsonl").stat().st_size > 0
+
+    # the plugin ran from this tree; CUDA was the fake
+    env = by["environment"]["data"]
+    assert Path(env["plugin_file"]).resolve().is_relative_to(REPO)
+    assert env["cuda_probe"]["pci_bus_id"]["kind"] == "fake"
+
+    # inventory: two fake H200s in PCI order, nvidia-smi and CUDA agree
+    inventory = by["nvml_inventory"]["data"]
+    assert [g["index"] for g in inventory["plugin_inventory"]] == [0, 1]
+    assert {g["name"] for g in inventory["plugin_inventory"]} == {"NVIDIA H200"}
+    assert len(inventory["nvidia_smi"]) == 2 and inventory["problems"] == []
+
+    # each worker saw exactly its GPU (the fake CUDA orders devices in reverse without PCI_BUS_ID)
+    visibility = by["lease_visibility"]["data"]
+    for index in ("0", "1"):
+        seen = visibility[index]
+        assert seen["holder"]["cuda_visible_devices"] == index
+        assert seen["holder"]["device_count"] == 1
+        assert seen["holder"]["device"]["uuid"] == seen["nvml_before"][index]["uuid"]
+        assert seen["holder_listed_on"] == [int(index)]
+        assert seen["free_drop_mib"][index] == 1024 + 512  # held + the fake context
+
+    # exclusivity under -n 4: one lease of the GPU at a time although memory would fit four; no over-commit
+    excl = by["lease_exclusivity"]["data"]
+    assert excl["holders"] == 6 and excl["leases"] >= 6
+    assert excl["max_concurrent_leases"] == 1 and excl["max_concurrent_holders"] == 1
+    assert excl["memory_would_fit"] == 4
+    assert excl["short_acquisitions"] == [] and excl["holder_errors"] == [] and excl["observer_errors"] == []
+    assert excl["lease_wait_seconds_total"] > 0  # the other xdist workers queued
+
+    # release waits: memory held until exit comes back after the fake driver's delay, and the lease only then
+    cases = {c["case"]: c for c in by["release_wait"]["data"]["cases"]}
+    assert set(cases) == {"hold-30g-free", "hold-30g-exit", "hold-big-exit"}
+    for case in cases.values():
+        assert "problem" not in case, case
+        assert case["memory_back"] is True
+        assert case["lease_back_after_exit_s"] >= case["nvml_last_busy_after_exit_s"]
+    assert cases["hold-30g-free"]["nvml_free_after_exit_s"] < 0.1  # freed by cuMemFree before the exit
+    for name in ("hold-30g-exit", "hold-big-exit"):
+        assert FAKE_RELEASE_DELAY_S - 0.05 <= cases[name]["nvml_free_after_exit_s"] < 2.0
+        assert cases[name]["lease_waited_s"] >= FAKE_RELEASE_DELAY_S - 0.05  # Lease.release polled for it
+
+    # SIGKILL mid-test: reported as -9, lease back only after the memory, GPU leasable at once afterwards
+    kill = by["sigkill_teardown"]["data"]
+    assert kill["sigkill"]["returncode"] == -9 and "SIGKILL" in kill["sigkill"]["died_message"]
+    assert kill["release"]["memory_back"] is True
+    assert kill["release"]["lease_back_after_exit_s"] >= kill["release"]["nvml_free_after_exit_s"] - 0.05
+    assert kill["after"]["granted"] is True and kill["after"]["killed_alive"] is False
+
+    # ledger input: NVML's numbers, the card table's H200
+    ledger = by["ledger_input"]["data"]
+    assert ledger["ledger_total_mib"] == ledger["nvml_total_mib"] == 143771
+    assert ledger["card"] == "H200"
+    assert ledger["context_overhead_mib"] == 512
+
+    assert "sglang not installed" in by["sglang_launch"]["detail"] or "dry run" in by["sglang_launch"]["detail"]
+    assert by["leftovers"]["data"]["left_running"] == []
+
+
+def test_dry_run_catches_a_wrong_device_order_and_hidden_pids(tmp_path: Path) -> None:
+    """Faults of the fakes: CUDA numbering devices in its own order, NVML listing no process. The check must
+    fail the visibility with a clear line (and warn about the pids), not pass and not hang."""
+    out = tmp_path / "out"
+    done = run_check("--dry-run", "--out", str(out), "--only", "lease_visibility,nvml_process_ids",
+                     "--fake-fault", "cuda_ignores_device_order,nvml_hides_pids")
+    assert done.returncode == 1, done.stdout[-4000:] + done.stderr[-2000:]
+    doc = json.loads((out / "gpu-check.json").read_text())
+    by = rows(doc)
+    assert [row["check"] for row in doc["checks"]] == ["environment", "lease_visibility", "nvml_process_ids",
+                                                       "leftovers"]
+    visibility = by["lease_visibility"]
+    assert visibility["status"] == "fail"
+    assert "the worker's CUDA device 0 is at PCI 0000:3B:00.0" in visibility["detail"]
+    assert "the leased NVML GPU 0 at 00000000:19:00.0" in visibility["detail"]
+    assert by["nvml_process_ids"]["status"] == "warn"
+    assert "Lease.release cannot see a worker" in by["nvml_process_ids"]["detail"]
+    assert by["leftovers"]["status"] == "pass"
+    assert doc["failed"] == ["lease_visibility"]
+
+
+def test_usage_errors() -> None:
+    done = run_check("--only", "nope", timeout=30)
+    assert done.returncode != 0 and "unknown check(s) in --only: nope" in (done.stdout + done.stderr)
+    done = run_check("--fake-fault", "x", timeout=30)
+    assert done.returncode == 2 and "need --dry-run" in done.stderr
