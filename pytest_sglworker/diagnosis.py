@@ -157,9 +157,10 @@ _NOISE = re.compile(
     r"|Waiting for \d+ seconds for \w+ to be available"
 )
 _EXCEPTION_START = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?[A-Z]\w*(?:Error|Exception|Interrupt|Exit)\b(?::|$)")
-# The server tearing down after a failure.
+# The server tearing down after a failure. sglang < 0.4.3 wrote "child proces." (one s;
+# https://github.com/sgl-project/sglang/issues/3456).
 _SYMPTOM = re.compile(
-    r"Received sigquit from a child process|SIGQUIT received|Initialization failed\.|Triggering SIGQUIT"
+    r"Received sigquit from a child proces|SIGQUIT received|Initialization failed\.|Triggering SIGQUIT"
 )
 _SHUTDOWN = re.compile(r"SIGTERM received|Gracefully exiting")
 _TERMINATE = re.compile(r"^(?:terminate called after throwing|Fatal Python error:|Segmentation fault)")
@@ -167,9 +168,12 @@ _TERMINATE = re.compile(r"^(?:terminate called after throwing|Fatal Python error
 _LOAD_BEGIN = "Load weight begin"
 _LOAD_END = "Load weight end"
 _CAPTURE = re.compile(r"Capture (?P<what>.*?)\s*(?:CUDA|cuda|CPU|NPU|XPU|MUSA) graph (?P<edge>begin|end)\b")
+# tqdm bars of a capture in progress: "Capturing prefill shape (num_tokens=704 avail_mem=..)" (prefill, 0.5.23),
+# "Capturing num tokens (num_tokens=3968 ..)" (piecewise prefill, 0.5.x), "Capturing batches (bs=256 ..)" (decode)
+# and, before 0.4.8, "Capturing batches (avail_mem=2.85 GB)" without the size.
 _TQDM = re.compile(
-    r"Capturing (?P<what>prefill shape|batches) \((?:num_tokens|bs)=(?P<size>\d+)[^)]*\)[^|\n]*\|[^|\n]*\|\s*"
-    r"(?P<done>\d+)/(?P<total>\d+)"
+    r"Capturing (?P<what>prefill shape|num tokens|batches) \((?:(?:num_tokens|bs)=(?P<size>\d+))?[^)]*\)"
+    r"[^|\n]*\|[^|\n]*\|\s*(?P<done>\d+)/(?P<total>\d+)"
 )
 # What the scanner itself must see besides the rules' patterns (generic exceptions, the startup state).
 _STRUCTURE = (
@@ -252,9 +256,9 @@ class _State:
             m = _CAPTURE.search(msg)
             if m:
                 what = _graph_name(m.group("what"))
+                self.bar = None
                 if m.group("edge") == "begin":
                     self.captures.append(what)
-                    self.bar = None
                 elif what in self.captures:
                     self.captures.remove(what)
                 elif self.captures:
@@ -274,13 +278,17 @@ class _State:
             self.shutdown = True
 
     def capture(self) -> str | None:
-        """The graph being captured: the last open "Capture ... graph begin"."""
-        return self.captures[-1] if self.captures else None
+        """The graph being captured: an open "Capture ... graph begin", else an unfinished progress bar."""
+        if self.captures:
+            return self.captures[-1]
+        if self.bar is not None and self.bar[2] < self.bar[3]:
+            return self.bar[0]
+        return None
 
 
 def _graph_name(what: str) -> str:
     what = what.lower()
-    if any(word in what for word in ("prefill", "piecewise", "extend")):
+    if any(word in what for word in ("prefill", "piecewise", "extend", "num tokens", "shape")):
         return "prefill"
     if "verify" in what:
         return "verify"
@@ -376,6 +384,9 @@ def _scan(lines: list[_Line]) -> list[_Event]:
         if _TRACEBACK in msg:
             i = _traceback_group(lines, i, state, events)
             continue
+        if not line.is_log and line.raw.startswith(_FRAME):  # a traceback whose header is not in the log
+            i = _traceback_group(lines, i, state, events, headerless=True)
+            continue
         if not interesting.search(msg):
             i += 1
             continue
@@ -383,10 +394,9 @@ def _scan(lines: list[_Line]) -> list[_Event]:
         if _NOISE.search(msg) or _NOISE.search(line.raw):
             i += 1
             continue
-        event, _ = _standalone(lines, i, state)
+        event, i = _standalone(lines, i, state)
         if event is not None:
             events.append(event)
-        i += 1
     return events
 
 
@@ -418,22 +428,31 @@ def _annotate(event: _Event, text: str, state: _State) -> None:
     if event.kind is Kind.KILLED_BY_SIGNAL:
         event.signal = _child_signal(text)
     if state.bar is not None:
-        _graph, size, done, total = state.bar
-        label = "num_tokens"
+        graph, size, done, total = state.bar
+        label = "num_tokens" if graph == "prefill" else "bs"
         event.detail["bucket"] = f"bucket {min(done + 1, total)} of {total}" + (
             f", {label}={size}" if size is not None else ""
         )
 
 
-def _traceback_group(lines: list[_Line], i: int, state: _State, events: list[_Event]) -> int:
-    """Parse a (possibly chained) traceback starting at ``i``; append one event; return the next index."""
+def _traceback_group(
+    lines: list[_Line], i: int, state: _State, events: list[_Event], headerless: bool = False
+) -> int:
+    """Parse a (possibly chained) traceback starting at ``i``; append one event; return the next index.
+
+    ``headerless``: ``i`` is the first frame of a traceback whose "Traceback (most recent call last):" line is not in
+    the log (a trimmed or interleaved log).
+    """
     n = len(lines)
-    state.feed(lines[i].msg, lines[i].raw)
+    if not headerless:
+        state.feed(lines[i].msg, lines[i].raw)
     group_start = i
     exceptions: list[_Event] = []
     while True:
         tb_start = i
-        i += 1
+        if not headerless:
+            i += 1
+        headerless = False
         frames: list[str] = []
         while i < n and lines[i].raw[:1] in (" ", "\t") and not lines[i].is_log:
             frames.append(lines[i].raw)

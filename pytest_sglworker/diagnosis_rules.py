@@ -324,6 +324,17 @@ CAPTURE_FRAMES = re.compile(
     r"|, in capture\b"
 )
 LOAD_FRAMES = re.compile(r"load_weights|in load_model|weight_loader|model_loader/|safetensors")
+KV_POOL_FRAMES = re.compile(r"init_memory_pool|alloc_memory_pool|mem_cache/memory_pool\.py|_create_buffers")
+# sglang's own wrappers of a failed capture: "Capture cuda graph failed: <error>" (the decode and draft runners,
+# python/sglang/srt/model_executor/runner/decode_cuda_graph_runner.py in
+# https://github.com/sgl-project/sglang/tree/v0.5.23), "Fail when using backend: breakable for prefill runner."
+# (runner_backend_utils/__init__.py) and, in 0.5.x before 0.5.23, "Piecewise CUDA Graph failed with error: ...".
+CAPTURE_FAILED = (
+    r"Capture cuda graph failed",
+    r"Fail when using backend: [\w-]+ for prefill runner",
+    r"Piecewise CUDA Graph failed with error",
+)
+_CAPTURE_FAILED = re.compile("|".join(CAPTURE_FAILED))
 
 _OOM = (
     r"\bOutOfMemoryError\b",
@@ -340,7 +351,7 @@ def _in_capture(scene: Scene) -> bool:
         return True
     if scene.loading:
         return False
-    return bool(CAPTURE_FRAMES.search(scene.frames) or "for prefill runner" in scene.frames)
+    return bool(CAPTURE_FRAMES.search(scene.frames) or _CAPTURE_FAILED.search(scene.frames))
 
 
 def _loading_weights(scene: Scene) -> bool:
@@ -395,10 +406,18 @@ def _kv_advice(f: Facts) -> str:
 
 
 def _cuda_oom_summary(f: Facts) -> str:
+    if KV_POOL_FRAMES.search(f.frames):
+        return "CUDA out of memory while allocating the KV cache pool"
     return "CUDA out of memory" + (f" while {f.phase}" if f.phase and f.phase != "ready" else "")
 
 
 def _cuda_oom_advice(f: Facts) -> str:
+    if KV_POOL_FRAMES.search(f.frames):
+        return (
+            "the KV pool sized from --mem-fraction-static did not fit in the GPU memory actually free: lower "
+            "--mem-fraction-static or cap --max-total-tokens, and check that no other process holds memory on "
+            "that GPU"
+        )
     return (
         "lower --mem-fraction-static to leave more room for activations, or reduce --chunked-prefill-size or "
         "--max-running-requests; check that no other process holds memory on that GPU"
@@ -506,6 +525,8 @@ RULES: tuple[Rule, ...] = (
             r"Not enough memory\. Please try to increase --mem-fraction-static",
             # 0.5.23, mem_cache/kv_cache_configurator.py
             r"Loaded weights leave no GPU memory for the KV cache",
+            # Not "max_total_tokens=N is larger than the profiled value -M": a warning, and real logs show servers
+            # that went on to serve after it (a speculative draft worker's pool), so it is no cause by itself.
         ),
         fatal=True,
         memory=True,
@@ -606,6 +627,7 @@ RULES: tuple[Rule, ...] = (
             "disable the graph (--cuda-graph-backend-prefill=disabled, part of CI_WORKER_ARGS) and, if memory is "
             "tight, lower --mem-fraction-static"
         ),
+        patterns=CAPTURE_FAILED,
         # PyTorch's capture_end() after a failed capture: never the cause (see the diagnosis module docstring)
         symptoms=(r"markCaptureEnd called with no captures in progress|num_active_captures_ > 0",),
         symptom_role="cleanup",

@@ -1,7 +1,10 @@
 """Unit tests of :mod:`pytest_sglworker.diagnosis` over the log fixtures in ``tests/data/logs``.
 
 ``real_*.log`` were captured from the real sglang 0.5.23 server on a CPU-only machine (tiny random model);
-the others are synthetic GPU logs in 0.5.23's format (see the fixture table below for what each shows).
+``github_<kind>_<number>.log`` are real GPU logs copied from sglang's public issue tracker (each file starts with a
+``# `` header: the issue's link, the sglang version where stated, what was trimmed and scrubbed); the others are
+synthetic GPU logs in 0.5.23's format (see the fixture table below for what each shows). Where a real log disagreed
+with the synthetic ones or with the classifier, the real one won.
 """
 
 from __future__ import annotations
@@ -144,6 +147,59 @@ CASES: list[tuple[str, int | None, Kind, str | None, tuple[str, ...]]] = [
         ("No module named 'vllm'",),
     ),
     ("real_no_accelerator.log", 1, Kind.UNKNOWN, "RuntimeError: No accelerator", ("No accelerator",)),
+    # real GPU logs from sglang's public issue tracker (the link and what was trimmed are in each file's header)
+    (
+        "github_graph_capture_oom_5285.log",
+        None,
+        Kind.GRAPH_CAPTURE_OOM,
+        "Exception: Capture cuda graph failed: CUDA out of memory",
+        ("decode CUDA graph",),
+    ),
+    (
+        "github_graph_capture_oom_14476.log",
+        None,
+        Kind.GRAPH_CAPTURE_OOM,
+        "torch.OutOfMemoryError:",
+        ("prefill CUDA graph", "bucket 2 of 58, num_tokens=3968"),
+    ),
+    (
+        "github_graph_capture_error_7227.log",
+        None,
+        Kind.GRAPH_CAPTURE_ERROR,
+        "self.worker = TpModelWorker(",
+        ("decode CUDA graph",),
+    ),
+    (
+        "github_kv_pool_does_not_fit_2128.log",
+        None,
+        Kind.KV_POOL_DOES_NOT_FIT,
+        "ValueError: Loaded weights leave no GPU memory for the KV cache",
+        ("--mem-fraction-static=0.88",),
+    ),
+    (
+        "github_cuda_oom_12496.log",
+        None,
+        Kind.CUDA_OOM,
+        "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 32.00 MiB",
+        ("while allocating the KV cache pool",),
+    ),
+    (
+        "github_nccl_error_4289.log",
+        None,
+        Kind.NCCL_ERROR,
+        "RuntimeError: NCCL error: unhandled system error",
+        ("unhandled system error",),
+    ),
+    (
+        "github_unknown_3456.log",
+        None,
+        Kind.UNKNOWN,
+        "initialize_model_parallel(tensor_model_parallel_size=self.tp_size)",
+        ("traceback starts at log line 10",),
+    ),
+    ("github_none_7691.log", None, Kind.NONE, None, ("allocating KV pool",)),
+    ("github_none_4840.log", None, Kind.NONE, None, ("capturing CUDA graphs",)),
+    ("github_none_11716.log", None, Kind.NONE, None, ("capturing CUDA graphs",)),
 ]
 
 
@@ -731,3 +787,122 @@ def test_no_reference_to_files_outside_the_repository() -> None:
 
     for mod in (module, rules):
         assert "FACTS.md" not in Path(str(mod.__file__)).read_text(encoding="utf-8")
+
+
+# ---------------------------------------------------------------------------------------------- real GPU logs
+
+GITHUB = sorted(p.name for p in LOGS.glob("github_*.log"))
+
+
+def header_of(name: str) -> list[str]:
+    lines = read(name).split("\n")
+    header = [line for line in lines if line.startswith("# ")]
+    assert lines[: len(header)] == header, f"{name}: the '# ' header must be the file's first lines"
+    return header
+
+
+def test_there_are_real_logs_of_each_gpu_failure() -> None:
+    kinds = {name.removeprefix("github_").rsplit("_", 1)[0] for name in GITHUB}
+    assert {"graph_capture_oom", "kv_pool_does_not_fit", "nccl_error", "cuda_oom"} <= kinds
+    assert sum(1 for name in GITHUB if "KV Cache is allocated" in read(name)) >= 2
+
+
+@pytest.mark.parametrize("name", GITHUB)
+def test_real_log_header_names_the_source_and_is_harmless(name: str) -> None:
+    header = header_of(name)
+    assert header and "https://github.com/" in header[0]
+    assert any(line.startswith("# Trimmed:") for line in header) and any(
+        line.startswith("# Scrubbed:") for line in header
+    )
+    text = read(name)
+    assert "/home/" not in text or all("/home/user/" in line for line in text.split("\n") if "/home/" in line)
+    header_text = "\n".join(header) + "\n"
+    d = diagnose(header_text, None)
+    assert d.kind is Kind.NONE and d.secondary == () and d.phase is None, d.render()
+    body = text[len(header_text) :]
+    full, alone = diagnose(text, None), diagnose(body, None)
+    assert full.kind is alone.kind and full.advice == alone.advice and full.phase == alone.phase
+    assert (full.first_error_line is None) is (alone.first_error_line is None)
+    if alone.first_error_line is not None:
+        assert full.first_error_line == alone.first_error_line + len(header)
+        assert full.first_error == alone.first_error
+
+
+@pytest.mark.parametrize(
+    ("name", "tokens", "load_end_avail", "weights", "k_size"),
+    [
+        ("github_graph_capture_error_7227.log", 132681, 21.96, 8.81, 9.11),
+        ("github_none_4840.log", 46045, None, None, 2.99),
+        ("github_none_11716.log", 2795207, None, None, 53.31),
+        ("github_kv_pool_does_not_fit_2128.log", None, 12.25, 125.65, None),
+        ("github_none_7691.log", None, 21.73, 166.59, None),
+    ],
+)
+def test_real_memory_lines(
+    name: str, tokens: int | None, load_end_avail: float | None, weights: float | None, k_size: float | None
+) -> None:
+    """Older versions print "KV Cache is allocated. #tokens: N, K size: ..." without the dtype; rank prefixes."""
+    text = read(name)
+    assert parse_kv_tokens(text) == tokens
+    m = parse_memory(text)
+    assert m.kv_tokens == tokens and m.kv_dtype is None
+    assert m.load_end_avail_gb == (pytest.approx(load_end_avail) if load_end_avail is not None else None)
+    assert m.weights_gb == (pytest.approx(weights) if weights is not None else None)
+    assert m.k_size_gb == (pytest.approx(k_size) if k_size is not None else None)
+    assert m.v_size_gb == m.k_size_gb
+
+
+def test_piecewise_capture_bar_marks_the_capture() -> None:
+    """Real 0.5.x: no "Capture ... graph begin" line is in view, only the piecewise bar, and the stack starts on the
+    bar's own line; an unfinished bar is a capture in progress (and names the bucket)."""
+    name = "github_graph_capture_oom_14476.log"
+    d = diagnose(read(name), None)
+    assert d.kind is Kind.GRAPH_CAPTURE_OOM and d.memory_related and d.fatal
+    assert "--cuda-graph-backend-prefill=disabled" in d.advice
+    finished = read(name).replace("| 1/58 [", "| 58/58 [")
+    assert diagnose(finished, None).kind is Kind.CUDA_OOM  # a finished bar is no capture in progress
+    old_bar = "Capturing batches (avail_mem=2.85 GB):   0%|          | 0/4 [00:00<?, ?it/s]Traceback"
+    d = diagnose(old_bar + " (most recent call last):\n  File \"/x/y.py\", line 1, in f\n    g()\nRuntimeError: boom\n")
+    assert d.kind is Kind.GRAPH_CAPTURE_ERROR and "decode CUDA graph" in d.summary
+
+
+def test_capture_failed_wrapper_alone_says_capture() -> None:
+    """0.4.x wraps the OOM as "Exception: Capture cuda graph failed: ..." (issue 5285): enough without frames."""
+    line = read("github_graph_capture_oom_5285.log").split("\n")[-2]
+    assert line.startswith("Exception: Capture cuda graph failed")
+    assert diagnose(line + "\n", 1).kind is Kind.GRAPH_CAPTURE_OOM
+    other = "Exception: Capture cuda graph failed: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection c\n"
+    assert diagnose(other, 1).kind is Kind.GRAPH_CAPTURE_ERROR
+
+
+def test_headerless_traceback_frames_are_not_errors() -> None:
+    """A copy that starts inside a stack (issue 4289): the frame's source line `raise RuntimeError(f"NCCL error:
+    ...")` is code, not the error; the exception line under the frames is."""
+    name = "github_nccl_error_4289.log"
+    d = diagnose(read(name), None)
+    assert d.first_error_line == line_of(name, "RuntimeError: NCCL error: unhandled system error")
+    assert d.first_error_line != line_of(name, 'raise RuntimeError(f"NCCL error')
+    assert any("Received sigquit" in s for s in d.secondary)
+    kv = diagnose(read("github_cuda_oom_12496.log"), None)
+    assert kv.memory_related and "--max-total-tokens" in kv.advice
+
+
+def test_old_sigquit_spelling_and_its_place_before_the_stack() -> None:
+    """sglang 0.4.2 wrote "child proces." and printed it before the failing scheduler's stack (issue 3456)."""
+    name = "github_unknown_3456.log"
+    d = diagnose(read(name), None)
+    first = line_of(name, "Received sigquit from a child proces.")
+    assert first < d.first_error_line  # type: ignore[operator]
+    assert d.secondary == (
+        f"log line {first}: Received sigquit from a child proces. It usually means the child failed. "
+        "(the server tearing down after the failure)",
+    )
+
+
+def test_negative_profile_warning_is_not_an_error() -> None:
+    """Issue 7691: "max_total_tokens=... is larger than the profiled value -561981" is a warning; servers have gone
+    on to serve after it, so it is no cause by itself and the exit code decides."""
+    text = read("github_none_7691.log")
+    assert diagnose(text, None).kind is Kind.NONE
+    d = diagnose(text, 1)
+    assert d.kind is Kind.UNKNOWN and d.first_error_line is None and "code 1" in d.summary
