@@ -11,16 +11,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from .sglang_facts import flag_table
 from .specs import CI_WORKER_ARGS, ModelSpec
 
 FRACTION_FLAG = "--mem-fraction-static"
 PREFILL_FLAG = "--cuda-graph-backend-prefill"
 MAX_FRACTION = 0.6
-
-# sglang's parser is argparse with allow_abbrev=True, so it accepts any unambiguous prefix of a flag:
-# "--mem-frac 0.9" sets mem_fraction_static. The check must see those too. These are the shortest prefixes
-# that are unambiguous in sglang 0.5.23, read off its parser (nothing else starts with them).
-_ABBREV_MIN = {FRACTION_FLAG: "--mem", PREFILL_FLAG: "--cuda-graph-backend-p"}
+_DESTS = {FRACTION_FLAG: "mem_fraction_static", PREFILL_FLAG: "cuda_graph_backend_prefill"}
 
 FIX = (
     "add CI_WORKER_ARGS to the spec's worker_args "
@@ -28,35 +25,15 @@ FIX = (
 )
 
 
-def _canonical(flag: str) -> str | None:
-    for full, shortest in _ABBREV_MIN.items():
-        if flag.startswith(shortest) and full.startswith(flag):
-            return full
-    return None
-
-
 def flag_values(argv: Sequence[str]) -> dict[str, list[str | None]]:
     """Values given to the budget flags in ``argv``, in order (argparse keeps the last one).
 
-    Understands ``--flag=value``, ``--flag value`` and argparse abbreviations. ``None`` marks a flag
+    ``--flag=value``, ``--flag value`` and every abbreviation sglang's parser accepts (``--mem 0.9``): the
+    flags are resolved by :mod:`sglang_facts`, which holds the parser's option table. ``None`` marks a flag
     given without a value.
     """
-    found: dict[str, list[str | None]] = {}
-    args = list(argv)
-    for i, arg in enumerate(args):
-        if not arg.startswith("--"):
-            continue
-        name, eq, value = arg.partition("=")
-        full = _canonical(name)
-        if full is None:
-            continue
-        if eq:
-            found.setdefault(full, []).append(value)
-        elif i + 1 < len(args) and not args[i + 1].startswith("--"):
-            found.setdefault(full, []).append(args[i + 1])
-        else:
-            found.setdefault(full, []).append(None)
-    return found
+    parsed = flag_table().parse(argv)
+    return {flag: parsed.all(dest) for flag, dest in _DESTS.items() if parsed.given(dest)}
 
 
 @dataclass(frozen=True)

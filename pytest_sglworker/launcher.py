@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .errors import LaunchError, WorkerDied, WorkerStartupError, WorkerStartupTimeout
+from .sglang_facts import HEALTH_PATH, LAUNCH_MODULE, LOOPBACK_HOST, LOOPBACK_NAMES, SECRET_FLAG, flag_table
 from .specs import ModelSpec
 
 if TYPE_CHECKING:
@@ -44,8 +45,6 @@ if TYPE_CHECKING:
     from .diagnosis import Diagnosis
     from .ports import PortBlock
 
-LOOPBACK_HOST = "127.0.0.1"
-HEALTH_PATH = "/health_generate"
 #: The environment variable that marks every process of a worker (inherited by its children), so that
 #: teardown finds a scheduler that left the process group or was re-parented. Value: ``<session>:<worker>``.
 OWNER_ENV = "SGLWORKER_OWNER"
@@ -53,13 +52,11 @@ OWNER_ENV = "SGLWORKER_OWNER"
 SECRET_ENV_PATTERN = re.compile(r"TOKEN|SECRET|PASSWORD|PASSWD|API_?KEY|CREDENTIAL|AUTH", re.IGNORECASE)
 DEFAULT_TAIL_LINES = 40
 SESSION_ID = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
-_LOOPBACK = {"127.0.0.1", "localhost", "::1"}
-_HOST_ABBREVS = ("--ho", "--hos", "--host")
 
 
 def default_launcher() -> list[str]:
     """``<this python> -m sglang.launch_server``."""
-    return [sys.executable, "-m", "sglang.launch_server"]
+    return [sys.executable, "-m", LAUNCH_MODULE]
 
 
 def sim_launcher() -> list[str]:
@@ -79,16 +76,8 @@ def parse_launcher(value: str) -> list[str]:
 
 
 def foreign_hosts(argv: Sequence[str]) -> list[str]:
-    """Hosts other than loopback that ``argv`` would bind (``--host`` and its abbreviations)."""
-    hosts: list[str] = []
-    for i, arg in enumerate(argv):
-        name, eq, value = arg.partition("=")
-        if name in _HOST_ABBREVS:
-            if not eq:
-                value = argv[i + 1] if i + 1 < len(argv) else ""
-            if value not in _LOOPBACK:
-                hosts.append(value)
-    return hosts
+    """Hosts other than loopback that ``argv`` would bind (``--host`` and every abbreviation of it)."""
+    return [value or "" for value in flag_table().parse(argv).all("host") if value not in LOOPBACK_NAMES]
 
 
 def build_argv(
@@ -158,20 +147,49 @@ def read_head(path: Path | str, max_bytes: int = 4 * 1024 * 1024) -> str:
 _SECRET_NAME_WORD = re.compile(r"(?:^|_)(?:TOKEN|SECRET|PASSWORD|PASSWD|API_?KEY|CREDENTIALS?|AUTH)(?:_|$)",
                                re.IGNORECASE)
 _NOT_SECRET_VALUES = frozenset({"true", "false", "none", "null", "auto"})
-#: ``--api-key`` and its kin (``--admin-api-key``, ``--hf-token``...).
-_SECRET_FLAG = re.compile(r"--(?:[a-z0-9-]*-)?(?:api-key|token|secret|password)")
+MASK = "***"
+
+
+def _secret_positions(argv: Sequence[str]) -> list[tuple[int, bool]]:
+    """``(index, inline)`` of every secret value in ``argv``: the values of sglang's secret flags (resolved
+    with their abbreviations, ``--api-k``), and of other programs' ``--api-key``-like options (a router's)."""
+    table = flag_table()
+    found: list[tuple[int, bool]] = []
+    for i, arg in enumerate(argv):
+        if not arg.startswith("--"):
+            continue
+        name, eq, _ = arg.partition("=")
+        try:
+            flag = table.resolve(name)
+        except ValueError:  # ambiguous: not a flag sglang would take
+            flag = None
+        secret = flag.secret if flag is not None else SECRET_FLAG.fullmatch(name) is not None
+        if secret:
+            if eq:
+                found.append((i, True))
+            elif i + 1 < len(argv):
+                found.append((i + 1, False))
+    return found
+
+
+def mask_argv(argv: Sequence[str]) -> list[str]:
+    """``argv`` with the value of every secret flag replaced by ``***``, whatever its length."""
+    out = list(argv)
+    for i, inline in _secret_positions(argv):
+        out[i] = out[i].partition("=")[0] + "=" + MASK if inline else MASK
+    return out
 
 
 def secret_values(env: Mapping[str, str], argv: Sequence[str] = ()) -> list[str]:
-    """Values to redact: secret-looking env vars and ``--api-key`` values (4+ characters)."""
+    """Values to redact from free text (log tails, messages): secret-looking env vars and secret flag values,
+    4+ characters (a shorter one would mangle unrelated text; argvs are masked structurally by
+    :func:`mask_argv` instead)."""
     values = [v for k, v in env.items() if SECRET_ENV_PATTERN.search(k) and _SECRET_NAME_WORD.search(k)
               and len(v) >= 4 and v.lower() not in _NOT_SECRET_VALUES]
-    for i, arg in enumerate(argv):
-        name, eq, value = arg.partition("=")
-        if _SECRET_FLAG.fullmatch(name):
-            value = value if eq else (argv[i + 1] if i + 1 < len(argv) else "")
-            if len(value) >= 4:
-                values.append(value)
+    for i, inline in _secret_positions(argv):
+        value = argv[i].partition("=")[2] if inline else argv[i]
+        if len(value) >= 4:
+            values.append(value)
     return sorted(set(values), key=len, reverse=True)
 
 
@@ -287,7 +305,7 @@ class ModelInstance:
             parts.append(rendered)
         if extra:
             parts.append(extra)
-        parts.append(f"argv: {redact(shlex.join(self.argv), self.secrets)}")
+        parts.append(f"argv: {redact(shlex.join(mask_argv(self.argv)), self.secrets)}")
         parts.append(f"log: {self.log_path}")
         parts.append(f"last {lines} lines:")
         parts.append(_indent(self.log_tail(lines)))

@@ -13,30 +13,34 @@ What sglang 0.5.23 does (``srt/arg_groups/memory_hook.py``, ``srt/mem_cache/kv_c
   and every CUDA graph. Without ``--mem-fraction-static`` the engine picks the fraction so that the slack
   equals its own reserve estimate: ``512 + max(chunked_prefill_size, 2048) * 1.5 + tp*pp/8 * 1024`` (the
   activation reserve) ``+ decode_max_bs * 2 + len(prefill_buckets) * 8`` (the graph reserve), floored at
-  10240 MiB on cards above 60 GiB, ``fraction = round((card - reserved) / card, 3)``.
+  10240 MiB on cards above 60 GiB, ``fraction = round((card - reserved) / card, 3)``. The serving mode
+  changes the terms: on a decode node (PD) the activations scale with ``max(running requests x draft
+  tokens, 2048)`` and there is no prefill graph; a prefill node has no decode graph and no DP-attention
+  padding; DeepEP adds 2 GiB off prefill nodes. The formulas themselves are in :mod:`sglang_facts`.
 
-The activation reserve (why this estimate). FACTS.md's "~12.6 GB for chunked_prefill_size=8192" is exactly
-this formula: ``512 + 8192 * 1.5 + 1/8 * 1024 = 12928 MiB = 12.6 GiB``. It is the engine's own empirical
-heuristic ("the coefficient 1.5 is a heuristic value"), independent of the model. A vocab- or
-hidden-size-based estimate was considered and rejected: during prefill graph capture the dummy batch has
-one request slot, so the logits are computed for one token (not ``chunked * vocab``), and the per-layer
-hidden-state working set of a 0.6B model at 8192 tokens is well under 1 GiB. Neither explains 12.6 GB, and
-fitting one to that figure would be a number dressed up as a model. What the seed run does show is that the
-engine's reserve is *not enough* for a breakable prefill graph: at ``0.83`` (the automatic fraction on an
-80 GB H100) the slack is within rounding of that reserve and capture ran out of memory at bucket 26 of 58.
-So the verdict compares the memory left after the KV pool with the engine's reserve plus a safety
-``margin`` (default 5 %): a configuration that leaves the graphs no more than the engine's own estimate is
-flagged ``slack_below_reserve``. The 5 % is a judgement, not a measurement: it flags every automatic fraction
-(which sits at the reserve by construction, give or take the 3-decimal rounding) and none of the CI budget
-(``0.6`` with the prefill graph off leaves 2.4x the reserve on an 80 GB card).
+The activation reserve (why this estimate). The "about 12.6 GB for chunked_prefill_size=8192" that the seed
+failure's analysis quotes is exactly this formula: ``512 + 8192 * 1.5 + 1/8 * 1024 = 12928 MiB = 12.6 GiB``.
+It is the engine's own empirical heuristic ("the coefficient 1.5 is a heuristic value"), independent of the
+model. A vocab- or hidden-size-based estimate was considered and rejected: during prefill graph capture the
+dummy batch has one request slot, so the logits are computed for one token (not ``chunked * vocab``), and
+the per-layer hidden-state working set of a 0.6B model at 8192 tokens is well under 1 GiB. Neither explains
+12.6 GB, and fitting one to that figure would be a number dressed up as a model. What the seed run does show
+is that the engine's reserve is *not enough* for a breakable prefill graph: at ``0.83`` (the automatic
+fraction on an 80 GB H100) the slack is within rounding of that reserve and capture ran out of memory at
+bucket 26 of 58. So the verdict compares the memory left after the KV pool with the engine's reserve plus a
+safety ``margin`` (default 5 %): a configuration that leaves the graphs no more than the engine's own
+estimate is flagged ``slack_below_reserve``. The 5 % is a judgement, not a measurement: it flags every
+automatic fraction (which sits at the reserve by construction, give or take the 3-decimal rounding) and none
+of the CI budget (``0.6`` with the prefill graph off leaves 2.4x the reserve on an 80 GB card).
 
 KV tokens: with the whole card free (81559 MiB on an H100) the formula gives 608,522 tokens for Qwen3-0.6B
-at 0.83; FACTS.md's ~556K corresponds to ~73.1 GiB free at load (``Load weight begin. avail mem=`` in the
+at 0.83; the ~556K seen on a real H100 corresponds to ~73.1 GiB free at load (``Load weight begin. avail mem=`` in the
 log), which is why ``gpu_free_mib`` should come from NVML or from the log when it is known.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -46,6 +50,25 @@ from enum import Enum
 from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
+
+from .sglang_facts import (
+    GRAPH_BACKENDS,
+    MODEL_DIMS,
+    ModelDims,
+    ParsedArgs,
+    activation_reserve_mib,
+    activation_tokens,
+    automatic_fraction,
+    card_defaults,
+    deepep_reserve_mib,
+    find_model,
+    flag_table,
+    graph_reserve_mib,
+    human_readable_int,
+    kv_pool_tokens,
+    prefill_capture_sizes,
+    total_reserve_mib,
+)
 
 if TYPE_CHECKING:
     from .specs import ModelSpec
@@ -57,6 +80,7 @@ __all__ = [
     "ModelDims",
     "Verdict",
     "activation_reserve_mib",
+    "activation_tokens",
     "automatic_fraction",
     "card_defaults",
     "dims_from_config",
@@ -64,6 +88,7 @@ __all__ = [
     "model_dims",
     "predict_memory",
     "prefill_capture_sizes",
+    "total_reserve_mib",
 ]
 
 MIB = 1 << 20
@@ -108,53 +133,6 @@ def gpu_card_mib(name: str) -> int:
 # ---------------------------------------------------------------------------------------------- models
 
 
-@dataclass(frozen=True)
-class ModelDims:
-    """What the memory arithmetic needs to know about a model.
-
-    ``kv_heads`` is the number of key/value heads (GQA), ``params`` the parameter count, ``dtype_bytes`` the
-    bytes per weight and per KV element as served (2 for bf16/fp16). The other fields are informational.
-    """
-
-    layers: int
-    kv_heads: int
-    head_dim: int
-    params: int
-    dtype_bytes: int = 2
-    name: str = ""
-    hidden_size: int | None = None
-    vocab_size: int | None = None
-
-    def __post_init__(self) -> None:
-        for attr in ("layers", "kv_heads", "head_dim", "params", "dtype_bytes"):
-            value = getattr(self, attr)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"ModelDims.{attr} must be a positive integer, got {value!r}")
-
-    def kv_bytes_per_token(self, tp: int = 1, kv_dtype_bytes: int | None = None) -> int:
-        """Bytes of K and V per token on one GPU: ``layers * kv_heads/tp * head_dim * 2 * dtype_bytes``."""
-        heads = max(1, self.kv_heads // max(1, tp))
-        return self.layers * heads * self.head_dim * 2 * (kv_dtype_bytes or self.dtype_bytes)
-
-    def weights_mib(self, tp: int = 1) -> float:
-        """MiB of weights on one GPU (``params * dtype_bytes / tp``)."""
-        return self.params * self.dtype_bytes / max(1, tp) / MIB
-
-
-#: Built-in dims (FACTS.md's table; the param counts are what :func:`dims_from_config` computes from the
-#: models' config.json files, exactly).
-MODEL_DIMS: Mapping[str, ModelDims] = MappingProxyType(
-    {
-        "Qwen/Qwen3-0.6B": ModelDims(28, 8, 128, 596_049_920, 2, "Qwen/Qwen3-0.6B", 1024, 151936),
-        "meta-llama/Llama-3.2-1B-Instruct": ModelDims(
-            16, 8, 64, 1_235_814_400, 2, "meta-llama/Llama-3.2-1B-Instruct", 2048, 128256
-        ),
-        "meta-llama/Llama-3.1-8B-Instruct": ModelDims(
-            32, 8, 128, 8_030_261_248, 2, "meta-llama/Llama-3.1-8B-Instruct", 4096, 128256
-        ),
-    }
-)
-
 _DTYPE_BYTES = {
     "bfloat16": 2,
     "float16": 2,
@@ -168,16 +146,7 @@ _DTYPE_BYTES = {
 }
 
 
-def _table_lookup(model: str) -> ModelDims | None:
-    key = model.strip().rstrip("/").lower()
-    for name, dims in MODEL_DIMS.items():
-        lname = name.lower()
-        if key == lname or key.endswith("/" + lname) or key == lname.split("/")[-1]:
-            return dims
-    return None
-
-
-def dims_from_config(config: Mapping[str, Any], name: str = "") -> ModelDims:
+def dims_from_config(config: Mapping[str, Any], name: str = "", *, known: ModelDims | None = None) -> ModelDims:
     """:class:`ModelDims` from a Hugging Face ``config.json`` mapping.
 
     Reads ``num_hidden_layers``, ``num_key_value_heads`` (else ``num_attention_heads``), ``head_dim`` (else
@@ -216,7 +185,22 @@ def dims_from_config(config: Mapping[str, Any], name: str = "") -> ModelDims:
     params = embed + layers * per_layer + hidden
     if not cfg.get("tie_word_embeddings", False):
         params += embed
-    return ModelDims(layers, kv_heads, head_dim, params, dtype_bytes, name, hidden, vocab or None)
+    extra: dict[str, Any] = {}
+    if known is not None:  # what the config leaves out is taken from the built-in table
+        extra = {k: getattr(known, k) for k in ("architecture", "model_type", "context_len", "eos_token_id")}
+    architectures = cfg.get("architectures") or (config.get("architectures") if cfg is not config else None)
+    if isinstance(architectures, list) and architectures and isinstance(architectures[0], str):
+        extra["architecture"] = architectures[0]
+    if isinstance(cfg.get("model_type"), str):
+        extra["model_type"] = cfg["model_type"]
+    if isinstance(cfg.get("max_position_embeddings"), int) and cfg["max_position_embeddings"] > 0:
+        extra["context_len"] = cfg["max_position_embeddings"]
+    eos = cfg.get("eos_token_id")
+    if isinstance(eos, list) and eos:
+        eos = eos[0]
+    if isinstance(eos, int) and not isinstance(eos, bool):
+        extra["eos_token_id"] = eos
+    return ModelDims(layers, kv_heads, head_dim, params, dtype_bytes, name, hidden, vocab or None, **extra)
 
 
 def model_dims(model: str, local_path: str | os.PathLike[str] | None = None) -> ModelDims | None:
@@ -226,7 +210,7 @@ def model_dims(model: str, local_path: str | os.PathLike[str] | None = None) -> 
     parameter count then comes from the table when the model is a known one (the config estimate otherwise).
     Returns None for an unknown model without a readable config.
     """
-    table = _table_lookup(model)
+    table = find_model(model)
     for candidate in (local_path, model):
         if candidate is None:
             continue
@@ -240,171 +224,40 @@ def model_dims(model: str, local_path: str | os.PathLike[str] | None = None) -> 
         if not isinstance(config, dict):
             continue
         try:
-            dims = dims_from_config(config, name=table.name if table else model)
+            dims = dims_from_config(config, name=table.name if table else model, known=table)
         except ValueError:
             continue
-        if table is not None:
-            dims = ModelDims(
-                dims.layers,
-                dims.kv_heads,
-                dims.head_dim,
-                table.params,
-                dims.dtype_bytes,
-                table.name,
-                dims.hidden_size,
-                dims.vocab_size,
-            )
+        if table is not None:  # the exact parameter count of a known model
+            dims = dataclasses.replace(dims, params=table.params, name=table.name)
         return dims
     return table
 
 
-# ---------------------------------------------------------------------------------------------- engine rules
-
-
-def card_defaults(gpu_total_mib: float, tp: int = 1) -> tuple[int, int]:
-    """The engine's ``(chunked_prefill_size, decode max_bs)`` defaults for a card of this size."""
-    if gpu_total_mib < 20 * 1024:
-        return 2048, 8
-    if gpu_total_mib < 35 * 1024:
-        return 4096, 48 if tp < 4 else 160
-    if gpu_total_mib < 60 * 1024:
-        return 4096, 32 if tp < 4 else 160
-    if gpu_total_mib < 160 * 1024:
-        return 8192, 256 if tp < 4 else 512
-    return 16384, 512
-
-
-def prefill_capture_sizes(max_bs: int) -> list[int]:
-    """The prefill CUDA graph buckets for ``max_bs`` tokens (58 buckets for 8192)."""
-    sizes = (
-        list(range(4, 33, 4))
-        + list(range(48, 257, 16))
-        + list(range(288, 513, 32))
-        + list(range(576, 1025, 64))
-        + list(range(1280, 4097, 256))
-        + list(range(4608, max_bs + 1, 512))
-    )
-    return [s for s in sizes if s <= max_bs]
-
-
-def activation_reserve_mib(
-    chunked_prefill_size: int, tp: int = 1, pp: int = 1, max_prefill_tokens: int = 16384
-) -> float:
-    """The engine's activation reserve: ``512 + max(tokens, 2048) * 1.5 + tp*pp/8 * 1024`` MiB.
-
-    ``tokens`` is ``chunked_prefill_size`` (``max_prefill_tokens`` when chunked prefill is off, i.e. <= 0).
-    12928 MiB (12.6 GiB) at 8192 and tp=1: FACTS.md's "~12.6 GB". See the module docstring for why this is
-    used as is rather than a model-dependent estimate.
-    """
-    tokens = chunked_prefill_size if chunked_prefill_size > 0 else max_prefill_tokens
-    return 512 + max(tokens, 2048) * 1.5 + tp * pp / 8 * 1024
-
-
-def automatic_fraction(gpu_total_mib: float, reserved_mib: float) -> float:
-    """The engine's ``--mem-fraction-static`` when none is given, for a total reserve ``reserved_mib``."""
-    if gpu_total_mib > 60 * 1024:
-        reserved_mib = max(reserved_mib, 10 * 1024)
-    return round((gpu_total_mib - reserved_mib) / gpu_total_mib, 3)
-
-
 # ---------------------------------------------------------------------------------------------- argv
 
-_VALUE_FLAGS = {
-    "--mem-fraction-static": "mem_fraction_static",
-    "--chunked-prefill-size": "chunked_prefill_size",
-    "--max-prefill-tokens": "max_prefill_tokens",
-    "--cuda-graph-backend-prefill": "prefill_backend",
-    "--cuda-graph-backend-decode": "decode_backend",
-    "--cuda-graph-max-bs-prefill": "prefill_max_bs",
-    "--cuda-graph-max-bs-decode": "decode_max_bs",
-    "--max-total-tokens": "max_total_tokens",
-    "--max-running-requests": "max_running_requests",
-    "--page-size": "page_size",
-    "--tp-size": "tp",
-    "--tensor-parallel-size": "tp",
-    "--pp-size": "pp",
-    "--pipeline-parallel-size": "pp",
-    "--kv-cache-dtype": "kv_cache_dtype",
-    "--dtype": "dtype",
-    "--model-path": "model_path",
-    "--model": "model_path",
-}
-_BOOL_FLAGS = {
-    "--disable-cuda-graph": "disable_cuda_graph",
-    "--disable-prefill-cuda-graph": "disable_prefill_graph",
-    "--disable-decode-cuda-graph": "disable_decode_graph",
-}
-_BACKENDS = ("full", "breakable", "disabled")
 
-
-# sglang's parser is argparse with allow_abbrev=True: "--mem-frac 0.9" sets mem_fraction_static. These are
-# the shortest prefixes of the flags above that are unambiguous in sglang 0.5.23 (read off its parser);
-# "--disable-cuda-graph" has none ("--disable-cuda-graph-padding" exists).
-_ABBREV_MIN = {
-    "--mem-fraction-static": "--mem",
-    "--chunked-prefill-size": "--chu",
-    "--max-prefill-tokens": "--max-p",
-    "--cuda-graph-backend-prefill": "--cuda-graph-backend-p",
-    "--cuda-graph-backend-decode": "--cuda-graph-backend-d",
-    "--cuda-graph-max-bs-prefill": "--cuda-graph-max-bs-p",
-    "--cuda-graph-max-bs-decode": "--cuda-graph-max-bs-d",
-    "--max-total-tokens": "--max-t",
-    "--max-running-requests": "--max-r",
-    "--page-size": "--page-",
-    "--tp-size": "--tp",
-    "--tensor-parallel-size": "--te",
-    "--pp-size": "--pp-s",
-    "--pipeline-parallel-size": "--pi",
-    "--kv-cache-dtype": "--kv-cac",
-    "--dtype": "--dt",
-    "--model-path": "--model-p",
-    "--disable-prefill-cuda-graph": "--disable-pre",
-    "--disable-decode-cuda-graph": "--disable-d",
-}
-
-
-def _canonical_flag(name: str) -> str:
-    if name in _VALUE_FLAGS or name in _BOOL_FLAGS:
-        return name
-    for full, shortest in _ABBREV_MIN.items():
-        if name.startswith(shortest) and full.startswith(name):
-            return full
-    return name
-
-
-def _parse_argv(argv: Sequence[str]) -> dict[str, str]:
-    """The flags the arithmetic needs, in ``--flag=value`` and ``--flag value`` forms and as argparse
-    abbreviations (``--mem-frac 0.9``); the last one wins, as in argparse."""
-    out: dict[str, str] = {}
-    args = list(argv)
-    i = 0
-    while i < len(args):
-        arg = args[i]
-        name, eq, value = arg.partition("=")
-        name = _canonical_flag(name) if name.startswith("--") else name
-        if name in _VALUE_FLAGS:
-            if not eq:
-                if i + 1 >= len(args) or args[i + 1].startswith("--"):
-                    raise ValueError(f"{name} needs a value in {' '.join(args)!r}")
-                value = args[i + 1]
-                i += 1
-            out[_VALUE_FLAGS[name]] = value
-        elif name in _BOOL_FLAGS:
-            out[_BOOL_FLAGS[name]] = "1"
-        i += 1
-    return out
-
-
-def _number(args: Mapping[str, str], key: str, flag: str, kind: type[int] | type[float]) -> Any:
-    raw = args.get(key)
-    if raw is None:
+def _human(args: ParsedArgs, dest: str) -> int | None:
+    """A ``human_readable_int`` flag (``--max-total-tokens 32k``)."""
+    if not args.given(dest):
         return None
+    try:
+        return human_readable_int(args.last(dest) or "")
+    except ValueError as exc:
+        raise ValueError(f"{flag_table().by_dest(dest).name}: {exc}") from None
+
+
+def _number(args: ParsedArgs, dest: str, kind: type[int] | type[float]) -> Any:
+    flag = flag_table().by_dest(dest).name
+    if not args.given(dest):
+        return None
+    raw = args.last(dest)
+    if raw is None:
+        raise ValueError(f"{flag} needs a value")
     try:
         return kind(raw)
     except ValueError:
-        raise ValueError(
-            f"{flag} must be {'an integer' if kind is int else 'a number'}, got {raw!r}"
-        ) from None
+        raise ValueError(f"{flag} must be {'an integer' if kind is int else 'a number'}, got {raw!r}") from None
+
 
 
 # ---------------------------------------------------------------------------------------------- the ledger
@@ -456,10 +309,14 @@ class MemoryLedger:
     prefill_graph_reserve_mib: float
     margin: float
     verdict: Verdict
+    #: sglang's serving mode: ``null`` (prefill and decode in one server), ``prefill`` or ``decode`` (PD)
+    mode: str = "null"
+    #: DeepEP's all-to-all buffers (``--moe-a2a-backend deepep``, not on a prefill node)
+    deepep_reserve_mib: float = 0.0
 
     @property
     def graph_reserve_mib(self) -> float:
-        return self.decode_graph_reserve_mib + self.prefill_graph_reserve_mib
+        return self.decode_graph_reserve_mib + self.prefill_graph_reserve_mib + self.deepep_reserve_mib
 
     @property
     def required_mib(self) -> float:
@@ -576,50 +433,57 @@ def predict_memory(
     ``--max-running-requests``, ``--page-size``, ``--kv-cache-dtype``, ``--dtype`` and ``--tp-size``
     (which must agree with ``tp`` when both are given). Raises :class:`ValueError` for a malformed value.
     """
-    args = _parse_argv(argv)
+    args = flag_table().parse(argv)
     if gpu_total_mib <= 0:
         raise ValueError(f"gpu_total_mib must be positive, got {gpu_total_mib!r}")
-    argv_tp = _number(args, "tp", "--tp-size", int)
+    argv_tp = _number(args, "tp_size", int)
     if argv_tp is not None and tp != 1 and argv_tp != tp:
         raise ValueError(f"tp={tp} disagrees with --tp-size {argv_tp} in the worker args")
     tp = argv_tp or tp
-    pp = _number(args, "pp", "--pp-size", int) or 1
+    pp = _number(args, "pp_size", int) or 1
     if tp < 1 or pp < 1:
         raise ValueError(f"tensor/pipeline parallel sizes must be >= 1, got tp={tp}, pp={pp}")
     total = float(gpu_total_mib)
     free = float(gpu_free_mib) if gpu_free_mib is not None else total
     if free < 0:
         raise ValueError(f"gpu_free_mib must not be negative, got {gpu_free_mib!r}")
+    mode = args.last("disaggregation_mode") or "null"
+    if mode not in ("null", "prefill", "decode"):
+        raise ValueError(f"--disaggregation-mode must be null, prefill or decode, got {mode!r}")
+    attn_dp = _number(args, "attn_dp_size", int) or 1
+    if attn_dp == 1 and args.given("enable_dp_attention"):  # the deprecated spelling: --dp-size K --enable-dp-attention
+        attn_dp = _number(args, "dp_size", int) or 1
+    deepep = (args.last("moe_a2a_backend") or "none") == "deepep"
 
     default_chunked, default_decode_bs = card_defaults(total, tp)
-    chunked = _number(args, "chunked_prefill_size", "--chunked-prefill-size", int)
+    chunked = _number(args, "chunked_prefill_size", int)
     chunked = default_chunked if chunked is None else chunked
-    max_prefill = _number(args, "max_prefill_tokens", "--max-prefill-tokens", int) or 16384
-    max_total_tokens = _number(args, "max_total_tokens", "--max-total-tokens", int)
-    max_running = _number(args, "max_running_requests", "--max-running-requests", int)
-    page_size = max(1, _number(args, "page_size", "--page-size", int) or 1)
+    max_prefill = _human(args, "max_prefill_tokens") or 16384
+    max_total_tokens = _human(args, "max_total_tokens")
+    max_running = _number(args, "max_running_requests", int)
+    page_size = max(1, _number(args, "page_size", int) or 1)
 
-    decode_backend = args.get("decode_backend", "full")
-    prefill_backend = args.get("prefill_backend", "breakable")
-    for flag, backend in (
-        ("--cuda-graph-backend-decode", decode_backend),
-        ("--cuda-graph-backend-prefill", prefill_backend),
-    ):
-        if backend not in _BACKENDS:
-            raise ValueError(f"{flag} must be one of {', '.join(_BACKENDS)}, got {backend!r}")
-    if "disable_cuda_graph" in args:
+    backends = {}
+    for dest, default in (("cuda_graph_backend_decode", "full"), ("cuda_graph_backend_prefill", "breakable")):
+        backend = args.last(dest) or default
+        if backend not in GRAPH_BACKENDS:
+            raise ValueError(f"{flag_table().by_dest(dest).name} must be one of {', '.join(GRAPH_BACKENDS)}, "
+                             f"got {backend!r}")
+        backends[dest] = backend
+    decode_backend, prefill_backend = backends["cuda_graph_backend_decode"], backends["cuda_graph_backend_prefill"]
+    if args.given("disable_cuda_graph"):
         decode_backend = prefill_backend = "disabled"
-    if "disable_prefill_graph" in args:
+    if args.given("disable_prefill_cuda_graph"):
         prefill_backend = "disabled"
-    if "disable_decode_graph" in args:
+    if args.given("disable_decode_cuda_graph"):
         decode_backend = "disabled"
 
-    decode_max_bs = _number(args, "decode_max_bs", "--cuda-graph-max-bs-decode", int)
+    decode_max_bs = _number(args, "cuda_graph_max_bs_decode", int)
     if decode_max_bs is None:
         decode_max_bs = default_decode_bs
         if max_running is not None and max_running < decode_max_bs:
             decode_max_bs = max_running
-    prefill_max_bs = _number(args, "prefill_max_bs", "--cuda-graph-max-bs-prefill", int)
+    prefill_max_bs = _number(args, "cuda_graph_max_bs_prefill", int)
     if prefill_max_bs is None:
         prefill_max_bs = chunked if chunked > 0 else max_prefill
         if max_total_tokens is not None:
@@ -628,21 +492,29 @@ def predict_memory(
             prefill_max_bs = min(prefill_max_bs, 4096)
     buckets = len(prefill_capture_sizes(prefill_max_bs))
 
-    activation = activation_reserve_mib(chunked, tp, pp, max_prefill)
-    decode_reserve = decode_max_bs * 2.0 if decode_backend != "disabled" else 0.0
-    prefill_reserve = buckets * 8.0 if prefill_backend != "disabled" else 0.0
+    tokens_for_activations = activation_tokens(
+        mode=mode, chunked_prefill_size=chunked, max_prefill_tokens=max_prefill, max_running_requests=max_running,
+        decode_max_bs=decode_max_bs, speculative_num_draft_tokens=_number(args, "speculative_num_draft_tokens", int))
+    activation = activation_reserve_mib(tokens_for_activations, tp, pp)
+    decode_reserve = graph_reserve_mib(mode=mode, decode_backend=decode_backend, decode_max_bs=decode_max_bs,
+                                       prefill_backend="disabled", prefill_buckets=0,
+                                       dp_attention=attn_dp > 1, attn_dp_size=attn_dp)
+    prefill_reserve = graph_reserve_mib(mode=mode, decode_backend="disabled", decode_max_bs=decode_max_bs,
+                                        prefill_backend=prefill_backend, prefill_buckets=buckets, deepep=deepep)
+    deepep_reserve = deepep_reserve_mib(mode=mode, decode_backend=decode_backend, deepep=deepep)
 
-    fraction = _number(args, "mem_fraction_static", "--mem-fraction-static", float)
+    fraction = _number(args, "mem_fraction_static", float)
     automatic = fraction is None
     if fraction is None:
-        fraction = automatic_fraction(total, activation + decode_reserve + prefill_reserve)
+        fraction = automatic_fraction(total, total_reserve_mib(total, activation, decode_reserve + prefill_reserve,
+                                                               deepep_reserve))
     if not 0 < fraction < 1:
         raise ValueError(f"--mem-fraction-static must be between 0 and 1, got {fraction!r}")
 
-    kv_dtype = args.get("kv_cache_dtype", "auto").lower()
+    kv_dtype = (args.last("kv_cache_dtype") or "auto").lower()
     kv_dtype_bytes = 1 if kv_dtype.startswith(("fp8", "fp4", "int8")) else None
     weight_bytes = dims.dtype_bytes
-    if args.get("dtype", "").lower() in ("float32", "float"):
+    if (args.last("dtype") or "").lower() in ("float32", "float"):
         weight_bytes = 4
     weights = dims.params * weight_bytes / tp / MIB
     if kv_dtype_bytes is None:
@@ -651,13 +523,11 @@ def predict_memory(
 
     static_budget = free * fraction
     slack = free - static_budget
-    kv_available = static_budget - weights
-    profiled = math.floor(kv_available * MIB / per_token) if kv_available > 0 else 0
-    profiled = profiled // page_size * page_size
-    tokens = profiled if max_total_tokens is None else min(profiled, max(0, max_total_tokens))
+    profiled, tokens = kv_pool_tokens(free, free - weights, fraction, per_token, page_size=page_size,
+                                      max_total_tokens=max_total_tokens)
     kv_pool = tokens * per_token / MIB
     after_kv = free - weights - kv_pool
-    required = activation + decode_reserve + prefill_reserve
+    required = activation + decode_reserve + prefill_reserve + deepep_reserve
 
     if weights > free or weights >= static_budget:
         verdict = Verdict.WEIGHTS_DO_NOT_FIT
@@ -692,6 +562,8 @@ def predict_memory(
         activation_reserve_mib=activation,
         decode_graph_reserve_mib=decode_reserve,
         prefill_graph_reserve_mib=prefill_reserve,
+        deepep_reserve_mib=deepep_reserve,
+        mode=mode,
         margin=margin,
         verdict=verdict,
     )

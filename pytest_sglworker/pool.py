@@ -58,10 +58,10 @@ class WorkerConfig:
     def label(self) -> str:
         parts = [self.spec.name]
         if self.extra_args:
-            from .launcher import redact, secret_values
+            from .launcher import mask_argv
 
             # The label goes to the terminal summary and the --sgl-report JSON: never an --api-key value.
-            parts.append(redact(" ".join(self.extra_args), secret_values({}, self.extra_args)))
+            parts.append(" ".join(mask_argv(self.extra_args)))
         if self.env:
             parts.append("env " + ",".join(k for k, _ in self.env))
         if self.opt_out:

@@ -2,8 +2,8 @@
 
 Run as ``python -m pytest_sglworker.sim <sglang argv>``. It is a real subprocess serving real HTTP on
 the given host and port, with sglang 0.5.23's flags, startup log lines, endpoints and response shapes
-(see FACTS.md), deterministic text (the prompt's words echoed), and injectable faults. Stdlib only, so
-that it starts in a few tens of milliseconds.
+(the facts in :mod:`sglang_facts`), deterministic text (the prompt's words echoed), and injectable faults.
+Stdlib only, so that it starts in a few tens of milliseconds.
 
 Startup, as the real engine does it: the server-args line, ``Load weight begin/end``, ``KV Cache is
 allocated``, the decode and prefill CUDA-graph captures (unless their backend is ``disabled``),
@@ -60,7 +60,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import signal
 import socket
 import sys
@@ -72,6 +71,25 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, NoReturn
+
+from .sglang_facts import (
+    MODEL_DIMS,
+    PARSER_PROG,
+    READY_LINE,
+    WARMUP_PROMPT,
+    ModelDims,
+    activation_reserve_mib,
+    activation_tokens,
+    automatic_fraction,
+    card_defaults,
+    decode_capture_sizes,
+    flag_table,
+    graph_reserve_mib,
+    human_readable_int,
+    kv_pool_tokens,
+    prefill_capture_sizes,
+    total_reserve_mib,
+)
 
 VERSION = "0.5.23-sim"
 
@@ -87,17 +105,9 @@ ENV_ESCAPED = "SGLSIM_ESCAPED"
 #: How many words the simulated model says before its end-of-sequence token.
 NATURAL_TOKENS = 16
 #: The warmup request of the real server.
-WARMUP_PROMPT = "The capital city of France is"
 #: Seconds after which an ``escape_child`` child exits by itself, so that no test leaves it forever.
 ESCAPED_CHILD_LIFETIME = 600.0
 
-_GRAPH_BACKENDS = ("full", "breakable", "disabled")
-_PREFILL_BUCKETS = (
-    [4, 8]
-    + [16 * i for i in range(1, 17)]
-    + [256 + 64 * i for i in range(1, 13)]
-    + [1024 + 256 * i for i in range(1, 29)]
-)  # 58 buckets up to 8192
 _OOM_BUCKET = 26
 _SITE = "/usr/local/lib/python3.12/dist-packages"
 _LEVELS = {"debug": 10, "info": 20, "warning": 30, "error": 40, "critical": 50}
@@ -115,57 +125,23 @@ _PHRASES = {
 # ---------------------------------------------------------------------------------------------- models
 
 
-@dataclass(frozen=True)
-class ModelFacts:
-    """What the simulation needs to know about a model (per model, before tensor parallelism)."""
-
-    architecture: str
-    model_type: str
-    kv_bytes_per_token: int
-    weight_gib: float
-    context_len: int
-    eos_token_id: int
-    vocab_size: int
-
-
-_MODELS: dict[str, ModelFacts] = {
-    "qwen3-0.6b": ModelFacts("Qwen3ForCausalLM", "qwen3", 114_688, 1.11, 40_960, 151_645, 151_936),
-    "llama-3.2-1b": ModelFacts("LlamaForCausalLM", "llama", 32_768, 2.30, 131_072, 128_009, 128_256),
-    "llama-3.1-8b": ModelFacts("LlamaForCausalLM", "llama", 131_072, 14.96, 131_072, 128_009, 128_256),
-}
-_DEFAULT_MODEL = _MODELS["qwen3-0.6b"]
-
-
-def model_facts(model_path: str) -> ModelFacts:
-    """The facts of a known model (matched on its name), else those of Qwen3-0.6B."""
+def model_facts(model_path: str) -> ModelDims:
+    """The dims of a known model (matched on its name), else those of Qwen3-0.6B."""
     name = model_path.rstrip("/").lower()
-    for key, facts in _MODELS.items():
-        if key in name:
-            return facts
-    return _DEFAULT_MODEL
+    for dims in MODEL_DIMS.values():
+        if dims.name.lower().split("/")[-1] in name:
+            return dims
+    return MODEL_DIMS["Qwen/Qwen3-0.6B"]
 
 
 # ---------------------------------------------------------------------------------------------- CLI
 
 
 def _human_readable_int(value: str) -> int:
-    """sglang's ``human_readable_int``: ``1024``, ``32k``, ``1M``, ``4Ki``."""
-    match = re.fullmatch(r"(\d+(?:\.\d+)?)(Ki|Mi|Gi|Ti|k|M|G|T)", value.strip())
-    if match:
-        number, suffix = match.groups()
-        iec = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
-        if suffix in iec:
-            if "." in number:
-                raise argparse.ArgumentTypeError(f"Decimals are not allowed with IEC suffixes like '{suffix}'.")
-            return int(number) * iec[suffix]
-        return int(float(number) * {"k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}[suffix])
     try:
-        return int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"Invalid integer value: '{value}'. Use a plain integer, SI suffixes (1k, 1M), "
-            "or IEC suffixes (1Ki, 1Mi). Suffixes are case-sensitive."
-        ) from None
+        return human_readable_int(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _graph_backend(raw: str) -> str:
@@ -174,85 +150,35 @@ def _graph_backend(raw: str) -> str:
     return raw
 
 
+#: sglang's own flag types, by name (the table stores the type's ``__name__``); any other type is a string.
+_TYPES: dict[str, Callable[[str], Any]] = {
+    "int": int,
+    "float": float,
+    "human_readable_int": _human_readable_int,
+    "parse_cuda_graph_backend_arg": _graph_backend,
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """The subset of sglang 0.5.23's ``ServerArgs.add_cli_args`` that the simulation understands."""
-    p = argparse.ArgumentParser(prog="sglang serve", allow_abbrev=False)
-    p.add_argument("--model-path", "--model", dest="model_path", type=str, required=True)
-    p.add_argument("--tokenizer-path", type=str, default=None)
-    p.add_argument("--host", type=str, default="127.0.0.1")
-    p.add_argument("--port", type=int, default=30000)
-    p.add_argument("--tp-size", "--tensor-parallel-size", dest="tp_size", type=int, default=1)
-    p.add_argument("--dp-size", "--data-parallel-size", dest="dp_size", type=int, default=1)
-    p.add_argument("--base-gpu-id", type=int, default=0)
-    p.add_argument("--nccl-port", type=int, default=None)
-    p.add_argument("--random-seed", type=int, default=None)
-    p.add_argument("--log-level", type=str, default="info")
-    p.add_argument("--log-level-http", type=str, default=None)
-    p.add_argument("--skip-server-warmup", action="store_true")
-    p.add_argument("--enable-metrics", action="store_true")
-    p.add_argument("--api-key", type=str, default=None)
-    p.add_argument("--mem-fraction-static", type=float, default=None)
-    p.add_argument("--max-total-tokens", type=_human_readable_int, default=None)
-    p.add_argument("--chunked-prefill-size", type=int, default=None)
-    p.add_argument("--max-prefill-tokens", type=_human_readable_int, default=16384)
-    p.add_argument("--page-size", type=int, default=None)
-    p.add_argument("--max-running-requests", type=int, default=None)
-    p.add_argument(
-        "--enable-hierarchical-cache", "--enable-hicache", dest="enable_hierarchical_cache", action="store_true"
-    )
-    p.add_argument("--hicache-ratio", type=float, default=None)
-    p.add_argument(
-        "--hicache-write-policy",
-        type=str,
-        default="write_through",
-        choices=["write_back", "write_through", "write_through_selective"],
-    )
-    p.add_argument("--kv-events-config", type=str, default=None)
-    p.add_argument("--cuda-graph-backend-decode", type=_graph_backend, default=None, choices=_GRAPH_BACKENDS)
-    p.add_argument("--cuda-graph-backend-prefill", type=_graph_backend, default=None, choices=_GRAPH_BACKENDS)
-    p.add_argument("--disable-cuda-graph", action="store_true")
-    p.add_argument("--device", type=str, default=None)
-    p.add_argument(
-        "--attention-backend",
-        type=str,
-        default=None,
-        choices=[
-            "aiter",
-            "ascend",
-            "compressed",
-            "cutedsl_mla",
-            "dsa",
-            "dsv4",
-            "fa3",
-            "fa4",
-            "flashinfer",
-            "flashmla",
-            "flex_attention",
-            "hpc_ops",
-            "intel_amx",
-            "intel_xpu",
-            "llada2_cfg_flashinfer",
-            "minicpm_flashattn",
-            "minicpm_flashinfer",
-            "nsa",
-            "qsa",
-            "tokenspeed_mla",
-            "torch_native",
-            "triton",
-            "trtllm_mha",
-            "trtllm_mla",
-            "wave",
-        ],
-    )
-    p.add_argument(
-        "--sampling-backend", type=str, default=None, choices=["flashinfer", "pytorch", "ascend", "intel_xpu"]
-    )
-    p.add_argument("--trust-remote-code", action="store_true")
-    p.add_argument("--served-model-name", type=str, default=None)
-    p.add_argument("--context-length", type=_human_readable_int, default=None)
-    p.add_argument(
-        "--dtype", type=str, default="auto", choices=["auto", "half", "float16", "bfloat16", "float", "float32"]
-    )
+    """sglang 0.5.23's ``ServerArgs.add_cli_args``, rebuilt from the flag table of :mod:`sglang_facts`: every
+    flag the real parser accepts (abbreviations too), with its choices and defaults, so that the simulated
+    engine accepts and rejects exactly what the real one does."""
+    p = argparse.ArgumentParser(prog=PARSER_PROG, allow_abbrev=True)
+    for flag in flag_table().flags:
+        longs = [o for o in flag.options if not o.startswith("--no-")]
+        if not flag.takes_value:
+            if len(longs) < len(flag.options):  # --x / --no-x
+                p.add_argument(*longs, dest=flag.dest, action=argparse.BooleanOptionalAction, default=flag.default)
+            else:
+                p.add_argument(*longs, dest=flag.dest, action="store_true")
+            continue
+        kwargs: dict[str, Any] = {"dest": flag.dest, "default": flag.default, "required": flag.required,
+                                  "type": _TYPES.get(flag.type or "", str)}
+        if flag.nargs is not None:
+            kwargs["nargs"] = flag.nargs
+        if flag.choices is not None:
+            kwargs["choices"] = flag.choices
+        p.add_argument(*longs, **kwargs)
     return p
 
 
@@ -342,7 +268,7 @@ class Plan:
     """The resolved configuration and the memory arithmetic of one simulated server."""
 
     args: dict[str, Any]
-    facts: ModelFacts
+    facts: ModelDims
     served_model_name: str
     total_gib: float
     avail_before: float
@@ -356,23 +282,11 @@ class Plan:
     profiled_tokens: int
     chunked_prefill_size: int
     decode_max_bs: int
+    prefill_buckets: tuple[int, ...]
     decode_backend: str
     prefill_backend: str
     context_len: int
     max_running_requests: int
-
-
-def _card_defaults(total_gib: float) -> tuple[int, int]:
-    """(chunked_prefill_size, decode max batch size) by card size, as sglang picks them."""
-    if total_gib < 20:
-        return 2048, 8
-    if total_gib < 35:
-        return 4096, 48
-    if total_gib < 60:
-        return 4096, 32
-    if total_gib < 160:
-        return 8192, 256
-    return 16384, 512
 
 
 def make_plan(ns: argparse.Namespace, total_gib: float) -> Plan:
@@ -380,33 +294,41 @@ def make_plan(ns: argparse.Namespace, total_gib: float) -> Plan:
     args = dict(vars(ns))
     facts = model_facts(ns.model_path)
     tp = max(int(ns.tp_size), 1)
+    mode = ns.disaggregation_mode or "null"
     on_cpu = (ns.device or "cuda") == "cpu"
     decode_backend = ns.cuda_graph_backend_decode or "full"
     prefill_backend = ns.cuda_graph_backend_prefill or "breakable"
     if ns.disable_cuda_graph or on_cpu:
         decode_backend = prefill_backend = "disabled"
-    default_chunked, decode_max_bs = _card_defaults(total_gib)
+    mem_mib = total_gib * 1024
+    default_chunked, decode_max_bs = card_defaults(mem_mib, tp)
+    if ns.cuda_graph_max_bs_decode is not None:
+        decode_max_bs = ns.cuda_graph_max_bs_decode
+    elif ns.max_running_requests is not None:
+        decode_max_bs = min(decode_max_bs, ns.max_running_requests)
     chunked = ns.chunked_prefill_size if ns.chunked_prefill_size is not None else default_chunked
+    prefill_max_bs = ns.cuda_graph_max_bs_prefill or (chunked if chunked > 0 else ns.max_prefill_tokens)
+    if ns.cuda_graph_max_bs_prefill is None and ns.max_total_tokens is not None:
+        prefill_max_bs = min(prefill_max_bs, ns.max_total_tokens)
+    buckets = prefill_capture_sizes(prefill_max_bs)
     if ns.mem_fraction_static is not None:
         fraction = float(ns.mem_fraction_static)
     else:
-        mem_mib = total_gib * 1024
-        reserved = 512 + max(chunked, 2048) * 1.5 + tp / 8 * 1024
-        reserved += decode_max_bs * 2 if decode_backend != "disabled" else 0
-        reserved += len(_PREFILL_BUCKETS) * 8 if prefill_backend != "disabled" else 0
-        if total_gib > 60:
-            reserved = max(reserved, 10240)
-        fraction = round((mem_mib - reserved) / mem_mib, 3)
+        activation = activation_reserve_mib(activation_tokens(
+            mode=mode, chunked_prefill_size=chunked, max_prefill_tokens=ns.max_prefill_tokens,
+            max_running_requests=ns.max_running_requests, decode_max_bs=decode_max_bs,
+            speculative_num_draft_tokens=ns.speculative_num_draft_tokens), tp, ns.pp_size or 1)
+        graphs = graph_reserve_mib(mode=mode, decode_backend=decode_backend, decode_max_bs=decode_max_bs,
+                                   prefill_backend=prefill_backend, prefill_buckets=len(buckets))
+        fraction = automatic_fraction(mem_mib, total_reserve_mib(mem_mib, activation, graphs))
     avail_before = round(total_gib * 0.98125, 2)
-    weights = round(facts.weight_gib / tp, 2)
+    weights = round(facts.weights_mib(tp) / 1024, 2)
     avail_after = round(avail_before - weights, 2)
     rest = avail_after - avail_before * (1 - fraction)
-    kv_bytes = max(facts.kv_bytes_per_token // tp, 1)
+    kv_bytes = facts.kv_bytes_per_token(tp)
     page_size = max(ns.page_size or 1, 1)
-    profiled = int(rest * 2**30 // kv_bytes) if rest > 0 else 0
-    profiled = profiled // page_size * page_size
-    tokens = min(profiled, ns.max_total_tokens) if ns.max_total_tokens is not None else profiled
-    tokens = tokens // page_size * page_size
+    profiled, tokens = kv_pool_tokens(avail_before * 1024, avail_after * 1024, fraction, kv_bytes,
+                                      page_size=page_size, max_total_tokens=ns.max_total_tokens)
     context_len = ns.context_length or facts.context_len
     max_running = ns.max_running_requests or max(min(4096, tokens // 2), 1)
     served = ns.served_model_name or ns.model_path
@@ -441,6 +363,7 @@ def make_plan(ns: argparse.Namespace, total_gib: float) -> Plan:
         profiled_tokens=profiled,
         chunked_prefill_size=chunked,
         decode_max_bs=decode_max_bs,
+        prefill_buckets=tuple(buckets),
         decode_backend=decode_backend,
         prefill_backend=prefill_backend,
         context_len=context_len,
@@ -633,7 +556,7 @@ class Sim:
                     words = text[:at].split()
                     finish = {"type": "stop", "matched": s}
                     break
-        output_ids = [zlib.crc32(w.encode()) % facts.vocab_size for w in words]
+        output_ids = [zlib.crc32(w.encode()) % (facts.vocab_size or 32_000) for w in words]
         key = tuple(prompt)
         with self.lock:
             best = 0
@@ -759,7 +682,6 @@ class SimHTTPServer6(SimHTTPServer):
     address_family = socket.AF_INET6
 
 
-_HEALTH_PATHS = ("/health", "/health_generate")
 _INFERENCE_PATHS = ("/generate", "/v1/chat/completions", "/v1/completions")
 
 
@@ -1377,7 +1299,7 @@ def _crash_oom(sim: Sim) -> NoReturn:
                 "sglang/srt/model_executor/runner/prefill_cuda_graph_runner.py",
                 318,
                 "capture",
-                f"self.capture_one_num_tokens(num_tokens={_PREFILL_BUCKETS[_OOM_BUCKET - 1]})",
+                f"self.capture_one_num_tokens(num_tokens={prefill_capture_sizes(8192)[_OOM_BUCKET - 1]})",
             ),
             ("torch/cuda/graphs.py", 256, "__exit__", "self.cuda_graph.capture_end()"),
             ("torch/cuda/graphs.py", 133, "capture_end", "super().capture_end()"),
@@ -1600,7 +1522,7 @@ def _startup(sim: Sim, pre_bind: float, warmup: float) -> SimHTTPServer:
             f"Allocating {2 * half * args['hicache_ratio']:.2f} GB host memory for hierarchical KV cache.", tp=True
         )
     if decode_on:
-        bs = [1, 2, 4, *range(8, plan.decode_max_bs + 1, 8)]
+        bs = decode_capture_sizes(plan.decode_max_bs)
         log.info(
             f"Capture target decode CUDA graph begin. backend={plan.decode_backend}, num_tokens_per_req=1, "
             f"avail mem={avail:.2f} GB",
@@ -1617,7 +1539,7 @@ def _startup(sim: Sim, pre_bind: float, warmup: float) -> SimHTTPServer:
     if prefill_on:
         backend = plan.prefill_backend if plan.prefill_backend != "disabled" else "breakable"
         log.info(
-            f"Capture target prefill CUDA graph begin. backend={backend}, num_tokens={_PREFILL_BUCKETS}, "
+            f"Capture target prefill CUDA graph begin. backend={backend}, num_tokens={list(plan.prefill_buckets)}, "
             f"avail mem={avail:.2f} GB",
             tp=True,
         )
@@ -1668,7 +1590,7 @@ def _startup(sim: Sim, pre_bind: float, warmup: float) -> SimHTTPServer:
         sim.generate(WARMUP_PROMPT.split(), 8, [], False)
         sim.log.uvicorn("INFO", f'127.0.0.1:{40000 + os.getpid() % 20000} - "POST /generate HTTP/1.1" 200 OK')
     sim.ready = True
-    log.info("The server is fired up and ready to roll!")
+    log.info(READY_LINE)
     sim.recorder.record("ready", startup_seconds=round(time.time() - sim.recorder.started, 6))
     return server
 

@@ -17,7 +17,7 @@ from .errors import SpecError
 
 #: The mandatory budget every spec carries. With the engine's default ``--mem-fraction-static`` (~0.83 on
 #: an 80 GB card) the KV pool takes the slack that CUDA graph capture needs and the worker dies with -9
-#: during startup; see FACTS.md / the README's "Why the budget" section.
+#: during startup; see the README's "Why the budget" section.
 CI_WORKER_ARGS: tuple[str, ...] = ("--mem-fraction-static=0.6", "--cuda-graph-backend-prefill=disabled")
 
 #: Environment variables naming a directory of local model copies (``<root>/<hf id>``), first match wins.

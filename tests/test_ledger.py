@@ -1,4 +1,4 @@
-"""Unit tests of :mod:`pytest_sglworker.ledger`: the engine's memory arithmetic (FACTS.md)."""
+"""Unit tests of :mod:`pytest_sglworker.ledger`: the engine's memory arithmetic."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from pytest_sglworker.ledger import (
     ModelDims,
     Verdict,
     activation_reserve_mib,
+    activation_tokens,
     automatic_fraction,
     card_defaults,
     dims_from_config,
@@ -23,6 +24,7 @@ from pytest_sglworker.ledger import (
     model_dims,
     predict_memory,
     prefill_capture_sizes,
+    total_reserve_mib,
 )
 
 LOGS = Path(__file__).parent / "data" / "logs"
@@ -211,7 +213,7 @@ def test_model_dims_validation() -> None:
 
 
 def test_engine_rules() -> None:
-    assert len(prefill_capture_sizes(8192)) == 58  # FACTS: 58 buckets for 8192
+    assert len(prefill_capture_sizes(8192)) == 58  # 58 buckets for 8192
     assert len(prefill_capture_sizes(4096)) == 50
     assert prefill_capture_sizes(8192)[-1] == 8192 and prefill_capture_sizes(8192)[0] == 4
     assert card_defaults(23034) == (4096, 48)
@@ -221,12 +223,14 @@ def test_engine_rules() -> None:
     assert card_defaults(H100, tp=4) == (8192, 512)
     assert card_defaults(15000) == (2048, 8)
     assert card_defaults(192 * 1024) == (16384, 512)
-    assert activation_reserve_mib(8192) == 12928  # 12.6 GiB: FACTS' "~12.6 GB"
-    assert activation_reserve_mib(1024) == 512 + 2048 * 1.5 + 128
-    assert activation_reserve_mib(-1, max_prefill_tokens=16384) == 512 + 16384 * 1.5 + 128
-    assert automatic_fraction(H100, 13904) == 0.83  # FACTS: the default is ~0.83 on an 80 GB H100
-    assert automatic_fraction(H100, 5000) == round((H100 - 10240) / H100, 3)  # 10 GiB floor above 60 GiB
-    assert automatic_fraction(23034, 5000) == round((23034 - 5000) / 23034, 3)
+    assert activation_reserve_mib(activation_tokens(chunked_prefill_size=8192)) == 12928  # the seed's "~12.6 GB"
+    assert activation_reserve_mib(activation_tokens(chunked_prefill_size=1024)) == 512 + 2048 * 1.5 + 128
+    assert activation_reserve_mib(activation_tokens(chunked_prefill_size=-1, max_prefill_tokens=16384)) == (
+        512 + 16384 * 1.5 + 128)
+    assert automatic_fraction(H100, 13904) == 0.83  # the engine's default is ~0.83 on an 80 GB H100
+    assert automatic_fraction(H100, total_reserve_mib(H100, 5000, 0)) == round((H100 - 10240) / H100, 3)  # floor
+    assert automatic_fraction(23034, total_reserve_mib(23034, 5000, 0)) == round((23034 - 5000) / 23034, 3)
+    assert total_reserve_mib(H100, 5000, 0, 2048) == 10240 + 2048  # DeepEP's share lies on top of the floor
 
 
 # ---------------------------------------------------------------------------------------- the seed finding
@@ -236,9 +240,9 @@ def test_seed_default_fraction_leaves_slack_below_the_reserve() -> None:
     led = predict_memory(QWEN, H100, argv=["--mem-fraction-static=0.83"])
     assert led.verdict is Verdict.SLACK_BELOW_RESERVE
     assert not led.fits and not led.fraction_automatic
-    assert led.slack_mib == pytest.approx(H100 * 0.17)  # ~13.5 GiB: FACTS' "~13 GB"
+    assert led.slack_mib == pytest.approx(H100 * 0.17)  # ~13.5 GiB: the seed analysis' "~13 GB"
     assert 13 * 1024 < led.slack_mib < 14 * 1024
-    assert led.activation_reserve_mib / 1024 == pytest.approx(12.6, abs=0.05)  # FACTS' "~12.6 GB"
+    assert led.activation_reserve_mib / 1024 == pytest.approx(12.6, abs=0.05)  # the seed analysis' "~12.6 GB"
     assert led.prefill_buckets == 58 and led.prefill_graph_reserve_mib == 58 * 8
     assert led.decode_graph_reserve_mib == 256 * 2
     assert led.slack_mib < led.required_mib  # below the engine's own reserve even without the margin
@@ -253,7 +257,7 @@ def test_seed_default_fraction_leaves_slack_below_the_reserve() -> None:
     assert seen.kv_tokens == pytest.approx(556_000, rel=0.01)
     assert seen.kv_tokens == pytest.approx(mem.kv_tokens, rel=0.01)
     assert seen.verdict is Verdict.SLACK_BELOW_RESERVE
-    # with the whole card free the pool is bigger (FACTS' formula with free = total)
+    # with the whole card free the pool is bigger (the formula with free = total)
     assert led.kv_tokens == 608_522
 
 
