@@ -62,6 +62,8 @@ MAX_VISIBILITY_GPUS = 8
 RUN_ENV = "GPU_CHECK_RUN"
 
 sys.path.insert(0, str(HERE))
+# The plugin runs from this working tree (it need not be installed): the driver imports it from here too.
+sys.path.insert(1, str(REPO))
 
 
 @dataclass
@@ -113,7 +115,7 @@ def clip(text: str, limit: int = 300) -> str:
 def first_holder_error(text: str) -> str:
     for line in text.splitlines():
         if "[gpu-check holder] ERROR:" in line:
-            return clip(line.split("[gpu-check holder] ", 1)[1])
+            return clip("holder: " + line.split("[gpu-check holder] ERROR: ", 1)[1])
     return ""
 
 
@@ -355,7 +357,8 @@ class Check:
                *self.plugin_args, "-p", "no:cacheprovider", "-p", "no:randomly", "-q", "-rA",
                f"--junitxml={junit}", "--sgl-engine", "real", "--sgl-launcher", shlex.join(launch),
                "--sgl-lock-dir", str(self.locks), "--sgl-log-dir", str(self.logs), "--sgl-keep-logs",
-               "--sgl-startup-timeout", "60", "--sgl-lease-timeout", str(int(max(30, limit - 15))),
+               "--sgl-startup-timeout", str(int(min(60, max(10, limit - 30)))),
+               "--sgl-lease-timeout", str(int(max(30, limit - 15))),
                "--sgl-reorder", "off", "--sgl-report", str(self.work / f"report-{name}.json")]
         if importlib.util.find_spec("pytest_timeout") is not None:
             cmd += ["--timeout", str(int(max(30, limit - 10)))]
@@ -408,9 +411,11 @@ class Check:
             row.seconds = round(time.monotonic() - t0, 2)
             self.add(row)
 
-    def needs_gpu(self, check: str) -> Row | None:
+    def needs_gpu(self, check: str, *, cuda: bool = True) -> Row | None:
         if self.nvml is None or not self.gpus:
             return Row(check, "skip", "skipped: no NVML GPU to check (see environment)")
+        if cuda and self.facts.get("cuda_hung"):
+            return Row(check, "skip", "skipped: CUDA hung in the probe (see environment); a holder would too")
         return None
 
     # -- steps
@@ -481,13 +486,15 @@ class Check:
             if not Path(lines[-2]).resolve().is_relative_to(REPO):
                 problems.append(f"pytest_sglworker is imported from {lines[-2]}, not from this tree ({REPO})")
         # NVML
+        from pytest_sglworker.gpus import resolve_visible_devices
+
         try:
             if self.dry:
                 sys.path.insert(0, str(FAKE_DIR))
                 os.environ["GPU_CHECK_FAKE_GPU"] = str(self.fake_state)  # the fake pynvml of this process
                 if self.args.fake_fault:
                     os.environ["GPU_CHECK_FAKE_FAULT"] = self.args.fake_fault
-            import pynvml
+            import pynvml  # the fake one in a dry run (FAKE_DIR first on sys.path)
 
             data["pynvml"] = getattr(pynvml, "__file__", "?")
             pynvml.nvmlInit()
@@ -495,8 +502,6 @@ class Check:
             data["nvml_driver_version"] = _text(pynvml.nvmlSystemGetDriverVersion())
             count = int(pynvml.nvmlDeviceGetCount())
             uuids = [_text(pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetHandleByIndex(i))) for i in range(count)]
-            from pytest_sglworker.gpus import resolve_visible_devices
-
             self.gpus = resolve_visible_devices(os.environ.get("CUDA_VISIBLE_DEVICES"), uuids)
             data["nvml_count"] = count
             data["gpus_under_test"] = self.gpus
@@ -516,7 +521,14 @@ class Check:
                 handle = self.nvml.nvmlDeviceGetHandleByIndex(index)
                 self.baseline[index] = {"free_mib": free, "pids": list(pids),
                                         "total_mib": int(self.nvml.nvmlDeviceGetMemoryInfo(handle).total) // MIB,
-                                        "name": _text(self.nvml.nvmlDeviceGetName(handle))}
+                                        "name": _text(self.nvml.nvmlDeviceGetName(handle)),
+                                        "compute_mode": _optional(self.nvml, "nvmlDeviceGetComputeMode", handle),
+                                        "mig_mode": _optional(self.nvml, "nvmlDeviceGetMigMode", handle),
+                                        "persistence_mode": _optional(self.nvml, "nvmlDeviceGetPersistenceMode",
+                                                                      handle)}
+                if self.baseline[index]["compute_mode"] not in (None, 0):
+                    notes.append(f"GPU {index} compute mode {self.baseline[index]['compute_mode']} (not Default): "
+                                 "one CUDA context at a time")
                 if pids:
                     notes.append(f"GPU {index} already runs process(es) {list(pids)}: measurements may be disturbed")
             self.sampler.start()
@@ -533,11 +545,20 @@ class Check:
             env.pop("CUDA_DEVICE_ORDER", None)
             if order:
                 env["CUDA_DEVICE_ORDER"] = order
-            rc, text = self.run_cmd([self.python, str(HOLDER), "--probe"], 60, env=env)
+            if label != "pci_bus_id" and not probes["pci_bus_id"].get("ok"):
+                probes[label] = {"ok": False, "error": "not probed (the PCI_BUS_ID probe failed)"}
+                continue
+            limit = max(5.0, min(30.0, self.remaining() - 60))
+            rc, text = self.run_cmd([self.python, str(HOLDER), "--probe"], limit, env=env)
             try:
                 probes[label] = json.loads(text.strip().splitlines()[-1])
             except (ValueError, IndexError):
-                probes[label] = {"ok": False, "error": clip(text) or f"probe exited {rc}"}
+                hung = rc is None and "ran past" in text
+                if hung:
+                    self.facts["cuda_hung"] = True
+                probes[label] = {"ok": False, "error": (
+                    f"the CUDA probe (cuInit, device enumeration) did not finish within {limit:g} s: is the driver "
+                    "wedged?" if hung else clip(text) or f"probe exited {rc}")}
         (self.work / "probe.json").write_text(json.dumps(probes["pci_bus_id"]), encoding="utf-8")
         data["cuda_probe"] = probes
         pci = probes["pci_bus_id"]
@@ -559,11 +580,11 @@ class Check:
         return Row("environment", "warn" if notes else "info", "; ".join([*notes, detail]), data=data)
 
     def check_inventory(self) -> Row | None:
-        skip = self.needs_gpu("nvml_inventory")
+        skip = self.needs_gpu("nvml_inventory", cuda=False)
         if skip:
             return skip
         tests = ["test_inventory.py"]
-        if self.wanted("lease_visibility"):
+        if self.wanted("lease_visibility") and not self.facts.get("cuda_hung"):
             tests.append("test_visibility.py")
         session = self.session(f"gpu{self.primary}", tests, ["--sgl-gpus", str(self.primary)], timeout=120,
                                env_extra={"GPU_CHECK_GPUS": str(self.primary),
@@ -593,7 +614,7 @@ class Check:
             return skip
         details, problems, data = [], [], {}
         for index in self.gpus[:MAX_VISIBILITY_GPUS]:
-            if index == self.primary and self.wanted("nvml_inventory"):
+            if index == self.primary and self.wanted("nvml_inventory") and "first_session" in self.facts:
                 session = self.facts.get("first_session")
             else:
                 session = self.session(f"gpu{index}", ["test_visibility.py"], ["--sgl-gpus", str(index)],
@@ -615,6 +636,8 @@ class Check:
         self.facts["visibility"] = data
         if len(self.gpus) > MAX_VISIBILITY_GPUS:
             details.append(f"first {MAX_VISIBILITY_GPUS} of {len(self.gpus)} GPUs checked")
+        if problems and not details and all("skipped: out of time" in p for p in problems):
+            return Row("lease_visibility", "skip", clip("; ".join(problems), 600), data=data)
         if problems:
             return Row("lease_visibility", "fail", clip("; ".join(problems), 600), data=data)
         return Row("lease_visibility", "pass", "; ".join(details), data=data)
@@ -647,7 +670,7 @@ class Check:
         return Row("nvml_process_ids", "pass", "; ".join(notes), data=results)
 
     def check_ledger(self) -> Row | None:
-        skip = self.needs_gpu("ledger_input")
+        skip = self.needs_gpu("ledger_input", cuda=False)
         if skip:
             return skip
         session = self.session("list-models", [], ["--sgl-list-models", "--sgl-gpus", str(self.primary)], timeout=60)
@@ -897,6 +920,8 @@ class Check:
                        + (self.facts.get("torch") or "not installed"))
         if not self.facts.get("torch"):
             return Row("torch_view", "skip", f"skipped: torch is not installed for {self.python}")
+        if self.facts.get("cuda_hung"):
+            return Row("torch_view", "skip", "skipped: CUDA hung in the probe (see environment); torch would too")
         if self.remaining() < 60:
             return Row("torch_view", "skip", "skipped: out of time")
         code = ("import json, time; t = time.time(); import torch; r = {'torch': torch.__version__, "
@@ -1108,6 +1133,18 @@ class Check:
 
 def _text(value: Any) -> str:
     return value.decode("utf-8", "replace") if isinstance(value, (bytes, bytearray)) else str(value)
+
+
+def _optional(nvml: Any, name: str, *args: Any) -> Any:
+    """An NVML reading that may be missing (old nvidia-ml-py, the fake) or unsupported: None then."""
+    fn = getattr(nvml, name, None)
+    if fn is None:
+        return None
+    try:
+        value = fn(*args)
+    except Exception:
+        return None
+    return list(value) if isinstance(value, (list, tuple)) else value
 
 
 def _signed(value: float) -> str:

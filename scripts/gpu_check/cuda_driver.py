@@ -18,6 +18,7 @@ import importlib.util
 import os
 import re
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -29,7 +30,7 @@ CUDA_LIB_ENV = "GPU_CHECK_CUDA_LIB"
 
 class CudaError(Exception):
     def __init__(self, call: str, code: int, name: str) -> None:
-        super().__init__(f"{call} failed: {name} ({code})")
+        super().__init__(f"{call} failed: {name}" + (f" ({code})" if code >= 0 else ""))
         self.call = call
         self.code = code
         self.name = name
@@ -249,6 +250,8 @@ class FakeCuda(CudaApi):
         self._current: int | None = None
 
     def init(self) -> None:
+        if "cuda_hangs" in self._fake.faults():
+            time.sleep(3600)  # a wedged driver: only the plugin's startup deadline ends this
         try:
             self._gpu = self._fake.FakeGpu()
         except RuntimeError as exc:
@@ -319,6 +322,8 @@ class FakeCuda(CudaApi):
 
     def alloc(self, nbytes: int) -> int:
         index = self._index("cuMemAlloc_v2")
+        if "cuda_oom" in self._fake.faults():
+            raise CudaError("cuMemAlloc_v2", 2, "CUDA_ERROR_OUT_OF_MEMORY")
         try:
             self._check().reserve(index, mib=-(-nbytes // MIB))
         except self._fake.FakeOutOfMemory:

@@ -37,7 +37,8 @@ STATE_ENV = "GPU_CHECK_FAKE_GPU"
 #: Comma-separated faults of the fakes, for the check's own negative tests:
 #: ``cuda_ignores_device_order`` (the fake CUDA numbers devices in its default order whatever
 #: ``CUDA_DEVICE_ORDER`` says), ``nvml_hides_pids`` (NVML lists no process, as in a container whose PID
-#: namespace the driver cannot map).
+#: namespace the driver cannot map), ``cuda_oom`` (every ``cuMemAlloc`` of the fake CUDA fails),
+#: ``cuda_hangs`` (``cuInit`` never returns).
 FAULT_ENV = "GPU_CHECK_FAKE_FAULT"
 H200_MIB = 143771
 

@@ -31,13 +31,15 @@ def _smi() -> tuple[list[dict[str, Any]] | None, str]:
     if done.returncode != 0:
         return None, f"nvidia-smi exited {done.returncode}: {(done.stderr or done.stdout).strip()[:300]}"
     rows = []
+    skipped = []
     for line in done.stdout.splitlines():
         parts = [p.strip() for p in line.split(",")]
-        if len(parts) != 6:
-            continue
-        rows.append({"index": int(parts[0]), "uuid": parts[1], "name": parts[2], "total_mib": int(float(parts[3])),
-                     "free_mib": int(float(parts[4])), "pci_bus_id": parts[5]})
-    return rows, ""
+        try:
+            rows.append({"index": int(parts[0]), "uuid": parts[1], "name": parts[2],
+                         "total_mib": int(float(parts[3])), "free_mib": int(float(parts[4])), "pci_bus_id": parts[5]})
+        except (ValueError, IndexError):  # "[N/A]", an unexpected layout
+            skipped.append(line)
+    return rows, f"unparsed nvidia-smi line(s): {skipped}" if skipped else ""
 
 
 def test_inventory(record: Any) -> None:
@@ -82,7 +84,7 @@ def test_inventory(record: Any) -> None:
             if raw is None:
                 problems.append(f"nvidia-smi lists GPU {row['index']}, NVML does not")
                 continue
-            if (row["uuid"], row["name"], row["total_mib"]) != (raw["uuid"], raw["name"], raw["total_mib"]):
+            if (row["uuid"], row["name"]) != (raw["uuid"], raw["name"]) or abs(row["total_mib"] - raw["total_mib"]) > 1:
                 problems.append(f"GPU {row['index']}: nvidia-smi {row['uuid']} {row['name']} {row['total_mib']} MiB "
                                 f"!= NVML {raw['uuid']} {raw['name']} {raw['total_mib']} MiB")
             if normalize_bus_id(row["pci_bus_id"]) != normalize_bus_id(raw["pci_bus_id"]):
