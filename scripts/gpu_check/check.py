@@ -953,12 +953,11 @@ class Check:
     def check_sglang(self) -> Row:
         args = self.args
         python = args.sglang_python or self.python
-        if args.sglang_python:
-            rc, _ = self.run_cmd([python, "-c", "import importlib.util, sys; "
-                                  "sys.exit(0 if importlib.util.find_spec('sglang') else 3)"], 60)
-            has = rc == 0
-        else:
-            has = bool(self.facts.get("sglang"))
+        rc, out = self.run_cmd([python, "-c", "import importlib.util, importlib.metadata as m, sys; "
+                                "print(m.version('sglang')) if importlib.util.find_spec('sglang') else sys.exit(3)"],
+                               60)
+        has = rc == 0
+        version = out.strip().splitlines()[-1] if has and out.strip() else "?"
         torch = self.facts.get("torch")
         if not has:
             return Row("sglang_launch", "skip", f"skipped: sglang not installed for {python}"
@@ -1004,7 +1003,7 @@ class Check:
         phase_text = ", ".join(f"{p['phase']} +{p['after_s']:.1f} s" if p.get("after_s") is not None else p["phase"]
                                for p in phases)
         return Row("sglang_launch", "pass",
-                   f"tiny model served by sglang {_dist_version('sglang')} in "
+                   f"tiny model served by sglang {version} in "
                    f"{result.get('startup_seconds') or 0:.1f} s; "
                    f"phases: {phase_text or 'none seen'}; KV #tokens {memory.get('kv_tokens')} "
                    f"(ledger predicted {kv.get('predicted')}), weights {memory.get('weights_gb')} GB", data=data)
@@ -1159,13 +1158,6 @@ def _read_json(path: Path) -> dict[str, Any] | None:
         return None
 
 
-def _dist_version(name: str) -> str:
-    try:
-        return importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-        return "?"
-
-
 def _card_for(name: str, total: int, cards: Mapping[str, int]) -> str | None:
     """The card table entry for an NVML name (``NVIDIA H200`` -> ``H200``), the closest in size among those
     whose model matches."""
@@ -1253,6 +1245,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--sglang-cpu", action="store_true",
                         help="run sglang_launch with the CPU recipe on a declared GPU (tests that path without a GPU)")
     args = parser.parse_args(argv)
+    if args.sglang_python:  # the inner sessions run in inner/: a relative path would point elsewhere there
+        found = shutil.which(args.sglang_python) if os.sep not in args.sglang_python else args.sglang_python
+        if not found or not os.access(found, os.X_OK):
+            parser.error(f"--sglang-python {args.sglang_python!r} is not an executable")
+        args.sglang_python = os.path.abspath(found)
     if args.budget < 30:
         parser.error("--budget must be at least 30 seconds")
     if (args.fake_fault or args.fake_gpus != 2) and not args.dry_run:
