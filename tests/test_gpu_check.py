@@ -9,13 +9,22 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import signal
+import socket
 import subprocess
 import sys
+import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "gpu-check"
+HOLDER = REPO / "scripts" / "gpu_check" / "holder.py"
+STUB_SOURCE = REPO / "scripts" / "gpu_check" / "testing" / "libcuda_stub.c"
 CHECKS = [
     "environment", "nvml_inventory", "lease_visibility", "nvml_process_ids", "ledger_input", "lease_exclusivity",
     "release_wait", "sigkill_teardown", "torch_view", "sglang_launch", "leftovers",
@@ -157,3 +166,84 @@ def test_usage_errors() -> None:
     assert done.returncode != 0 and "unknown check(s) in --only: nope" in (done.stdout + done.stderr)
     done = run_check("--fake-fault", "x", timeout=30)
     assert done.returncode == 2 and "need --dry-run" in done.stderr
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The real CUDA path (ctypes over libcuda) against a stub libcuda.so: what the dry run's fake cannot check.
+
+
+@pytest.fixture
+def stub_libcuda(tmp_path: Path) -> Path:
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler to build the stub libcuda.so")
+    lib = tmp_path / "libcuda_stub.so"
+    subprocess.run([cc, "-shared", "-fPIC", "-O1", "-o", str(lib), str(STUB_SOURCE)], check=True,
+                   capture_output=True, timeout=60)
+    return lib
+
+
+def _holder_env(lib: Path, tmp_path: Path, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPU_CHECK_")}
+    env.update({"GPU_CHECK_CUDA_LIB": str(lib), "GPU_CHECK_EVENTS": str(tmp_path / "events.jsonl"),
+                "GPU_CHECK_MAX_LIFETIME_S": "60", **extra})
+    return env
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _gpu_check_info(port: int, proc: subprocess.Popen[str], timeout: float = 20) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while True:
+        assert proc.poll() is None, f"holder exited with {proc.returncode}: {proc.communicate()[0]}"
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/gpu_check", timeout=2) as resp:
+                data: dict[str, Any] = json.loads(resp.read())
+                return data
+        except OSError:
+            assert time.monotonic() < deadline, "the holder did not serve /gpu_check in time"
+            time.sleep(0.05)
+
+
+def test_real_cuda_path_against_a_stub_libcuda(stub_libcuda: Path, tmp_path: Path) -> None:
+    probe = subprocess.run([sys.executable, str(HOLDER), "--probe"], env=_holder_env(stub_libcuda, tmp_path),
+                           capture_output=True, text=True, timeout=30)
+    found = json.loads(probe.stdout)
+    assert probe.returncode == 0 and found["ok"] and found["kind"] == "libcuda", probe.stdout + probe.stderr
+    assert found["driver_version"] == 13000
+    assert found["devices"] == [{"ordinal": 0, "name": "NVIDIA H200 (stub)", "pci_bus_id": "0000:19:00.0",
+                                 "uuid": "GPU-a0a1a2a3-a4a5-a6a7-a8a9-aaabacadaeaf", "total_mib": 143771}]
+
+    for fault, method in (("", "cuCtxCreate_v2"),
+                          ("ctxcreate", "cuDevicePrimaryCtxRetain (cuCtxCreate_v2: CUDA_ERROR_NOT_SUPPORTED)")):
+        port = _free_port()
+        proc = subprocess.Popen(
+            [sys.executable, str(HOLDER), "--model-path", "m", "--host", "127.0.0.1", "--port", str(port),
+             "--tp-size", "1", "--mem-fraction-static=0.6", "--some-future-flag", "x"],
+            env=_holder_env(stub_libcuda, tmp_path, GPU_CHECK_HOLD_MIB="2048", STUB_CUDA_FAIL=fault),
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            info = _gpu_check_info(port, proc)
+            assert info["cuda"] == "libcuda" and info["context_method"] == method
+            assert info["allocated_mib"] == 2048
+            assert info["free_after_context_mib"] == 143771 - 1042
+            assert info["free_after_alloc_mib"] == 143771 - 1042 - 2048  # the size went through as size_t
+            proc.send_signal(signal.SIGTERM)  # our own holder, by its pid
+            out, _ = proc.communicate(timeout=15)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        # cuMemsetD8 and cuMemFree got back the pointer and size cuMemAlloc gave, or the stub would refuse
+        assert proc.returncode == 0, out
+        assert "SIGTERM: freed 2048 MiB and the context" in out and "ignored args: --mem-fraction-static=0.6" in out
+
+    failed = subprocess.run([sys.executable, str(HOLDER), "--port", str(_free_port())],
+                            env=_holder_env(stub_libcuda, tmp_path, STUB_CUDA_FAIL="alloc"), capture_output=True,
+                            text=True, timeout=30)
+    assert failed.returncode == 3
+    assert "[gpu-check holder] ERROR: cuMemAlloc_v2 failed: CUDA_ERROR_OUT_OF_MEMORY (2)" in failed.stdout
