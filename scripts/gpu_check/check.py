@@ -377,6 +377,9 @@ class Check:
             except subprocess.TimeoutExpired:
                 timed_out = True
                 self._stop_group(proc)
+            except BaseException:  # the check itself interrupted: its session must not outlive it
+                self._stop_group(proc)
+                raise
         text = output_path.read_text(encoding="utf-8", errors="replace")
         result = Session(name, proc.returncode, timed_out, time.monotonic() - t0, parse_junit(junit), text,
                          started, time.time())
@@ -440,6 +443,9 @@ class Check:
             self.step("sigkill_teardown", self.check_sigkill)
             self.step("torch_view", self.check_torch)
             self.step("sglang_launch", self.check_sglang)
+        except KeyboardInterrupt:
+            self.add(Row("interrupted", "fail", "the check was interrupted; the rows above are what it saw"))
+            raise
         finally:
             self.step("leftovers", self.check_leftovers)
             if self.sampler is not None:
@@ -1259,7 +1265,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"unknown check(s) in --only: {', '.join(sorted(unknown))}; known: {', '.join(CHECKS)}")
     if not 1 <= args.fake_gpus <= 8:
         parser.error("--fake-gpus must be between 1 and 8")
-    return Check(args).run()
+
+    def interrupted(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt(f"gpu-check: {signal.Signals(signum).name}")
+
+    signal.signal(signal.SIGTERM, interrupted)  # as Ctrl-C: stop the running session, write what was seen
+    check = Check(args)
+    try:
+        return check.run()
+    except KeyboardInterrupt as exc:
+        print(f"gpu-check: interrupted ({exc or 'SIGINT'}); partial results in {check.out}", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":
