@@ -64,6 +64,7 @@ __all__ = [
     "LogMemory",
     "Rule",
     "diagnose",
+    "looks_like_error",
     "parse_kv_tokens",
     "parse_max_total_tokens",
     "parse_memory",
@@ -191,6 +192,12 @@ def _interesting() -> re.Pattern[str]:
     if found is None:
         found = _prefilters[rules] = prefilter(rules, _STRUCTURE)
     return found
+
+
+def looks_like_error(text: str) -> bool:
+    """Whether new log text may hold an error worth a :func:`diagnose` (the rules' own pre-filter): a cheap
+    check for a caller that watches a growing log."""
+    return _TRACEBACK in text or _interesting().search(text) is not None
 
 
 # ---------------------------------------------------------------------------------------------- parsing

@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .diagnosis import Diagnosis
+    from .ledger import MemoryLedger
+
 
 class SglWorkerError(Exception):
     """Base class of every error this package raises on purpose."""
@@ -16,12 +22,66 @@ class BudgetViolation(SglWorkerError, ValueError):
 
 
 class WorkerError(SglWorkerError):
-    """A worker failed. ``str(err)`` carries the diagnosis, the log path and the log tail."""
+    """A worker failed. The fields say what happened; ``str(err)`` renders them: the worker and the event,
+    the diagnosis of its log, the memory ledger (for memory failures), the argv, the log path and its tail.
+    :attr:`summary` is the one line for a short test summary."""
 
-    def __init__(self, message: str, *, log_path: str | None = None, diagnosis: object | None = None) -> None:
-        super().__init__(message)
-        self.log_path = log_path
+    def __init__(
+        self,
+        message: str = "",
+        *,
+        worker: str = "",
+        event: str = "",
+        diagnosis: Diagnosis | None = None,
+        ledger: MemoryLedger | None = None,
+        extra: str = "",
+        argv: str = "",
+        log_path: str | None = None,
+        tail: str | None = None,
+        tail_lines: int = 0,
+    ) -> None:
+        super().__init__(message or f"{worker} {event}".strip())
+        self.worker = worker
+        self.event = event
         self.diagnosis = diagnosis
+        self.ledger = ledger
+        self.extra = extra
+        self.argv = argv
+        self.log_path = log_path
+        self.tail = tail
+        self.tail_lines = tail_lines
+
+    @property
+    def summary(self) -> str:
+        """``<worker> <event>: <diagnosis>`` on one line."""
+        head = f"{self.worker} {self.event}".strip() if self.worker else str(self.args[0]).split("\n", 1)[0]
+        if self.diagnosis is not None and self.diagnosis.is_error:
+            return f"{head}: {self.diagnosis.summary}"
+        return head
+
+    def __str__(self) -> str:
+        if not self.worker:
+            return str(self.args[0]) if self.args else ""
+        parts = [f"{self.worker} {self.event}"]
+        if self.diagnosis is not None:
+            try:
+                rendered = self.diagnosis.render()
+            except Exception as exc:  # a diagnosis must never hide the log
+                rendered = f"diagnosis unavailable: {exc!r}"
+            if rendered:
+                parts.append(rendered)
+        if self.extra:
+            parts.append(self.extra)
+        if self.ledger is not None:
+            parts.append(f"memory ledger (predicted for this GPU):\n{self.ledger.render()}")
+        if self.argv:
+            parts.append(f"argv: {self.argv}")
+        if self.log_path:
+            parts.append(f"log: {self.log_path}")
+        if self.tail is not None:
+            parts.append(f"last {self.tail_lines} lines:")
+            parts.append("\n".join("    " + line for line in self.tail.splitlines()) or "    <empty log>")
+        return "\n".join(parts)
 
 
 class WorkerStartupError(WorkerError):

@@ -42,6 +42,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal
 
 from .errors import InventoryUnavailable, LeaseImpossible, LeaseTimeout
+from .processes import hostname, process_alive, session_worker_pids
 
 if TYPE_CHECKING:
     from filelock import BaseFileLock
@@ -572,14 +573,8 @@ class HolderRecord:
     def describe(self, now: float | None = None) -> str:
         now = time.time() if now is None else now
         stamp = time.strftime("%H:%M:%S", time.localtime(self.since))
-        host = "" if self.hostname == _hostname() else f" on {self.hostname}"
+        host = "" if self.hostname == hostname() else f" on {self.hostname}"
         return f"pid {self.pid}{host} for {self.holder!r} since {stamp} ({max(now - self.since, 0):.0f} s)"
-
-
-def _hostname() -> str:
-    import socket
-
-    return socket.gethostname()
 
 
 def _record_path(lock_dir: Path, namespace: str, index: int) -> Path:
@@ -588,23 +583,6 @@ def _record_path(lock_dir: Path, namespace: str, index: int) -> Path:
 
 def _lock_path(lock_dir: Path, namespace: str, index: int) -> Path:
     return lock_dir / f"gpu-{namespace}-{index}.lock"
-
-
-def _process_alive(pid: int, since: float, hostname: str) -> bool:
-    """Whether the process that wrote a record still runs (a reused pid of a younger process does not)."""
-    if hostname != _hostname():
-        return True  # cannot tell; the lock itself is the truth
-    import psutil
-
-    try:
-        process = psutil.Process(pid)
-        if process.status() == psutil.STATUS_ZOMBIE:
-            return False
-        return process.create_time() <= since + 2.0
-    except psutil.NoSuchProcess:
-        return False
-    except psutil.AccessDenied:
-        return True
 
 
 def read_holder_record(path: Path, *, only_live: bool = True) -> HolderRecord | None:
@@ -624,7 +602,7 @@ def read_holder_record(path: Path, *, only_live: bool = True) -> HolderRecord | 
         )
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    if only_live and not _process_alive(record.pid, record.since, record.hostname):
+    if only_live and not process_alive(record.pid, record.since, record.hostname):
         return None
     return record
 
@@ -1070,7 +1048,7 @@ class LeaseManager:
 
     def _write_records(self, gpus: Sequence[GpuInfo], holder: str, memory_mib: int) -> None:
         now = time.time()
-        host = _hostname()
+        host = hostname()
         indices = tuple(g.index for g in gpus)
         for gpu in gpus:
             _write_record(
@@ -1127,37 +1105,14 @@ def _dead_holder_leftovers(
     result: dict[int, tuple[int, tuple[int, ...]]] = {}
     for index in group:
         record = read_holder_record(_record_path(lock_dir, namespace, index), only_live=False)
-        if record is None or record.hostname != _hostname():
+        if record is None or record.hostname != hostname():
             continue
-        if _process_alive(record.pid, record.since, record.hostname):
+        if process_alive(record.pid, record.since, record.hostname):
             continue
-        pids = _session_worker_pids(record.pid, record.since)
+        pids = session_worker_pids(record.pid, record.since)
         if pids:
             result[index] = (record.pid, pids)
     return result
-
-
-def _session_worker_pids(session_pid: int, since: float) -> tuple[int, ...]:
-    """Live processes of the workers of the (dead) pytest process ``session_pid``, which leased at ``since``:
-    those tagged with its session, and the members of their sessions (sglang's renamed children)."""
-    import psutil
-
-    from .launcher import tagged_processes, with_session_members
-
-    prefix = f"{session_pid}-"
-    try:  # a process with that pid created after the lease reused it: its own workers are not leftovers
-        created = psutil.Process(session_pid).create_time()  # (the dead holder itself, as a zombie, is not)
-        reused_at: float | None = created if created > since + 2.0 else None
-    except psutil.Error:
-        reused_at = None
-    found = []
-    for proc in with_session_members([p for p, value in tagged_processes() if value.startswith(prefix)]):
-        try:
-            if reused_at is None or proc.create_time() < reused_at:
-                found.append(proc.pid)
-        except psutil.Error:
-            continue  # gone meanwhile
-    return tuple(sorted(found))
 
 
 def _candidate_groups(eligible: Sequence[int], tp: int, attempt: _Attempt) -> Iterator[list[int]]:

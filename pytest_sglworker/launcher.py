@@ -28,14 +28,16 @@ import signal
 import subprocess
 import sys
 import time
-import uuid
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from .errors import LaunchError, WorkerDied, WorkerStartupError, WorkerStartupTimeout
-from .sglang_facts import HEALTH_PATH, LAUNCH_MODULE, LOOPBACK_HOST, LOOPBACK_NAMES, SECRET_FLAG, flag_table
+from .errors import LaunchError, WorkerDied, WorkerError, WorkerStartupError
+from .health import ProgressCallback as ProgressCallback
+from .health import wait_until_ready
+from .processes import OWNER_ENV, listening_pids, owner_tag, process_tree, terminate_tree
+from .sglang_facts import LAUNCH_MODULE, LOOPBACK_HOST, LOOPBACK_NAMES, SECRET_FLAG, flag_table
 from .specs import ModelSpec
 
 if TYPE_CHECKING:
@@ -45,13 +47,10 @@ if TYPE_CHECKING:
     from .diagnosis import Diagnosis
     from .ports import PortBlock
 
-#: The environment variable that marks every process of a worker (inherited by its children), so that
-#: teardown finds a scheduler that left the process group or was re-parented. Value: ``<session>:<worker>``.
-OWNER_ENV = "SGLWORKER_OWNER"
 #: Environment variables whose values never appear in a message, report or JSON the plugin writes.
 SECRET_ENV_PATTERN = re.compile(r"TOKEN|SECRET|PASSWORD|PASSWD|API_?KEY|CREDENTIAL|AUTH", re.IGNORECASE)
 DEFAULT_TAIL_LINES = 40
-SESSION_ID = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+E = TypeVar("E", bound=WorkerError)
 
 
 def default_launcher() -> list[str]:
@@ -228,6 +227,8 @@ class ModelInstance:
     port_block: PortBlock | None = field(default=None, repr=False)
     pids_seen: set[int] = field(default_factory=set)
     gpus: str | None = None
+    #: log lines a failure report quotes
+    tail_lines: int = DEFAULT_TAIL_LINES
     _client: httpx.Client | None = field(default=None, repr=False)
     _stopped: bool = field(default=False, repr=False)
 
@@ -263,23 +264,29 @@ class ModelInstance:
     def is_alive(self) -> bool:
         return self.process.poll() is None
 
-    def responds(self, timeout: float = 1.0) -> bool:
-        """Alive and accepting connections on its port: the pool's fast check before reusing a worker."""
-        import socket
-
+    def responds(self, timeout: float = 2.0) -> bool:
+        """Alive and answering its health endpoint within ``timeout`` seconds (the whole request): the pool's
+        check before it hands a pooled worker to the next test. A frozen (SIGSTOPped, wedged) worker accepts
+        connections but answers nothing, and fails this."""
         if not self.is_alive():
             return False
-        try:
-            with socket.create_connection((self.host, self.port), timeout=timeout):
-                return True
-        except OSError:
-            return False
+        from .health import HttpHealth
+
+        return HttpHealth().probe(self, time.monotonic() + timeout, lambda: not self.is_alive()).ready
+
+    def owns_port(self) -> bool:
+        """Whether a process of this worker's tree listens on its port (a stale server's answer is not ours)."""
+        return bool(listening_pids(self._tree(sweep=False), self.port))
+
+    def fatal_in_log(self) -> bool:
+        """Whether the log of this (running) worker shows a fatal first error (sglang may then stay alive
+        without ever serving)."""
+        return self.diagnosis(alive=True).fatal
 
     def check_alive(self) -> None:
         """Raise :class:`WorkerDied` (diagnosis and tail included) if the worker has exited."""
         if not self.is_alive():
-            raise WorkerDied(self.failure_message(f"exited with {signal_name(self.returncode)}"),
-                             log_path=str(self.log_path), diagnosis=self.diagnosis())
+            raise self.failure(WorkerDied, f"exited with {signal_name(self.returncode)}")
 
     def log_tail(self, lines: int = DEFAULT_TAIL_LINES) -> str:
         """The last lines of this worker's log (secrets redacted)."""
@@ -294,22 +301,22 @@ class ModelInstance:
 
         return diagnose(self.log_text(), None if alive else self.returncode)
 
-    def failure_message(self, what: str, *, lines: int = DEFAULT_TAIL_LINES, extra: str = "") -> str:
-        """``<worker> <what>`` + diagnosis + log path + the last ``lines`` lines."""
-        parts = [f"{self.describe()} {what}"]
+    def failure(self, kind: type[E], event: str, *, lines: int | None = None, extra: str = "",
+                alive: bool = False) -> E:
+        """An error of ``kind`` about this worker: ``event`` with the diagnosis of its log (``alive``: of a
+        running worker), the argv, the log path and the last ``lines`` lines (default: :attr:`tail_lines`)."""
+        lines = self.tail_lines if lines is None else lines
         try:
-            rendered = self.diagnosis().render()
-        except Exception as exc:  # a diagnosis must never hide the log
-            rendered = f"diagnosis unavailable: {exc!r}"
-        if rendered:
-            parts.append(rendered)
-        if extra:
-            parts.append(extra)
-        parts.append(f"argv: {redact(shlex.join(mask_argv(self.argv)), self.secrets)}")
-        parts.append(f"log: {self.log_path}")
-        parts.append(f"last {lines} lines:")
-        parts.append(_indent(self.log_tail(lines)))
-        return "\n".join(parts)
+            diagnosis: Diagnosis | None = self.diagnosis(alive=alive)
+        except Exception:  # a diagnosis must never hide the log
+            diagnosis = None
+        return kind(worker=self.describe(), event=event, diagnosis=diagnosis, extra=extra,
+                    argv=redact(shlex.join(mask_argv(self.argv)), self.secrets), log_path=str(self.log_path),
+                    tail=self.log_tail(lines), tail_lines=lines)
+
+    def failure_message(self, what: str, *, lines: int | None = None, extra: str = "") -> str:
+        """``<worker> <what>`` + diagnosis + log path + the last ``lines`` lines."""
+        return str(self.failure(WorkerError, what, lines=lines, extra=extra))
 
     @property
     def client(self) -> httpx.Client:
@@ -322,32 +329,11 @@ class ModelInstance:
 
     # -- tree ---------------------------------------------------------------------------------------------
     def _tree(self, *, sweep: bool = True) -> list[psutil.Process]:
-        """The root and every descendant; with ``sweep``, also every process of the worker's session (the
-        root leads it) and every process carrying our owner tag (children that left the session). Both
-        are needed: sglang's scheduler and detokenizer rename themselves (setproctitle), which hides their
-        environment from /proc, but they stay in the session; an escaped child leaves the session but
-        keeps the tag."""
-        import psutil
-
-        procs: dict[int, psutil.Process] = {}
-        try:
-            root = psutil.Process(self.pid)
-            procs[root.pid] = root
-            for child in root.children(recursive=True):
-                procs[child.pid] = child
-        except psutil.Error:
-            pass
-        if sweep:
-            for proc in psutil.process_iter():
-                try:
-                    if proc.pid not in procs and os.getsid(proc.pid) == self.pid:
-                        procs[proc.pid] = proc
-                except (OSError, psutil.Error):
-                    continue
-            for proc in find_tagged_processes(self.owner_tag):
-                procs.setdefault(proc.pid, proc)
-        self.pids_seen.update(procs)
-        return list(procs.values())
+        """The worker's processes (see :func:`processes.process_tree`); every pid seen is remembered, for the
+        GPU lease's memory-release wait."""
+        procs = process_tree(self.pid, self.owner_tag, sweep=sweep)
+        self.pids_seen.update(p.pid for p in procs)
+        return procs
 
     def stop(self, *, term_timeout: float = 10.0, kill_timeout: float = 10.0) -> list[int]:
         """Tear the whole process tree down; returns the PIDs that needed SIGKILL. Idempotent."""
@@ -378,234 +364,6 @@ class ModelInstance:
 
 def _indent(text: str, prefix: str = "    ") -> str:
     return "\n".join(prefix + line for line in text.splitlines()) or prefix + "<empty log>"
-
-
-def tagged_processes() -> list[tuple[psutil.Process, str]]:
-    """Every process of ours (same uid, not this one) that carries ``SGLWORKER_OWNER``, with its value."""
-    import psutil
-
-    found: list[tuple[psutil.Process, str]] = []
-    me = os.getpid()
-    uid = os.getuid()
-    for proc in psutil.process_iter(["pid", "uids"]):
-        try:
-            if proc.pid == me or proc.info["uids"] is None or proc.info["uids"].real != uid:
-                continue
-            value = proc.environ().get(OWNER_ENV)
-        except (psutil.Error, OSError):
-            continue
-        if value:
-            found.append((proc, value))
-    return found
-
-
-def find_tagged_processes(owner_tag: str) -> list[psutil.Process]:
-    """Our own processes whose environment carries ``SGLWORKER_OWNER=<owner_tag>`` (or start with it,
-    for a session-wide tag ending in ':'), and the members of the sessions they lead (sglang's scheduler
-    and detokenizer rename themselves, which hides their environment, but stay in the worker's session)."""
-    session_wide = owner_tag.endswith(":")
-    tagged = [proc for proc, value in tagged_processes()
-              if value == owner_tag or (session_wide and value.startswith(owner_tag))]
-    return with_session_members(tagged)
-
-
-def with_session_members(procs: list[psutil.Process]) -> list[psutil.Process]:
-    """``procs`` plus every process whose session is led by one of them (a worker root leads its session)."""
-    import psutil
-
-    leaders = {p.pid for p in procs}
-    found = {p.pid: p for p in procs}
-    if not leaders:
-        return procs
-    uid = os.getuid()
-    for proc in psutil.process_iter(["pid", "uids"]):
-        try:
-            if proc.pid in found or proc.info["uids"] is None or proc.info["uids"].real != uid:
-                continue
-            if os.getsid(proc.pid) in leaders:
-                found[proc.pid] = proc
-        except (OSError, psutil.Error):
-            continue
-    return list(found.values())
-
-
-def terminate_tree(
-    process: subprocess.Popen[bytes] | None,
-    collect: Callable[[], list[psutil.Process]],
-    *,
-    term_timeout: float = 10.0,
-    kill_timeout: float = 10.0,
-) -> list[int]:
-    """Stop a worker's whole tree; returns the PIDs that needed SIGKILL.
-
-    The root first: on SIGTERM sglang's parent shuts its scheduler and detokenizer down cleanly (about 4 s,
-    exit 0), whereas a SIGTERM to the whole group kills the scheduler first and the parent then sleeps 5 s
-    and ends with -9. Then SIGTERM to the group and to every collected process still alive (escaped
-    children included), a bounded wait, SIGKILL to what is left, and a wait until every collected process
-    is gone (zombies count as gone)."""
-    import psutil
-
-    procs = {p.pid: p for p in collect()}
-    if process is not None and process.poll() is None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            process.send_signal(signal.SIGTERM)
-        _wait_gone(process, [], term_timeout)
-        procs.update((p.pid, p) for p in collect())
-    remaining = [p for p in procs.values() if _alive(p)]
-    if process is not None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(process.pid, signal.SIGTERM)
-    for proc in remaining:
-        with contextlib.suppress(psutil.Error):
-            proc.terminate()
-    _wait_gone(process, remaining, min(5.0, term_timeout) if process is not None else term_timeout)
-    procs.update((p.pid, p) for p in collect())
-    leftovers = [p for p in procs.values() if _alive(p)]
-    killed: list[int] = []
-    if process is not None and process.poll() is None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(process.pid, signal.SIGKILL)
-    for proc in leftovers:
-        with contextlib.suppress(psutil.Error):
-            proc.kill()
-            killed.append(proc.pid)
-    _wait_gone(process, leftovers, kill_timeout)
-    if process is not None:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            process.wait(timeout=kill_timeout)
-    return sorted(set(killed))
-
-
-def _alive(proc: psutil.Process) -> bool:
-    import psutil
-
-    try:
-        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
-
-
-def _wait_gone(process: subprocess.Popen[bytes] | None, procs: list[psutil.Process], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process is not None:
-            process.poll()  # reap our direct child so it does not linger as a zombie
-        if not any(_alive(p) for p in procs) and (process is None or process.poll() is not None):
-            return
-        time.sleep(0.05)
-
-
-def _listening_in_tree(instance: ModelInstance) -> bool:
-    """Whether a process of the worker's tree listens on its port (a stale server's answer is not ours)."""
-    import psutil
-
-    for proc in instance._tree(sweep=False):
-        try:
-            conns = proc.net_connections(kind="tcp")
-        except (psutil.Error, OSError):
-            continue
-        for conn in conns:
-            if conn.status == psutil.CONN_LISTEN and conn.laddr and conn.laddr.port == instance.port:
-                return True
-    return False
-
-
-ProgressCallback = Callable[["ModelInstance", float], None]
-
-#: Kinds of first error after which sglang may stay alive without ever serving (a failed uvicorn bind
-#: leaves the process "Waiting for application shutdown"); seen in the log, they end the wait early.
-FATAL_KINDS = frozenset({
-    "graph_capture_oom", "graph_capture_error", "kv_pool_does_not_fit", "weights_oom", "cuda_oom",
-    "port_in_use", "model_not_found", "nccl_error", "bad_flag",
-})
-#: How long a worker that logged a fatal error may take to exit by itself before the wait gives up on it.
-FATAL_GRACE_SECONDS = 5.0
-_ERROR_HINTS = (b"Error", b"error", b"Traceback", b"in use", b"Exception", b"failed")
-
-
-class _LogWatch:
-    """Reads the log incrementally and diagnoses it only when new text looks like an error."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.offset = 0
-        self.fatal_since: float | None = None
-
-    def fatal_seen(self, instance: ModelInstance) -> bool:
-        try:
-            with open(self.path, "rb") as fh:
-                fh.seek(self.offset)
-                new = fh.read()
-        except OSError:
-            return False
-        self.offset += len(new)
-        if self.fatal_since is None and new and any(h in new for h in _ERROR_HINTS):
-            kind = getattr(instance.diagnosis(alive=True).kind, "value", None)
-            if kind in FATAL_KINDS:
-                self.fatal_since = time.monotonic()
-        return self.fatal_since is not None and time.monotonic() - self.fatal_since >= FATAL_GRACE_SECONDS
-
-
-def wait_until_healthy(
-    instance: ModelInstance,
-    *,
-    timeout: float,
-    on_progress: ProgressCallback | None = None,
-    progress_interval: float = 1.0,
-) -> None:
-    """Poll ``/health_generate`` until it answers 200 from our own process, checking the process on every
-    iteration. Raises :class:`WorkerStartupError` at once if it exits (or logs a fatal error and does not
-    exit), :class:`WorkerStartupTimeout` at the deadline; both carry the diagnosis and the log tail."""
-    import httpx
-
-    deadline = instance.started_at + timeout
-    url = instance.url + HEALTH_PATH
-    last_progress = 0.0
-    last_status = "not listening yet"
-    stale_seen = False
-    watch = _LogWatch(instance.log_path)
-    with httpx.Client(timeout=httpx.Timeout(5.0, connect=1.0)) as http:
-        while True:
-            code = instance.process.poll()
-            now = time.monotonic()
-            elapsed = now - instance.started_at
-            if code is not None:
-                raise WorkerStartupError(
-                    instance.failure_message(f"exited during startup with {signal_name(code)} after {elapsed:.1f} s"),
-                    log_path=str(instance.log_path), diagnosis=instance.diagnosis(),
-                )
-            if watch.fatal_seen(instance):
-                raise WorkerStartupError(
-                    instance.failure_message(
-                        f"logged a fatal error during startup and did not exit within {FATAL_GRACE_SECONDS:g} s "
-                        f"(after {elapsed:.1f} s)"),
-                    log_path=str(instance.log_path), diagnosis=instance.diagnosis(alive=True),
-                )
-            if now >= deadline:
-                extra = "a server that is not ours answers on this port" if stale_seen else ""
-                raise WorkerStartupTimeout(
-                    instance.failure_message(
-                        f"did not become healthy within {timeout:g} s (last health answer: {last_status})", extra=extra
-                    ),
-                    log_path=str(instance.log_path), diagnosis=instance.diagnosis(alive=True),
-                )
-            if on_progress is not None and now - last_progress >= progress_interval:
-                last_progress = now
-                on_progress(instance, elapsed)
-            interval = 0.05
-            try:
-                resp = http.get(url, timeout=min(5.0, max(0.1, deadline - now)))
-                last_status = f"HTTP {resp.status_code}"
-                if resp.status_code == 200:
-                    if _listening_in_tree(instance):
-                        instance.ready_at = time.monotonic()
-                        return
-                    stale_seen = True
-                    last_status = "HTTP 200 from a process that is not this worker (stale server on the port?)"
-                interval = 0.1
-            except httpx.TransportError as exc:
-                last_status = f"{type(exc).__name__}"
-            time.sleep(min(interval, max(0.0, deadline - time.monotonic())))
 
 
 #: Below this much free space (or with no free inode) in the log directory a launch fails at once: an engine
@@ -712,6 +470,8 @@ class LaunchOptions:
     port_range: tuple[int, int] | None = None
     port_retries: int = 3
     allow_foreign_host: bool = False
+    #: log lines quoted by failure reports (``--sgl-tail-lines``)
+    tail_lines: int = DEFAULT_TAIL_LINES
 
 
 def spawn_worker(
@@ -758,12 +518,13 @@ def spawn_worker(
             raise
         instance.port_block = block
         try:
-            wait_until_healthy(instance, timeout=options.startup_timeout, on_progress=on_progress)
+            wait_until_ready(instance, timeout=options.startup_timeout, on_progress=on_progress)
             return instance
         except WorkerStartupError as exc:
             instance.stop()
-            kind = getattr(getattr(exc.diagnosis, "kind", None), "value", getattr(exc.diagnosis, "kind", None))
-            if kind == "port_in_use" and attempt < attempts:
+            from .diagnosis import Kind
+
+            if exc.diagnosis is not None and exc.diagnosis.kind is Kind.PORT_IN_USE and attempt < attempts:
                 continue
             raise
         except BaseException:
@@ -784,17 +545,17 @@ def _start(
 ) -> ModelInstance:
     argv = build_argv(spec, port=port, nccl_port=nccl_port, launcher=options.launcher, extra_args=extra_args,
                       allow_foreign_host=options.allow_foreign_host)
-    owner_tag = f"{SESSION_ID}:{uuid.uuid4().hex[:12]}"
+    tag = owner_tag()
     full_env = dict(os.environ)
     full_env.update(spec.env)
     full_env.update(env or {})
     full_env["PYTHONUNBUFFERED"] = "1"
-    full_env[OWNER_ENV] = owner_tag
+    full_env[OWNER_ENV] = tag
     log_path = _log_path_for(log_dir, port)
     process = _popen(argv, full_env, log_path)
     return ModelInstance(
         spec=spec, argv=argv, host=LOOPBACK_HOST, port=port, log_path=log_path, process=process,
-        owner_tag=owner_tag, secrets=secret_values(full_env, argv), gpus=gpus,
+        owner_tag=tag, secrets=secret_values(full_env, argv), gpus=gpus, tail_lines=options.tail_lines,
     )
 
 
@@ -808,17 +569,10 @@ def running_worker(spec: ModelSpec, **kwargs: Any) -> Iterator[ModelInstance]:
         instance.stop()
 
 
-def session_sweep(session_id: str = SESSION_ID, *, timeout: float = 10.0) -> list[int]:
-    """Kill every process still tagged with this session (the last line of defence at session end)."""
-    tag = f"{session_id}:"
-    return terminate_tree(None, lambda: find_tagged_processes(tag), term_timeout=timeout, kill_timeout=timeout)
-
-
 __all__ = [
     "LaunchOptions",
     "ModelInstance",
     "build_argv",
     "running_worker",
     "spawn_worker",
-    "wait_until_healthy",
 ]

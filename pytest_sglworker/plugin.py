@@ -418,7 +418,7 @@ class SessionState:
         self._watchdog = Watchdog(lock_dir=leases.lock_dir)
         options = LaunchOptions(
             launcher=self.launcher(), log_dir=s.log_dir, lock_dir=s.lock_dir, startup_timeout=s.startup_timeout,
-            port_range=s.port_range,
+            port_range=s.port_range, tail_lines=s.tail_lines,
         )
         return WorkerPool(
             options, leases=leases, lease_timeout=s.lease_timeout, reuse=s.reuse,
@@ -498,9 +498,9 @@ class SessionState:
         if self._pool is not None:
             self._pool.close()
         if self._watchdog is not None:
-            from .launcher import session_sweep
+            from .processes import sweep_session
 
-            swept = session_sweep()
+            swept = sweep_session()
             if swept:
                 self.message(f"killed {len(swept)} worker process(es) left after teardown: {swept}")
             self._watchdog.close()

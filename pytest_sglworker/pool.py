@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .errors import SglWorkerError
+from .errors import SglWorkerError, WorkerError
 from .launcher import LaunchOptions, ModelInstance, ProgressCallback, spawn_worker
 from .specs import ModelSpec
 
@@ -133,10 +133,6 @@ class ConfigStats:
         self.kv_tokens_actual = self.kv_tokens_actual or other.kv_tokens_actual
 
 
-MEMORY_KINDS = frozenset({"graph_capture_oom", "kv_pool_does_not_fit", "weights_oom", "cuda_oom",
-                          "killed_by_signal"})
-
-
 def _gpu_of(lease: Lease | None) -> tuple[int, int] | None:
     if lease is None or not lease.gpus:
         return None
@@ -146,19 +142,14 @@ def _gpu_of(lease: Lease | None) -> tuple[int, int] | None:
 
 def _attach_ledger(exc: SglWorkerError, config: WorkerConfig, lease: Lease | None) -> None:
     """Add the memory ledger to a startup failure whose diagnosis is about memory."""
-    kind = getattr(getattr(exc, "diagnosis", None), "kind", None)
+    diagnosis = getattr(exc, "diagnosis", None)
     gpu = _gpu_of(lease)
-    if gpu is None or getattr(kind, "value", kind) not in MEMORY_KINDS:
+    if gpu is None or diagnosis is None or not diagnosis.memory_related:
         return
     from .ledger import ledger_for_spec
 
-    ledger = ledger_for_spec(config.spec, gpu[0], gpu_free_mib=gpu[1], extra_args=config.extra_args)
-    if ledger is not None:
-        # beside the diagnosis, above the argv and the log tail
-        message, block = str(exc.args[0]), f"memory ledger (predicted for this GPU):\n{ledger.render()}\n"
-        at = message.find("\nargv: ")
-        message = f"{message[:at + 1]}{block}{message[at + 1:]}" if at >= 0 else f"{message}\n{block}"
-        exc.args = (message, *exc.args[1:])
+    if isinstance(exc, WorkerError):
+        exc.ledger = ledger_for_spec(config.spec, gpu[0], gpu_free_mib=gpu[1], extra_args=config.extra_args)
 
 
 def _record_kv_tokens(instance: ModelInstance, config: WorkerConfig, lease: Lease | None, stats: ConfigStats) -> None:

@@ -20,27 +20,20 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from .launcher import OWNER_ENV, SESSION_ID, tagged_processes, terminate_tree, with_session_members
-
-if TYPE_CHECKING:
-    import psutil
+from .processes import (
+    OWNER_ENV,
+    SESSION_ID,
+    find_tagged_processes,
+    hostname,
+    process_alive,
+    session_worker_pids,
+    tag_session_pid,
+    tagged_sessions,
+    terminate_tree,
+)
 
 LOG_RETENTION_SECONDS = 7 * 24 * 3600
-
-
-def _session_pid(tag: str) -> int | None:
-    head = tag.split(":", 1)[0].split("-", 1)[0]
-    return int(head) if head.isdigit() else None
-
-
-def _session_tag_processes() -> dict[str, list[psutil.Process]]:
-    """Our own tagged processes, grouped by session id."""
-    groups: dict[str, list[psutil.Process]] = {}
-    for proc, value in tagged_processes():
-        groups.setdefault(value.split(":", 1)[0], []).append(proc)
-    return {session: with_session_members(procs) for session, procs in groups.items()}
 
 
 @dataclass
@@ -75,16 +68,16 @@ def remove_stale_holder_records(lock_dir: Path, *, session_pid: int | None = Non
     """
     from filelock import FileLock, Timeout
 
-    from .gpus import _hostname, _process_alive, _session_worker_pids, read_holder_record
+    from .gpus import read_holder_record
 
     removed: list[str] = []
     if not lock_dir.is_dir():
         return removed
     for path in sorted(lock_dir.glob("gpu-*.json")):
         record = read_holder_record(path, only_live=False)
-        if record is None or record.hostname != _hostname() or (session_pid is not None and record.pid != session_pid):
+        if record is None or record.hostname != hostname() or (session_pid is not None and record.pid != session_pid):
             continue
-        if _process_alive(record.pid, record.since, record.hostname) or _session_worker_pids(
+        if process_alive(record.pid, record.since, record.hostname) or session_worker_pids(
                 record.pid, record.since):
             continue
         lock = FileLock(path.with_suffix(".lock"), thread_local=False, mode=0o644)
@@ -110,8 +103,8 @@ def reap_dead_sessions(log_dir: Path | None = None, *, lock_dir: Path | None = N
     import psutil
 
     report = JanitorReport()
-    for session, procs in _session_tag_processes().items():
-        pid = _session_pid(session)
+    for session, procs in tagged_sessions().items():
+        pid = tag_session_pid(session)
         if session == SESSION_ID or pid is None or (psutil.pid_exists(pid) and _is_pytest_like(pid)):
             continue
         report.processes += sorted(p.pid for p in procs)
@@ -177,12 +170,10 @@ def main(argv: list[str] | None = None) -> int:
         while sys.stdin.buffer.read(4096):
             pass
     # The session is gone (or closed its end after its own teardown): kill whatever still carries its tag.
-    from .launcher import find_tagged_processes
-
     terminate_tree(None, lambda: find_tagged_processes(f"{session_id}:"), term_timeout=10.0, kill_timeout=10.0)
     # A session that died (SIGKILL, os._exit) left its GPU holder records: the kernel dropped its locks, the
     # records say who held the GPUs until its workers were gone, which they now are.
-    session_pid = _session_pid(session_id)
+    session_pid = tag_session_pid(session_id)
     if len(args) == 2 and session_pid is not None:
         with contextlib.suppress(Exception):
             remove_stale_holder_records(Path(args[1]), session_pid=session_pid)

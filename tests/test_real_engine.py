@@ -117,7 +117,7 @@ import psutil
 import pytest
 
 from pytest_sglworker import diagnosis
-from pytest_sglworker.launcher import OWNER_ENV, SESSION_ID
+from pytest_sglworker.processes import OWNER_ENV, SESSION_ID
 
 from conftest import MISSING
 

@@ -31,7 +31,7 @@ import pytest
 
 from pytest_sglworker import LeaseTimeout
 from pytest_sglworker.gpus import DeclaredInventory, HolderRecord, LeaseManager, _record_path, _write_record
-from pytest_sglworker.launcher import OWNER_ENV
+from pytest_sglworker.processes import OWNER_ENV
 
 SIM = ("-p", "no:cacheprovider", "--sgl-engine", "sim")
 EXAMPLES = Path(__file__).resolve().parent.parent / "conftest_examples"

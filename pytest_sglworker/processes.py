@@ -1,0 +1,296 @@
+"""Process ownership: how the plugin marks the processes it starts, finds them again, and ends them.
+
+Plain Python, no pytest; ``psutil`` is imported lazily. This module is the one owner of the protocol; the
+launcher, the GPU leases, the watchdog and the janitor call its public functions and never parse a tag
+themselves.
+
+The protocol
+------------
+- Every worker (and router) runs in a session of its own (``start_new_session=True``) with
+  ``SGLWORKER_OWNER=<session id>:<worker id>`` in its environment (:data:`OWNER_ENV`, :func:`owner_tag`),
+  inherited by its children. The session id is ``<pytest pid>-<random>`` (:data:`SESSION_ID`), so a later
+  session can tell whose pytest is gone (:func:`tag_session_pid`).
+- sglang's scheduler and detokenizer rename themselves (setproctitle), which overwrites their environment
+  in ``/proc``: they are found as members of the worker's session instead (the worker root leads it,
+  :func:`with_session_members`). A child that leaves the session keeps the tag.
+- Only processes found this way are signalled, by PID, and only ours (same uid). Nothing is matched by name.
+- Teardown (:func:`terminate_tree`) signals the root first (sglang then stops its children cleanly), then
+  the group and every collected process, then SIGKILLs what is left and waits until it is gone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import time
+import uuid
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import psutil
+
+__all__ = [
+    "OWNER_ENV",
+    "SESSION_ID",
+    "find_tagged_processes",
+    "hostname",
+    "listening_pids",
+    "owner_tag",
+    "process_alive",
+    "process_tree",
+    "session_worker_pids",
+    "tag_session",
+    "tag_session_pid",
+    "tagged_processes",
+    "tagged_sessions",
+    "terminate_tree",
+    "with_session_members",
+]
+
+#: The environment variable that marks every process of a worker (inherited by its children).
+OWNER_ENV = "SGLWORKER_OWNER"
+#: This pytest process's session id: ``<pid>-<random>``.
+SESSION_ID = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+# ---------------------------------------------------------------------------------------------- tags
+
+
+def owner_tag(session_id: str = SESSION_ID) -> str:
+    """A new worker's tag: ``<session id>:<worker id>``."""
+    return f"{session_id}:{uuid.uuid4().hex[:12]}"
+
+
+def tag_session(tag: str) -> str:
+    """The session id of a tag (``"4242-ab12cd34"`` of ``"4242-ab12cd34:9f..."``)."""
+    return tag.split(":", 1)[0]
+
+
+def tag_session_pid(tag: str) -> int | None:
+    """The pid of the pytest process that made a tag (or a session id), or None for a malformed one."""
+    head = tag_session(tag).split("-", 1)[0]
+    return int(head) if head.isdigit() else None
+
+
+def hostname() -> str:
+    import socket
+
+    return socket.gethostname()
+
+
+# ---------------------------------------------------------------------------------------------- scanning
+
+
+def tagged_processes() -> list[tuple[psutil.Process, str]]:
+    """Every process of ours (same uid, not this one) that carries :data:`OWNER_ENV`, with its value."""
+    import psutil
+
+    found: list[tuple[psutil.Process, str]] = []
+    me = os.getpid()
+    uid = os.getuid()
+    for proc in psutil.process_iter(["pid", "uids"]):
+        try:
+            if proc.pid == me or proc.info["uids"] is None or proc.info["uids"].real != uid:
+                continue
+            value = proc.environ().get(OWNER_ENV)
+        except (psutil.Error, OSError):
+            continue
+        if value:
+            found.append((proc, value))
+    return found
+
+
+def with_session_members(procs: list[psutil.Process]) -> list[psutil.Process]:
+    """``procs`` plus every process whose session is led by one of them (a worker root leads its session)."""
+    import psutil
+
+    leaders = {p.pid for p in procs}
+    found = {p.pid: p for p in procs}
+    if not leaders:
+        return procs
+    uid = os.getuid()
+    for proc in psutil.process_iter(["pid", "uids"]):
+        try:
+            if proc.pid in found or proc.info["uids"] is None or proc.info["uids"].real != uid:
+                continue
+            if os.getsid(proc.pid) in leaders:
+                found[proc.pid] = proc
+        except (OSError, psutil.Error):
+            continue
+    return list(found.values())
+
+
+def find_tagged_processes(tag: str) -> list[psutil.Process]:
+    """Our processes tagged ``tag`` (or, for a session-wide prefix ending in ``:``, any tag of that session),
+    with the members of the sessions they lead."""
+    session_wide = tag.endswith(":")
+    tagged = [proc for proc, value in tagged_processes() if value == tag or (session_wide and value.startswith(tag))]
+    return with_session_members(tagged)
+
+
+def tagged_sessions() -> dict[str, list[psutil.Process]]:
+    """Our tagged processes (and their session members) grouped by session id."""
+    groups: dict[str, list[psutil.Process]] = {}
+    for proc, value in tagged_processes():
+        groups.setdefault(tag_session(value), []).append(proc)
+    return {session: with_session_members(procs) for session, procs in groups.items()}
+
+
+def process_tree(root_pid: int, tag: str | None = None, *, sweep: bool = True) -> list[psutil.Process]:
+    """The root and every descendant; with ``sweep``, also every process of the session the root leads and
+    every process carrying ``tag`` (a child that left the session)."""
+    import psutil
+
+    procs: dict[int, psutil.Process] = {}
+    try:
+        root = psutil.Process(root_pid)
+        procs[root.pid] = root
+        for child in root.children(recursive=True):
+            procs[child.pid] = child
+    except psutil.Error:
+        pass
+    if sweep:
+        for proc in psutil.process_iter():
+            try:
+                if proc.pid not in procs and os.getsid(proc.pid) == root_pid:
+                    procs[proc.pid] = proc
+            except (OSError, psutil.Error):
+                continue
+        if tag is not None:
+            for proc in find_tagged_processes(tag):
+                procs.setdefault(proc.pid, proc)
+    return list(procs.values())
+
+
+def listening_pids(procs: Iterable[psutil.Process], port: int) -> list[int]:
+    """The pids among ``procs`` that listen on TCP ``port``."""
+    import psutil
+
+    found = []
+    for proc in procs:
+        try:
+            conns = proc.net_connections(kind="tcp")
+        except (psutil.Error, OSError):
+            continue
+        if any(c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port for c in conns):
+            found.append(proc.pid)
+    return found
+
+
+def process_alive(pid: int, since: float, host: str) -> bool:
+    """Whether the process that wrote a record at ``since`` (epoch seconds) on ``host`` still runs; a reused
+    pid of a younger process does not count. On another host it cannot be told: True."""
+    if host != hostname():
+        return True
+    import psutil
+
+    try:
+        process = psutil.Process(pid)
+        if process.status() == psutil.STATUS_ZOMBIE:
+            return False
+        return process.create_time() <= since + 2.0
+    except psutil.NoSuchProcess:
+        return False
+    except psutil.AccessDenied:
+        return True
+
+
+def session_worker_pids(session_pid: int, since: float) -> tuple[int, ...]:
+    """Live processes of the workers of the (dead) pytest process ``session_pid``, which leased at ``since``:
+    those tagged with its session, and the members of their sessions (sglang's renamed children)."""
+    import psutil
+
+    prefix = f"{session_pid}-"
+    try:  # a process with that pid created after the lease reused it: its own workers are not leftovers
+        created = psutil.Process(session_pid).create_time()  # (the dead holder itself, as a zombie, is not)
+        reused_at: float | None = created if created > since + 2.0 else None
+    except psutil.Error:
+        reused_at = None
+    found = []
+    for proc in with_session_members([p for p, value in tagged_processes() if value.startswith(prefix)]):
+        try:
+            if reused_at is None or proc.create_time() < reused_at:
+                found.append(proc.pid)
+        except psutil.Error:
+            continue  # gone meanwhile
+    return tuple(sorted(found))
+
+
+# ---------------------------------------------------------------------------------------------- teardown
+
+
+def terminate_tree(
+    process: subprocess.Popen[bytes] | None,
+    collect: Callable[[], list[psutil.Process]],
+    *,
+    term_timeout: float = 10.0,
+    kill_timeout: float = 10.0,
+) -> list[int]:
+    """Stop a worker's whole tree; returns the PIDs that needed SIGKILL.
+
+    The root first: on SIGTERM sglang's parent shuts its scheduler and detokenizer down cleanly (about 4 s,
+    exit 0), whereas a SIGTERM to the whole group kills the scheduler first and the parent then sleeps 5 s
+    and ends with -9. Then SIGTERM to the group and to every collected process still alive (escaped
+    children included), a bounded wait, SIGKILL to what is left, and a wait until every collected process
+    is gone (zombies count as gone). A stopped (SIGSTOPped) root gets SIGCONT with its SIGTERM."""
+    import psutil
+
+    procs = {p.pid: p for p in collect()}
+    if process is not None and process.poll() is None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            process.send_signal(signal.SIGTERM)
+            process.send_signal(signal.SIGCONT)  # a frozen worker handles nothing until it runs again
+        _wait_gone(process, [], term_timeout)
+        procs.update((p.pid, p) for p in collect())
+    remaining = [p for p in procs.values() if _alive(p)]
+    if process is not None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(process.pid, signal.SIGTERM)
+    for proc in remaining:
+        with contextlib.suppress(psutil.Error):
+            proc.terminate()
+            proc.resume()
+    _wait_gone(process, remaining, min(5.0, term_timeout) if process is not None else term_timeout)
+    procs.update((p.pid, p) for p in collect())
+    leftovers = [p for p in procs.values() if _alive(p)]
+    killed: list[int] = []
+    if process is not None and process.poll() is None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(process.pid, signal.SIGKILL)
+    for proc in leftovers:
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+            killed.append(proc.pid)
+    _wait_gone(process, leftovers, kill_timeout)
+    if process is not None:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(timeout=kill_timeout)
+    return sorted(set(killed))
+
+
+def sweep_session(session_id: str = SESSION_ID, *, timeout: float = 10.0) -> list[int]:
+    """Kill every process still tagged with this session (the last line of defence at session end)."""
+    tag = f"{session_id}:"
+    return terminate_tree(None, lambda: find_tagged_processes(tag), term_timeout=timeout, kill_timeout=timeout)
+
+
+def _alive(proc: psutil.Process) -> bool:
+    import psutil
+
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _wait_gone(process: subprocess.Popen[bytes] | None, procs: list[psutil.Process], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process is not None:
+            process.poll()  # reap our direct child so it does not linger as a zombie
+        if not any(_alive(p) for p in procs) and (process is None or process.poll() is not None):
+            return
+        time.sleep(0.05)
