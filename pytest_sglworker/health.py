@@ -332,7 +332,8 @@ def wait_until_ready(
         stale_seen = stale_seen or probe.stale
         if time.monotonic() >= probe_deadline and not exited():
             probe_budget *= 2  # a slow endpoint gets more time next round (still bounded by the deadline)
-        pause_until = min(deadline, time.monotonic() + (POLL_NOT_READY if probe.listening else POLL_NOT_LISTENING))
+        pause = POLL_NOT_READY if probe.listening else POLL_NOT_LISTENING
+        pause_until = min(deadline, time.monotonic() + pause)
         while time.monotonic() < pause_until:
             if watch.poll(target) or exited():
                 break
