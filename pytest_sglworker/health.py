@@ -315,8 +315,8 @@ def wait_until_ready(
                 f"logged a fatal error during startup and did not exit within {FATAL_GRACE_SECONDS:g} s "
                 f"(after {elapsed:.1f} s)", alive=True)
         if now >= deadline:
-            error = target.failure(WorkerStartupTimeout, f"did not become {readiness.ready_word} within {timeout:g} s (last "
-                                   f"{readiness.what} answer: {last_status})", alive=True)
+            error = target.failure(WorkerStartupTimeout, f"did not become {readiness.ready_word} within "
+                                   f"{timeout:g} s (last {readiness.what} answer: {last_status})", alive=True)
             if stale_seen:
                 error.extra = "a server that is not ours answers on this port"
             raise error
