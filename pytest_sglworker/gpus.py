@@ -21,9 +21,13 @@ Leases
 ------
 One lock file per GPU, ``<lock_dir>/gpu-<namespace>-<index>.lock``, held with ``filelock.FileLock``
 (``flock`` on Linux: the kernel drops it when the holder dies, so a dead holder never blocks anyone),
-plus a holder record ``<lock_dir>/gpu-<namespace>-<index>.json`` written after locking and removed
-before unlocking. The record only feeds messages and the declared inventory's free memory; a record
-whose process is gone (or whose pid was reused by a younger process) is ignored.
+plus a holder record ``<lock_dir>/gpu-<namespace>-<index>.json`` written (atomically) after locking and
+removed before unlocking. The lock is the truth; the record only feeds messages, the declared inventory's
+free memory (only while its lock is held) and the dead-holder guard. A record whose process is gone (or whose
+pid was reused by a younger process) is ignored; so is one that cannot be trusted (not a regular file, not
+JSON, a field out of range: see :func:`inspect_holder_record`), which the :class:`LeaseManager` also
+removes, with one warning, when its lock is free. A lock or record path that holds something else (a
+directory, a symlink) is an :class:`~pytest_sglworker.state.UnusableFile` error naming it.
 """
 
 from __future__ import annotations
@@ -55,14 +59,18 @@ __all__ = [
     "GpuSelection",
     "GpuShortfall",
     "HolderRecord",
+    "HolderRecordWarning",
     "Inventory",
     "Lease",
     "LeaseManager",
     "NvmlInventory",
     "ReleaseReport",
     "can_ever_fit",
+    "inspect_holder_record",
     "load_inventory",
+    "lock_is_held",
     "parse_gpus_option",
+    "read_holder_record",
     "resolve_visible_devices",
 ]
 
@@ -522,7 +530,9 @@ class DeclaredInventory(Inventory):
             used = 0
             if self._lock_dir is not None:
                 record = read_holder_record(_record_path(self._lock_dir, self.namespace, index))
-                if record is not None:
+                # Trust the lock, not the record: a record whose GPU nobody has locked (a live process that
+                # left it behind, or a planted one) declares nothing.
+                if record is not None and lock_is_held(_lock_path(self._lock_dir, self.namespace, index)):
                     used = record.memory_mib
             result.append(
                 GpuInfo(
@@ -585,30 +595,233 @@ def _lock_path(lock_dir: Path, namespace: str, index: int) -> Path:
     return lock_dir / f"gpu-{namespace}-{index}.lock"
 
 
-def read_holder_record(path: Path, *, only_live: bool = True) -> HolderRecord | None:
-    """The record at ``path``; ``None`` if missing, unreadable, or (``only_live``) its process is gone."""
+#: A holder record is a few hundred bytes; anything much larger is not one of ours (and is never parsed).
+MAX_RECORD_BYTES = 16 * 1024
+#: Linux never hands out pids above 2**22 (``/proc/sys/kernel/pid_max`` is at most 4194304).
+PID_MAX = 1 << 22
+_MAX_INDEX = 1 << 16
+_MAX_MIB = 1 << 40
+_RECORD_NAME_RE = re.compile(r"^gpu-(?P<namespace>[A-Za-z0-9][A-Za-z0-9._-]*)-(?P<index>[0-9]{1,6})\.json$")
+_PRINTABLE_RE = re.compile(r"^[\x21-\x7e]+$")
+
+
+class HolderRecordWarning(UserWarning):
+    """A GPU holder record in the lock directory that cannot be trusted was ignored (and removed)."""
+
+
+def _bounded_int(data: Mapping[str, Any], key: str, low: int, high: int) -> int:
+    value = data[key]
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ValueError(f"{key!r} is {_short(value)}, not a whole number in {low}..{high}")
+    return value
+
+
+def _bounded_str(data: Mapping[str, Any], key: str, limit: int, *, printable: bool = False) -> str:
+    value = data[key]
+    if not isinstance(value, str) or len(value) > limit or (printable and not _PRINTABLE_RE.match(value)):
+        kind = "printable text without spaces" if printable else "text"
+        raise ValueError(f"{key!r} is {_short(value)}, not {kind} of at most {limit} characters")
+    return value
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _parse_record(raw: bytes, path: Path) -> HolderRecord:
+    """The record in ``raw``, validated field by field; ``ValueError`` says what cannot be trusted."""
+    def no_constant(name: str) -> object:
+        raise ValueError(f"{name} is not a number a holder record holds")
+
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-        record = HolderRecord(
-            pid=int(data["pid"]),
-            hostname=str(data["hostname"]),
-            holder=str(data["holder"]),
-            since=float(data["since"]),
-            uuid=str(data["uuid"]),
-            memory_mib=int(data["memory_mib"]),
-            index=int(data["index"]),
-            namespace=str(data["namespace"]),
-            gpus=tuple(int(i) for i in data.get("gpus", ())),
-        )
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    if only_live and not process_alive(record.pid, record.since, record.hostname):
-        return None
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ValueError("not UTF-8 text") from None
+    try:
+        data = json.loads(text, parse_constant=no_constant)
+    except RecursionError:
+        raise ValueError("nested too deeply to be a holder record") from None
+    except ValueError as exc:
+        raise ValueError(f"not valid JSON ({str(exc).splitlines()[0][:80]})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"a JSON {type(data).__name__}, not an object")
+    missing = [k for k in ("pid", "hostname", "holder", "since", "uuid", "memory_mib", "index", "namespace")
+               if k not in data]
+    if missing:
+        raise ValueError(f"missing {', '.join(map(repr, missing))}")
+    since = data["since"]
+    if isinstance(since, bool) or not isinstance(since, (int, float)) or not 0 <= since <= time.time() + 86400:
+        raise ValueError(f"'since' is {_short(since)}, not a time stamp")
+    gpus = data.get("gpus", [])
+    if not isinstance(gpus, list) or len(gpus) > 1024:
+        raise ValueError(f"'gpus' is {_short(gpus)}, not a list of GPU indices")
+    indices = tuple(_bounded_int({"gpus": g}, "gpus", 0, _MAX_INDEX) for g in gpus)
+    namespace = _bounded_str(data, "namespace", 200, printable=True)
+    if not _NAMESPACE_RE.match(namespace):
+        raise ValueError(f"'namespace' is {_short(namespace)}, not a lease namespace")
+    record = HolderRecord(
+        pid=_bounded_int(data, "pid", 1, PID_MAX),
+        hostname=_bounded_str(data, "hostname", 255, printable=True),
+        holder=_bounded_str(data, "holder", 4096),
+        since=float(since),
+        uuid=_bounded_str(data, "uuid", 256),
+        memory_mib=_bounded_int(data, "memory_mib", 0, _MAX_MIB),
+        index=_bounded_int(data, "index", 0, _MAX_INDEX),
+        namespace=namespace,
+        gpus=indices,
+    )
+    named = _RECORD_NAME_RE.match(path.name)
+    if named and (named["namespace"], int(named["index"])) != (record.namespace, record.index):
+        raise ValueError(f"it names GPU {record.index} of {record.namespace!r}, not the GPU its file name says")
     return record
 
 
+def inspect_holder_record(path: Path) -> tuple[HolderRecord | None, str | None]:
+    """``(record, None)`` for a record that can be trusted, ``(None, None)`` when there is none, and
+    ``(None, why)`` when what lies at ``path`` cannot be trusted: not a regular file (a directory, a symlink,
+    a FIFO), larger than :data:`MAX_RECORD_BYTES`, not JSON, nested, or a field out of its range (a pid of
+    ``1e999`` or ``-5``, a GPU index of ``1e999``). Never follows a symlink, never blocks on a FIFO, never
+    raises for what the file holds."""
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags)
+    except FileNotFoundError:
+        return None, None
+    except OSError as exc:
+        from .state import describe_file_problem
+
+        return None, describe_file_problem(path, exc)
+    try:
+        import stat
+
+        st = os.fstat(fd)
+        if stat.S_ISDIR(st.st_mode):
+            return None, "is a directory"
+        if not stat.S_ISREG(st.st_mode):
+            return None, "is not a regular file"
+        if st.st_size > MAX_RECORD_BYTES:
+            return None, f"is {st.st_size} bytes, far larger than a holder record"
+        chunks: list[bytes] = []
+        size = 0
+        while size <= MAX_RECORD_BYTES:
+            chunk = os.read(fd, MAX_RECORD_BYTES + 1 - size)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+        if size > MAX_RECORD_BYTES:
+            return None, "is far larger than a holder record"
+    except OSError as exc:
+        return None, f"cannot be read ({exc.strerror or exc})"
+    finally:
+        os.close(fd)
+    raw = b"".join(chunks)
+    if not raw.strip():
+        return None, "is empty"
+    try:
+        return _parse_record(raw, path), None
+    except (ValueError, TypeError, KeyError) as exc:
+        return None, str(exc)
+
+
+def read_holder_record(path: Path, *, only_live: bool = True) -> HolderRecord | None:
+    """The record at ``path``; ``None`` if missing, untrusted (see :func:`inspect_holder_record`), or
+    (``only_live``) its process is gone."""
+    record, _ = inspect_holder_record(path)
+    if record is None:
+        return None
+    if only_live:
+        try:
+            alive = process_alive(record.pid, record.since, record.hostname)
+        except (ValueError, OverflowError, OSError):
+            return None
+        if not alive:
+            return None
+    return record
+
+
+def lock_is_held(path: Path) -> bool:
+    """Whether some process holds the ``flock`` of the lock file ``path`` (our own process included: a lock
+    is per open file, so our own leases count as held). A missing or unusable file is not held. The probe
+    takes a shared lock for an instant; it never creates the file."""
+    import fcntl
+
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    else:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
+    finally:
+        os.close(fd)
+
+
+def _pid_of_flag(text: str) -> int | None:
+    """The pid a flag file's name ends with, if it is a plausible one (never a 1e999 or a 40-digit number)."""
+    if not text.isdigit() or len(text) > 7:
+        return None
+    pid = int(text)
+    return pid if 0 < pid <= PID_MAX else None
+
+
+def _live_waiters(lock_dir: Path, prefix: str) -> bool:
+    """Whether a live process other than this one left a ``<prefix><pid>`` flag in ``lock_dir``; the flags of
+    dead waiters are removed."""
+    import psutil
+
+    me = os.getpid()
+    try:
+        paths = list(lock_dir.glob(f"{prefix}*"))
+    except OSError:
+        return False
+    for path in paths:
+        pid = _pid_of_flag(path.name[len(prefix):])
+        if pid is None or pid == me:
+            continue
+        if psutil.pid_exists(pid):
+            return True
+        with contextlib.suppress(OSError):
+            path.unlink()  # a waiter that died
+    return False
+
+
+_TEMP_RE = re.compile(r"^(?:\.gpu-.+\.json\.(?P<pid>[0-9]{1,7})-[0-9a-f]+|gpu-.+\.json\.(?P<old>[0-9]{1,7}))\.tmp$")
+
+
+def _remove_dead_temporaries(lock_dir: Path) -> None:
+    """Temporary record files whose writer died between creating and renaming them (SIGKILL)."""
+    import psutil
+
+    try:
+        paths = [p for p in lock_dir.iterdir() if p.name.endswith(".tmp")]
+    except OSError:
+        return
+    for path in paths:
+        named = _TEMP_RE.match(path.name)
+        if named is None:
+            continue
+        pid = _pid_of_flag(named["pid"] or named["old"] or "")
+        if pid is not None and psutil.pid_exists(pid) and pid != os.getpid():
+            continue
+        if pid == os.getpid():
+            continue  # ours: being written right now
+        with contextlib.suppress(OSError):
+            if path.is_file() and not path.is_symlink():
+                path.unlink()
+
+
 def _write_record(path: Path, record: HolderRecord) -> None:
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    from .state import atomic_write
+
     payload = {
         "pid": record.pid,
         "hostname": record.hostname,
@@ -620,15 +833,8 @@ def _write_record(path: Path, record: HolderRecord) -> None:
         "namespace": record.namespace,
         "gpus": list(record.gpus),
     }
-    # 0644 whatever the umask; O_EXCL: never write through a file or symlink planted at the temporary name.
-    try:
-        tmp.unlink()
-    except FileNotFoundError:
-        pass
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
-    with os.fdopen(fd, "w", encoding="utf-8") as fh:
-        fh.write(json.dumps(payload, indent=1))
-    os.replace(tmp, path)
+    # 0644 whatever the umask, never through a planted file or symlink, never seen half-written.
+    atomic_write(path, json.dumps(payload, indent=1), mode=0o644)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -867,6 +1073,7 @@ class LeaseManager:
         notice_interval: float = 30.0,
         release_tolerance_mib: int = 256,
         release_poll_interval: float = 0.5,
+        on_message: Callable[[str], None] | None = None,
     ) -> None:
         if not _NAMESPACE_RE.match(namespace):
             raise ValueError(f"lease namespace {namespace!r} may only hold letters, digits, '.', '_' and '-'")
@@ -879,7 +1086,12 @@ class LeaseManager:
         self.notice_interval = notice_interval
         self.release_tolerance_mib = release_tolerance_mib
         self.release_poll_interval = release_poll_interval
+        self.on_message = on_message
+        #: what :meth:`sweep_untrusted_records` said, for callers that show messages their own way
+        self.notices: list[str] = []
+        self._reported_untrusted: set[tuple[str, str]] = set()
         inventory.bind_leases(self.lock_dir, namespace)
+        self.sweep_untrusted_records()
 
     def lock_path(self, index: int) -> Path:
         return _lock_path(self.lock_dir, self.namespace, index)
@@ -892,13 +1104,79 @@ class LeaseManager:
         return self.inventory.can_ever_fit(tp, memory_mib)
 
     def holders(self) -> dict[int, HolderRecord]:
-        """Live holder records by GPU index."""
+        """Live holder records of locked GPUs, by GPU index."""
         result = {}
         for gpu in self.inventory.static_gpus():
             record = read_holder_record(self.record_path(gpu.index))
-            if record is not None:
+            if record is not None and lock_is_held(self.lock_path(gpu.index)):
                 result[gpu.index] = record
         return result
+
+    # -- untrusted records
+
+    def _notify(self, text: str) -> None:
+        self.notices.append(text)
+        if self.on_message is not None:
+            self.on_message(text)
+            return
+        import warnings
+
+        with contextlib.suppress(HolderRecordWarning):  # -W error must not turn a cleanup into a crash
+            warnings.warn(text, HolderRecordWarning, stacklevel=4)  # the LeaseManager(...) call
+
+    def sweep_untrusted_records(self) -> list[str]:
+        """Ignore every GPU holder record of the lock directory that cannot be trusted, remove those whose
+        lock is free (under that lock), and say so in one message (``on_message``, else a
+        :class:`HolderRecordWarning`). Also removes temporary files that dead writers left. Returns the
+        names of the records removed. Called when the manager is made; never raises for what it finds."""
+        from filelock import FileLock, Timeout
+
+        found: list[str] = []
+        removed: list[str] = []
+        try:
+            paths = sorted(self.lock_dir.glob("gpu-*.json"))
+        except OSError:
+            return removed
+        for path in paths:
+            _, problem = inspect_holder_record(path)
+            if problem is None:
+                continue
+            outcome = "kept: its lock is held"
+            lock = FileLock(path.with_suffix(".lock"), thread_local=False, mode=0o644)
+            try:
+                lock.acquire(blocking=False)
+            except Timeout:
+                pass
+            except OSError as exc:
+                from .state import describe_file_problem
+
+                outcome = f"kept: its lock file {describe_file_problem(lock.lock_file, exc)}"
+            else:
+                try:
+                    _, problem_now = inspect_holder_record(path)
+                    if problem_now is not None:
+                        try:
+                            path.unlink()
+                        except IsADirectoryError:
+                            outcome = "kept: a directory is never removed"
+                        except OSError as exc:
+                            outcome = f"kept: cannot remove it ({exc.strerror or exc})"
+                        else:
+                            outcome = "removed"
+                            removed.append(path.name)
+                    else:
+                        outcome = "rewritten meanwhile"
+                finally:
+                    lock.release(force=True)
+            key = (path.name, problem)
+            if key not in self._reported_untrusted:
+                self._reported_untrusted.add(key)
+                found.append(f"{path.name} ({problem}; {outcome})")
+        _remove_dead_temporaries(self.lock_dir)
+        if found:
+            self._notify(f"ignored {len(found)} untrusted GPU holder record(s) in {self.lock_dir}: "
+                         + "; ".join(found))
+        return removed
 
     # -- acquisition
 
@@ -976,18 +1254,9 @@ class LeaseManager:
     def others_waiting(self) -> bool:
         """Whether another live process of this machine waits for a lease of this inventory: a pool then
         retires its idle workers instead of keeping their GPUs."""
-        import psutil
+        from .ports import others_waiting_for_ports
 
-        me = os.getpid()
-        for path in self.lock_dir.glob(f"waiting-{self.namespace}-*"):
-            pid_text = path.name.rsplit("-", 1)[-1]
-            if not pid_text.isdigit() or int(pid_text) == me:
-                continue
-            if psutil.pid_exists(int(pid_text)):
-                return True
-            with contextlib.suppress(OSError):
-                path.unlink()  # a waiter that died
-        return False
+        return _live_waiters(self.lock_dir, f"waiting-{self.namespace}-") or others_waiting_for_ports(self.lock_dir)
 
     def _attempt(self, tp: int, memory_mib: int, holder: str) -> tuple[Lease | None, _Attempt]:
         gpus = self.inventory.snapshot()
@@ -1005,6 +1274,13 @@ class LeaseManager:
                 for lock in locks:
                     lock.release(force=True)
                 continue
+            # We hold the locks now, so any record still there is stale (a live process that left it behind,
+            # a planted one): it must not make the GPU look used. Our own record replaces it below.
+            for index in group:
+                path = self.record_path(index)
+                if path.exists() and not path.is_dir():
+                    with contextlib.suppress(OSError):
+                        path.unlink()
             # Re-read after locking: someone may have started on a GPU between the reading and the lock.
             try:
                 fresh = {g.index: g for g in self.inventory.snapshot()}
@@ -1023,7 +1299,8 @@ class LeaseManager:
                 self._write_records(chosen, holder, memory_mib)
             except BaseException:
                 for index in group:
-                    self.record_path(index).unlink(missing_ok=True)
+                    with contextlib.suppress(OSError):
+                        self.record_path(index).unlink(missing_ok=True)
                 for lock in locks:
                     lock.release(force=True)
                 raise
@@ -1043,17 +1320,33 @@ class LeaseManager:
                 for held in locks:
                     held.release(force=True)
                 return None
+            except OSError as exc:  # a directory, a symlink, a file of another user at the lock's path
+                for held in locks:
+                    held.release(force=True)
+                raise self._unusable("GPU lock file", self.lock_path(index), exc) from None
             locks.append(lock)
         return locks
+
+    def _unusable(self, what: str, path: Path, exc: OSError) -> Exception:
+        from .state import UnusableFile, describe_file_problem
+
+        problem = describe_file_problem(path, exc)
+        if not problem.startswith("is "):  # not something in the way: a full disk, no permission
+            return UnusableFile(f"cannot write the {what} {path}: {problem}; free some space or choose another "
+                                "--sgl-lock-dir")
+        return UnusableFile(
+            f"cannot use the {what} {path}: it {problem}; remove it (the lock directory "
+            f"{self.lock_dir} holds only files the plugin makes) or choose another --sgl-lock-dir"
+        )
 
     def _write_records(self, gpus: Sequence[GpuInfo], holder: str, memory_mib: int) -> None:
         now = time.time()
         host = hostname()
         indices = tuple(g.index for g in gpus)
         for gpu in gpus:
-            _write_record(
-                self.record_path(gpu.index),
-                HolderRecord(
+            path = self.record_path(gpu.index)
+            try:
+                _write_record(path, HolderRecord(
                     pid=os.getpid(),
                     hostname=host,
                     holder=holder,
@@ -1063,14 +1356,17 @@ class LeaseManager:
                     index=gpu.index,
                     namespace=self.namespace,
                     gpus=indices,
-                ),
-            )
+                ))
+            except OSError as exc:
+                raise self._unusable("GPU holder record", path, exc) from None
 
     def _explain(self, attempt: _Attempt, memory_mib: int) -> str:
         now = time.time()
         parts = []
         for gpu in attempt.gpus:
             record = read_holder_record(self.record_path(gpu.index))
+            if record is not None and not lock_is_held(self.lock_path(gpu.index)):
+                record = None  # trust the lock, not the record
             label = f"GPU {gpu.index}"
             if record is not None:
                 parts.append(f"{label} leased by {record.describe(now)}")

@@ -1,22 +1,110 @@
-"""Where the plugin keeps its files: lock and log directories, created safely in a shared temp dir.
+"""Where the plugin keeps its files: lock and log directories, created safely in a shared temp dir, and how
+it writes a file so that no reader ever sees half of it.
 
 Plain Python: no pytest here. A directory we create is ours alone (mode 0700). An existing directory is
 used only if it is not a symlink and, when it sits in a world-writable place such as /tmp, it is owned by
 us and not writable by others: a planted directory or symlink is refused, never followed.
+
+Every file the plugin produces (holder records, the run report) is written with :func:`atomic_write`: a
+temporary file in the same directory, then a rename, so that a full disk, a crash or an interrupt leaves
+the old file or the new one, never a truncated one, and never a temporary file behind.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 import tempfile
+import uuid
 from pathlib import Path
 
 from .errors import SglWorkerError
 
+__all__ = [
+    "UnsafeDirectory",
+    "UnusableFile",
+    "atomic_write",
+    "default_lock_dir",
+    "default_log_dir",
+    "default_root",
+    "describe_file_problem",
+    "ensure_private_dir",
+]
+
 
 class UnsafeDirectory(SglWorkerError):
     """A lock or log directory that another user could tamper with."""
+
+
+class UnusableFile(SglWorkerError):
+    """A path where the plugin must keep a file (a lock, a holder record) holds something else: a directory,
+    a symlink, a device. The message names the path and what to do."""
+
+
+def describe_file_problem(path: Path | str, exc: OSError) -> str:
+    """Why ``path`` cannot be used as a file, in words: ``"is a directory"``, ``"is a symlink"``, ..."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        st = None
+    if st is not None and stat.S_ISDIR(st.st_mode):
+        return "is a directory"
+    if st is not None and stat.S_ISLNK(st.st_mode):
+        return "is a symlink (never followed)"
+    if st is not None and not stat.S_ISREG(st.st_mode):
+        return "is not a regular file"
+    if exc.errno == errno.ELOOP:
+        return "is a symlink (never followed)"
+    return exc.strerror or str(exc)
+
+
+def atomic_write(path: Path | str, data: bytes | str, *, mode: int = 0o644) -> None:
+    """Write ``data`` to ``path`` so that readers see the old content or all of the new one, nothing between.
+
+    The data goes to a new temporary file in the same directory (``O_EXCL | O_NOFOLLOW``: never through a file
+    or symlink planted at that name), with ``mode`` exactly (whatever the umask), is fsynced, and replaces
+    ``path`` by ``os.replace``. On any failure (a full disk, ``path`` being a directory, an interrupt) the
+    temporary file is removed, ``path`` keeps its old content, and the error is raised (an ``OSError`` for
+    file-system errors, whose ``filename`` is ``path``). ``str`` data is written as UTF-8.
+    """
+    path = Path(path)
+    payload = data.encode("utf-8") if isinstance(data, str) else bytes(data)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp")
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    fd = os.open(tmp, flags, mode & 0o777)
+    try:
+        try:
+            os.fchmod(fd, mode & 0o7777)  # exactly ``mode``: os.open's mode is reduced by the umask
+            view = memoryview(payload)
+            while view:
+                written = os.write(fd, view)
+                view = view[written:]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)  # onto a directory: IsADirectoryError, and the temporary file goes
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(directory: Path) -> None:
+    """Make the rename durable (best effort: some file systems refuse to fsync a directory)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def default_root() -> Path:

@@ -802,3 +802,238 @@ def test_a_waiting_process_is_visible_to_holders(tmp_path: Path) -> None:
         if waiter.poll() is None:
             waiter.kill()
             waiter.wait()
+
+
+# --------------------------------------------------------------------------------------------------
+# hostile lock-directory content (issue #12, items 2 and 9): a record that cannot be trusted is ignored,
+# removed when its lock is free, with one warning; the lock, not the record, says who holds a GPU
+
+HOSTILE = REPO_ROOT / "tests" / "data" / "hostile"
+HOSTILE_RECORDS = sorted(p.name for p in HOSTILE.glob("record-*.json"))
+
+
+def plant(path: Path, name: str, *, pid: int | None = None) -> None:
+    """Write the hostile file ``name`` at ``path``, placeholders filled in (see tests/data/hostile/README.md)."""
+    import socket
+
+    raw = (HOSTILE / name).read_bytes()
+    for key, value in ((b"@PID@", pid or os.getpid()), (b"@HOSTNAME@", socket.gethostname()),
+                       (b"@SINCE@", time.time())):
+        raw = raw.replace(key, str(value).encode())
+    path.write_bytes(raw)
+
+
+def _record(pid: int, *, memory_mib: int = 81920, index: int = 0, namespace: str = "sim-1x80") -> str:
+    import socket
+
+    return json.dumps({"pid": pid, "hostname": socket.gethostname(), "holder": "someone", "since": time.time(),
+                       "uuid": f"GPU-sim-{index:012d}", "memory_mib": memory_mib, "index": index,
+                       "namespace": namespace, "gpus": [index]})
+
+
+def test_every_hostile_file_is_described() -> None:
+    readme = (HOSTILE / "README.md").read_text()
+    assert len(HOSTILE_RECORDS) >= 15
+    assert [n for n in HOSTILE_RECORDS if n not in readme] == []
+
+
+@pytest.mark.parametrize("name", HOSTILE_RECORDS)
+def test_hostile_record_is_ignored_and_removed_with_one_warning(tmp_path: Path, name: str) -> None:
+    from pytest_sglworker.gpus import HolderRecordWarning, inspect_holder_record
+    from pytest_sglworker.reaper import remove_stale_holder_records
+
+    path = tmp_path / "gpu-sim-1x80-0.json"
+    plant(path, name)
+    record, problem = inspect_holder_record(path)
+    assert record is None and problem, problem
+    assert read_holder_record(path) is None and read_holder_record(path, only_live=False) is None
+    assert remove_stale_holder_records(tmp_path) == []  # the janitor neither crashes nor trusts it
+    inventory = DeclaredInventory(1, 81920)
+    with pytest.warns(HolderRecordWarning) as caught:
+        manager = LeaseManager(tmp_path, inventory, namespace=inventory.namespace)
+    assert len(caught) == 1
+    message = str(caught[0].message)
+    assert message == (f"ignored 1 untrusted GPU holder record(s) in {tmp_path}: gpu-sim-1x80-0.json "
+                       f"({problem}; removed)"), message
+    assert "\n" not in message and "\x1b" not in message
+    assert not path.exists()
+    assert inventory.snapshot()[0].free_mib == 81920
+    with manager.acquire(1, 81920, holder="me", timeout=0) as lease:
+        assert lease.indices == (0,)
+    # The next manager on this lock directory finds nothing to warn about.
+    notices: list[str] = []
+    LeaseManager(tmp_path, inventory, namespace=inventory.namespace, on_message=notices.append)
+    assert notices == []
+
+
+@pytest.mark.parametrize(
+    ("name", "reason"),
+    [
+        ("record-pid-1e999.json", "'pid' is inf, not a whole number in 1..4194304"),
+        ("record-pid-negative.json", "'pid' is -5, not a whole number in 1..4194304"),
+        ("record-gpus-1e999.json", "'gpus' is inf, not a whole number in 0..65536"),
+        ("record-nested-20000.json", "is 40001 bytes, far larger than a holder record"),
+        ("record-nested-5000.json", "nested too deeply to be a holder record"),
+        ("record-since-nan.json", "not valid JSON (NaN is not a number a holder record holds)"),
+        ("record-wrong-index.json", "it names GPU 7 of 'sim-1x80', not the GPU its file name says"),
+        ("record-empty.json", "is empty"),
+        ("record-not-utf8.json", "not UTF-8 text"),
+        ("record-not-an-object.json", "a JSON list, not an object"),
+        ("record-missing-fields.json", "missing 'holder', 'since', 'uuid', 'memory_mib', 'index', 'namespace'"),
+    ],
+)
+def test_hostile_record_reasons(tmp_path: Path, name: str, reason: str) -> None:
+    from pytest_sglworker.gpus import inspect_holder_record
+
+    path = tmp_path / "gpu-sim-1x80-0.json"
+    plant(path, name)
+    assert inspect_holder_record(path) == (None, reason)
+
+
+def test_record_paths_that_are_not_files_are_never_followed_or_blocked_on(tmp_path: Path) -> None:
+    from pytest_sglworker.gpus import inspect_holder_record
+
+    good = tmp_path / "elsewhere.json"
+    good.write_text(_record(os.getpid()))
+    cases = {"gpu-a-0.json": "is a directory", "gpu-a-1.json": "is a symlink (never followed)",
+             "gpu-a-2.json": "is a symlink (never followed)", "gpu-a-3.json": "is not a regular file"}
+    (tmp_path / "gpu-a-0.json").mkdir()
+    (tmp_path / "gpu-a-1.json").symlink_to("/dev/zero")  # followed, a read would never end
+    (tmp_path / "gpu-a-2.json").symlink_to(good)  # a valid record elsewhere: still not ours to trust
+    os.mkfifo(tmp_path / "gpu-a-3.json")  # opened without O_NONBLOCK, the read would block forever
+    for name, reason in cases.items():
+        assert inspect_holder_record(tmp_path / name) == (None, reason), name
+    assert inspect_holder_record(tmp_path / "gpu-a-9.json") == (None, None)  # missing: no problem at all
+    notices: list[str] = []
+    LeaseManager(tmp_path, DeclaredInventory(4, 1024), namespace="a", on_message=notices.append)
+    (notice,) = notices
+    assert "ignored 4 untrusted GPU holder record(s)" in notice
+    assert "gpu-a-0.json (is a directory; kept: a directory is never removed)" in notice
+    assert (tmp_path / "gpu-a-0.json").is_dir() and good.exists()
+    assert not (tmp_path / "gpu-a-1.json").is_symlink() and not (tmp_path / "gpu-a-3.json").exists()
+
+
+def test_untrusted_record_of_a_held_lock_is_ignored_but_kept(tmp_path: Path) -> None:
+    from filelock import FileLock
+
+    path = tmp_path / "gpu-sim-1x80-0.json"
+    plant(path, "record-pid-negative.json")
+    lock = FileLock(tmp_path / "gpu-sim-1x80-0.lock", thread_local=False)
+    lock.acquire()
+    try:
+        notices: list[str] = []
+        manager = _sim_manager_80(tmp_path, notices)
+        assert notices == [f"ignored 1 untrusted GPU holder record(s) in {tmp_path}: gpu-sim-1x80-0.json "
+                           "('pid' is -5, not a whole number in 1..4194304; kept: its lock is held)"]
+        assert path.exists() and manager.try_acquire(1, 0, holder="me") is None
+    finally:
+        lock.release()
+
+
+def _sim_manager_80(lock_dir: Path, notices: list[str]) -> LeaseManager:
+    inventory = DeclaredInventory(1, 81920)
+    return LeaseManager(lock_dir, inventory, namespace=inventory.namespace, on_message=notices.append)
+
+
+def test_warning_under_w_error_does_not_crash(tmp_path: Path) -> None:
+    import warnings
+
+    plant(tmp_path / "gpu-sim-1x80-0.json", "record-pid-1e999.json")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        manager = LeaseManager(tmp_path, DeclaredInventory(1, 81920), namespace="sim-1x80")
+    (notice,) = manager.notices
+    assert "gpu-sim-1x80-0.json ('pid' is inf, not a whole number" in notice
+
+
+def test_record_of_a_live_process_holding_no_lock_does_not_stall_leases(tmp_path: Path) -> None:
+    """Item 9: trust the lock, not the record. A live process (here: this one) left a record but holds no lock."""
+    (tmp_path / "gpu-sim-1x80-0.json").write_text(_record(os.getpid()))
+    notices: list[str] = []
+    manager = _sim_manager_80(tmp_path, notices)
+    assert notices == []  # a well-formed record: nothing to warn about, it is simply not believed
+    assert manager.inventory.snapshot()[0].free_mib == 81920
+    assert manager.holders() == {}
+    with manager.acquire(1, 81920, holder="me", timeout=0) as lease:
+        assert lease.indices == (0,)
+        record = read_holder_record(manager.record_path(0))
+        assert record is not None and record.holder == "me" and record.memory_mib == 81920
+        assert manager.inventory.snapshot()[0].free_mib == 0  # our own record, under our lock, counts
+    assert not manager.record_path(0).exists()
+
+
+def test_timeout_message_does_not_blame_a_record_without_a_lock(tmp_path: Path) -> None:
+    from filelock import FileLock
+
+    (tmp_path / "gpu-sim-1x80-0.json").write_text(_record(os.getpid(), memory_mib=10))
+    other = FileLock(tmp_path / "gpu-sim-1x80-0.lock", thread_local=False)
+    other.acquire()  # held, but by "someone" whose record is not written yet
+    try:
+        manager = _sim_manager_80(tmp_path, [])
+        with pytest.raises(LeaseTimeout) as info:
+            manager.acquire(1, 100, holder="me", timeout=0)
+        assert f"GPU 0 leased by pid {os.getpid()} for 'someone'" in str(info.value)
+    finally:
+        other.release()
+    manager = _sim_manager_80(tmp_path, [])
+    assert manager.holders() == {}
+
+
+def test_lock_is_held() -> None:
+    import tempfile
+
+    from filelock import FileLock
+
+    from pytest_sglworker.gpus import lock_is_held
+
+    with tempfile.TemporaryDirectory() as name:
+        path = Path(name) / "x.lock"
+        assert not lock_is_held(path)  # missing
+        lock = FileLock(path, thread_local=False)
+        lock.acquire()
+        assert lock_is_held(path)  # ours counts: flock is per open file
+        lock.release()
+        assert not lock_is_held(path)
+        (Path(name) / "d.lock").mkdir()
+        assert not lock_is_held(Path(name) / "d.lock")
+
+
+@pytest.mark.parametrize("which", ["lock", "record"])
+def test_lock_or_record_path_that_is_a_directory_is_a_clear_error(tmp_path: Path, which: str) -> None:
+    from pytest_sglworker.state import UnusableFile
+
+    manager = _sim_manager_80(tmp_path, [])
+    path = manager.lock_path(0) if which == "lock" else manager.record_path(0)
+    path.mkdir()
+    what = "GPU lock file" if which == "lock" else "GPU holder record"
+    with pytest.raises(UnusableFile) as info:
+        manager.acquire(1, 100, holder="me", timeout=5)
+    assert str(info.value) == (f"cannot use the {what} {path}: it is a directory; remove it (the lock directory "
+                               f"{tmp_path} holds only files the plugin makes) or choose another --sgl-lock-dir")
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")) == []
+    path.rmdir()
+    with manager.acquire(1, 100, holder="me", timeout=0) as lease:  # and the lock was not kept
+        assert lease.indices == (0,)
+
+
+def test_dead_writers_temporary_files_are_removed(tmp_path: Path) -> None:
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    pid = int(dead.stdout)
+    stale = [tmp_path / f".gpu-sim-1x80-0.json.{pid}-0a1b2c3d.tmp", tmp_path / f"gpu-sim-1x80-0.json.{pid}.tmp"]
+    live = tmp_path / f".gpu-sim-1x80-0.json.{os.getppid()}-0a1b2c3d.tmp"
+    other = tmp_path / "unrelated.tmp"
+    for path in [*stale, live, other]:
+        path.write_text("{")
+    _sim_manager_80(tmp_path, [])
+    assert [p.exists() for p in stale] == [False, False]
+    assert live.exists() and other.exists()
+
+
+def test_absurd_waiting_flags_are_ignored(tmp_path: Path) -> None:
+    manager = _sim_manager_80(tmp_path, [])
+    for name in ("waiting-sim-1x80-99999999999999999999999", "waiting-sim-1x80--5", "waiting-sim-1x80-0",
+                 "waiting-sim-1x80-1e999", "waiting-ports-99999999999999999999"):
+        (tmp_path / name).write_text("")
+    assert not manager.others_waiting()
+    (tmp_path / f"waiting-ports-{os.getppid()}").write_text("")  # a live process waits for a port block
+    assert manager.others_waiting()

@@ -301,3 +301,171 @@ def test_secret_values() -> None:
     argv = ["--api-key", "key-1234", "--admin-api-key=adm-1234", "--max-total-tokens", "4096", "--hf-token", "hf_9999"]
     assert set(secret_values(env, argv)) == {"hf_abcdef", "sk-abcdef", "aws-abcdef", "key-1234", "adm-1234",
                                              "hf_9999"}
+
+
+# --------------------------------------------------------------------------------------------------------
+# Hostile lock-directory content (issue #12, item 2): one bad holder record must not break this session or the
+# next; a lock or record path that is a directory is a clear error that leaves no temporary file
+# --------------------------------------------------------------------------------------------------------
+
+HOSTILE = Path(__file__).resolve().parent / "data" / "hostile"
+WORKER_TEST = "def test_x(sgl_worker):\n    assert sgl_worker.client.get('/health').status_code == 200\n"
+
+
+def plant(path: Path, name: str) -> None:
+    """The hostile file ``name`` at ``path``, placeholders filled in (tests/data/hostile/README.md)."""
+    import socket
+    import time
+
+    raw = (HOSTILE / name).read_bytes()
+    for key, value in ((b"@PID@", os.getpid()), (b"@HOSTNAME@", socket.gethostname()), (b"@SINCE@", time.time())):
+        raw = raw.replace(key, str(value).encode())
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    path.write_bytes(raw)
+
+
+def _temporaries(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir() if p.name.endswith(".tmp")) if directory.is_dir() else []
+
+
+@pytest.mark.parametrize("name", ["record-pid-1e999.json", "record-pid-negative.json", "record-gpus-1e999.json",
+                                  "record-nested-20000.json"])
+def test_hostile_holder_record_breaks_neither_this_session_nor_the_next(
+        pytester: pytest.Pytester, sim_env: dict[str, str], name: str) -> None:
+    lock_dir = Path(sim_env["SGLWORKER_LOCK_DIR"])
+    plant(lock_dir / "gpu-sim-1x80-0.json", name)
+    pytester.makepyfile(WORKER_TEST)
+    for session in ("first", "next"):
+        result = pytester.runpytest_subprocess(*SIM, "--sgl-lease-timeout", "5", timeout=90)
+        out = result.stdout.str() + result.stderr.str()
+        assert "INTERNALERROR" not in out and "Traceback" not in out, out
+        result.assert_outcomes(passed=1)
+        warnings = [line for line in out.splitlines() if "untrusted GPU holder record" in line]
+        if session == "first":
+            assert len(warnings) == 1, out
+            assert f"ignored 1 untrusted GPU holder record(s) in {lock_dir}: gpu-sim-1x80-0.json (" in warnings[0]
+            assert warnings[0].endswith("; removed)"), warnings[0]
+        else:
+            assert warnings == [], out
+        assert not (lock_dir / "gpu-sim-1x80-0.json").exists()
+    assert _temporaries(lock_dir) == []
+
+
+@pytest.mark.parametrize("which", ["lock", "json"])
+def test_lock_or_record_path_that_is_a_directory_is_a_clear_error(
+        pytester: pytest.Pytester, sim_env: dict[str, str], which: str) -> None:
+    lock_dir = Path(sim_env["SGLWORKER_LOCK_DIR"])
+    lock_dir.mkdir(mode=0o700, parents=True)
+    path = lock_dir / f"gpu-sim-1x80-0.{which}"
+    path.mkdir()
+    pytester.makepyfile(WORKER_TEST)
+    result = pytester.runpytest_subprocess(*SIM, "--sgl-lease-timeout", "5", timeout=90)
+    out = result.stdout.str() + result.stderr.str()
+    assert "INTERNALERROR" not in out and "Traceback" not in out and "IsADirectoryError" not in out, out
+    result.assert_outcomes(errors=1)
+    what = "GPU lock file" if which == "lock" else "GPU holder record"
+    result.stdout.fnmatch_lines([f"*cannot use the {what} {path}: it is a directory; remove it (the lock "
+                                 f"directory {lock_dir} holds only files the plugin makes) or choose another "
+                                 "--sgl-lock-dir*"])
+    assert _temporaries(lock_dir) == [] and path.is_dir()
+    log_dir = Path(sim_env["SGLWORKER_LOG_DIR"])
+    assert not log_dir.is_dir() or not list(log_dir.glob("*.log")), "nothing may be launched"
+
+
+# --------------------------------------------------------------------------------------------------------
+# Atomic writes (issue #12, item 8): every file the plugin produces is whole or absent, never through a planted
+# link, mode exact
+# --------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("umask", [0o000, 0o077])
+def test_atomic_write_mode_is_exact_whatever_the_umask(tmp_path: Path, umask: int) -> None:
+    from pytest_sglworker.state import atomic_write
+
+    old = os.umask(umask)
+    try:
+        atomic_write(tmp_path / "a.json", "{}\n")
+        atomic_write(tmp_path / "b.json", b"{}", mode=0o600)
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "a.json").stat().st_mode) == 0o644
+    assert stat.S_IMODE((tmp_path / "b.json").stat().st_mode) == 0o600
+    assert (tmp_path / "a.json").read_text() == "{}\n" and _temporaries(tmp_path) == []
+
+
+def test_atomic_write_replaces_a_planted_symlink_never_follows_it(tmp_path: Path) -> None:
+    from pytest_sglworker.state import atomic_write
+
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    (tmp_path / "report.json").symlink_to(victim)
+    atomic_write(tmp_path / "report.json", "new")
+    assert victim.read_text() == "precious"
+    assert not (tmp_path / "report.json").is_symlink() and (tmp_path / "report.json").read_text() == "new"
+
+
+def test_atomic_write_onto_a_directory_raises_and_leaves_no_temporary(tmp_path: Path) -> None:
+    from pytest_sglworker.state import atomic_write
+
+    (tmp_path / "report.json").mkdir()
+    with pytest.raises(IsADirectoryError) as info:
+        atomic_write(tmp_path / "report.json", "x")
+    assert info.value.strerror
+    assert _temporaries(tmp_path) == [] and (tmp_path / "report.json").is_dir()
+
+
+@pytest.mark.parametrize("failure", ["disk full mid-write", "interrupted at fsync"])
+def test_atomic_write_failure_keeps_the_old_file_whole(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                        failure: str) -> None:
+    import errno
+
+    from pytest_sglworker import state
+
+    path = tmp_path / "report.json"
+    state.atomic_write(path, "old and whole")
+    real_write = os.write
+
+    def full(fd: int, data: bytes | memoryview) -> int:
+        if len(data) > 4:
+            return real_write(fd, bytes(data[:4]))  # a partial write, then the disk is full
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    def interrupted(fd: int) -> None:
+        raise KeyboardInterrupt
+
+    if failure == "disk full mid-write":
+        monkeypatch.setattr(os, "write", full)
+        expected: type[BaseException] = OSError
+    else:
+        monkeypatch.setattr(os, "fsync", interrupted)
+        expected = KeyboardInterrupt
+    with pytest.raises(expected):
+        state.atomic_write(path, "new content that does not fit")
+    monkeypatch.undo()
+    assert path.read_text() == "old and whole"
+    assert _temporaries(tmp_path) == []
+
+
+def test_holder_records_are_written_atomically(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The record goes through state.atomic_write: a failing write leaves no record, no temporary, no lock."""
+    import errno
+
+    from pytest_sglworker import state
+    from pytest_sglworker.gpus import DeclaredInventory, LeaseManager
+
+    calls: list[Path] = []
+    real = state.atomic_write
+
+    def failing(path: Path | str, data: bytes | str, *, mode: int = 0o644) -> None:
+        calls.append(Path(path))
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    manager = LeaseManager(tmp_path, DeclaredInventory(1, 1024), namespace="sim-1x1")
+    monkeypatch.setattr(state, "atomic_write", failing)
+    with pytest.raises(state.UnusableFile, match=r"cannot write the GPU holder record .*: No space left on device"):
+        manager.acquire(1, 10, holder="me", timeout=0)
+    assert calls == [manager.record_path(0)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gpu-sim-1x1-0.lock"]
+    monkeypatch.setattr(state, "atomic_write", real)
+    with manager.acquire(1, 10, holder="me", timeout=0) as lease:  # the lock was given back
+        assert stat.S_IMODE(manager.record_path(0).stat().st_mode) == 0o644 and lease.indices == (0,)
