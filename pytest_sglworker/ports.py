@@ -10,6 +10,15 @@ again before the block is handed out: a port somebody else listens on (or that l
 ``TIME_WAIT``) makes the block skipped. The first port is the HTTP port, the second the NCCL port
 (``--nccl-port``); the rest are spare for ports the engine derives.
 
+A process that finds no free block may wait for one (``timeout``), as GPU leases do: it says so with a flag
+file ``<lock_dir>/waiting-ports-<pid>`` (:func:`others_waiting_for_ports`), so that holders of idle pooled
+workers give their blocks back instead of keeping them.
+
+A block whose port is still listened on after its worker's teardown, by a process that is not provably ours
+(an escaped listener), is **quarantined** (:func:`quarantine_port_block`): never handed out again by this
+process, and, when the block is still held, its lock stays held until the process exits, so that no other
+process of the machine gets it either.
+
 Default range: from 20000 up to just below the kernel's ephemeral range (read from
 ``/proc/sys/net/ipv4/ip_local_port_range``; 32768 when unreadable), so the kernel never hands a reserved
 port to an outgoing connection. If the ephemeral range starts too low to leave at least
@@ -20,9 +29,11 @@ protection against an ephemeral port being taken between the check and the worke
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING
@@ -38,7 +49,10 @@ __all__ = [
     "MIN_DEFAULT_PORTS",
     "PortBlock",
     "default_port_range",
+    "others_waiting_for_ports",
     "parse_port_range",
+    "quarantine_port_block",
+    "quarantined_port_blocks",
     "reserve_port_block",
 ]
 
@@ -50,6 +64,11 @@ _EPHEMERAL_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 #: garbage collection while its worker may still listen on it.
 _HELD_BLOCKS: set[PortBlock] = set()
 _RANGE_FORM = "expected LOW-HIGH with 1 <= LOW <= HIGH <= 65535, e.g. 20000-30000"
+#: Block bases this process never hands out again -> why (see :func:`quarantine_port_block`).
+_QUARANTINED: dict[int, str] = {}
+#: Locks of quarantined blocks, held until the process exits (the kernel then drops them).
+_QUARANTINE_LOCKS: list[BaseFileLock] = []
+WAITING_PREFIX = "waiting-ports-"
 
 
 class PortBlock:
@@ -174,20 +193,93 @@ def _block_order(blocks: int, start: int) -> Iterator[int]:
         yield (start + offset) % blocks
 
 
+def quarantine_port_block(block: PortBlock | int, *, reason: str) -> None:
+    """Never hand out the block ``block`` (a :class:`PortBlock`, or a block's base port) again in this process.
+
+    For a port still listened on after its worker's teardown by a process that is not provably ours. A held
+    :class:`PortBlock` keeps its lock until the process exits (the block counts as released), so that other
+    processes of the machine skip it too; a base port (of a block already released) is only skipped here.
+    Idempotent; the first reason is kept.
+    """
+    if isinstance(block, PortBlock):
+        base = block.port
+        lock, block._lock = block._lock, None
+        _HELD_BLOCKS.discard(block)
+        if lock is not None:
+            _QUARANTINE_LOCKS.append(lock)
+    else:
+        if isinstance(block, bool) or not isinstance(block, int) or not 1 <= block <= 65535:
+            raise ValueError(f"a port block's base port lies between 1 and 65535, not {block!r}")
+        base = block
+    _QUARANTINED.setdefault(base, reason)
+
+
+def quarantined_port_blocks() -> dict[int, str]:
+    """The block bases this process quarantined, with the reason of each (a copy)."""
+    return dict(_QUARANTINED)
+
+
+def others_waiting_for_ports(lock_dir: Path) -> bool:
+    """Whether another live process of this machine waits for a port block in ``lock_dir`` (its idle pooled
+    workers' blocks should then be given back)."""
+    from .gpus import _live_waiters
+
+    return _live_waiters(Path(lock_dir), WAITING_PREFIX)
+
+
+def _flag_waiting(lock_dir: Path) -> Path | None:
+    path = lock_dir / f"{WAITING_PREFIX}{os.getpid()}"
+    try:
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0), 0o600))
+    except OSError:
+        return None
+    return path
+
+
+class _Scan:
+    """What one pass over the range found, for the wait and failure messages."""
+
+    def __init__(self, blocks: int) -> None:
+        self.blocks = blocks
+        self.reserved = 0
+        self.in_use: list[int] = []
+        self.quarantined = 0
+        self.unusable: list[str] = []
+
+    def explain(self, lock_dir: Path) -> str:
+        example = f" (e.g. {', '.join(str(p) for p in self.in_use[:3])})" if self.in_use else ""
+        text = (f"{self.reserved} of {self.blocks} block(s) reserved by other workers (lock files port-*.lock in "
+                f"{lock_dir}), {len(self.in_use)} with a port already in use{example}")
+        if self.quarantined:
+            text += (f", {self.quarantined} quarantined by this process (a process that is not ours kept "
+                     "listening there after a teardown)")
+        if self.unusable:
+            text += f", {len(self.unusable)} with an unusable lock file ({'; '.join(self.unusable[:2])})"
+        return text
+
+
 def reserve_port_block(
     lock_dir: Path,
     *,
     size: int = 4,
     port_range: tuple[int, int] | None = None,
     host: str = "127.0.0.1",
+    timeout: float = 0.0,
+    poll_interval: float = 0.25,
+    on_wait: Callable[[str], None] | None = None,
+    notice_interval: float = 30.0,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
 ) -> PortBlock:
     """Reserve ``size`` consecutive free ports for one worker; hold them until ``release()``.
 
-    ``port_range`` is inclusive (default: :func:`default_port_range`). Raises :class:`PortUnavailable`
-    naming the range when every block is reserved by someone else or has a port in use.
+    ``port_range`` is inclusive (default: :func:`default_port_range`). When no block is free, waits up to
+    ``timeout`` seconds (default: not at all) for one, as :meth:`LeaseManager.acquire
+    <pytest_sglworker.gpus.LeaseManager.acquire>` waits for GPUs: flagged in the lock directory (see
+    :func:`others_waiting_for_ports`), with ``on_wait`` told when the wait starts and every
+    ``notice_interval`` seconds. Raises :class:`PortUnavailable` naming the range and why each block was
+    skipped (reserved, in use, quarantined, an unusable lock file) when the time is up.
     """
-    from filelock import FileLock, Timeout
-
     if size < 2:
         raise ValueError(f"a port block needs at least 2 ports (HTTP and NCCL), not {size}")
     low, high = port_range if port_range is not None else default_port_range()
@@ -197,29 +289,68 @@ def reserve_port_block(
         raise ValueError(
             f"port range {low}-{high} holds {high - low + 1} port(s), less than one block of {size}"
         )
+    if timeout != timeout or timeout < 0:  # NaN or negative
+        raise ValueError(f"the port wait timeout must be 0 or more seconds, not {timeout!r}")
     lock_dir = Path(lock_dir)
     lock_dir.mkdir(parents=True, exist_ok=True)
-    reserved = 0
-    in_use: list[int] = []
+    start = clock()
+    next_notice: float | None = None
+    waiting_flag: Path | None = None
+    what = f"block of {size} ports in {low}-{high} on {host}"
+    try:
+        while True:
+            block, scan = _scan(lock_dir, low, size, blocks, host)
+            if block is not None:
+                return block
+            now = clock()
+            waited = now - start
+            if waited >= timeout:
+                within = f" within {timeout:g} s" if timeout > 0 else ""
+                raise PortUnavailable(f"no free {what}{within}: {scan.explain(lock_dir)}; choose a wider or "
+                                      "another port range")
+            if waiting_flag is None:
+                waiting_flag = _flag_waiting(lock_dir)
+            if on_wait is not None and (next_notice is None or now >= next_notice):
+                on_wait(f"waiting for a free {what} ({waited:.0f} s of {timeout:g} s): {scan.explain(lock_dir)}")
+                next_notice = now + notice_interval
+            sleep(max(min(poll_interval, timeout - waited), 0.0))
+    finally:
+        if waiting_flag is not None:
+            with contextlib.suppress(OSError):
+                waiting_flag.unlink()
+
+
+def _scan(lock_dir: Path, low: int, size: int, blocks: int, host: str) -> tuple[PortBlock | None, _Scan]:
+    """One pass over the blocks, from a per-process start: the first free one, locked, or why there is none."""
+    from filelock import FileLock, Timeout
+
+    scan = _Scan(blocks)
     for k in _block_order(blocks, _start_block(blocks)):
         base = low + k * size
+        if base in _QUARANTINED:
+            scan.quarantined += 1
+            continue
         lock_path = lock_dir / f"port-{base}.lock"
         lock = FileLock(lock_path, thread_local=False, mode=0o644)  # never world-writable, whatever the umask
         try:
             lock.acquire(blocking=False)
         except Timeout:
-            reserved += 1
+            scan.reserved += 1
+            continue
+        except OSError as exc:  # a directory or a symlink at the lock's path: skip the block, say so
+            from .state import describe_file_problem
+
+            scan.unusable.append(f"{lock_path.name} {describe_file_problem(lock_path, exc)}")
             continue
         ports = tuple(range(base, base + size))
-        busy = next((p for p in ports if not _port_is_free(host, p)), None)
+        try:
+            busy = next((p for p in ports if not _port_is_free(host, p)), None)
+        except BaseException:
+            lock.release(force=True)
+            raise
         if busy is not None:
             lock.release(force=True)
-            in_use.append(busy)
+            scan.in_use.append(busy)
             continue
-        return PortBlock(ports, host=host, lock=lock, lock_path=lock_path)
-    example = f" (e.g. {', '.join(str(p) for p in in_use[:3])})" if in_use else ""
-    raise PortUnavailable(
-        f"no free block of {size} ports in {low}-{high} on {host}: {reserved} of {blocks} block(s) reserved "
-        f"by other workers (lock files port-*.lock in {lock_dir}), {len(in_use)} with a port already in "
-        f"use{example}; choose a wider or another port range"
-    )
+        return PortBlock(ports, host=host, lock=lock, lock_path=lock_path), scan
+    return None, scan

@@ -256,3 +256,164 @@ def test_forgotten_block_stays_reserved(tmp_path: Path) -> None:
     for block in [b for b in ports._HELD_BLOCKS if b.port == low]:
         block.release()
     reserve_port_block(tmp_path, port_range=(low, high)).release()
+
+
+# --------------------------------------------------------------------------------------------------
+# waiting for a block (issue #12, item 9): port blocks queue the way GPU leases do
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += max(seconds, 0.001)
+
+
+def test_no_wait_by_default_and_the_message_says_why(tmp_path: Path) -> None:
+    low, high = free_range(1, 4)
+    held = reserve_port_block(tmp_path, port_range=(low, high))
+    notices: list[str] = []
+    with pytest.raises(PortUnavailable) as info:
+        reserve_port_block(tmp_path, port_range=(low, high), on_wait=notices.append)
+    assert notices == [] and " within " not in str(info.value)
+    held.release()
+
+
+def test_wait_times_out_with_notices_in_the_lease_style(tmp_path: Path) -> None:
+    low, high = free_range(1, 4)
+    held = reserve_port_block(tmp_path, port_range=(low, high))
+    clock = FakeClock()
+    notices: list[str] = []
+    with pytest.raises(PortUnavailable) as info:
+        reserve_port_block(tmp_path, port_range=(low, high), timeout=65, poll_interval=1, on_wait=notices.append,
+                           clock=clock, sleep=clock.sleep)
+    assert str(info.value) == (
+        f"no free block of 4 ports in {low}-{high} on 127.0.0.1 within 65 s: 1 of 1 block(s) reserved by other "
+        f"workers (lock files port-*.lock in {tmp_path}), 0 with a port already in use; choose a wider or another "
+        "port range")
+    assert [n.split(" (", 1)[1].split(")", 1)[0] for n in notices] == ["0 s of 65 s", "30 s of 65 s", "60 s of 65 s"]
+    assert notices[0].startswith(f"waiting for a free block of 4 ports in {low}-{high} on 127.0.0.1 (0 s of 65 s): "
+                                 "1 of 1 block(s) reserved by other workers")
+    assert not list(tmp_path.glob("waiting-*"))  # the flag goes with the wait
+    held.release()
+
+
+WAITER_SCRIPT = textwrap.dedent(
+    """
+    import sys
+    from pathlib import Path
+    from pytest_sglworker.ports import reserve_port_block
+    low, high = int(sys.argv[2]), int(sys.argv[3])
+    block = reserve_port_block(Path(sys.argv[1]), port_range=(low, high), timeout=30, poll_interval=0.05,
+                               on_wait=lambda text: print("WAIT", text, flush=True))
+    print("GOT", block.port, flush=True)
+    block.release()
+    """
+)
+
+
+def test_a_waiter_gets_the_block_when_the_holder_gives_it_back_and_holders_see_it_wait(
+    tmp_path: Path, holder_procs: list[subprocess.Popen[str]]
+) -> None:
+    from pytest_sglworker.gpus import DeclaredInventory, LeaseManager
+    from pytest_sglworker.ports import others_waiting_for_ports
+
+    low, high = free_range(1, 4)
+    held = reserve_port_block(tmp_path, port_range=(low, high))
+    waiter = subprocess.Popen([sys.executable, "-c", WAITER_SCRIPT, str(tmp_path), str(low), str(high)],
+                              stdout=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)),
+                              cwd=REPO_ROOT)
+    holder_procs.append(waiter)
+    assert waiter.stdout is not None
+    line = waiter.stdout.readline()
+    assert line.startswith(f"WAIT waiting for a free block of 4 ports in {low}-{high}"), line
+    # Holders of idle pooled workers see the waiter (through the GPU lease manager too) and give back.
+    assert others_waiting_for_ports(tmp_path)
+    assert LeaseManager(tmp_path, DeclaredInventory(1, 1024), namespace="sim-1x1").others_waiting()
+    held.release()
+    assert waiter.stdout.readline().strip() == f"GOT {low}"
+    assert waiter.wait(timeout=20) == 0
+    assert not others_waiting_for_ports(tmp_path) and not list(tmp_path.glob("waiting-*"))
+
+
+def test_bad_timeout(tmp_path: Path) -> None:
+    for bad in (-1.0, float("nan")):
+        with pytest.raises(ValueError, match="the port wait timeout must be 0 or more seconds"):
+            reserve_port_block(tmp_path, port_range=(20000, 20003), timeout=bad)
+
+
+# --------------------------------------------------------------------------------------------------
+# quarantine (issue #12, item 6): a block a foreign process still listens on after teardown is never handed
+# out again by this process
+
+
+@pytest.fixture
+def clean_quarantine() -> Iterator[None]:
+    from pytest_sglworker import ports
+
+    saved = dict(ports._QUARANTINED)
+    yield
+    ports._QUARANTINED.clear()
+    ports._QUARANTINED.update(saved)
+    for lock in ports._QUARANTINE_LOCKS:
+        lock.release(force=True)
+    ports._QUARANTINE_LOCKS.clear()
+
+
+def test_quarantined_block_is_skipped_and_listed(tmp_path: Path, clean_quarantine: None) -> None:
+    from pytest_sglworker.ports import quarantine_port_block, quarantined_port_blocks
+
+    low, high = free_range(2, 4)
+    first = reserve_port_block(tmp_path, port_range=(low, low + 3))
+    first.release()
+    quarantine_port_block(first.port, reason="pid 4242 (not ours) listens on it")
+    quarantine_port_block(first.port, reason="a later reason is not kept")
+    assert quarantined_port_blocks() == {low: "pid 4242 (not ours) listens on it"}
+    for _ in range(5):  # whatever the start block, the quarantined one is never handed out
+        with reserve_port_block(tmp_path, port_range=(low, high)) as block:
+            assert block.port == low + 4
+    with pytest.raises(PortUnavailable) as info:
+        reserve_port_block(tmp_path, port_range=(low, low + 3))
+    assert "1 quarantined by this process (a process that is not ours kept listening there after a teardown)" \
+        in str(info.value)
+
+
+def test_quarantining_a_held_block_keeps_its_lock_until_exit(
+    tmp_path: Path, clean_quarantine: None, holder_procs: list[subprocess.Popen[str]]
+) -> None:
+    from pytest_sglworker.ports import quarantine_port_block
+
+    low, high = free_range(1, 4)
+    block = reserve_port_block(tmp_path, port_range=(low, high))
+    quarantine_port_block(block, reason="escaped listener")
+    assert block.released  # for its worker, the block is given back ...
+    block.release()  # ... idempotently
+    assert not _lock_is_free(tmp_path / f"port-{low}.lock")  # ... but no other process gets it while we live
+    probe = subprocess.run(
+        [sys.executable, "-c", HOLDER_SCRIPT, str(tmp_path), str(low), str(high)], input="", capture_output=True,
+        text=True, env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)), cwd=REPO_ROOT, timeout=60)
+    assert probe.returncode != 0 and "1 of 1 block(s) reserved by other workers" in probe.stderr
+
+
+def test_quarantine_refuses_a_bad_base() -> None:
+    from pytest_sglworker.ports import quarantine_port_block
+
+    for bad in (0, 70000, True, "20000"):
+        with pytest.raises(ValueError, match="base port lies between 1 and 65535"):
+            quarantine_port_block(bad, reason="x")  # type: ignore[arg-type]
+
+
+def test_a_lock_path_that_is_a_directory_skips_that_block_and_says_so(tmp_path: Path) -> None:
+    low, high = free_range(2, 4)
+    (tmp_path / f"port-{low}.lock").mkdir()
+    for _ in range(3):
+        with reserve_port_block(tmp_path, port_range=(low, high)) as block:
+            assert block.port == low + 4
+    with pytest.raises(PortUnavailable) as info:
+        reserve_port_block(tmp_path, port_range=(low, low + 3))
+    assert f"1 with an unusable lock file (port-{low}.lock is a directory)" in str(info.value)
+    assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []
