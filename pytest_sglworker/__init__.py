@@ -35,9 +35,11 @@ from .specs import (
 
 if TYPE_CHECKING:
     from .diagnosis import Diagnosis, diagnose
-    from .launcher import LaunchOptions, ModelInstance, running_worker, spawn_worker
+    from .kinds import DecodeWorker, GroupShape, HttpWorker, PrefillWorker, WorkerConfig, WorkerKind
+    from .launcher import LaunchOptions, ManagedProcess, ModelInstance, running_worker, spawn_worker
     from .ledger import MemoryLedger, predict_memory
-    from .pool import WorkerConfig, WorkerPool
+    from .pool import WorkerGroup, WorkerPool
+    from .router import Router
 
 __version__ = "0.1.0"
 
@@ -46,8 +48,16 @@ _LAZY = {
     "ModelInstance": "launcher",
     "spawn_worker": "launcher",
     "running_worker": "launcher",
-    "WorkerConfig": "pool",
+    "ManagedProcess": "launcher",
+    "WorkerConfig": "kinds",
+    "WorkerKind": "kinds",
+    "HttpWorker": "kinds",
+    "PrefillWorker": "kinds",
+    "DecodeWorker": "kinds",
+    "GroupShape": "kinds",
+    "WorkerGroup": "pool",
     "WorkerPool": "pool",
+    "Router": "router",
     "Diagnosis": "diagnosis",
     "diagnose": "diagnosis",
     "MemoryLedger": "ledger",
@@ -68,22 +78,30 @@ __all__ = [
     "BUILTIN_SPECS",
     "CI_WORKER_ARGS",
     "BudgetViolation",
+    "DecodeWorker",
     "Diagnosis",
+    "GroupShape",
+    "HttpWorker",
     "InventoryUnavailable",
     "LaunchError",
     "LaunchOptions",
     "LeaseImpossible",
     "LeaseTimeout",
+    "ManagedProcess",
     "MemoryLedger",
     "ModelInstance",
     "ModelSpec",
     "PortUnavailable",
+    "PrefillWorker",
+    "Router",
     "SglWorkerError",
     "SpecError",
     "SpecRegistry",
     "WorkerConfig",
     "WorkerDied",
     "WorkerError",
+    "WorkerGroup",
+    "WorkerKind",
     "WorkerPool",
     "WorkerStartupError",
     "WorkerStartupTimeout",

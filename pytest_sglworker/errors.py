@@ -100,6 +100,10 @@ class LaunchError(WorkerError):
     """The worker could not be started at all (missing launcher, unwritable log dir, ...)."""
 
 
+class LaunchCancelled(LaunchError):
+    """A launch was abandoned because another member of its worker group failed."""
+
+
 class InventoryUnavailable(SglWorkerError):
     """No GPU inventory could be read (NVML missing or failing) and none was declared."""
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from .errors import WorkerError, WorkerStartupError, WorkerStartupTimeout
+from .errors import LaunchCancelled, WorkerError, WorkerStartupError, WorkerStartupTimeout
 from .sglang_facts import HEALTH_PATH, READY_LINE
 
 if TYPE_CHECKING:
@@ -282,12 +283,14 @@ def wait_until_ready(
     on_progress: ProgressCallback | None = None,
     progress_interval: float = 1.0,
     ready_line: str | None = READY_LINE,
+    cancel: threading.Event | None = None,
 ) -> None:
     """Wait until ``readiness`` (default :class:`HttpHealth`) says ``target`` is ready, checking the process
     all the while. Raises :class:`WorkerStartupError` at once if it exits (or logs a fatal error and does not
     exit within :data:`FATAL_GRACE_SECONDS`), :class:`WorkerStartupTimeout` at ``started_at + timeout``,
     whatever the process does on the wire; both carry the diagnosis and the log tail. The log line
-    ``ready_line`` makes the next probe happen at once (the probe stays the truth)."""
+    ``ready_line`` makes the next probe happen at once (the probe stays the truth). ``cancel``, set by another
+    thread, ends the wait with :class:`LaunchCancelled` (a member of the same group failed)."""
     readiness = readiness or HttpHealth()
     deadline = target.started_at + timeout
     last_progress = 0.0
@@ -297,9 +300,11 @@ def wait_until_ready(
     watch = _LogWatch(target.log_path, ready_line)
 
     def exited() -> bool:
-        return target.process.poll() is not None
+        return target.process.poll() is not None or (cancel is not None and cancel.is_set())
 
     while True:
+        if cancel is not None and cancel.is_set():
+            raise LaunchCancelled("another member of the worker group failed to start")
         code = target.process.poll()
         now = time.monotonic()
         elapsed = now - target.started_at

@@ -24,3 +24,10 @@ def pytest_sglworker_worker_env(spec: object, lease_env: dict[str, str]) -> dict
     """Return the extra environment for a worker of ``spec`` (default: ``lease_env``, i.e. the
     ``CUDA_VISIBLE_DEVICES`` of its GPU lease). The first non-None result wins: override GPU selection
     here without monkeypatching."""
+
+
+@pytest.hookspec(firstresult=True)
+def pytest_sglworker_worker_kind(role: str, args: tuple[str, ...]) -> object | None:
+    """Return the :class:`~pytest_sglworker.kinds.WorkerKind` of a worker with ``role`` (``worker``,
+    ``prefill``, ``decode``) and these extra args, or None for the default
+    (:func:`~pytest_sglworker.kinds.default_kind`). A new kind of worker is one subclass returned here."""

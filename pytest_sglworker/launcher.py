@@ -27,6 +27,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -36,6 +37,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from .errors import LaunchError, WorkerDied, WorkerError, WorkerStartupError
 from .health import ProgressCallback as ProgressCallback
 from .health import wait_until_ready
+from .kinds import PORT_BLOCK_SIZE, HttpWorker, WorkerKind
 from .processes import OWNER_ENV, listening_pids, owner_tag, process_tree, terminate_tree
 from .sglang_facts import LAUNCH_MODULE, LOOPBACK_HOST, LOOPBACK_NAMES, SECRET_FLAG, flag_table
 from .specs import ModelSpec
@@ -43,6 +45,7 @@ from .specs import ModelSpec
 if TYPE_CHECKING:
     import httpx
     import psutil
+    from typing_extensions import Self
 
     from .diagnosis import Diagnosis
     from .ports import PortBlock
@@ -88,8 +91,10 @@ def build_argv(
     extra_args: Sequence[str] = (),
     model_path: str | None = None,
     allow_foreign_host: bool = False,
+    role_args: Sequence[str] = (),
 ) -> list[str]:
-    """The full worker argv: launcher, model, 127.0.0.1, port, tp, the spec's args, the test's extra args."""
+    """The full worker argv: launcher, model, 127.0.0.1, port, tp, the spec's args, the test's extra args,
+    then the args of its kind (``--disaggregation-mode prefill --disaggregation-bootstrap-port N``)."""
     hosts = foreign_hosts(extra_args) + foreign_hosts(spec.worker_args)
     if hosts and not allow_foreign_host:
         raise LaunchError(
@@ -104,6 +109,7 @@ def build_argv(
     argv += ["--tp-size", str(spec.tp)]
     argv += list(spec.worker_args)
     argv += list(extra_args)
+    argv += list(role_args)
     return argv
 
 
@@ -179,12 +185,20 @@ def mask_argv(argv: Sequence[str]) -> list[str]:
     return out
 
 
+def _secret_name(name: str) -> bool:
+    return bool(SECRET_ENV_PATTERN.search(name) and _SECRET_NAME_WORD.search(name))
+
+
+def mask_env(env: Mapping[str, str]) -> dict[str, str]:
+    """``env`` with the value of every secret-looking variable (``HF_TOKEN``, ``OPENAI_API_KEY``) masked."""
+    return {k: MASK if _secret_name(k) and v.lower() not in _NOT_SECRET_VALUES else v for k, v in env.items()}
+
+
 def secret_values(env: Mapping[str, str], argv: Sequence[str] = ()) -> list[str]:
     """Values to redact from free text (log tails, messages): secret-looking env vars and secret flag values,
     4+ characters (a shorter one would mangle unrelated text; argvs are masked structurally by
     :func:`mask_argv` instead)."""
-    values = [v for k, v in env.items() if SECRET_ENV_PATTERN.search(k) and _SECRET_NAME_WORD.search(k)
-              and len(v) >= 4 and v.lower() not in _NOT_SECRET_VALUES]
+    values = [v for k, v in env.items() if _secret_name(k) and len(v) >= 4 and v.lower() not in _NOT_SECRET_VALUES]
     for i, inline in _secret_positions(argv):
         value = argv[i].partition("=")[2] if inline else argv[i]
         if len(value) >= 4:
@@ -198,23 +212,27 @@ def redact(text: str, secrets: Sequence[str]) -> str:
     return text
 
 
-def _log_path_for(log_dir: Path, port: int) -> Path:
-    """``sglang-worker-<port>.log``, or ``sglang-worker-<port>-<n>.log`` when a log of that port is already
-    there (a kept failure): an existing log is never renamed or overwritten, so the path a report names
-    stays right."""
-    path = log_dir / f"sglang-worker-{port}.log"
+def log_name(prefix: str, port: int) -> str:
+    """``<prefix>-<port>.log``: one log file per port (``sglang-worker-20004.log``)."""
+    return f"{prefix}-{port}.log"
+
+
+def _unused_log_path(path: Path) -> Path:
+    """``path``, or ``<stem>-<n>.log`` when a log is already there (a kept failure): an existing log is never
+    renamed or overwritten, so the path a report names stays right."""
+    candidate = path
     n = 2
-    while path.exists():
-        path = log_dir / f"sglang-worker-{port}-{n}.log"
+    while candidate.exists():
+        candidate = path.with_name(f"{path.stem}-{n}{path.suffix}")
         n += 1
-    return path
+    return candidate
 
 
-@dataclass
-class ModelInstance:
-    """A running sglang worker. Use as a context manager, or call :meth:`stop`."""
+@dataclass(kw_only=True)
+class ManagedProcess:
+    """A process the plugin started and owns (a worker or a router): its argv, its log file, its tree, its
+    teardown. Use as a context manager, or call :meth:`stop`."""
 
-    spec: ModelSpec
     argv: list[str]
     host: str
     port: int
@@ -226,9 +244,12 @@ class ModelInstance:
     ready_at: float | None = None
     port_block: PortBlock | None = field(default=None, repr=False)
     pids_seen: set[int] = field(default_factory=set)
-    gpus: str | None = None
     #: log lines a failure report quotes
     tail_lines: int = DEFAULT_TAIL_LINES
+    #: every port pinned for it, by name (``http``, ``nccl``, ``bootstrap``, ``prometheus``, ...)
+    ports: dict[str, int] = field(default_factory=dict)
+    #: wall-clock times of its life, for the run report's launch records
+    times: dict[str, float] = field(default_factory=dict, repr=False)
     _client: httpx.Client | None = field(default=None, repr=False)
     _stopped: bool = field(default=False, repr=False)
 
@@ -242,10 +263,6 @@ class ModelInstance:
         return self.process.pid
 
     @property
-    def name(self) -> str:
-        return self.spec.name
-
-    @property
     def returncode(self) -> int | None:
         return self.process.poll()
 
@@ -253,9 +270,13 @@ class ModelInstance:
     def startup_seconds(self) -> float | None:
         return None if self.ready_at is None else self.ready_at - self.started_at
 
+    @property
+    def stopped(self) -> bool:
+        """Stopped on purpose (:meth:`stop`, :meth:`kill`), as opposed to an exit of its own (a death)."""
+        return self._stopped
+
     def describe(self) -> str:
-        gpus = f", GPUs {self.gpus}" if self.gpus else ""
-        return f"worker {self.spec.name} on {self.host}:{self.port} (pid {self.pid}{gpus})"
+        return f"process on {self.host}:{self.port} (pid {self.pid})"
 
     def __str__(self) -> str:
         return self.describe()
@@ -264,50 +285,32 @@ class ModelInstance:
     def is_alive(self) -> bool:
         return self.process.poll() is None
 
-    def responds(self, timeout: float = 2.0) -> bool:
-        """Alive and answering its health endpoint within ``timeout`` seconds (the whole request): the pool's
-        check before it hands a pooled worker to the next test. A frozen (SIGSTOPped, wedged) worker accepts
-        connections but answers nothing, and fails this."""
-        if not self.is_alive():
-            return False
-        from .health import HttpHealth
-
-        return HttpHealth().probe(self, time.monotonic() + timeout, lambda: not self.is_alive()).ready
-
     def owns_port(self) -> bool:
-        """Whether a process of this worker's tree listens on its port (a stale server's answer is not ours)."""
+        """Whether a process of this tree listens on its port (a stale server's answer is not ours)."""
         return bool(listening_pids(self._tree(sweep=False), self.port))
 
     def fatal_in_log(self) -> bool:
-        """Whether the log of this (running) worker shows a fatal first error (sglang may then stay alive
-        without ever serving)."""
-        return self.diagnosis(alive=True).fatal
-
-    def check_alive(self) -> None:
-        """Raise :class:`WorkerDied` (diagnosis and tail included) if the worker has exited."""
-        if not self.is_alive():
-            raise self.failure(WorkerDied, f"exited with {signal_name(self.returncode)}")
+        """Whether the log of this running process shows an error after which it will never serve."""
+        return False
 
     def log_tail(self, lines: int = DEFAULT_TAIL_LINES) -> str:
-        """The last lines of this worker's log (secrets redacted)."""
+        """The last lines of the log (secrets redacted)."""
         return redact(read_tail(self.log_path, lines), self.secrets)
 
     def log_text(self, max_bytes: int = 4 * 1024 * 1024) -> str:
         return redact(read_head(self.log_path, max_bytes), self.secrets)
 
-    def diagnosis(self, *, alive: bool = False) -> Diagnosis:
-        """The first error in the log, classified. ``alive``: diagnose the log of a running worker."""
-        from .diagnosis import diagnose
-
-        return diagnose(self.log_text(), None if alive else self.returncode)
+    def diagnosis(self, *, alive: bool = False) -> Diagnosis | None:
+        """What went wrong, read off the log (None where no diagnosis applies)."""
+        return None
 
     def failure(self, kind: type[E], event: str, *, lines: int | None = None, extra: str = "",
                 alive: bool = False) -> E:
-        """An error of ``kind`` about this worker: ``event`` with the diagnosis of its log (``alive``: of a
-        running worker), the argv, the log path and the last ``lines`` lines (default: :attr:`tail_lines`)."""
+        """An error of ``kind`` about this process: ``event`` with the diagnosis of its log (``alive``: of a
+        running process), the argv, the log path and the last ``lines`` lines (default: :attr:`tail_lines`)."""
         lines = self.tail_lines if lines is None else lines
         try:
-            diagnosis: Diagnosis | None = self.diagnosis(alive=alive)
+            diagnosis = self.diagnosis(alive=alive)
         except Exception:  # a diagnosis must never hide the log
             diagnosis = None
         return kind(worker=self.describe(), event=event, diagnosis=diagnosis, extra=extra,
@@ -315,7 +318,7 @@ class ModelInstance:
                     tail=self.log_tail(lines), tail_lines=lines)
 
     def failure_message(self, what: str, *, lines: int | None = None, extra: str = "") -> str:
-        """``<worker> <what>`` + diagnosis + log path + the last ``lines`` lines."""
+        """``<process> <what>`` + diagnosis + log path + the last ``lines`` lines."""
         return str(self.failure(WorkerError, what, lines=lines, extra=extra))
 
     @property
@@ -329,11 +332,19 @@ class ModelInstance:
 
     # -- tree ---------------------------------------------------------------------------------------------
     def _tree(self, *, sweep: bool = True) -> list[psutil.Process]:
-        """The worker's processes (see :func:`processes.process_tree`); every pid seen is remembered, for the
-        GPU lease's memory-release wait."""
+        """The processes of this tree (see :func:`processes.process_tree`); every pid seen is remembered, for
+        the GPU lease's memory-release wait."""
         procs = process_tree(self.pid, self.owner_tag, sweep=sweep)
         self.pids_seen.update(p.pid for p in procs)
         return procs
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        """Send ``sig`` to the root process on purpose (a test simulating a crash): the exit that follows
+        is a deliberate stop, not a death; teardown still ends the whole tree."""
+        self.times.setdefault("stop_requested", time.time())
+        self._stopped = True
+        with contextlib.suppress(ProcessLookupError):
+            self.process.send_signal(sig)
 
     def stop(self, *, term_timeout: float = 10.0, kill_timeout: float = 10.0) -> list[int]:
         """Tear the whole process tree down; returns the PIDs that needed SIGKILL. Idempotent."""
@@ -341,10 +352,12 @@ class ModelInstance:
             with contextlib.suppress(Exception):
                 self._client.close()
             self._client = None
-        if self._stopped:
+        if self._stopped and self.port_block is None and self.times.get("stopped"):
             return []
-        killed = terminate_tree(self.process, self._tree, term_timeout=term_timeout, kill_timeout=kill_timeout)
+        self.times.setdefault("stop_requested", time.time())
         self._stopped = True
+        killed = terminate_tree(self.process, self._tree, term_timeout=term_timeout, kill_timeout=kill_timeout)
+        self.times["stopped"] = time.time()
         if self.port_block is not None:
             self.port_block.release()
             self.port_block = None
@@ -355,11 +368,72 @@ class ModelInstance:
         with contextlib.suppress(OSError):
             self.log_path.unlink()
 
-    def __enter__(self) -> ModelInstance:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+@dataclass(kw_only=True)
+class ModelInstance(ManagedProcess):
+    """A running sglang worker (a member of a worker group has a role other than ``worker``)."""
+
+    spec: ModelSpec
+    gpus: str | None = None
+    #: the kind of worker process (regular, prefill, decode, ...) and its role in a group
+    kind: WorkerKind = field(default_factory=HttpWorker, repr=False)
+    #: index of this member among the group members of its role
+    index: int = 0
+
+    # -- identity -----------------------------------------------------------------------------------------
+    @property
+    def url(self) -> str:
+        return self.kind.url(self.host, self.port)
+
+    @property
+    def role(self) -> str:
+        """``worker``, ``prefill`` or ``decode``."""
+        return self.kind.role
+
+    @property
+    def bootstrap_port(self) -> int | None:
+        """The KV bootstrap port of a prefill worker (the router passes it to the decode side)."""
+        return self.ports.get("bootstrap")
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    def describe(self) -> str:
+        gpus = f", GPUs {self.gpus}" if self.gpus else ""
+        role = "" if self.role == "worker" else f" ({self.role} {self.index})"
+        return f"worker {self.spec.name}{role} on {self.host}:{self.port} (pid {self.pid}{gpus})"
+
+    # -- state --------------------------------------------------------------------------------------------
+    def responds(self, timeout: float = 2.0) -> bool:
+        """Alive and answering its readiness check within ``timeout`` seconds (the whole request): the pool's
+        check before it hands a pooled worker to the next test. A frozen (SIGSTOPped, wedged) worker accepts
+        connections but answers nothing, and fails this."""
+        if not self.is_alive():
+            return False
+        return self.kind.readiness().probe(self, time.monotonic() + timeout, lambda: not self.is_alive()).ready
+
+    def fatal_in_log(self) -> bool:
+        """Whether the log of this (running) worker shows a fatal first error (sglang may then stay alive
+        without ever serving)."""
+        return self.diagnosis(alive=True).fatal
+
+    def check_alive(self) -> None:
+        """Raise :class:`WorkerDied` (diagnosis and tail included) if the worker has exited."""
+        if not self.is_alive():
+            raise self.failure(WorkerDied, f"exited with {signal_name(self.returncode)}")
+
+    def diagnosis(self, *, alive: bool = False) -> Diagnosis:
+        """The first error in the log, classified. ``alive``: diagnose the log of a running worker."""
+        from .diagnosis import diagnose
+
+        return diagnose(self.log_text(), None if alive else self.returncode)
 
 
 def _indent(text: str, prefix: str = "    ") -> str:
@@ -483,19 +557,28 @@ def spawn_worker(
     options: LaunchOptions | None = None,
     on_progress: ProgressCallback | None = None,
     gpus: str | None = None,
+    kind: WorkerKind | None = None,
+    index: int = 0,
+    cancel: threading.Event | None = None,
 ) -> ModelInstance:
     """Launch a worker for ``spec`` and return it once it is healthy.
 
     ``env`` is added to the inherited environment (after the spec's env): a GPU lease's
     ``CUDA_VISIBLE_DEVICES`` goes here. Without ``port``, a port block is reserved across processes (and
-    the launch is retried on another block if the port was taken between reservation and bind).
+    the launch is retried on another block if the port was taken between reservation and bind). ``kind``
+    (default :class:`~pytest_sglworker.kinds.HttpWorker`) says which ports to pin and how readiness is
+    proven. ``cancel`` set by another thread (a group member failed) stops the wait at once.
     """
     from . import state
 
+    kind = kind or HttpWorker()
     options = options or LaunchOptions()
     check_launcher(options.launcher or default_launcher(), {**os.environ, **spec.env, **(env or {})})
     log_dir = state.ensure_private_dir(options.log_dir or state.default_log_dir(), what="log directory")
     _check_free_space(log_dir)
+    if port is not None and len(kind.port_names) > 2:
+        raise LaunchError(f"worker {spec.name}: a {kind.name} worker pins {len(kind.port_names)} ports "
+                          f"({', '.join(kind.port_names)}); let it reserve a port block instead of giving port=")
     attempts = 1 if port is not None else max(1, options.port_retries)
     for attempt in range(1, attempts + 1):
         block = None
@@ -505,20 +588,22 @@ def spawn_worker(
             block = reserve_port_block(
                 state.ensure_private_dir(options.lock_dir or state.default_lock_dir(), what="lock directory",
                                          shared_ok=options.lock_dir is not None),  # as the plugin's GPU leases
-                port_range=options.port_range,
+                port_range=options.port_range, size=PORT_BLOCK_SIZE,
             )
-            http_port, nccl_port = block.port, block.nccl_port
+            ports = dict(zip(kind.port_names, block.ports, strict=False))
         else:
-            http_port, nccl_port = port, None
+            ports = {"http": port}
         try:
-            instance = _start(spec, http_port, nccl_port, extra_args, env, options, log_dir, gpus)
+            instance = _start(spec, ports, extra_args, env, options, log_dir, gpus, kind, index)
         except BaseException:
             if block is not None:
                 block.release()
             raise
         instance.port_block = block
         try:
-            wait_until_ready(instance, timeout=options.startup_timeout, on_progress=on_progress)
+            wait_until_ready(instance, kind.readiness(), timeout=options.startup_timeout, on_progress=on_progress,
+                             cancel=cancel)
+            instance.times["ready"] = time.time()
             return instance
         except WorkerStartupError as exc:
             instance.stop()
@@ -535,28 +620,40 @@ def spawn_worker(
 
 def _start(
     spec: ModelSpec,
-    port: int,
-    nccl_port: int | None,
+    ports: Mapping[str, int],
     extra_args: Sequence[str],
     env: Mapping[str, str] | None,
     options: LaunchOptions,
     log_dir: Path,
     gpus: str | None,
+    kind: WorkerKind,
+    index: int,
 ) -> ModelInstance:
-    argv = build_argv(spec, port=port, nccl_port=nccl_port, launcher=options.launcher, extra_args=extra_args,
-                      allow_foreign_host=options.allow_foreign_host)
+    port = ports["http"]
+    argv = build_argv(spec, port=port, nccl_port=ports.get("nccl"), launcher=options.launcher,
+                      extra_args=extra_args, allow_foreign_host=options.allow_foreign_host,
+                      role_args=kind.role_args(ports))
+    started = start_process(argv, {**spec.env, **(env or {})}, log_dir / log_name("sglang-worker", port))
+    return ModelInstance(
+        spec=spec, host=LOOPBACK_HOST, port=port, tail_lines=options.tail_lines, kind=kind, index=index,
+        ports=dict(ports), gpus=gpus, **started,
+    )
+
+
+def start_process(argv: list[str], env: Mapping[str, str], log_path: Path) -> dict[str, Any]:
+    """Start ``argv`` the way every process of the plugin starts: in a session of its own, tagged with a new
+    owner tag, stdout and stderr into ``log_path`` (never a pipe), stdin closed. ``env`` is added to this
+    process's environment. Returns the :class:`ManagedProcess` fields it fills."""
     tag = owner_tag()
     full_env = dict(os.environ)
-    full_env.update(spec.env)
-    full_env.update(env or {})
+    full_env.update(env)
     full_env["PYTHONUNBUFFERED"] = "1"
     full_env[OWNER_ENV] = tag
-    log_path = _log_path_for(log_dir, port)
+    log_path = _unused_log_path(log_path)
+    started = time.time()
     process = _popen(argv, full_env, log_path)
-    return ModelInstance(
-        spec=spec, argv=argv, host=LOOPBACK_HOST, port=port, log_path=log_path, process=process,
-        owner_tag=tag, secrets=secret_values(full_env, argv), gpus=gpus, tail_lines=options.tail_lines,
-    )
+    return {"argv": argv, "log_path": log_path, "process": process, "owner_tag": tag,
+            "secrets": secret_values(full_env, argv), "times": {"started": started}}
 
 
 @contextlib.contextmanager

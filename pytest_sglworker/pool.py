@@ -1,136 +1,105 @@
-"""The session pool of workers, keyed by the full worker configuration, and the statistics of the run report.
+"""The session pool: running workers and worker groups, keyed by their full configuration.
 
-Plain Python: no pytest here. A worker whose configuration (spec, effective argv, env) matches is reused
-after a fast liveness check; a dead one is replaced; when a GPU lease is needed for another configuration,
-idle workers are evicted least recently used first. Each worker holds its GPU lease for its whole life and
-gives it back only after its memory is released.
+Plain Python: no pytest here. Everything the pool holds is a :class:`WorkerGroup` (a single worker is a
+group of one): its members start together (concurrently; one member's failure stops the others at once),
+share one GPU lease (all GPUs at once, split among the members in order, so that two groups never each
+hold half of what the other needs), and are reused together by later tests of the same configuration after
+a health check of every member. A dead or frozen member makes the whole group be replaced. When a lease is
+needed for another configuration, idle groups are evicted least recently used first. A lease is given back
+only after its memory is released.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
+import itertools
 import os
-import statistics
+import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from .errors import SglWorkerError, WorkerError
-from .launcher import LaunchOptions, ModelInstance, ProgressCallback, spawn_worker
+from .errors import LaunchCancelled, LeaseImpossible, SglWorkerError, WorkerError
+from .kinds import KindChooser, MemberPlan, WorkerConfig, default_kind
+from .launcher import LaunchOptions, ModelInstance, ProgressCallback, mask_argv, spawn_worker
+from .processes import hostname
+from .report import ConfigStats, LaunchRecord
 from .specs import ModelSpec
 
 if TYPE_CHECKING:
     from .gpus import Lease, LeaseManager
 
+__all__ = ["WorkerConfig", "WorkerGroup", "WorkerPool"]
 
-@dataclass(frozen=True)
-class WorkerConfig:
-    """What makes two workers interchangeable: the spec, the test's extra args and extra env."""
+_ids = itertools.count(1)
 
-    spec: ModelSpec
-    extra_args: tuple[str, ...] = ()
-    env: tuple[tuple[str, str], ...] = ()
-    #: the reason of a budget opt-out these args needed (shown in the summary and the report, not compared)
-    opt_out: str = field(default="", compare=False)
 
-    @classmethod
-    def of(cls, spec: ModelSpec, extra_args: Sequence[str] = (), env: Mapping[str, str] | None = None,
-           *, opt_out: str = "") -> WorkerConfig:
-        return cls(spec, tuple(extra_args), tuple(sorted((env or {}).items())), opt_out)
+class WorkerGroup:
+    """The running processes of one configuration: one worker, N regular workers, or a prefill/decode group.
 
-    @property
-    def key(self) -> str:
-        """Stable across processes (used as the xdist group name): ``<spec>`` or ``<spec>-<hash>``."""
-        if not self.extra_args and not self.env:
-            return self.spec.name
-        # Not repr(spec): its frozenset of features prints in hash-seed order, which differs per process.
-        spec = self.spec
-        canonical = (spec.name, spec.model, spec.memory_gb, spec.tp, sorted(spec.features), spec.worker_args,
-                     sorted(spec.env.items()), spec.description, self.extra_args, self.env)
-        digest = hashlib.sha1(repr(canonical).encode()).hexdigest()[:8]
-        return f"{self.spec.name}-{digest}"
+    ``workers`` is every member in launch order; ``prefill`` and ``decode`` the members of those roles; a
+    group is also a sequence of its members (``group[0]``, ``len(group)``, ``for w in group``)."""
+
+    def __init__(self, config: WorkerConfig, members: Sequence[ModelInstance], group_id: str) -> None:
+        self.config = config
+        self.members = list(members)
+        self.id = group_id
 
     @property
-    def label(self) -> str:
-        parts = [self.spec.name]
-        if self.extra_args:
-            from .launcher import mask_argv
+    def workers(self) -> list[ModelInstance]:
+        return list(self.members)
 
-            # The label goes to the terminal summary and the --sgl-report JSON: never an --api-key value.
-            parts.append(" ".join(mask_argv(self.extra_args)))
-        if self.env:
-            parts.append("env " + ",".join(k for k, _ in self.env))
-        if self.opt_out:
-            parts.append(f"(budget opt-out: {self.opt_out})")
-        return " ".join(parts)
+    @property
+    def prefill(self) -> list[ModelInstance]:
+        return [m for m in self.members if m.role == "prefill"]
+
+    @property
+    def decode(self) -> list[ModelInstance]:
+        return [m for m in self.members if m.role == "decode"]
+
+    @property
+    def regular(self) -> list[ModelInstance]:
+        return [m for m in self.members if m.role == "worker"]
+
+    @property
+    def is_pd(self) -> bool:
+        return bool(self.prefill)
+
+    @property
+    def urls(self) -> list[str]:
+        return [m.url for m in self.members]
+
+    def is_alive(self) -> bool:
+        return all(m.is_alive() for m in self.members)
+
+    def __iter__(self) -> Iterator[ModelInstance]:
+        return iter(self.members)
+
+    def __len__(self) -> int:
+        return len(self.members)
+
+    def __getitem__(self, index: int) -> ModelInstance:
+        return self.members[index]
+
+    def __repr__(self) -> str:
+        return f"<WorkerGroup {self.config.label}: {', '.join(m.describe() for m in self.members)}>"
 
 
 @dataclass
-class ConfigStats:
-    """What happened to one worker configuration during the run."""
+class _Entry:
+    group: WorkerGroup
+    lease: Lease | None
+    leased_at: float
+    records: list[LaunchRecord]
+    tainted: bool = False  # a test that used it failed: keep its logs
+    poolable: bool = True  # False for a fresh, unshared group
+    last_used: float = field(default_factory=time.monotonic)
 
-    label: str
-    model: str
-    launches: int = 0
-    reuses: int = 0
-    startup_seconds: list[float] = field(default_factory=list)
-    lease_wait_seconds: float = 0.0
-    gpu_seconds: float = 0.0
-    failures: int = 0
-    deaths: int = 0
-    failed_logs: list[str] = field(default_factory=list)
-    kv_tokens_predicted: int | None = None
-    kv_tokens_actual: int | None = None
-
-    def as_dict(self) -> dict[str, Any]:
-        """JSON-able; the schema of one entry of ``--sgl-report`` (see the README)."""
-        times = self.startup_seconds
-        return {
-            "label": self.label,
-            "model": self.model,
-            "launches": self.launches,
-            "reuses": self.reuses,
-            "startup_seconds": {
-                "min": round(min(times), 3) if times else None,
-                "median": round(statistics.median(times), 3) if times else None,
-                "max": round(max(times), 3) if times else None,
-                "samples": [round(t, 3) for t in times],
-            },
-            "lease_wait_seconds": round(self.lease_wait_seconds, 3),
-            "gpu_seconds": round(self.gpu_seconds, 3),
-            "failures": self.failures,
-            "deaths": self.deaths,
-            "failed_logs": list(self.failed_logs),
-            "kv_tokens": {"predicted": self.kv_tokens_predicted, "actual": self.kv_tokens_actual},
-        }
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> ConfigStats:
-        kv = data.get("kv_tokens") or {}
-        return cls(
-            label=data["label"], model=data["model"], launches=data["launches"], reuses=data["reuses"],
-            startup_seconds=list(data["startup_seconds"]["samples"]),
-            lease_wait_seconds=data["lease_wait_seconds"], gpu_seconds=data["gpu_seconds"],
-            failures=data["failures"], deaths=data["deaths"], failed_logs=list(data["failed_logs"]),
-            kv_tokens_predicted=kv.get("predicted"), kv_tokens_actual=kv.get("actual"),
-        )
-
-    def merge(self, other: ConfigStats) -> None:
-        """Add another process's figures for the same configuration (xdist workers)."""
-        self.launches += other.launches
-        self.reuses += other.reuses
-        self.startup_seconds += other.startup_seconds
-        self.lease_wait_seconds += other.lease_wait_seconds
-        self.gpu_seconds += other.gpu_seconds
-        self.failures += other.failures
-        self.deaths += other.deaths
-        self.failed_logs += other.failed_logs
-        self.kv_tokens_predicted = self.kv_tokens_predicted or other.kv_tokens_predicted
-        self.kv_tokens_actual = self.kv_tokens_actual or other.kv_tokens_actual
+    @property
+    def config(self) -> WorkerConfig:
+        return self.group.config
 
 
 def _gpu_of(lease: Lease | None) -> tuple[int, int] | None:
@@ -141,15 +110,14 @@ def _gpu_of(lease: Lease | None) -> tuple[int, int] | None:
 
 
 def _attach_ledger(exc: SglWorkerError, config: WorkerConfig, lease: Lease | None) -> None:
-    """Add the memory ledger to a startup failure whose diagnosis is about memory."""
+    """Give a startup failure whose diagnosis is about memory the memory ledger of its GPU."""
     diagnosis = getattr(exc, "diagnosis", None)
     gpu = _gpu_of(lease)
-    if gpu is None or diagnosis is None or not diagnosis.memory_related:
+    if gpu is None or diagnosis is None or not diagnosis.memory_related or not isinstance(exc, WorkerError):
         return
     from .ledger import ledger_for_spec
 
-    if isinstance(exc, WorkerError):
-        exc.ledger = ledger_for_spec(config.spec, gpu[0], gpu_free_mib=gpu[1], extra_args=config.extra_args)
+    exc.ledger = ledger_for_spec(config.spec, gpu[0], gpu_free_mib=gpu[1], extra_args=config.extra_args)
 
 
 def _record_kv_tokens(instance: ModelInstance, config: WorkerConfig, lease: Lease | None, stats: ConfigStats) -> None:
@@ -168,33 +136,21 @@ def _record_kv_tokens(instance: ModelInstance, config: WorkerConfig, lease: Leas
             stats.kv_tokens_predicted = ledger.kv_tokens
 
 
-def merge_stats(sources: Sequence[Mapping[str, Mapping[str, Any]]]) -> dict[str, ConfigStats]:
-    """Merge the ``as_dict`` figures of several processes, by configuration key."""
-    merged: dict[str, ConfigStats] = {}
-    for source in sources:
-        for key, data in source.items():
-            stats = ConfigStats.from_dict(data)
-            if key in merged:
-                merged[key].merge(stats)
-            else:
-                merged[key] = stats
-    return merged
-
-
-@dataclass
-class _Entry:
-    config: WorkerConfig
-    instance: ModelInstance
-    lease: Lease | None
-    leased_at: float
-    tainted: bool = False  # a test that used it failed: keep its log
-    in_use: bool = False
-    poolable: bool = True  # False for a fresh, unshared worker
-    last_used: float = field(default_factory=time.monotonic)
+def _split_env(lease: Lease | None, counts: Sequence[int]) -> list[dict[str, str]]:
+    """Each member's share of the group's lease, in order, as its ``CUDA_VISIBLE_DEVICES``."""
+    if lease is None:
+        return [{} for _ in counts]
+    env = lease.env()
+    devices = lease.cuda_visible_devices.split(",")
+    out, start = [], 0
+    for count in counts:
+        out.append({**env, "CUDA_VISIBLE_DEVICES": ",".join(devices[start:start + count])})
+        start += count
+    return out
 
 
 class WorkerPool:
-    """Hands out workers; reuses idle ones of the same configuration when ``reuse`` is on."""
+    """Hands out worker groups; reuses idle ones of the same configuration when ``reuse`` is on."""
 
     def __init__(
         self,
@@ -207,7 +163,9 @@ class WorkerPool:
         on_progress: ProgressCallback | None = None,
         on_message: Callable[[str], None] | None = None,
         worker_env: Callable[[ModelSpec, dict[str, str]], dict[str, str]] | None = None,
+        choose_kind: KindChooser | None = None,
         release_wait: float = 60.0,
+        xdist_worker: str | None = None,
     ) -> None:
         self.options = options
         self.leases = leases
@@ -217,10 +175,13 @@ class WorkerPool:
         self.on_progress = on_progress
         self.on_message = on_message or (lambda msg: None)
         self.worker_env = worker_env
+        self.choose_kind = choose_kind or default_kind
         self.release_wait = release_wait
+        self.xdist_worker = xdist_worker
         self.stats: dict[str, ConfigStats] = {}
-        self._idle: OrderedDict[int, _Entry] = OrderedDict()  # id(instance) -> entry, LRU first
-        self._busy: dict[int, _Entry] = {}
+        self.launches: list[LaunchRecord] = []
+        self._idle: OrderedDict[str, _Entry] = OrderedDict()  # group id -> entry, LRU first
+        self._busy: dict[str, _Entry] = {}
 
     # -- public -------------------------------------------------------------------------------------------
     def stats_for(self, config: WorkerConfig) -> ConfigStats:
@@ -230,9 +191,10 @@ class WorkerPool:
         return stats
 
     def acquire(self, config: WorkerConfig, *, holder: str, fresh: bool = False,
-                options: LaunchOptions | None = None) -> ModelInstance:
-        """A healthy worker for ``config``: a pooled idle one if reuse is on, else a new one. ``options``
-        replaces the pool's launch options for this worker (which is then never shared)."""
+                options: LaunchOptions | None = None) -> WorkerGroup:
+        """Healthy workers for ``config``: a pooled idle group if reuse is on and every member answers its
+        health check, else a new one. ``options`` replaces the pool's launch options for this group (which
+        is then never shared)."""
         fresh = fresh or options is not None
         stats = self.stats_for(config)
         if self.reuse and not fresh:
@@ -240,50 +202,59 @@ class WorkerPool:
                 if entry.config != config:
                     continue
                 del self._idle[key]
-                if entry.instance.responds():
-                    entry.in_use = True
+                bad = next((m for m in entry.group if not m.responds()), None)
+                if bad is None:
                     self._busy[key] = entry
                     stats.reuses += 1
-                    return entry.instance
-                stats.deaths += 1
-                self.on_message(entry.instance.failure_message("died while idle in the pool; replacing it",
-                                                               lines=10))
+                    return entry.group
+                why = "died while idle in the pool" if not bad.is_alive() else (
+                    "does not answer its health check (frozen or wedged)")
+                if bad.is_alive():
+                    stats.deaths += 1  # a dead member is counted when its group is retired
+                what = "it" if len(entry.group) == 1 else "its group"
+                self.on_message(bad.failure_message(f"{why}; replacing {what}", lines=10))
                 self._retire(entry, failed=True)
         return self._launch(config, holder=holder, fresh=fresh, options=options or self.options)
 
-    def release(self, instance: ModelInstance, *, failed: bool = False) -> None:
-        """Give a worker back after a test; it stays pooled when reuse is on and it is alive."""
-        entry = self._busy.pop(id(instance), None)
+    def release(self, group: WorkerGroup, *, failed: bool = False) -> None:
+        """Give a group back after a test; it stays pooled when reuse is on and every member is alive."""
+        entry = self._busy.pop(group.id, None)
         if entry is None:
             return
         entry.tainted = entry.tainted or failed
-        entry.in_use = False
         entry.last_used = time.monotonic()
-        if self.reuse and entry.poolable and instance.is_alive() and not self._others_wait():
-            self._idle[id(instance)] = entry
+        if self.reuse and entry.poolable and group.is_alive() and not self._others_wait():
+            self._idle[group.id] = entry
         else:
-            if not instance.is_alive():
-                self.stats_for(entry.config).deaths += 1
-            self._retire(entry, failed=entry.tainted or not instance.is_alive())
+            self._retire(entry, failed=entry.tainted)
 
-    def discard(self, instance: ModelInstance, *, failed: bool = True) -> None:
-        """Stop a worker now (it died, or the test asked for a fresh one)."""
-        entry = self._busy.pop(id(instance), None) or self._idle.pop(id(instance), None)
+    def discard(self, group: WorkerGroup, *, failed: bool = True) -> None:
+        """Stop a group now (a member died, the test asked for fresh workers, or no later test needs it)."""
+        entry = self._busy.pop(group.id, None) or self._idle.pop(group.id, None)
         if entry is not None:
-            if not instance.is_alive():
-                self.stats_for(entry.config).deaths += 1
             self._retire(entry, failed=failed or entry.tainted)
+
+    def served(self, group: WorkerGroup, nodeid: str, t_start: float | None, t_end: float | None,
+               outcome: str) -> None:
+        """Record that a test used ``group`` (for the run report's launch records)."""
+        entry = self._busy.get(group.id) or self._idle.get(group.id)
+        if entry is not None:
+            for record in entry.records:
+                record.served(nodeid, t_start, t_end, outcome)
 
     def close(self) -> None:
         """Stop every worker and give back every lease."""
         for entry in list(self._busy.values()) + list(self._idle.values()):
             with contextlib.suppress(Exception):
-                self._retire(entry, failed=entry.tainted or not entry.instance.is_alive())
+                self._retire(entry, failed=entry.tainted)
         self._busy.clear()
         self._idle.clear()
 
+    def groups(self) -> list[WorkerGroup]:
+        return [e.group for e in list(self._busy.values()) + list(self._idle.values())]
+
     def _others_wait(self) -> bool:
-        """Another process waits for a GPU: do not keep an idle worker's lease (it queues behind us)."""
+        """Another process waits for a GPU: do not keep an idle group's lease (it queues behind us)."""
         if self.leases is None:
             return False
         try:
@@ -294,92 +265,216 @@ class WorkerPool:
             self.on_message("another process waits for a GPU lease: retiring the idle worker instead of pooling it")
         return waiting
 
-    def live_workers(self) -> list[ModelInstance]:
-        return [e.instance for e in list(self._busy.values()) + list(self._idle.values())]
-
-    # -- internals ----------------------------------------------------------------------------------------
-    def _launch(self, config: WorkerConfig, *, holder: str, fresh: bool, options: LaunchOptions) -> ModelInstance:
+    # -- launching ----------------------------------------------------------------------------------------
+    def _launch(self, config: WorkerConfig, *, holder: str, fresh: bool, options: LaunchOptions) -> WorkerGroup:
         stats = self.stats_for(config)
-        lease, waited = self._lease_for(config, holder)
+        plans = config.members(self.choose_kind)
+        counts = [plan.gpus(config.spec) for plan in plans]
+        group_id = f"{self.xdist_worker or 'main'}-{os.getpid()}-{next(_ids)}"
+        requested = time.time()
+        lease, waited = self._lease_for(config, sum(counts), holder)
         stats.lease_wait_seconds += waited
         leased_at = time.monotonic()
+        records = [self._record(config, plan, group_id if len(plans) > 1 else None, requested,
+                                time.time() if lease is not None else None) for plan in plans]
         try:
-            lease_env = lease.env() if lease is not None else {}
-            env = dict(config.env)
-            env.update(self.worker_env(config.spec, lease_env) if self.worker_env else lease_env)
-            instance = spawn_worker(
-                config.spec, extra_args=config.extra_args, env=env, options=options,
-                on_progress=self.on_progress, gpus=lease.cuda_visible_devices if lease is not None else None,
-            )
+            envs = [self._member_env(config, env) for env in _split_env(lease, counts)]
+            members = self._start_members(config, plans, envs, options, records)
         except SglWorkerError as exc:
             stats.failures += 1
             _attach_ledger(exc, config, lease)
             log_path = getattr(exc, "log_path", None)
             if log_path:
                 stats.failed_logs.append(str(log_path))
+            self._finish_records(records, outcome="startup_timeout" if type(exc).__name__ == "WorkerStartupTimeout"
+                                 else "startup_failed", failure=getattr(exc, "summary", str(exc)))
             if lease is not None:
                 self._give_back(lease, [], leased_at, stats)
+            self._stamp_released(records)
             raise
         except BaseException:  # the lease must never outlive a failed launch (a hook, an interrupt)
+            self._finish_records(records, outcome="interrupted")
             if lease is not None:
                 self._give_back(lease, [], leased_at, stats)
+            self._stamp_released(records)
             raise
+        group = WorkerGroup(config, members, group_id)
         # Registered at once, so that whatever happens next, close() stops it and gives the lease back.
-        self._busy[id(instance)] = _Entry(config, instance, lease, leased_at, in_use=True, poolable=not fresh)
+        self._busy[group_id] = _Entry(group, lease, leased_at, records, poolable=not fresh)
         stats.launches += 1
-        if instance.startup_seconds is not None:
-            stats.startup_seconds.append(instance.startup_seconds)
+        ready = [m.startup_seconds for m in members if m.startup_seconds is not None]
+        if ready:
+            stats.startup_seconds.append(max(ready))  # a group is ready when its slowest member is
         with contextlib.suppress(Exception):  # bookkeeping for the report must never fail a test
-            _record_kv_tokens(instance, config, lease, stats)
-        return instance
+            _record_kv_tokens(members[0], config, lease, stats)
+        return group
 
-    def _lease_for(self, config: WorkerConfig, holder: str) -> tuple[Lease | None, float]:
+    def _member_env(self, config: WorkerConfig, lease_env: dict[str, str]) -> dict[str, str]:
+        env = dict(config.env)
+        env.update(self.worker_env(config.spec, lease_env) if self.worker_env else lease_env)
+        return env
+
+    def _start_members(self, config: WorkerConfig, plans: Sequence[MemberPlan], envs: Sequence[dict[str, str]],
+                       options: LaunchOptions, records: Sequence[LaunchRecord]) -> list[ModelInstance]:
+        """Start every member; a group is ready after its slowest member, not the sum of their startups. The
+        first member that fails stops the others at once and is the error raised."""
+        def spawn(plan: MemberPlan, env: dict[str, str], cancel: threading.Event | None) -> ModelInstance:
+            instance = spawn_worker(config.spec, extra_args=plan.extra_args, env=env, options=options,
+                                    on_progress=self.on_progress, gpus=env.get("CUDA_VISIBLE_DEVICES"),
+                                    kind=plan.kind, index=plan.index, cancel=cancel)
+            return instance
+
+        if len(plans) == 1:
+            instance = spawn(plans[0], envs[0], None)
+            self._take(records[0], instance)
+            return [instance]
+        cancel = threading.Event()
+        results: list[ModelInstance | BaseException | None] = [None] * len(plans)
+        failed_at: list[tuple[float, int]] = []
+
+        def run(i: int) -> None:
+            try:
+                results[i] = spawn(plans[i], envs[i], cancel)
+            except BaseException as exc:  # handed to the main thread
+                results[i] = exc
+                if not isinstance(exc, LaunchCancelled):
+                    failed_at.append((time.monotonic(), i))
+                cancel.set()
+
+        threads = [threading.Thread(target=run, args=(i,), name=f"sglworker-start-{i}", daemon=True)
+                   for i in range(len(plans))]
+        for thread in threads:
+            thread.start()
+        try:
+            for thread in threads:
+                while thread.is_alive():
+                    thread.join(0.1)
+        except BaseException:  # Ctrl-C: the members stop, then the interrupt goes on
+            cancel.set()
+            for thread in threads:
+                thread.join(60)
+            self._stop_started(results, records)
+            raise
+        for i, result in enumerate(results):
+            if isinstance(result, ModelInstance):
+                self._take(records[i], result)
+        if failed_at:
+            self._stop_started(results, records)
+            first = results[min(failed_at)[1]]
+            assert isinstance(first, BaseException)
+            raise first
+        return [r for r in results if isinstance(r, ModelInstance)]
+
+    def _stop_started(self, results: Sequence[ModelInstance | BaseException | None],
+                      records: Sequence[LaunchRecord]) -> None:
+        for i, result in enumerate(results):
+            if isinstance(result, ModelInstance):
+                with contextlib.suppress(Exception):
+                    result.stop()
+                self._take(records[i], result)
+
+    def _record(self, config: WorkerConfig, plan: MemberPlan, group_id: str | None, requested: float,
+                leased: float | None) -> LaunchRecord:
+        record = LaunchRecord(
+            id=f"{self.xdist_worker or 'main'}-{len(self.launches) + 1}", config=config.key, label=config.label,
+            model=config.spec.model, role=plan.role, group=group_id, xdist_worker=self.xdist_worker,
+            node=hostname(), t_lease_requested=requested, t_leased=leased)
+        self.launches.append(record)
+        return record
+
+    @staticmethod
+    def _take(record: LaunchRecord, instance: ModelInstance) -> None:
+        record.take_times(instance)
+        record.port, record.pid, record.log_path = instance.port, instance.pid, str(instance.log_path)
+        record.argv = " ".join(mask_argv(instance.argv))
+        record.gpus = [int(g) for g in (instance.gpus or "").split(",") if g.strip().isdigit()]
+
+    @staticmethod
+    def _finish_records(records: Sequence[LaunchRecord], *, outcome: str, failure: str | None = None) -> None:
+        for record in records:
+            if record.outcome == "ok":
+                record.outcome = outcome
+                record.failure = failure
+
+    @staticmethod
+    def _stamp_released(records: Sequence[LaunchRecord]) -> None:
+        now = time.time()
+        for record in records:
+            record.t_released = record.t_released or now
+
+    def _lease_for(self, config: WorkerConfig, gpus: int, holder: str) -> tuple[Lease | None, float]:
         if self.leases is None:
             return None, 0.0
-        spec = config.spec
+        memory = config.spec.memory_mib
         start = time.monotonic()
-        # First without waiting; evict idle workers (LRU first) while that frees a lease.
+        # First without waiting; evict idle groups (LRU first) while that frees a lease.
         while True:
-            lease = self.leases.try_acquire(spec.tp, spec.memory_mib, holder=holder)
+            lease = self.leases.try_acquire(gpus, memory, holder=holder)
             if lease is not None:
                 return lease, time.monotonic() - start  # time spent evicting idle workers counts too
             if not self._idle:
                 break
             _, victim = self._idle.popitem(last=False)
-            self.on_message(f"evicting idle {victim.instance.describe()} to free its GPU lease for {spec.name}")
+            self.on_message(f"evicting idle {', '.join(m.describe() for m in victim.group)} to free its GPU "
+                            f"lease for {config.label}")
             self._retire(victim, failed=victim.tainted)
-        lease = self.leases.acquire(spec.tp, spec.memory_mib, holder=holder, timeout=self.lease_timeout,
+        self._check_not_self_blocked(config, gpus)
+        lease = self.leases.acquire(gpus, memory, holder=holder, timeout=self.lease_timeout,
                                     on_wait=self.on_message)
         return lease, time.monotonic() - start
 
+    def _check_not_self_blocked(self, config: WorkerConfig, gpus: int) -> None:
+        """Fail at once when the GPUs that are missing are held by workers this process itself uses right now
+        (two workers in one test on a 1-GPU inventory): waiting would last until the lease timeout."""
+        assert self.leases is not None
+        total = len(self.leases.inventory.static_gpus())
+        mine = [e for e in self._busy.values() if e.lease is not None]
+        held = sum(len(e.lease.gpus) for e in mine if e.lease is not None)
+        if mine and total - held < gpus:
+            users = "; ".join(f"{e.config.label} on GPU(s) {','.join(str(g.index) for g in e.lease.gpus)}"
+                              for e in mine if e.lease is not None)
+            raise LeaseImpossible(
+                f"{config.label} needs {gpus} GPU(s), but this process's own workers in use hold {held} of the "
+                f"{total} GPU(s) of {self.leases.inventory.describe()} ({users}): the lease could only come "
+                "after this test, so waiting would last until --sgl-lease-timeout; use fewer workers at once "
+                "or more GPUs")
+
+    # -- retiring -----------------------------------------------------------------------------------------
     def _retire(self, entry: _Entry, *, failed: bool) -> None:
-        instance = entry.instance
+        group = entry.group
         stats = self.stats_for(entry.config)
+        dead = [m for m in group if not m.is_alive() and not m.stopped]
+        stopped = [m for m in group if m.stopped]
+        stats.deaths += len(dead)
+        stats.stops += len(stopped)
+        failed = failed or bool(dead)
         try:
-            instance.stop()
+            for member in group:
+                member.stop()
         finally:
-            if failed:
-                if str(instance.log_path) not in stats.failed_logs:
-                    stats.failed_logs.append(str(instance.log_path))
-            elif not self.keep_logs:
-                instance.remove_log()
+            pids: list[int] = []
+            for member, record in zip(group, entry.records, strict=False):
+                pids += sorted(member.pids_seen)
+                if member in dead:
+                    record.outcome = "died"
+                elif member in stopped and record.outcome == "ok":
+                    record.outcome = "stopped"
+                self._take(record, member)
+                path = str(member.log_path)
+                if failed:
+                    if path not in stats.failed_logs:
+                        stats.failed_logs.append(path)
+                elif self.keep_logs:
+                    if path not in stats.kept_logs:
+                        stats.kept_logs.append(path)
+                else:
+                    member.remove_log()
             if entry.lease is not None:
-                self._give_back(entry.lease, sorted(instance.pids_seen), entry.leased_at, stats)
+                self._give_back(entry.lease, pids, entry.leased_at, stats)
+            self._stamp_released(entry.records)
 
     def _give_back(self, lease: Lease, pids: list[int], leased_at: float, stats: ConfigStats) -> None:
         report = lease.release(worker_pids=pids, wait_timeout=self.release_wait)
         stats.gpu_seconds += (time.monotonic() - leased_at) * max(1, len(lease.gpus))
         if report is not None and not getattr(report, "memory_back", True):
             self.on_message(str(report))
-
-
-def write_report(path: Path, stats: Mapping[str, ConfigStats], extra: Mapping[str, Any]) -> None:
-    """``--sgl-report PATH``: the run report as JSON (schema in the README)."""
-    import json
-
-    data = {"schema": "pytest-sglworker/report/v1", **extra,
-            "workers": {key: s.as_dict() for key, s in sorted(stats.items())}}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # 0644 whatever the umask: never world-writable.
-    with open(path, "w", encoding="utf-8", opener=lambda p, flags: os.open(p, flags, 0o644)) as fh:
-        fh.write(json.dumps(data, indent=2, sort_keys=True) + "\n")

@@ -266,7 +266,8 @@ def test_sgl_spawn_worker_factory(pytester: pytest.Pytester, sim_env: dict[str, 
 
         def test_budget(sgl_spawn_worker):
             import pytest
-            with pytest.raises(pytest.UsageError, match="breaks the mandatory worker budget"):
+            from pytest_sglworker import BudgetViolation
+            with pytest.raises(BudgetViolation, match="breaks the mandatory worker budget"):
                 sgl_spawn_worker("qwen3-0.6b", args=["--mem-fraction-static", "0.9"])
     """)
     _run(pytester).assert_outcomes(passed=2)

@@ -1,0 +1,204 @@
+"""The plugin's markers as typed, validated objects (a pytest-facing module, split from ``plugin.py``).
+
+``@pytest.mark.sgl_worker(...)``, ``@pytest.mark.sgl_workers(...)``, ``@pytest.mark.sgl_router(...)``,
+``@pytest.mark.sgl_requires(...)`` and ``@pytest.mark.sgl_budget_opt_out(reason=...)``: each maps onto a
+frozen dataclass; an unknown keyword or a bad value raises :class:`MarkerError` naming the marker and the
+fix, which the session turns into an error of that test (never of the whole session).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+WORKER_MARKER_DOC = (
+    "sgl_worker(args=(), env=None, fresh=False, startup_timeout=None, allow_foreign_host=None): "
+    "extra sglang args and env for this test's sgl_worker; fresh=True for an unshared worker"
+)
+WORKERS_MARKER_DOC = (
+    "sgl_workers(count=N | prefill=P, decode=D, args=(), env=None, fresh=False, startup_timeout=None, "
+    "worker_args=(), prefill_args=(), decode_args=()): the worker group of this test's sgl_workers"
+)
+ROUTER_MARKER_DOC = (
+    "sgl_router(policy='round_robin', args=(), startup_timeout=None): the real sglang router in front of "
+    "this test's sgl_workers"
+)
+REQUIRES_MARKER_DOC = "sgl_requires(*features): skip models whose spec lacks one of these features"
+OPT_OUT_MARKER_DOC = (
+    "sgl_budget_opt_out(reason): allow this test's extra args to raise --mem-fraction-static or re-enable "
+    "the prefill CUDA graph; the reason is required and shown in the report"
+)
+MARKER_DOCS = (WORKER_MARKER_DOC, WORKERS_MARKER_DOC, ROUTER_MARKER_DOC, REQUIRES_MARKER_DOC, OPT_OUT_MARKER_DOC)
+
+
+class MarkerError(ValueError):
+    """A marker with an unknown keyword or a bad value."""
+
+
+def _kwargs(mark: pytest.Mark, known: set[str]) -> Mapping[str, Any]:
+    if mark.args:
+        raise MarkerError(f"{mark.name} takes keyword arguments only, e.g. @pytest.mark.{mark.name}(args=[...])")
+    unknown = sorted(set(mark.kwargs) - known)
+    if unknown:
+        raise MarkerError(f"{mark.name} got unknown argument(s) {', '.join(unknown)}; "
+                          f"known: {', '.join(sorted(known))}")
+    return mark.kwargs
+
+
+def _args(name: str, key: str, value: Any) -> tuple[str, ...]:
+    value = value or ()
+    if isinstance(value, str):
+        raise MarkerError(f"{name}({key}=...) must be a list of arguments, not the string {value!r}")
+    if not isinstance(value, (list, tuple)):
+        raise MarkerError(f"{name}({key}=...) must be a list of arguments, got {value!r}")
+    if not all(isinstance(a, str) for a in value):
+        raise MarkerError(f"{name}({key}=...) must contain strings only, got {list(value)!r}")
+    return tuple(value)
+
+
+def _env(name: str, value: Any) -> dict[str, str]:
+    value = value or {}
+    if not isinstance(value, Mapping) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+        raise MarkerError(f"{name}(env=...) must be a dict of strings to strings")
+    return dict(value)
+
+
+def _flag(name: str, key: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise MarkerError(f"{name}({key}=...) must be True or False, got {value!r}")
+    return value
+
+
+def _timeout(name: str, value: Any) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+        # NaN too: it would never time out
+        raise MarkerError(f"{name}(startup_timeout=...) must be a positive number of seconds, got {value!r}")
+    return float(value)
+
+
+def _count(name: str, key: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise MarkerError(f"{name}({key}=...) must be a whole number, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class WorkerMarker:
+    """``@pytest.mark.sgl_worker(...)`` as a typed object."""
+
+    args: tuple[str, ...] = ()
+    env: Mapping[str, str] = field(default_factory=dict)
+    fresh: bool = False
+    startup_timeout: float | None = None
+    allow_foreign_host: str | None = None
+
+    @classmethod
+    def from_mark(cls, mark: pytest.Mark | None) -> WorkerMarker:
+        if mark is None:
+            return cls()
+        kw = _kwargs(mark, {"args", "env", "fresh", "startup_timeout", "allow_foreign_host"})
+        foreign = kw.get("allow_foreign_host")
+        if foreign is not None and (not isinstance(foreign, str) or not foreign.strip()):
+            raise MarkerError("sgl_worker(allow_foreign_host=...) must be a non-empty reason string")
+        return cls(_args("sgl_worker", "args", kw.get("args")), _env("sgl_worker", kw.get("env")),
+                   _flag("sgl_worker", "fresh", kw.get("fresh", False)),
+                   _timeout("sgl_worker", kw.get("startup_timeout")), foreign)
+
+
+@dataclass(frozen=True)
+class WorkersMarker:
+    """``@pytest.mark.sgl_workers(count=N)`` or ``(prefill=P, decode=D)``, with the ``sgl_worker`` keywords
+    and per-role args. Without the marker a ``sgl_workers`` test gets one regular worker."""
+
+    count: int = 0
+    prefill: int = 0
+    decode: int = 0
+    args: tuple[str, ...] = ()
+    env: Mapping[str, str] = field(default_factory=dict)
+    fresh: bool = False
+    startup_timeout: float | None = None
+    role_args: tuple[tuple[str, tuple[str, ...]], ...] = ()
+
+    @classmethod
+    def from_mark(cls, mark: pytest.Mark | None) -> WorkersMarker:
+        if mark is None:
+            return cls(count=1)
+        kw = _kwargs(mark, {"count", "prefill", "decode", "args", "env", "fresh", "startup_timeout",
+                            "worker_args", "prefill_args", "decode_args"})
+        count = _count("sgl_workers", "count", kw.get("count", 0))
+        prefill = _count("sgl_workers", "prefill", kw.get("prefill", 0))
+        decode = _count("sgl_workers", "decode", kw.get("decode", 0))
+        if "count" in kw and count == 0:
+            raise MarkerError("sgl_workers(count=0) asks for no worker: give count=1 or more")
+        if count and (prefill or decode):
+            raise MarkerError("sgl_workers takes count=N (regular workers) or prefill=P, decode=D, not both")
+        if not count and not (prefill and decode):
+            raise MarkerError("sgl_workers needs count=N, or both prefill=P and decode=D (each at least 1), "
+                              "e.g. @pytest.mark.sgl_workers(prefill=1, decode=1)")
+        role_args = tuple((role, _args("sgl_workers", f"{role}_args", kw.get(f"{role}_args")))
+                          for role in ("worker", "prefill", "decode") if kw.get(f"{role}_args"))
+        if count and any(role != "worker" for role, _ in role_args):
+            raise MarkerError("sgl_workers(prefill_args/decode_args=...) belong to a prefill/decode group")
+        if not count and any(role == "worker" for role, _ in role_args):
+            raise MarkerError("sgl_workers(worker_args=...) belong to a count=N group; use prefill_args/decode_args")
+        return cls(count, prefill, decode, _args("sgl_workers", "args", kw.get("args")),
+                   _env("sgl_workers", kw.get("env")),
+                   _flag("sgl_workers", "fresh", kw.get("fresh", False)),
+                   _timeout("sgl_workers", kw.get("startup_timeout")), role_args)
+
+
+@dataclass(frozen=True)
+class RouterMarker:
+    """``@pytest.mark.sgl_router(policy=..., args=[...])``."""
+
+    policy: str | None = None
+    args: tuple[str, ...] = ()
+    startup_timeout: float | None = None
+
+    @classmethod
+    def from_mark(cls, mark: pytest.Mark | None) -> RouterMarker:
+        if mark is None:
+            return cls()
+        kw = _kwargs(mark, {"policy", "args", "startup_timeout"})
+        policy = kw.get("policy")
+        if policy is not None and (not isinstance(policy, str) or not policy.strip()):
+            raise MarkerError(f"sgl_router(policy=...) must be a policy name such as 'round_robin', got {policy!r}")
+        return cls(policy, _args("sgl_router", "args", kw.get("args")),
+                   _timeout("sgl_router", kw.get("startup_timeout")))
+
+
+def opt_out_reason(node: Any) -> str | None:
+    """The reason of ``@pytest.mark.sgl_budget_opt_out`` on ``node``, or None."""
+    mark = node.get_closest_marker("sgl_budget_opt_out")
+    if mark is None:
+        return None
+    unknown = sorted(set(mark.kwargs) - {"reason"})
+    if unknown or len(mark.args) > 1 or (mark.args and "reason" in mark.kwargs):
+        raise MarkerError(f"sgl_budget_opt_out takes one reason only, got args {mark.args!r} and kwargs "
+                          f"{mark.kwargs!r}: @pytest.mark.sgl_budget_opt_out(reason='why')")
+    reason = mark.kwargs.get("reason", mark.args[0] if mark.args else None)
+    if not isinstance(reason, str) or not reason.strip():
+        raise MarkerError("sgl_budget_opt_out needs a reason: @pytest.mark.sgl_budget_opt_out(reason='why')")
+    return reason
+
+
+def required_features(node: Any) -> set[str]:
+    """The features ``@pytest.mark.sgl_requires(...)`` asks for on ``node`` (an item or a definition)."""
+    features: set[str] = set()
+    for mark in node.iter_markers("sgl_requires"):
+        if mark.kwargs:
+            raise MarkerError(f"sgl_requires takes feature names only, got keyword(s) "
+                              f"{', '.join(sorted(mark.kwargs))}: @pytest.mark.sgl_requires('streaming', 'chat')")
+        for feature in mark.args:
+            names = feature if isinstance(feature, (list, tuple, set, frozenset)) else [feature]
+            for name in names:
+                if not isinstance(name, str) or not name.strip():
+                    raise MarkerError(f"sgl_requires takes feature names (non-empty strings), got {name!r}: "
+                                      "@pytest.mark.sgl_requires('streaming', 'chat')")
+                features.add(name)
+    return features

@@ -1,0 +1,247 @@
+"""The plugin's options: one table, every option ``--sgl-*`` with an ``SGLWORKER_*`` environment variable and
+an ini key. Precedence: command line > environment > ini > default. A bad value is a usage error naming the
+option, variable or key it came from.
+
+A pytest-facing module (split from ``plugin.py``); it imports nothing heavy at module level.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from .errors import SglWorkerError
+
+# --------------------------------------------------------------------------------------------------------
+# Options: every option is --sgl-*, with an ini twin and an SGLWORKER_* environment variable.
+# Precedence: command line > environment > ini > default.
+# --------------------------------------------------------------------------------------------------------
+
+MODEL_DESC = "model spec(s) to run worker tests against; repeatable or comma-separated (see --sgl-list-models)"
+ENGINE_DESC = "'real' (python -m sglang.launch_server, default) or 'sim' (the simulated engine, CPU only)"
+LAUNCHER_DESC = "command that starts the engine, shlex-split (default: '<python> -m sglang.launch_server')"
+LOG_DIR_DESC = "directory for sglang-worker-<port>.log files (default: <tmp>/pytest-sglworker-<uid>/logs)"
+LOCK_DIR_DESC = "directory for GPU and port lock files shared by every pytest process of the machine"
+STARTUP_TIMEOUT_DESC = "seconds a worker may take to become healthy (default 600)"
+LEASE_TIMEOUT_DESC = "seconds to wait for a free GPU lease before failing (default 1800)"
+GPUS_DESC = "GPUs to use: NVML indices '0,2', UUIDs, or a declared inventory 'sim:N' / 'sim:NxGiB' (e.g. sim:4x80)"
+PORT_RANGE_DESC = "port range for worker port blocks, 'LOW-HIGH' (default: below the ephemeral range)"
+KEEP_LOGS_DESC = "keep the logs of workers whose tests passed too (default: only failed runs' logs are kept)"
+REUSE_DESC = "reuse a running worker across tests of the same configuration: 'on' (default) or 'off'"
+REORDER_DESC = "reorder tests so that tests of one worker configuration run together: 'on' (default) or 'off'"
+REPORT_DESC = "write the run report (launches, reuses, startup times, failures) as JSON to this path"
+TAIL_DESC = "log lines shown in failure reports (default 40)"
+CARD_DESC = "GPU card for the memory ledger of --sgl-list-models, e.g. H100-80G, H200, A100-40G, L4"
+ROUTER_LAUNCHER_DESC = ("command that starts the router of sgl_router, shlex-split "
+                        "(default: '<python> -m sglang_router.launch_router')")
+
+
+@dataclass(frozen=True)
+class _Opt:
+    name: str  # --sgl-<name>
+    env: str
+    ini: str
+    help: str
+    default: Any
+    parse: Callable[[str], Any] | None = None
+
+
+def _positive_float(value: str) -> float:
+    try:
+        number = float(value)
+    except ValueError:
+        raise ValueError(f"{value!r} is not a number of seconds") from None
+    if not number > 0:
+        raise ValueError(f"{value!r} must be greater than 0")
+    return number
+
+
+def _positive_int(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        raise ValueError(f"{value!r} is not an integer") from None
+    if number < 0:
+        raise ValueError(f"{value!r} must be 0 or more")
+    return number
+
+
+def _on_off(value: str) -> bool:
+    lowered = value.strip().lower()
+    if lowered in {"on", "1", "true", "yes"}:
+        return True
+    if lowered in {"off", "0", "false", "no"}:
+        return False
+    raise ValueError(f"{value!r} is not 'on' or 'off'")
+
+
+def _engine(value: str) -> str:
+    if value not in {"real", "sim"}:
+        raise ValueError(f"{value!r} is not an engine; choose 'real' or 'sim'")
+    return value
+
+
+def _launcher(value: str) -> tuple[str, ...]:
+    from .launcher import parse_launcher
+
+    return tuple(parse_launcher(value))
+
+
+def _port_range(value: str) -> tuple[int, int]:
+    from .kinds import PORT_BLOCK_SIZE
+    from .ports import parse_port_range
+
+    low, high = parse_port_range(value)
+    if high - low + 1 < PORT_BLOCK_SIZE:
+        raise ValueError(f"{value!r} holds {high - low + 1} port(s), less than one worker's block of "
+                         f"{PORT_BLOCK_SIZE}")
+    return low, high
+
+
+def _path(value: str) -> Path:
+    if not value.strip():
+        raise ValueError("the path is empty")
+    return Path(value)
+
+
+def _report_path(value: str) -> Path:
+    path = _path(value)
+    if path.is_dir():
+        raise ValueError(f"{value!r} is a directory; give a file path, e.g. {path / 'sglworker-report.json'}")
+    return path
+
+
+def _card(value: str) -> str:
+    from .ledger import gpu_card_mib
+
+    gpu_card_mib(value)
+    return value
+
+
+def _gpus(value: str) -> str:
+    from .gpus import parse_gpus_option
+
+    parse_gpus_option(value)
+    return value
+
+
+OPTIONS: tuple[_Opt, ...] = (
+    _Opt("engine", "SGLWORKER_ENGINE", "sgl_engine", ENGINE_DESC, "real", _engine),
+    _Opt("launcher", "SGLWORKER_LAUNCHER", "sgl_launcher", LAUNCHER_DESC, None, _launcher),
+    _Opt("log-dir", "SGLWORKER_LOG_DIR", "sgl_log_dir", LOG_DIR_DESC, None, _path),
+    _Opt("lock-dir", "SGLWORKER_LOCK_DIR", "sgl_lock_dir", LOCK_DIR_DESC, None, _path),
+    _Opt("startup-timeout", "SGLWORKER_STARTUP_TIMEOUT", "sgl_startup_timeout", STARTUP_TIMEOUT_DESC, 600.0,
+         _positive_float),
+    _Opt("lease-timeout", "SGLWORKER_LEASE_TIMEOUT", "sgl_lease_timeout", LEASE_TIMEOUT_DESC, 1800.0,
+         _positive_float),
+    _Opt("gpus", "SGLWORKER_GPUS", "sgl_gpus", GPUS_DESC, None, _gpus),
+    _Opt("port-range", "SGLWORKER_PORT_RANGE", "sgl_port_range", PORT_RANGE_DESC, None, _port_range),
+    _Opt("keep-logs", "SGLWORKER_KEEP_LOGS", "sgl_keep_logs", KEEP_LOGS_DESC, False, _on_off),
+    _Opt("reuse", "SGLWORKER_REUSE", "sgl_reuse", REUSE_DESC, True, _on_off),
+    _Opt("reorder", "SGLWORKER_REORDER", "sgl_reorder", REORDER_DESC, True, _on_off),
+    _Opt("report", "SGLWORKER_REPORT", "sgl_report", REPORT_DESC, None, _report_path),
+    _Opt("tail-lines", "SGLWORKER_TAIL_LINES", "sgl_tail_lines", TAIL_DESC, 40, _positive_int),
+    _Opt("card", "SGLWORKER_CARD", "sgl_card", CARD_DESC, None, _card),
+    _Opt("router-launcher", "SGLWORKER_ROUTER_LAUNCHER", "sgl_router_launcher", ROUTER_LAUNCHER_DESC, None,
+         _launcher),
+)
+
+
+def _dest(name: str) -> str:
+    return "sgl_" + name.replace("-", "_")
+
+
+def add_options(parser: pytest.Parser) -> None:
+    group = parser.getgroup("sglworker", "sglang workers (pytest-sglworker)")
+    group.addoption("--sgl-model", dest="sgl_model", action="append", default=None, metavar="NAME",
+                    help=MODEL_DESC + " [env SGLWORKER_MODELS, ini sgl_models]")
+    parser.addini("sgl_models", MODEL_DESC, default="")
+    group.addoption("--sgl-list-models", dest="sgl_list_models", action="store_true", default=False,
+                    help="print the model registry (model, memory, tp, features, budget, memory ledger) and exit")
+    for opt in OPTIONS:
+        flag = f"--sgl-{opt.name}"
+        if opt.default is False and opt.parse is _on_off:
+            group.addoption(flag, dest=_dest(opt.name), action="store_const", const="on", default=None,
+                            help=f"{opt.help} [env {opt.env}, ini {opt.ini}]")
+        else:
+            group.addoption(flag, dest=_dest(opt.name), default=None, metavar="VALUE",
+                            help=f"{opt.help} [env {opt.env}, ini {opt.ini}]")
+        parser.addini(opt.ini, opt.help, default="")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The resolved options of the session."""
+
+    models: tuple[str, ...] = ()
+    engine: str = "real"
+    launcher: tuple[str, ...] | None = None
+    log_dir: Path | None = None
+    lock_dir: Path | None = None
+    startup_timeout: float = 600.0
+    lease_timeout: float = 1800.0
+    gpus: str | None = None
+    port_range: tuple[int, int] | None = None
+    keep_logs: bool = False
+    reuse: bool = True
+    reorder: bool = True
+    report: Path | None = None
+    tail_lines: int = 40
+    card: str | None = None
+    router_launcher: tuple[str, ...] | None = None
+    sources: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def gpus_explicit(self) -> bool:
+        return self.sources.get("gpus", "default") != "default"
+
+
+def _raw(config: pytest.Config, name: str, env: str, ini: str) -> tuple[str | None, str]:
+    cli = config.getoption(_dest(name))
+    if cli is not None:
+        return str(cli), f"--sgl-{name}"
+    if os.environ.get(env, "") != "":
+        return os.environ[env], env
+    value = config.getini(ini)
+    if value not in ("", None, []):
+        return str(value), f"ini {ini}"
+    return None, "default"
+
+
+def resolve_settings(config: pytest.Config) -> Settings:
+    """Resolve every option (command line > env > ini > default); a bad value is a usage error naming it."""
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    for opt in OPTIONS:
+        raw, source = _raw(config, opt.name, opt.env, opt.ini)
+        sources[opt.name] = source
+        if raw is None:
+            values[_dest(opt.name)[4:]] = opt.default
+            continue
+        try:
+            values[_dest(opt.name)[4:]] = opt.parse(raw) if opt.parse else raw
+        except (ValueError, SglWorkerError) as exc:
+            raise pytest.UsageError(f"{source}: invalid value {raw!r}: {exc}") from None
+    models: list[str] = []
+    cli_models = config.getoption("sgl_model")
+    if cli_models:
+        raw_models, sources["model"] = list(cli_models), "--sgl-model"
+    elif os.environ.get("SGLWORKER_MODELS"):
+        raw_models, sources["model"] = [os.environ["SGLWORKER_MODELS"]], "SGLWORKER_MODELS"
+    else:
+        raw_models, sources["model"] = [str(config.getini("sgl_models") or "")], "ini sgl_models"
+    for chunk in raw_models:
+        for name in chunk.replace("\n", ",").split(","):
+            name = name.strip()
+            if name and name not in models:
+                models.append(name)
+    if values["engine"] == "sim" and values["gpus"] is None:
+        values["gpus"] = "sim:8x80"
+    return Settings(models=tuple(models), sources=sources, **values)
+
+

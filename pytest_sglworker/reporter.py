@@ -1,0 +1,190 @@
+"""What the plugin shows a person (a pytest-facing module, split from ``plugin.py``): the report header, live
+status and message lines, the failure sections of tests that used workers, the terminal summary and the
+``--sgl-list-models`` registry. Registered as a plugin object of its own, beside the session object.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import time
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+from . import budget
+from .errors import SglWorkerError
+
+if TYPE_CHECKING:
+    from .launcher import ModelInstance
+    from .options import Settings
+    from .session import SglSession
+    from .specs import SpecRegistry
+
+#: A worker that is healthy sooner than this shows no status line at all.
+STATUS_AFTER_SECONDS = 2.0
+_last_plain_line: dict[str, float] = {}
+
+
+def _uncaptured(config: pytest.Config) -> contextlib.AbstractContextManager[object]:
+    """Write to the real terminal even while a test's output is captured (as live logging does)."""
+    capman = config.pluginmanager.get_plugin("capturemanager")
+    return capman.global_and_fixture_disabled() if capman is not None else contextlib.nullcontext()
+
+
+def message(session: SglSession, text: str, *, always: bool = False) -> None:
+    """A ``[sglworker] ...`` line, kept for the session's record too. ``always``: a ``sglworker: ...`` line
+    that shows whatever the verbosity (the report's path)."""
+    session.messages.append(text)
+    config = session.config
+    tr = config.pluginmanager.get_plugin("terminalreporter")
+    if tr is None or (config.get_verbosity() < 0 and not always):
+        return
+    with _uncaptured(config):
+        tr.ensure_newline()
+        tr.write_line(f"sglworker: {text}" if always else f"[sglworker] {text}", red=text.startswith("ERROR"))
+
+
+def progress(session: SglSession, instance: ModelInstance, elapsed: float) -> None:
+    """The live status line of a worker that takes a while to start; it never fails a launch."""
+    try:
+        _progress_line(session.config, instance, elapsed)
+    except Exception as exc:  # a status line must never fail a launch
+        session.messages.append(f"status line failed: {exc!r}")
+
+
+def _progress_line(config: pytest.Config, instance: ModelInstance, elapsed: float) -> None:
+    tr = config.pluginmanager.get_plugin("terminalreporter")
+    if tr is None or config.get_verbosity() < 0 or elapsed < STATUS_AFTER_SECONDS:
+        return
+    from .diagnosis import startup_phase_from_file
+
+    phase = startup_phase_from_file(instance.log_path) or "starting"
+    text = f"[sglworker] waiting for {instance.describe()}: {phase}, {elapsed:.0f} s"
+    with _uncaptured(config):
+        if getattr(tr, "isatty", False):
+            tr.write("\r" + text.ljust(tr._tw.fullwidth - 1)[: tr._tw.fullwidth - 1] if hasattr(tr, "_tw") else text)
+        else:
+            key = str(instance.port)
+            if time.monotonic() - _last_plain_line.get(key, 0.0) >= 30.0:
+                _last_plain_line[key] = time.monotonic()
+                tr.ensure_newline()
+                tr.write_line(text)
+
+
+def worker_section(instance: ModelInstance, tail: int) -> tuple[str, str]:
+    """The report section a failed test gets for each worker it used: its log path and tail, or, for a
+    worker that died during the test, the full failure (diagnosis included)."""
+    role = "" if instance.role == "worker" else f" {instance.role}"
+    title = f"sglang worker {instance.spec.name}{role} {instance.host}:{instance.port}"
+    if instance.is_alive() or instance.stopped:
+        return title, f"log: {instance.log_path}\nlast {tail} lines:\n{instance.log_tail(tail)}"
+    from .launcher import signal_name
+
+    return (f"{title} exited with {signal_name(instance.returncode)} during the test",
+            instance.failure_message("exited during the test", lines=tail))
+
+
+class SglReporter:
+    """The plugin's terminal output as hooks: header and summary."""
+
+    def __init__(self, session: SglSession) -> None:
+        self.session = session
+
+    def pytest_report_header(self, config: pytest.Config) -> list[str] | None:
+        s = self.session.settings
+        if not s.models and all(src == "default" for src in s.sources.values() if not src.startswith("ini sgl_models")):
+            return None  # a run that does not use the plugin prints nothing
+        models = ", ".join(s.models) or "none selected"
+        launcher = " ".join(s.launcher) if s.launcher else ("simulated engine" if s.engine == "sim" else
+                                                             f"{sys.executable} -m sglang.launch_server")
+        return [f"sglworker: models: {models}; engine: {s.engine} ({launcher}); gpus: {s.gpus or 'auto (NVML)'}",
+                f"sglworker: worker flags {self.session.flag_check}"]
+
+    def pytest_terminal_summary(self, terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+        if getattr(config, "workerinput", None) is not None:
+            return
+        # Nothing is imported for a run that launched no worker: the figures come only from a started pool
+        # or from xdist workers that launched some.
+        if self.session.pool_if_started is None and not self.session.worker_stats:
+            return
+        stats = self.session.collected_stats()
+        if not stats or config.get_verbosity() < -1:
+            return
+        import statistics
+
+        terminalreporter.write_sep("-", "sglang workers")
+        for st in stats.values():
+            times = st.startup_seconds
+            span = "-" if not times else f"{min(times):.1f}/{statistics.median(times):.1f}/{max(times):.1f} s"
+            kv = ""
+            if st.kv_tokens_actual is not None:
+                kv = f", KV #tokens {st.kv_tokens_actual}"
+                if st.kv_tokens_predicted is not None:
+                    kv += f" (predicted {st.kv_tokens_predicted})"
+            stops = f", {st.stops} stopped" if st.stops else ""
+            terminalreporter.write_line(
+                f"{st.label}: {st.launches} launched, {st.reuses} reused, startup min/median/max {span}, "
+                f"lease wait {st.lease_wait_seconds:.1f} s, GPU-seconds {st.gpu_seconds:.1f}, "
+                f"{st.failures} failed to start, {st.deaths} died{stops}{kv}"
+            )
+            for log in st.failed_logs:
+                terminalreporter.write_line(f"    log kept: {log}")
+            for log in st.kept_logs:
+                terminalreporter.write_line(f"    log kept (--sgl-keep-logs): {log}")
+
+
+# --------------------------------------------------------------------------------------------------------
+# --sgl-list-models
+# --------------------------------------------------------------------------------------------------------
+
+
+def _ledger_gpu(settings: Settings) -> tuple[str, int, int | None]:
+    """The GPU the ledger of --sgl-list-models is computed for: a named card, a declared inventory, the
+    first visible NVML GPU, or an H100 80 GB by default. Returns (label, total MiB, free MiB or None)."""
+    from .ledger import gpu_card_mib
+
+    if settings.card:
+        return settings.card, gpu_card_mib(settings.card), None
+    try:
+        from .gpus import load_inventory, parse_gpus_option
+
+        selection = parse_gpus_option(settings.gpus or "")
+        if selection.kind == "sim":
+            total = selection.sim_total_mib
+            return f"declared {settings.gpus} ({total} MiB)", total, None
+        inventory = load_inventory(selection, os.environ)
+        try:
+            gpus = inventory.snapshot()
+        finally:
+            inventory.close()
+        if gpus:
+            gpu = gpus[0]
+            return f"GPU {gpu.index} {gpu.name} ({gpu.total_mib} MiB, {gpu.free_mib} free)", gpu.total_mib, gpu.free_mib
+    except (SglWorkerError, ValueError):
+        pass
+    return "H100-80G (no GPU visible; choose another with --sgl-card)", gpu_card_mib("H100-80G"), None
+
+
+def render_registry(registry: SpecRegistry, settings: Settings) -> str:
+    from .ledger import ledger_for_spec
+
+    label, total, free = _ledger_gpu(settings)
+    lines = ["pytest-sglworker model registry:", f"memory ledger for: {label}"]
+    for spec in registry:
+        problems = budget.check_spec(spec)
+        lines.append(f"  {spec.name}")
+        lines.append(f"    model:       {spec.model} -> {spec.resolve_model_path()}")
+        lines.append(f"    memory:      {spec.memory_gb:g} GB   tp: {spec.tp}")
+        lines.append(f"    features:    {', '.join(sorted(spec.features)) or '-'}")
+        lines.append(f"    worker_args: {' '.join(spec.worker_args)}")
+        lines.append("    budget:      " + ("ok" if not problems else "VIOLATED: " + "; ".join(map(str, problems))))
+        if spec.description:
+            lines.append(f"    about:       {spec.description}")
+        ledger = ledger_for_spec(spec, total, gpu_free_mib=free)
+        if ledger is None:
+            lines.append("    ledger:      unknown model dimensions (no local config.json)")
+        else:
+            lines.append("    ledger:      " + ledger.render().replace("\n", "\n                 "))
+    return "\n".join(lines)

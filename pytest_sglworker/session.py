@@ -1,0 +1,584 @@
+"""The plugin's session object: one per pytest process, registered as a plugin whose hooks are its methods
+(the way pytest-xdist registers its ``DSession``). A pytest-facing module, split from ``plugin.py``.
+
+It holds the session's registry, settings, pool, GPU leases and watchdog, and does the collection-time work:
+budget and flag checks, parametrization over the selected models, per-test worker configurations
+(:meth:`SglSession.resolve_config`, the one place every entry point resolves one), skipping what the
+inventory can never hold, reordering, and the run report at the end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+from collections.abc import Generator, Mapping
+from types import FrameType
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+from . import budget
+from .errors import BudgetViolation, SglWorkerError, SpecError
+from .markers import MarkerError, WorkerMarker, WorkersMarker, opt_out_reason, required_features
+from .options import Settings
+from .specs import ModelSpec, SpecRegistry, set_active_registry
+
+if TYPE_CHECKING:
+    from .gpus import LeaseManager
+    from .kinds import GroupShape, WorkerConfig, WorkerKind
+    from .pool import WorkerPool
+
+STATE_KEY = pytest.StashKey["SglSession"]()
+#: the processes a test used (workers and routers): their logs go into the test's failure report
+WORKERS_KEY = pytest.StashKey[list[Any]]()
+ITEM_ERROR_KEY = pytest.StashKey[str]()
+CONFIG_KEY = pytest.StashKey["WorkerConfig"]()
+REPORTS_KEY = pytest.StashKey[dict[str, pytest.TestReport]]()
+
+#: The fixtures that launch workers, and the marker each one reads.
+WORKER_FIXTURES = ("sgl_worker", "sgl_workers", "sgl_router")
+OPT_OUT_FIX = ("drop the args that loosen the budget, or add "
+               "@pytest.mark.sgl_budget_opt_out(reason='why this test needs it')")
+
+
+def is_xdist_worker(config: pytest.Config) -> bool:
+    """Whether this process is an xdist worker (it cannot stop the session: per-test errors instead)."""
+    return getattr(config, "workerinput", None) is not None
+
+
+def xdist_worker_id(config: pytest.Config) -> str | None:
+    workerinput = getattr(config, "workerinput", None)
+    return str(workerinput.get("workerid")) if isinstance(workerinput, dict) else None
+
+
+def state_of(config: pytest.Config) -> SglSession:
+    return config.stash[STATE_KEY]
+
+
+def item_spec(item: pytest.Item) -> ModelSpec | None:
+    callspec = getattr(item, "callspec", None)
+    spec = callspec.params.get("sgl_model") if callspec is not None else None
+    return spec if isinstance(spec, ModelSpec) else None
+
+
+def _plugin_name(plugin: object) -> str:
+    return getattr(plugin, "__file__", None) or getattr(plugin, "__name__", None) or repr(plugin)
+
+
+class SglSession:
+    """Everything the plugin holds for one session, and the hooks that use it."""
+
+    def __init__(self, config: pytest.Config, settings: Settings) -> None:
+        self.config = config
+        self.settings = settings
+        self.registry = SpecRegistry.with_builtins()
+        self.registered_from: set[int] = set()
+        self._pool: WorkerPool | None = None
+        self._watchdog: Any = None
+        self._leases: LeaseManager | None = None
+        self.flag_check: str = "not needed (no worker test collected)"
+        self.messages: list[str] = []
+        self.worker_stats: list[dict[str, Any]] = []  # from xdist workers
+        self.worker_launches: list[list[dict[str, Any]]] = []  # from xdist workers
+        #: node ids of the last test of each worker configuration: its workers are retired after it
+        self.last_users: set[str] = set()
+        self.interrupted_by: int | None = None
+        self._previous_handlers: dict[int, Any] = {}
+        import time
+
+        self.started_at = time.time()
+
+    # -- registry -----------------------------------------------------------------------------------------
+    def register_from(self, plugin: object) -> None:
+        hook = getattr(plugin, "pytest_sglworker_register_specs", None)
+        if hook is None or id(plugin) in self.registered_from:
+            return
+        self.registered_from.add(id(plugin))
+        try:
+            hook(registry=self.registry)
+        except SpecError as exc:
+            raise pytest.UsageError(f"pytest_sglworker_register_specs in {_plugin_name(plugin)}: {exc}") from None
+        except Exception as exc:  # a conftest's bug is a usage error naming it, never an INTERNALERROR
+            raise pytest.UsageError(
+                f"pytest_sglworker_register_specs in {_plugin_name(plugin)} raised {type(exc).__name__}: {exc} "
+                "(fix the hook; it runs once per session to register model specs)") from None
+
+    def register_all(self) -> None:
+        for plugin in self.config.pluginmanager.get_plugins():
+            self.register_from(plugin)
+
+    def spec_problems(self) -> dict[str, str]:
+        """``{spec name: message}`` for every registered spec that breaks the budget."""
+        problems = {}
+        for spec in self.registry:
+            found = budget.check_spec(spec)
+            if found:
+                problems[spec.name] = budget.describe_violation(f"model spec {spec.name!r} ({spec.model})", found)
+        return problems
+
+    def selected_specs(self) -> list[ModelSpec]:
+        unknown = [m for m in self.settings.models if m not in self.registry]
+        if unknown:
+            raise pytest.UsageError(
+                f"{self.settings.sources.get('model', '--sgl-model')}: "
+                f"unknown model(s) {', '.join(map(repr, unknown))}; "
+                f"known: {', '.join(self.registry.names())} (register more with pytest_sglworker_register_specs)"
+            )
+        return [self.registry.get(m) for m in self.settings.models]
+
+    # -- worker configurations ----------------------------------------------------------------------------
+    def choose_kind(self, role: str, args: Any) -> WorkerKind:
+        from .kinds import default_kind
+
+        chosen = self.config.hook.pytest_sglworker_worker_kind(role=role, args=tuple(args))
+        return chosen if chosen is not None else default_kind(role, args)
+
+    def resolve_config(self, node: Any, spec: ModelSpec, fixture: str) -> WorkerConfig:
+        """The worker configuration of a test (``node``) for ``fixture``: its marker read and validated, the
+        budget checked for every member. Raises :class:`MarkerError` for a bad marker and
+        :class:`BudgetViolation` for args that loosen the budget without an opt-out; callers decide how each
+        fails (a usage error at collection, an error of the test otherwise)."""
+        from .kinds import GroupShape, WorkerConfig
+
+        reason = opt_out_reason(node)
+        group: GroupShape | None = None
+        if fixture == "sgl_worker":
+            marker = WorkerMarker.from_mark(node.get_closest_marker("sgl_worker"))
+            args, env, name = marker.args, marker.env, "sgl_worker"
+        else:
+            group_marker = WorkersMarker.from_mark(node.get_closest_marker("sgl_workers"))
+            group = GroupShape(group_marker.count, group_marker.prefill, group_marker.decode, group_marker.role_args)
+            args, env, name = group_marker.args, group_marker.env, "sgl_workers"
+        subject = f"test {getattr(node, 'nodeid', node)}: @pytest.mark.{name}(args={list(args)!r}"
+        subject += "".join(f", {role}_args={list(a)!r}" for role, a in (group.role_args if group else ())) + ")"
+        return WorkerConfig.resolve(spec, args, env, opt_out=reason, group=group, subject=subject, fix=OPT_OUT_FIX)
+
+    # -- workers ------------------------------------------------------------------------------------------
+    @property
+    def pool(self) -> WorkerPool:
+        if self._pool is None:
+            self._pool = self._make_pool()
+        return self._pool
+
+    @property
+    def pool_if_started(self) -> WorkerPool | None:
+        return self._pool
+
+    def _make_pool(self) -> WorkerPool:
+        from .launcher import LaunchOptions
+        from .pool import WorkerPool
+        from .reaper import Watchdog, reap_dead_sessions
+        from .reporter import message, progress
+
+        s = self.settings
+        leases = self.lease_manager()
+        reaped = reap_dead_sessions(s.log_dir or _default_log_dir(), lock_dir=leases.lock_dir)
+        if reaped:
+            message(self, f"cleaned up after earlier sessions: {reaped}")
+        self._watchdog = Watchdog(lock_dir=leases.lock_dir)
+        options = LaunchOptions(
+            launcher=self.launcher(), log_dir=s.log_dir, lock_dir=s.lock_dir, startup_timeout=s.startup_timeout,
+            port_range=s.port_range, tail_lines=s.tail_lines,
+        )
+        return WorkerPool(
+            options, leases=leases, lease_timeout=s.lease_timeout, reuse=s.reuse,
+            keep_logs=s.keep_logs, on_progress=lambda instance, elapsed: progress(self, instance, elapsed),
+            on_message=lambda text: message(self, text), worker_env=self._worker_env,
+            choose_kind=self.choose_kind, xdist_worker=xdist_worker_id(self.config),
+        )
+
+    def _worker_env(self, spec: ModelSpec, lease_env: dict[str, str]) -> dict[str, str]:
+        result = self.config.hook.pytest_sglworker_worker_env(spec=spec, lease_env=dict(lease_env))
+        return dict(lease_env) if result is None else dict(result)
+
+    def lease_manager(self) -> LeaseManager:
+        """The session's GPU lease manager (one inventory, one lock directory). Raises InventoryUnavailable
+        when the inventory cannot be read, ValueError when --sgl-gpus names GPUs that are not visible, and
+        UnsafeDirectory for a lock directory that cannot be used."""
+        if self._leases is None:
+            from . import state
+            from .gpus import LeaseManager, load_inventory, parse_gpus_option
+
+            selection = parse_gpus_option(self.settings.gpus or "")
+            inventory = load_inventory(selection, os.environ)
+            lock_dir = state.ensure_private_dir(self.settings.lock_dir or state.default_lock_dir(),
+                                                what="lock directory", shared_ok=self.settings.lock_dir is not None)
+            self._leases = LeaseManager(lock_dir, inventory, namespace=selection.namespace)
+        return self._leases
+
+    # -- sglang's own parser ------------------------------------------------------------------------------
+    def launcher(self) -> tuple[str, ...]:
+        from .launcher import default_launcher, sim_launcher
+
+        s = self.settings
+        return s.launcher or tuple(sim_launcher() if s.engine == "sim" else default_launcher())
+
+    def check_flags(self, subjects: Mapping[str, tuple[ModelSpec, tuple[str, ...]]]) -> dict[str, str]:
+        """Parse each subject's worker argv with sglang's own parser (in the engine's interpreter, cached).
+        Returns ``{subject: message}`` for the argvs sglang rejects (a misspelt flag, an invalid choice)."""
+        if not subjects:
+            return {}
+        import importlib.util
+
+        from . import state as state_dirs
+        from .engine_args import check_with_sglang, find_sglang_python
+        from .launcher import build_argv
+        python = find_sglang_python(self.launcher())
+        if python is None and self.settings.engine == "sim":
+            python = sys.executable  # the sim engine: check with sglang if this environment has it
+        if python is None:
+            self.flag_check = f"not checked: cannot tell which python runs the launcher {' '.join(self.launcher())!r}"
+            return {}
+        if python == sys.executable and importlib.util.find_spec("sglang") is None:
+            self.flag_check = f"not checked: sglang is not importable by {python}"
+            return {}
+        argvs = {name: build_argv(spec, port=30000, nccl_port=30001, launcher=(), extra_args=extra,
+                                  allow_foreign_host=True) for name, (spec, extra) in subjects.items()}
+        try:
+            cache_dir = state_dirs.ensure_private_dir(state_dirs.default_root() / "cache", what="cache directory")
+        except SglWorkerError:
+            cache_dir = None
+        env: dict[str, str] = {}
+        for spec, _ in subjects.values():
+            env.update(spec.env)
+        result = check_with_sglang(python, list(argvs.values()), cache_dir=cache_dir, env=env)
+        if not result.available:
+            self.flag_check = f"not checked: {result.reason}"
+            return {}
+        self.flag_check = f"checked by sglang {result.version}'s own parser"
+        problems = {}
+        for name, argv in argvs.items():
+            check = result.results.get(tuple(argv))
+            if check is not None and not check.ok:
+                problems[name] = (f"{name}: sglang {result.version} rejects its worker args:\n  {check.message}\n"
+                                  f"  argv: {' '.join(argv)}\n  fix: correct the flag (see "
+                                  "'python -m sglang.launch_server --help' of the engine you run)")
+        return problems
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.close()
+        if self._watchdog is not None:
+            from .processes import sweep_session
+            from .reporter import message
+
+            swept = sweep_session()
+            if swept:
+                message(self, f"killed {len(swept)} worker process(es) left after teardown: {swept}")
+            self._watchdog.close()
+            self._watchdog = None
+        if self._leases is not None:
+            self._leases.inventory.close()  # NVML shutdown; a declared inventory has nothing to free
+
+    # -- signals: a CI cancel (SIGTERM, SIGHUP) is an orderly interrupt ------------------------------------
+    def install_signal_handlers(self) -> None:
+        """SIGTERM and SIGHUP become a KeyboardInterrupt in the main thread: pytest then tears the workers
+        down, the report is written (marked interrupted) and the summary printed; the exit code is
+        128 + the signal, as for a process the signal ended. Only where nobody installed a handler."""
+        import threading
+
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for signum in (signal.SIGTERM, signal.SIGHUP):
+            if signal.getsignal(signum) is signal.SIG_DFL:
+                self._previous_handlers[signum] = signal.signal(signum, self._on_signal)
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        if self.interrupted_by is None:
+            self.interrupted_by = signum
+            raise KeyboardInterrupt(f"{signal.Signals(signum).name} received")
+
+    def restore_signal_handlers(self) -> None:
+        for signum, handler in self._previous_handlers.items():
+            with contextlib.suppress(ValueError, TypeError):
+                signal.signal(signum, handler)
+        self._previous_handlers.clear()
+
+    # ======================================================================================================
+    # hooks
+    # ======================================================================================================
+
+    def pytest_plugin_registered(self, plugin: object, manager: pytest.PytestPluginManager) -> None:
+        # Conftests of sub-directories are loaded during collection: register their specs when they arrive.
+        if plugin is not self:
+            self.register_from(plugin)
+
+    def pytest_sessionstart(self, session: pytest.Session) -> None:
+        problems = self.spec_problems()
+        if problems:
+            raise pytest.UsageError("\n".join(problems.values()))
+        selected = self.selected_specs()
+        if selected and not is_xdist_worker(session.config):
+            # Before any GPU time is spent; a run that selects no model launches nothing and checks nothing.
+            # Every registered spec, like the budget check: one batch, cached per sglang install.
+            rejected = self.check_flags({f"model spec {spec.name!r}": (spec, ()) for spec in self.registry})
+            if rejected:
+                raise pytest.UsageError("\n".join(rejected.values()))
+
+    def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
+        if "sgl_model" not in metafunc.fixturenames:
+            return
+        specs = self.selected_specs()
+        if not specs:
+            metafunc.parametrize("sgl_model", [pytest.param(None, marks=pytest.mark.skip(
+                reason="no sglang model selected: run with --sgl-model NAME (see --sgl-list-models)"))],
+                ids=["no-model"])
+            return
+        try:
+            required = required_features(metafunc.definition)
+        except MarkerError:  # reported on each test by pytest_collection_modifyitems, not hidden by a skip
+            required = set()
+        params = []
+        for spec in specs:
+            missing = sorted(required - spec.features)
+            marks = [pytest.mark.skip(reason=f"model {spec.name} lacks feature(s) {', '.join(missing)} "
+                                             "required by @pytest.mark.sgl_requires")] if missing else []
+            params.append(pytest.param(spec, id=spec.name, marks=marks))
+        metafunc.parametrize("sgl_model", params)
+
+    @pytest.hookimpl(trylast=True)  # after -k/-m/--deselect: deselected tests are neither checked nor counted
+    def pytest_collection_modifyitems(self, session: pytest.Session, config: pytest.Config,
+                                      items: list[pytest.Item]) -> None:
+        # A usage error stops the session; an xdist worker cannot stop it cleanly (xdist would report an
+        # INTERNALERROR), so there each offending test fails on its own with the same message instead.
+        problems: dict[str, str] = {}  # nodeid -> message
+        spec_problems = self.spec_problems()  # also specs of conftests loaded during collection
+        for item in items:
+            if "sgl_model" in getattr(item, "fixturenames", ()):
+                try:
+                    required_features(item)
+                except MarkerError as exc:
+                    item.stash[ITEM_ERROR_KEY] = str(exc)
+        for item in items:
+            fixturenames = getattr(item, "fixturenames", ())
+            fixture = next((f for f in WORKER_FIXTURES if f in fixturenames), None)
+            if fixture is None and "sgl_spawn_worker" not in fixturenames:
+                continue
+            try:
+                WorkerMarker.from_mark(item.get_closest_marker("sgl_worker"))
+                opt_out_reason(item)
+                if fixture is None:
+                    continue
+                from .markers import RouterMarker
+
+                RouterMarker.from_mark(item.get_closest_marker("sgl_router"))
+                spec = item_spec(item)
+                if spec is None:
+                    continue
+                if spec.name in spec_problems:
+                    problems[item.nodeid] = spec_problems[spec.name]
+                    continue
+                item.stash[CONFIG_KEY] = self.resolve_config(item, spec, fixture)
+            except MarkerError as exc:
+                item.stash[ITEM_ERROR_KEY] = str(exc)
+            except (BudgetViolation, ValueError) as exc:
+                problems[item.nodeid] = str(exc)
+        with_args = {item.nodeid: item.stash[CONFIG_KEY] for item in items
+                     if CONFIG_KEY in item.stash and item.stash[CONFIG_KEY].members()[0].extra_args}
+        flagged = self.check_flags({f"test {nodeid}": (c.spec, m.extra_args)
+                                    for nodeid, c in with_args.items() for m in c.members()[:1]})
+        for nodeid in with_args:
+            if f"test {nodeid}" in flagged:
+                problems[nodeid] = flagged[f"test {nodeid}"]
+        if spec_problems and not is_xdist_worker(config):
+            raise pytest.UsageError("\n".join(spec_problems.values()))
+        if problems:
+            if not is_xdist_worker(config):
+                raise pytest.UsageError("\n".join(dict.fromkeys(problems.values())))
+            for item in items:
+                if item.nodeid in problems:
+                    item.stash[ITEM_ERROR_KEY] = problems[item.nodeid]
+                    if CONFIG_KEY in item.stash:
+                        del item.stash[CONFIG_KEY]
+        self._skip_impossible(items)
+        if self.settings.reorder:
+            _reorder(items)
+        if not is_xdist_worker(config):  # an xdist worker does not know which tests it will get
+            last_users: dict[Any, str] = {}  # WorkerConfig -> node id
+            for item in items:
+                if CONFIG_KEY in item.stash:
+                    last_users[item.stash[CONFIG_KEY]] = item.nodeid
+            self.last_users = set(last_users.values())
+
+    def _skip_impossible(self, items: list[pytest.Item]) -> None:
+        """Skip, before anything launches, tests whose workers can never get a GPU lease here."""
+        configs = {item.stash[CONFIG_KEY] for item in items if CONFIG_KEY in item.stash}
+        if not configs:
+            return
+        try:
+            manager = self.lease_manager()
+        except (SglWorkerError, ValueError) as exc:  # ValueError: --sgl-gpus names GPUs that are not visible
+            from .errors import InventoryUnavailable
+
+            reason = f"no GPU inventory: {exc}"
+            inventory = isinstance(exc, InventoryUnavailable)
+            if not inventory or (self.settings.gpus_explicit and is_xdist_worker(self.config)):
+                # An unsafe or unusable lock directory is an error, never a skip (a green run would hide it); an
+                # xdist worker cannot stop the session cleanly, so each worker test fails with the message.
+                source = f"{self.settings.sources['gpus']}: " if inventory else ""
+                for item in items:
+                    if CONFIG_KEY in item.stash:
+                        item.stash[ITEM_ERROR_KEY] = f"{source}{exc}"
+                return
+            if self.settings.gpus_explicit:
+                raise pytest.UsageError(f"{self.settings.sources['gpus']}: {exc}") from None
+            for item in items:
+                if CONFIG_KEY in item.stash:
+                    item.add_marker(pytest.mark.skip(reason=reason))
+            return
+        reasons = {}
+        for c in configs:
+            gpus = c.gpus_needed(self.choose_kind)
+            why = manager.can_ever_fit(gpus, c.spec.memory_mib)
+            if why and c.group is not None:
+                why = f"the group {c.group.describe()} leases {gpus} GPU(s) at once: {why}"
+            reasons[c] = why
+        for item in items:
+            worker_config = item.stash.get(CONFIG_KEY, None)
+            if worker_config is not None and reasons.get(worker_config):
+                item.add_marker(pytest.mark.skip(reason=f"{worker_config.spec.name}: {reasons[worker_config]}"))
+
+    def pytest_runtest_setup(self, item: pytest.Item) -> None:
+        error = item.stash.get(ITEM_ERROR_KEY, None)
+        if error is not None:
+            pytest.fail(error, pytrace=False)
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_makereport(
+        self, item: pytest.Item, call: pytest.CallInfo[None]
+    ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+        report = yield
+        item.stash.setdefault(REPORTS_KEY, {})[report.when] = report
+        workers = item.stash.get(WORKERS_KEY, None)
+        if workers and report.failed:
+            from .reporter import worker_section
+
+            for instance in workers:
+                report.sections.append(worker_section(instance, self.settings.tail_lines))
+        return report
+
+    @pytest.hookimpl(trylast=True)  # after the runner's, which tears down the fixtures of an interrupted test
+    def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
+        self.close()
+        self.restore_signal_handlers()
+        if self.interrupted_by is not None:
+            session.exitstatus = 128 + self.interrupted_by
+        workeroutput = getattr(session.config, "workeroutput", None)
+        if workeroutput is not None and self._pool is not None:
+            workeroutput["sglworker_stats"] = {k: v.as_dict() for k, v in self._pool.stats.items()}
+            workeroutput["sglworker_launches"] = [r.as_dict() for r in self._pool.launches]
+        if not is_xdist_worker(session.config) and self.settings.report is not None:
+            self.write_report(int(session.exitstatus))
+
+    def pytest_unconfigure(self, config: pytest.Config) -> None:
+        self.close()
+        self.restore_signal_handlers()
+        set_active_registry(None)
+
+    # -- the run report -----------------------------------------------------------------------------------
+    def collected_stats(self) -> dict[str, Any]:
+        from .report import merge_stats
+
+        sources = list(self.worker_stats)
+        if self._pool is not None:
+            sources.append({k: v.as_dict() for k, v in self._pool.stats.items()})
+        return merge_stats(sources)
+
+    def collected_launches(self) -> list[dict[str, Any]]:
+        from .report import merge_launches
+
+        sources = list(self.worker_launches)
+        if self._pool is not None:
+            sources.append([r.as_dict() for r in self._pool.launches])
+        return merge_launches(sources)
+
+    def write_report(self, exitstatus: int) -> None:
+        import time
+
+        from .report import write_report
+        from .reporter import message
+
+        path = self.settings.report
+        assert path is not None
+        extra = {"engine": self.settings.engine, "models": list(self.settings.models), "exitstatus": exitstatus,
+                 "interrupted": exitstatus == int(pytest.ExitCode.INTERRUPTED) or self.interrupted_by is not None,
+                 "started_at": round(self.started_at, 3), "finished_at": round(time.time(), 3)}
+        try:
+            write_report(path, self.collected_stats(), extra, self.collected_launches())
+        except OSError as exc:  # a crash here would end pytest with a traceback instead of its summary
+            message(self, f"ERROR: cannot write the run report to {path} "
+                          f"({self.settings.sources.get('report', '--sgl-report')}): {exc.strerror or exc}",
+                    always=True)
+        else:
+            message(self, f"run report written to {path}", always=True)
+
+
+def _default_log_dir() -> Any:
+    from .state import default_log_dir
+
+    return default_log_dir()
+
+
+def _reorder(items: list[pytest.Item]) -> None:
+    """Stable: tests of one worker configuration move up to the first test of that configuration."""
+    first: dict[str, int] = {}
+    keys: list[tuple[int, int]] = []
+    for index, item in enumerate(items):
+        worker_config = item.stash.get(CONFIG_KEY, None)
+        if worker_config is None:
+            keys.append((index, 0))
+            continue
+        anchor = first.setdefault(worker_config.key, index)
+        keys.append((anchor, 1 if anchor != index else 0))
+    order = sorted(range(len(items)), key=lambda i: (keys[i], i))
+    items[:] = [items[i] for i in order]
+
+
+class XdistHooks:
+    """Registered only when pytest-xdist is present."""
+
+    def __init__(self, session: SglSession) -> None:
+        self.session = session
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_collection_modifyitems(
+        self, config: pytest.Config, items: list[pytest.Item]
+    ) -> Generator[None, None, None]:
+        # Under --dist loadgroup, xdist's worker appends the xdist_group name to each node id in its own
+        # pytest_collection_modifyitems, which pluggy calls before the plugin's (xdist registers it later):
+        # the group marks must be in place first. The main hook reports marker errors.
+        for item in items:
+            spec = item_spec(item)
+            fixturenames = getattr(item, "fixturenames", ())
+            fixture = next((f for f in WORKER_FIXTURES if f in fixturenames), None)
+            if spec is None or fixture is None or item.get_closest_marker("xdist_group") is not None:
+                continue
+            try:
+                key = self.session.resolve_config(item, spec, fixture).key
+            except (MarkerError, BudgetViolation, ValueError):
+                continue
+            item.add_marker(pytest.mark.xdist_group(name=f"sgl-{key}"))
+        result = yield
+        # pytest >= 9.2 derives the node id from the structured item._id, while xdist <= 3.8 still writes the
+        # suffixed id to the legacy item._nodeid: the @group suffix is lost and loadgroup silently stops
+        # grouping (pytest-dev/pytest-xdist#1386). Carry it over; a no-op once xdist sets the id itself.
+        # This is the plugin's one use of pytest internals, guarded so that another pytest cannot break a run.
+        for item in items:
+            legacy = getattr(item, "_nodeid", None)
+            if isinstance(legacy, str) and legacy.startswith(item.nodeid + "@") and hasattr(item, "_id"):
+                try:
+                    from _pytest.nodeid import NodeId
+
+                    item._id = NodeId.parse(legacy)
+                except Exception:  # a workaround must never fail a run
+                    break
+        return result
+
+    def pytest_testnodedown(self, node: Any, error: Any) -> None:
+        output = getattr(node, "workeroutput", {})
+        if output.get("sglworker_stats"):
+            self.session.worker_stats.append(output["sglworker_stats"])
+        if output.get("sglworker_launches"):
+            self.session.worker_launches.append(output["sglworker_launches"])
