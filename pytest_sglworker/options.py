@@ -37,6 +37,8 @@ REORDER_DESC = "reorder tests so that tests of one worker configuration run toge
 REPORT_DESC = "write the run report (launches, reuses, startup times, failures) as JSON to this path"
 TAIL_DESC = "log lines shown in failure reports (default 40)"
 CARD_DESC = "GPU card for the memory ledger of --sgl-list-models, e.g. H100-80G, H200, A100-40G, L4"
+TIMELINE_DESC = "write the run's timeline (a lane per GPU, a bar per launch) as one self-contained HTML file"
+TRACE_DESC = "write the run's launches as Chrome trace-event JSON (Perfetto, chrome://tracing)"
 ROUTER_LAUNCHER_DESC = ("command that starts the router of sgl_router, shlex-split "
                         "(default: '<python> -m sglang_router.launch_router')")
 
@@ -147,6 +149,8 @@ OPTIONS: tuple[_Opt, ...] = (
     _Opt("report", "SGLWORKER_REPORT", "sgl_report", REPORT_DESC, None, _report_path),
     _Opt("tail-lines", "SGLWORKER_TAIL_LINES", "sgl_tail_lines", TAIL_DESC, 40, _positive_int),
     _Opt("card", "SGLWORKER_CARD", "sgl_card", CARD_DESC, None, _card),
+    _Opt("timeline", "SGLWORKER_TIMELINE", "sgl_timeline", TIMELINE_DESC, None, _report_path),
+    _Opt("trace", "SGLWORKER_TRACE", "sgl_trace", TRACE_DESC, None, _report_path),
     _Opt("router-launcher", "SGLWORKER_ROUTER_LAUNCHER", "sgl_router_launcher", ROUTER_LAUNCHER_DESC, None,
          _launcher),
 )
@@ -194,6 +198,8 @@ class Settings:
     tail_lines: int = 40
     card: str | None = None
     router_launcher: tuple[str, ...] | None = None
+    timeline: Path | None = None
+    trace: Path | None = None
     sources: Mapping[str, str] = field(default_factory=dict)
 
     @property

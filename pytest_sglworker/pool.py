@@ -277,6 +277,11 @@ class WorkerPool:
         leased_at = time.monotonic()
         records = [self._record(config, plan, group_id if len(plans) > 1 else None, requested,
                                 time.time() if lease is not None else None) for plan in plans]
+        if lease is not None:
+            names = [g.name for g in lease.gpus]
+            start = 0
+            for record, count in zip(records, counts, strict=True):
+                record.gpu_names, start = names[start:start + count], start + count
         try:
             envs = [self._member_env(config, env) for env in _split_env(lease, counts)]
             members = self._start_members(config, plans, envs, options, records)

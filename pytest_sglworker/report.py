@@ -2,17 +2,14 @@
 
 Plain Python, no pytest. The pool fills :class:`ConfigStats` and :class:`LaunchRecord` s; under xdist each
 worker sends its own as plain dicts (``as_dict``) and the controller merges them (:func:`merge_stats`,
-:func:`merge_launches`). :func:`write_report` writes the JSON of ``--sgl-report`` (schema in the README);
+:func:`merge_launches`). :func:`write_json` writes the JSON of ``--sgl-report`` (schema in the README);
 the timeline and the trace are drawn from the same launch records.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import statistics
-import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -21,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .launcher import ManagedProcess
 
-__all__ = ["SCHEMA", "ConfigStats", "LaunchRecord", "merge_launches", "merge_stats", "write_report"]
+__all__ = ["SCHEMA", "ConfigStats", "LaunchRecord", "merge_launches", "merge_stats", "write_json"]
 
 SCHEMA = "pytest-sglworker/report/v1"
 
@@ -138,6 +135,7 @@ class LaunchRecord:
     xdist_worker: str | None = None
     node: str = ""
     gpus: list[int] = field(default_factory=list)
+    gpu_names: list[str] = field(default_factory=list)
     port: int | None = None
     pid: int | None = None
     argv: str = ""
@@ -175,28 +173,10 @@ def merge_launches(sources: Sequence[Sequence[Mapping[str, Any]]]) -> list[dict[
     return sorted(launches, key=lambda r: (r.get("t_lease_requested") or r.get("t_started") or 0.0, r["id"]))
 
 
-def write_report(path: Path, stats: Mapping[str, ConfigStats], extra: Mapping[str, Any],
-                 launches: Sequence[Mapping[str, Any]] = ()) -> None:
+def write_json(path: Path, report: Mapping[str, Any]) -> None:
     """``--sgl-report PATH``: the run report as JSON (schema in the README), written atomically (a failed
     write leaves the previous file, never a partial one), mode 0644."""
-    data = {"schema": SCHEMA, **extra, "workers": {key: s.as_dict() for key, s in sorted(stats.items())},
-            "launches": list(launches)}
-    write_atomically(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
+    from .state import atomic_write
 
-
-def write_atomically(path: Path, text: str, *, mode: int = 0o644) -> None:
-    """Write ``text`` to a temporary file beside ``path``, then rename it over ``path``; the temporary file is
-    removed on any failure."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.chmod(tmp, mode)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    atomic_write(path, json.dumps(report, indent=2, sort_keys=True) + "\n")

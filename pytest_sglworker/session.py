@@ -434,6 +434,8 @@ class SglSession:
             why = manager.can_ever_fit(gpus, c.spec.memory_mib)
             if why and c.group is not None:
                 why = f"the group {c.group.describe()} leases {gpus} GPU(s) at once: {why}"
+            elif why and gpus != c.spec.tp:
+                why = f"the worker leases {gpus} GPU(s) at once (tp x data-parallel replicas): {why}"
             reasons[c] = why
         for item in items:
             worker_config = item.stash.get(CONFIG_KEY, None)
@@ -469,8 +471,8 @@ class SglSession:
         if workeroutput is not None and self._pool is not None:
             workeroutput["sglworker_stats"] = {k: v.as_dict() for k, v in self._pool.stats.items()}
             workeroutput["sglworker_launches"] = [r.as_dict() for r in self._pool.launches]
-        if not is_xdist_worker(session.config) and self.settings.report is not None:
-            self.write_report(int(session.exitstatus))
+        if not is_xdist_worker(session.config):
+            self.write_artifacts(int(session.exitstatus))
 
     def pytest_unconfigure(self, config: pytest.Config) -> None:
         self.close()
@@ -494,25 +496,50 @@ class SglSession:
             sources.append([r.as_dict() for r in self._pool.launches])
         return merge_launches(sources)
 
-    def write_report(self, exitstatus: int) -> None:
+    def run_report(self, exitstatus: int) -> dict[str, Any]:
+        """The run report as one dict (the ``--sgl-report`` JSON; the timeline and the trace are drawn from it)."""
         import time
 
-        from .report import write_report
+        from .report import SCHEMA
+
+        return {"schema": SCHEMA, "engine": self.settings.engine, "models": list(self.settings.models),
+                "exitstatus": exitstatus,
+                "interrupted": exitstatus == int(pytest.ExitCode.INTERRUPTED) or self.interrupted_by is not None,
+                "started_at": round(self.started_at, 3), "finished_at": round(time.time(), 3),
+                "workers": {k: v.as_dict() for k, v in sorted(self.collected_stats().items())},
+                "launches": self.collected_launches()}
+
+    def write_artifacts(self, exitstatus: int) -> None:
+        """``--sgl-report``, ``--sgl-timeline`` and ``--sgl-trace``, each written atomically; a failure to
+        write one is an error line, never a traceback that would hide pytest's own summary."""
         from .reporter import message
 
-        path = self.settings.report
-        assert path is not None
-        extra = {"engine": self.settings.engine, "models": list(self.settings.models), "exitstatus": exitstatus,
-                 "interrupted": exitstatus == int(pytest.ExitCode.INTERRUPTED) or self.interrupted_by is not None,
-                 "started_at": round(self.started_at, 3), "finished_at": round(time.time(), 3)}
-        try:
-            write_report(path, self.collected_stats(), extra, self.collected_launches())
-        except OSError as exc:  # a crash here would end pytest with a traceback instead of its summary
-            message(self, f"ERROR: cannot write the run report to {path} "
-                          f"({self.settings.sources.get('report', '--sgl-report')}): {exc.strerror or exc}",
-                    always=True)
-        else:
-            message(self, f"run report written to {path}", always=True)
+        s = self.settings
+        wanted = {name: path for name, path in (("report", s.report), ("timeline", s.timeline), ("trace", s.trace))
+                  if path is not None}
+        if not wanted:
+            return
+        report = self.run_report(exitstatus)
+        for name, path in wanted.items():
+            try:
+                if name == "report":
+                    from .report import write_json
+
+                    write_json(path, report)
+                elif name == "timeline":
+                    from .timeline import write_html
+
+                    write_html(path, report)
+                else:
+                    from .timeline import write_trace
+
+                    write_trace(path, report)
+            except (OSError, ValueError) as exc:
+                detail = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+                message(self, f"ERROR: cannot write the run {name} to {path} "
+                              f"({s.sources.get(name, '--sgl-' + name)}): {detail}", always=True)
+            else:
+                message(self, f"run {name} written to {path}", always=True)
 
 
 def _default_log_dir() -> Any:

@@ -22,7 +22,6 @@ import json
 import math
 import os
 import re
-import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -676,20 +675,10 @@ def _trace_launch(launch: _Launch, pid: int, tid: int, us: Callable[[float], int
 
 
 def _write_atomically(path: str | os.PathLike[str], text: str) -> None:
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, target)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    from .state import atomic_write
+
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(Path(path), text)
 
 
 def write_html(path: str | os.PathLike[str], report: Mapping[str, Any]) -> None:
