@@ -33,6 +33,7 @@ from .report import ConfigStats, LaunchRecord
 from .sglang_facts import LOOPBACK_HOST
 
 if TYPE_CHECKING:
+    from .options import Settings
     from .pool import WorkerGroup
     from .session import SglSession
 
@@ -215,8 +216,10 @@ def _router_stats(session: SglSession, group: WorkerGroup, policy: str | None) -
     return stats
 
 
-def _launcher(session: SglSession) -> list[str]:
-    explicit = session.settings.router_launcher
+def router_launcher(settings: Settings) -> list[str]:
+    """The router's launcher: ``--sgl-router-launcher``, else ``<python> -m sglang_router.launch_router`` when
+    the package is installed; :class:`RouterUnavailable` (a skip with the install command) otherwise."""
+    explicit = settings.router_launcher
     if explicit:
         return list(explicit)
     if importlib.util.find_spec("sglang_router") is None:
@@ -230,7 +233,7 @@ def start_router(session: SglSession, group: WorkerGroup, *, policy: str | None 
     from . import state
     from .ports import reserve_port_block
 
-    launcher = _launcher(session)
+    launcher = router_launcher(session.settings)
     check_launcher(launcher)
     s = session.settings
     log_dir = state.ensure_private_dir(s.log_dir or state.default_log_dir(), what="log directory")

@@ -393,6 +393,7 @@ class SglSession:
                     if CONFIG_KEY in item.stash:
                         del item.stash[CONFIG_KEY]
         self._skip_impossible(items)
+        self._skip_without_router(items)
         if self.settings.reorder:
             _reorder(items)
         if not is_xdist_worker(config):  # an xdist worker does not know which tests it will get
@@ -441,6 +442,19 @@ class SglSession:
             worker_config = item.stash.get(CONFIG_KEY, None)
             if worker_config is not None and reasons.get(worker_config):
                 item.add_marker(pytest.mark.skip(reason=f"{worker_config.spec.name}: {reasons[worker_config]}"))
+
+    def _skip_without_router(self, items: list[pytest.Item]) -> None:
+        """Skip, before their workers launch, the tests of ``sgl_router`` when the router is not installed."""
+        users = [item for item in items if "sgl_router" in getattr(item, "fixturenames", ())]
+        if not users:
+            return
+        from .router import RouterUnavailable, router_launcher
+
+        try:
+            router_launcher(self.settings)
+        except RouterUnavailable as exc:
+            for item in users:
+                item.add_marker(pytest.mark.skip(reason=str(exc)))
 
     def pytest_runtest_setup(self, item: pytest.Item) -> None:
         error = item.stash.get(ITEM_ERROR_KEY, None)

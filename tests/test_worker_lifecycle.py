@@ -279,10 +279,12 @@ def test_example_router_e2e_suite_runs_on_the_sim(pytester: pytest.Pytester, sim
 
     examples = Path(__file__).resolve().parent.parent / "conftest_examples"
     shutil.copytree(examples / "router_e2e", pytester.path / "router_e2e")
-    result = pytester.runpytest_subprocess("router_e2e", *SIM, timeout=180)
-    result.assert_outcomes(passed=5)
-    # one pooled worker for three tests, two fresh ones for the round-robin test
-    result.stdout.fnmatch_lines(["qwen3-0.6b: 3 launched, 2 reused*"])
+    result = pytester.runpytest_subprocess("router_e2e", *SIM, timeout=300)
+    result.assert_outcomes(passed=9)
+    # one pooled group per configuration (the crash test retires its group), the real router per test
+    result.stdout.fnmatch_lines(["qwen3-0.6b [[]2x[]]: 1 launched, 4 reused*0 died, 1 stopped*",
+                                 "qwen3-0.6b [[]1P+1D[]]: 1 launched, 2 reused*",
+                                 "qwen3-0.6b [[]1x[]] --dp-size 2: 1 launched*"])
     assert "waiting for worker" not in result.stdout.str()  # quick startups show no status line
 
 
