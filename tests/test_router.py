@@ -231,7 +231,7 @@ def test_pd(sgl_router, sgl_workers):
         "model": "m", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4})
     assert chat.status_code == 200, chat.text
     gen = sgl_router.client.post("/generate", json={"text": "hi there", "sampling_params": {"max_new_tokens": 3},
-                                                    "return_logprob": True})
+                                                    "return_logprob": True, "logprob_start_len": 0})
     assert gen.status_code == 200, gen.text
     meta = gen.json()["meta_info"]
     assert meta["input_token_logprobs"] and meta["output_token_logprobs"]
