@@ -21,8 +21,13 @@ import psutil
 import pytest
 
 from pytest_sglworker import sim as simmod
+from pytest_sglworker.ledger import predict_memory
+from pytest_sglworker.sglang_facts import MODEL_DIMS, flag_table
 
 MODEL = "Qwen/Qwen3-0.6B"
+QWEN = MODEL_DIMS[MODEL]
+#: The tiny Llama's config and tokenizer (no weights): the model of the real-engine tier.
+TINY = str(Path(__file__).parent / "data" / "sim" / "tiny-llama")
 CI_ARGS = ("--mem-fraction-static=0.6", "--cuda-graph-backend-prefill=disabled")
 T = TypeVar("T")
 
@@ -113,7 +118,8 @@ class Launcher:
         self.sims: list[SimProc] = []
 
     def __call__(
-        self, *args: str, env: dict[str, str] | None = None, port: int | None = None, startup: str = "0.1"
+        self, *args: str, env: dict[str, str] | None = None, port: int | None = None, startup: str = "0.1",
+        model: str = MODEL,
     ) -> SimProc:
         port = port or free_port()
         out = self.directory / f"sim-{port}-{len(self.sims)}.out"
@@ -122,7 +128,7 @@ class Launcher:
         full_env.pop("CUDA_VISIBLE_DEVICES", None)
         full_env["SGLSIM_STARTUP_SECONDS"] = startup
         full_env.update(env or {})
-        argv = [sys.executable, "-m", "pytest_sglworker.sim", "--model-path", MODEL, "--port", str(port), *args]
+        argv = [sys.executable, "-m", "pytest_sglworker.sim", "--model-path", model, "--port", str(port), *args]
         with open(out, "wb") as fout, open(err, "wb") as ferr:
             proc = subprocess.Popen(
                 argv, stdin=subprocess.DEVNULL, stdout=fout, stderr=ferr, env=full_env, start_new_session=True
@@ -204,31 +210,106 @@ def positions_in_order(log: str, needles: list[str]) -> None:
 # ------------------------------------------------------------------------------------------- in-process units
 
 
+def _tokens(argv: list[str], gib: float = 80.0, free: int | None = None, tp: int = 1) -> int:
+    return predict_memory(QWEN, round(gib * 1024), gpu_free_mib=free if free is not None else int(gib * 1024 * 0.98125),
+                          argv=argv, tp=tp).kv_tokens
+
+
 def test_plan_memory_arithmetic() -> None:
     parser = simmod.build_parser()
-    auto = simmod.make_plan(parser.parse_args(["--model", MODEL]), 80.0)
+
+    def plan(argv: list[str], gib: float = 80.0) -> simmod.Plan:
+        return simmod.make_plan(parser.parse_args(["--model", MODEL, *argv]), gib, argv=argv)
+
+    auto = plan([])
     assert auto.fraction == 0.83  # the engine's automatic fraction on an 80 GiB card
-    assert (auto.avail_before, auto.weights, auto.avail_after) == (78.5, 1.11, 77.39)
-    assert auto.max_total_tokens == int((77.39 - 78.5 * (1 - 0.83)) * 2**30 // 114688)
-    ci = simmod.make_plan(parser.parse_args(["--model", MODEL, *CI_ARGS]), 80.0)
-    assert ci.max_total_tokens == int((77.39 - 78.5 * 0.4) * 2**30 // 114688)
+    assert (f"{auto.avail_before:.2f}", f"{auto.weights:.2f}", f"{auto.avail_after:.2f}") == ("78.50", "1.11", "77.39")
+    assert auto.max_total_tokens == _tokens([])
+    ci = plan(list(CI_ARGS))
+    assert ci.max_total_tokens == _tokens(list(CI_ARGS)) > 0
     assert ci.prefill_backend == "disabled" and ci.decode_backend == "full"
-    capped = simmod.make_plan(parser.parse_args(["--model", MODEL, "--max-total-tokens", "4Ki", "--page-size=64"]), 80)
-    assert capped.max_total_tokens == 4096
-    starved = simmod.make_plan(parser.parse_args(["--model", MODEL, "--mem-fraction-static", "0.01"]), 80.0)
-    assert starved.rest <= 0
-    llama = simmod.make_plan(parser.parse_args(["--model", "meta-llama/Llama-3.1-8B-Instruct", "--tp-size=2"]), 80.0)
+    assert plan(["--max-total-tokens", "4Ki", "--page-size=64"]).max_total_tokens == 4096
+    assert plan(["--mem-fraction-static", "0.01"]).rest <= 0
+    llama = simmod.make_plan(parser.parse_args(["--model", "meta-llama/Llama-3.1-8B-Instruct", "--tp-size=2"]), 80.0,
+                             argv=["--tp-size=2"])
     assert llama.facts.architecture == "LlamaForCausalLM" and llama.kv_bytes_per_token == 65536
+    tiny = simmod.make_plan(parser.parse_args(["--model", TINY]), 80.0, argv=[])
+    assert (tiny.context_len, tiny.hidden_size, tiny.vocab_size) == (512, 64, 512)
+
+
+CARDS = {"H100-80G": 81559, "A100-40G": 40960, "L4": 23034, "B200": 183359}
+ARGVS = [[], list(CI_ARGS), ["--mem-fraction-static", "0.7", "--page-size", "16"],
+         ["--disaggregation-mode", "decode", "--max-running-requests", "64"],
+         ["--max-total-tokens", "100000", "--chunked-prefill-size", "2048"], ["--tp-size", "2"]]
+
+
+@pytest.mark.parametrize("card", sorted(CARDS))
+def test_kv_tokens_equal_the_ledgers(card: str) -> None:
+    """For a card, an argv and the memory free at load, the sim's pool is the ledger's ``kv_tokens``."""
+    parser = simmod.build_parser()
+    total = CARDS[card]
+    for argv in ARGVS:
+        tp = 2 if "--tp-size" in argv else 1
+        for free in (total, total - 7000, int(total * 0.9)):
+            plan = simmod.make_plan(parser.parse_args(["--model", MODEL, *argv]), total / 1024, free_mib=free,
+                                    argv=argv)
+            ledger = predict_memory(QWEN, total, gpu_free_mib=free, argv=argv, tp=tp)
+            assert plan.max_total_tokens == ledger.kv_tokens, (card, argv, free)
+            assert plan.fraction == ledger.mem_fraction_static
+
+
+def test_kv_line_follows_the_declared_card_and_free_memory(launch: Launcher) -> None:
+    sim = launch(*CI_ARGS, "--skip-server-warmup", env={"SGLSIM_GPU_MEM_GIB": str(40960 / 1024),
+                                                         "SGLSIM_GPU_FREE_MIB": "38000"})
+    sim.wait_ready()
+    tokens = predict_memory(QWEN, 40960, gpu_free_mib=38000, argv=list(CI_ARGS)).kv_tokens
+    log = sim.log()
+    assert f"#tokens: {tokens}," in log and f"max_total_num_tokens={tokens}," in log
+    assert f"Load weight begin. avail mem={38000 / 1024:.2f} GB" in log
+    info = sim.client.get("/server_info").json()
+    assert info["max_total_num_tokens"] == tokens
+    assert info["internal_states"][0]["memory_usage"]["startup_available"] == round(38000 / 1024, 3)
 
 
 def test_parse_faults() -> None:
     faults = simmod.parse_faults(" crash_oom, die_after=3 ,slow_health=0.5,flood=1.5,exit=7,escape_child ")
     assert faults.crash_oom and faults.escape_child and not faults.hang
-    assert (faults.die_after, faults.slow_health, faults.flood_mb, faults.exit_code) == (3, 0.5, 1.5, 7)
+    assert (faults.flood_mb, faults.exit_code) == (1.5, 7)
+    startup, request = simmod.parse_fault_spec("die_after=3,slow_health=0.5,fail_first=2,fail_rate=0.25,status=503,"
+                                               "latency=0.1,hang_request=4,health_fail_after=2,api_key=k,"
+                                               "max_payload=100,trickle=0.01,hang_requests,health_fail")
+    assert startup == simmod.Faults()
+    assert (request.die_after, request.slow_health, request.fail_first, request.fail_rate) == (3, 0.5, 2, 0.25)
+    assert (request.status, request.latency, request.hang_request, request.api_key) == (503, 0.1, 4, "k")
+    assert (request.max_payload, request.trickle, request.hang_requests) == (100, 0.01, True)
+    assert request.health_fail_after == 0.0  # health_fail came last: from now on
     assert simmod.parse_faults("") == simmod.Faults()
-    for bad in ("bogus", "exit=x", "exit=300", "die_after", "die_after=0", "hang=1", "flood=-1", "slow_health="):
-        with pytest.raises(simmod.FaultError, match="SGLSIM_FAULT"):
+    for bad in ("bogus", "exit=x", "exit=300", "die_after", "die_after=0", "hang=1", "flood=-1", "slow_health=",
+                "fail_rate=2", "status=99", "max_payload=0", "latency=-1", "api_key=", "fail_first=1.5"):
+        with pytest.raises(simmod.FaultError, match="SGLSIM_FAULT") as info:
             simmod.parse_faults(bad)
+        assert "known: crash_oom, " in str(info.value) and "trickle=..." in str(info.value)
+        assert repr(bad.partition("=")[0]) in str(info.value)
+
+
+def test_every_flag_of_the_real_parser_is_accepted() -> None:
+    """The sim's parser is built from the committed table of sglang's: every option string parses."""
+    parser = simmod.build_parser()
+    samples = {"int": "1", "float": "0.5", "human_readable_int": "1k", "parse_cuda_graph_backend_arg": "full"}
+    for flag in flag_table().flags:
+        for option in flag.options:
+            argv = ["--model-path", MODEL]
+            if option in ("--model-path", "--model"):
+                argv = []
+            if not flag.takes_value:
+                argv.append(option)
+            else:
+                value = flag.choices[0] if flag.choices else samples.get(flag.type or "", "x")
+                argv += [option, value]
+                if option in ("--model-path", "--model"):
+                    argv = [option, MODEL]
+            ns = parser.parse_args(argv)
+            assert hasattr(ns, flag.dest), option
 
 
 def test_import_is_light() -> None:
@@ -289,21 +370,30 @@ def test_bad_environment_exits_2(name: str, value: str) -> None:
 
 
 def test_startup_lines_in_order(launch: Launcher) -> None:
-    sim = launch(*CI_ARGS, "--cuda-graph-backend-prefill", "breakable", "--nccl-port", "41234", "--tp-size=1")
+    argv = [*CI_ARGS, "--cuda-graph-backend-prefill", "breakable", "--nccl-port", "41234", "--tp-size=1"]
+    sim = launch(*argv)
     sim.wait_ready()
     log = sim.log()
-    tokens = int((77.39 - 78.5 * 0.4) * 2**30 // 114688)
+    tokens = _tokens(argv)
     positions_in_order(
         log,
         [
             "server_args={'model_path': 'Qwen/Qwen3-0.6B',",
+            "Init parallel begin.",
+            "Init parallel ends.",
+            "Memory baseline taken.",
             "Load weight begin. avail mem=78.50 GB",
             "Load weight end. elapsed=",
             "type=Qwen3ForCausalLM, avail mem=77.39 GB, mem usage=1.11 GB.",
             f"KV Cache is allocated. dtype: torch.bfloat16, #tokens: {tokens}, K size: ",
+            "Memory pool end. avail mem=",
             "Capture target decode CUDA graph begin.",
+            "Capturing batches (bs=256 avail_mem=",
+            "| 36/36 [",
             "Capture target decode CUDA graph end.",
             "Capture target prefill CUDA graph begin. backend=breakable",
+            "Capturing prefill shape (num_tokens=8192 avail_mem=",
+            "| 58/58 [",
             "Capture target prefill CUDA graph end.",
             f"max_total_num_tokens={tokens}, chunked_prefill_size=8192, max_prefill_tokens=16384, ",
             f"INFO:     Uvicorn running on http://127.0.0.1:{sim.port} (Press CTRL+C to quit)",
@@ -311,10 +401,25 @@ def test_startup_lines_in_order(launch: Launcher) -> None:
             "The server is fired up and ready to roll!",
         ],
     )
-    assert re.search(r"^\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d TP0\] Load weight begin\. ", log, re.M)
-    assert re.search(r"^\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\] The server is fired up", log, re.M)
+    # with --tp-size 1 the real prefix has no rank; uvicorn's lines carry the timestamp too (0.5.23)
+    assert re.search(r"^\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\] Load weight begin\. ", log, re.M)
+    assert " TP0]" not in log
+    assert re.search(r"^\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\] INFO:     Uvicorn running", log, re.M)
     info = sim.client.get("/server_info").json()
     assert info["nccl_port"] == 41234 and info["max_total_num_tokens"] == tokens
+
+
+def test_tp2_repeats_per_rank_lines(launch: Launcher) -> None:
+    sim = launch(*CI_ARGS, "--tp-size", "2", "--skip-server-warmup")
+    sim.wait_ready()
+    log = sim.log()
+    for rank in (0, 1):
+        assert re.search(rf"^\[[\d :-]+ TP{rank}\] Load weight begin\. ", log, re.M)
+        assert re.search(rf"^\[[\d :-]+ TP{rank}\] KV Cache is allocated\. ", log, re.M)
+        assert re.search(rf"^\[[\d :-]+ TP{rank}\] Memory pool end\. ", log, re.M)
+    assert re.search(r"^\[[\d :-]+ TP0\] max_total_num_tokens=", log, re.M)
+    assert not re.search(r"TP1\] max_total_num_tokens=", log)  # rank 0 only
+    assert log.count("Capturing batches (bs=") >= 1 and "TP1] Capturing" not in log
 
 
 def test_disabled_graphs_and_max_total_tokens(launch: Launcher) -> None:
@@ -405,10 +510,15 @@ def test_generate(shared: SimProc) -> None:
     meta = out["meta_info"]
     assert meta["finish_reason"] == {"type": "length", "length": 4}
     assert (meta["prompt_tokens"], meta["completion_tokens"]) == (3, 4)
-    assert {"id", "cached_tokens", "e2e_latency"} <= set(meta)
+    assert {"id", "cached_tokens", "e2e_latency", "weight_versions", "dp_rank", "reasoning_tokens"} <= set(meta)
+    assert all(0 <= i < 151936 for i in out["output_ids"])
     # below the natural length of 16 words, the model stops on its EOS token
-    meta = c.post("/generate", json={"text": "delta", "sampling_params": {"max_new_tokens": 100}}).json()["meta_info"]
-    assert meta["finish_reason"] == {"type": "stop", "matched": 151645} and meta["completion_tokens"] == 16
+    out = c.post("/generate", json={"text": "delta", "sampling_params": {"max_new_tokens": 100}}).json()
+    meta = out["meta_info"]
+    # 16 tokens, then the EOS token: counted and in output_ids, not in the text
+    assert meta["finish_reason"] == {"type": "stop", "matched": 151645} and meta["completion_tokens"] == 17
+    assert out["output_ids"][-1] == 151645 and out["text"] == " ".join(["delta"] * 16)
+    assert meta["num_retractions"] == 0 and "total_retractions" not in meta
     stop = c.post("/generate", json={"text": "one two three", "sampling_params": {"stop": "three"}}).json()
     assert stop["text"] == "one two" and stop["meta_info"]["finish_reason"] == {"type": "stop", "matched": "three"}
     ids = c.post("/generate", json={"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 3}}).json()
@@ -446,6 +556,7 @@ def test_chat_completions(shared: SimProc) -> None:
         "total_tokens": 5,
         "prompt_tokens_details": None,
         "reasoning_tokens": 0,
+        "completion_tokens_details": None,
     }
     body = {"messages": [{"role": "user", "content": "hey"}], "max_completion_tokens": 50}
     assert shared.client.post("/v1/chat/completions", json=body).json()["choices"][0]["finish_reason"] == "stop"
@@ -464,7 +575,11 @@ def test_chat_completions_stream(shared: SimProc) -> None:
     assert events[-1] == "[DONE]"
     chunks = events[:-1]
     assert all(c["object"] == "chat.completion.chunk" for c in chunks)
-    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    # sglang 0.5.23's deltas carry reasoning_content (the openai SDK reads delta.reasoning_content); its chat
+    # chunks have no "usage" key at all but the last one (completions chunks carry "usage": null)
+    assert chunks[0]["choices"][0]["delta"] == {"reasoning_content": None, "role": "assistant", "content": ""}
+    assert all(c["choices"][0]["delta"]["reasoning_content"] is None for c in chunks[:-1])
+    assert all("usage" not in c for c in chunks[:-1])
     text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
     assert text == "be brief x"
     assert chunks[-2]["choices"][0]["finish_reason"] == "length"
@@ -597,26 +712,39 @@ def test_recording(launch: Launcher, tmp_path: Path) -> None:
 # ------------------------------------------------------------------------------------------- faults
 
 
+ASSERT = ('RuntimeError: num_active_captures_ > 0 INTERNAL ASSERT FAILED at "/pytorch/c10/cuda/'
+          'CUDACachingAllocator.cpp":2969, please report a bug to PyTorch. markCaptureEnd called with no captures '
+          "in progress")
+
+
 def test_fault_crash_oom(launch: Launcher) -> None:
     # the fault fires even with the prefill graph disabled, so that it can be used with the budget flags
     sim = launch(*CI_ARGS, env={"SGLSIM_FAULT": "crash_oom"})
     assert sim.wait_exit() == -signal.SIGKILL
     log = sim.log()
+    # the layout of tests/data/logs/seed_prefill_capture_oom.log: the bar stops at the failing bucket (the 26th
+    # from the top of 58), the breakable-graph context's own error record, then the scheduler's chained traceback
     positions_in_order(
         log,
         [
             "KV Cache is allocated.",
             "Capture target prefill CUDA graph begin.",
-            "Scheduler hit an exception: Traceback (most recent call last):",
-            "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of "
-            "79.19 GiB of which 1.06 GiB is free.",
+            "Capturing prefill shape (num_tokens=8192 avail_mem=",
+            "Capturing prefill shape (num_tokens=704 avail_mem=",
+            "| 25/58 [",
+            f"] {ASSERT}\nFail when using backend: breakable for prefill runner.\nPossible suggestions:\n",
             "disable the prefill CUDA graph by --cuda-graph-backend-prefill=disabled",
-            'RuntimeError: num_active_captures_ > 0 INTERNAL ASSERT FAILED at "/pytorch/c10/cuda/'
-            'CUDACachingAllocator.cpp":2969, please report a bug to PyTorch. markCaptureEnd called with no captures '
-            "in progress",
+            "] Scheduler hit an exception: Traceback (most recent call last):",
+            "in capture_one_shape", "in capture_one", "in _end_current_segment", "in capture_end",
+            "torch.AcceleratorError: CUDA error: out of memory",
+            "During handling of the above exception, another exception occurred:",
+            "in __exit__", "in _end_current_segment",
+            ASSERT,
             "Received sigquit from a child process. It usually means the child failed.",
+            f"kill_process_tree called: parent_pid={sim.proc.pid}, include_parent=True, pid={sim.proc.pid}",
         ],
     )
+    assert "Capturing prefill shape (num_tokens=640" not in log
     assert "Uvicorn running" not in log and "Capture target prefill CUDA graph end" not in log
 
 
@@ -634,8 +762,11 @@ def test_fault_kv_oom(launch: Launcher, how: str) -> None:
         [
             "Load weight end.",
             "Scheduler hit an exception: Traceback (most recent call last):",
+            "in init_target_memory_pool", "in alloc_memory_pool", "in configure", "in _resolve_memory_pool_config",
+            "in _profile_available_bytes",
             f"Loaded weights leave no GPU memory for the KV cache under --mem-fraction-static={fraction}.",
             "Received sigquit from a child process.",
+            "kill_process_tree called: parent_pid=",
         ],
     )
     assert "KV Cache is allocated" not in sim.log()
@@ -719,3 +850,232 @@ def test_fault_slow_health(launch: Launcher) -> None:
     tic = time.monotonic()
     assert sim.client.get("/health").status_code == 200
     assert time.monotonic() - tic >= 0.4
+
+
+# ------------------------------------------------------------------------------------------- CLI documentation
+
+
+def test_help_documents_every_fault_and_the_control_endpoint() -> None:
+    result = run_cli("--help")
+    assert result.returncode == 0
+    out = result.stdout
+    for name in (*simmod.STARTUP_FAULTS, *simmod.REQUEST_FAULTS):
+        assert re.search(rf"^  {name}(=\S+)?\s", out, re.M), name
+    for text in ("GET  /_sim/faults", "POST /_sim/faults", "X-SGLSim-Worker", "SGLSIM_GPU_FREE_MIB",
+                 "SGLSIM_PD_WAIT_SECONDS"):
+        assert text in out
+
+
+def test_bad_fault_exits_2_with_one_line_on_stderr_and_in_the_log() -> None:
+    result = run_cli("--model", MODEL, "--port", str(free_port()), env={"SGLSIM_FAULT": "latency=0.1,bogus=3"})
+    assert result.returncode == 2
+    (line,) = result.stderr.splitlines()
+    assert "SGLSIM_FAULT: unknown fault 'bogus'" in line and "known: crash_oom, " in line and "trickle=..." in line
+    assert line.split("error: ", 1)[1] in result.stdout
+    result = run_cli("--model", MODEL, env={"SGLSIM_FAULT": "fail_rate=1.5"})
+    assert result.returncode == 2 and "fault 'fail_rate' needs a number between 0 and 1, got '1.5'" in result.stderr
+
+
+# ------------------------------------------------------------------------------------------- real tokens, logprobs
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimProc]:
+    """A sim over the tiny Llama's config and tokenizer (tokens for real when ``tokenizers`` is importable)."""
+    launcher = Launcher(tmp_path_factory.mktemp("tiny-sim"))
+    try:
+        sim = launcher(*CI_ARGS, "--skip-server-warmup", "--max-total-tokens", "1024", model=TINY)
+        sim.wait_ready()
+        yield sim
+    finally:
+        launcher.cleanup()
+
+
+def _needs_tokenizers() -> None:
+    pytest.importorskip("tokenizers", reason="the sim tokenizes for real only with the tokenizers package")
+
+
+def test_tiny_model_counts_tokens_like_the_real_engine(tiny: SimProc) -> None:
+    _needs_tokenizers()
+    c = tiny.client
+    # the figures the real engine answered for this model (tests/test_sim_differential.py compares them live)
+    assert c.post("/tokenize", json={"prompt": "hello world"}).json() == {"tokens": [460, 377], "count": 2,
+                                                                            "max_model_len": 512}
+    assert c.post("/detokenize", json={"tokens": [5, 6, 7]}).json() == {"text": "#$%"}
+    chat = c.post("/v1/chat/completions", json={"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                                                 "max_tokens": 3}).json()
+    assert chat["usage"]["prompt_tokens"] == 10  # the ChatML template's tokens
+    out = c.post("/generate", json={"text": "x " * 100, "sampling_params": {"max_new_tokens": 3}}).json()
+    assert out["meta_info"]["prompt_tokens"] == 200 and all(0 <= i < 512 for i in out["output_ids"])
+    assert c.get("/v1/models").json()["data"][0]["max_model_len"] == 512
+
+
+def test_request_checks_of_the_real_engine(tiny: SimProc) -> None:
+    c = tiny.client
+
+    def error(path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        r = c.post(path, json=body)
+        return r.status_code, r.json()
+
+    status, body = error("/generate", {"text": "x " * 600, "sampling_params": {"max_new_tokens": 2}})
+    words = 600 if not simmod.load_model_dir(TINY, vocab_size=512, eos_token_id=2).vocab.real else 1200
+    assert status == 400 and body == {"error": {"message": f"The input ({words} tokens) is longer than the model's "
+                                                           "context length (512 tokens)."}}
+    status, body = error("/generate", {"text": "x", "sampling_params": {"temperature": -1}})
+    assert body["error"]["message"] == "temperature must be a non-negative finite number, got -1."
+    status, body = error("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                                                  "temperature": -1})
+    assert (status, body["type"], body["message"]) == (400, "BadRequestError",
+                                                       "temperature must be a non-negative finite number, got -1.0.")
+    status, body = error("/v1/completions", {"model": "m", "prompt": "hi", "logit_bias": {"9999": 1}})
+    assert (status, body["message"]) == (400, "logit_bias must has keys in [0, 511], got 9999.")
+    status, body = error("/v1/chat/completions", {"model": "m", "messages": []})
+    assert (status, body["message"]) == (400, "Messages cannot be empty.")
+    status, body = error("/v1/completions", {"model": "m"})
+    assert status == 400 and body["type"] == "Bad Request" and body["message"].startswith("1 validation error")
+
+
+def test_generate_logprobs(shared: SimProc) -> None:
+    body = {"text": "alpha beta gamma", "return_logprob": True, "top_logprobs_num": 2, "logprob_start_len": 0,
+            "return_text_in_logprobs": True, "sampling_params": {"max_new_tokens": 3}}
+    meta = shared.client.post("/generate", json=body).json()["meta_info"]
+    assert [len(meta[k]) for k in ("input_token_logprobs", "output_token_logprobs")] == [3, 3]
+    assert meta["input_token_logprobs"][0][0] is None and meta["input_top_logprobs"][0] is None
+    lp, token, text = meta["output_token_logprobs"][0]
+    assert lp < 0 and isinstance(token, int) and text == "alpha"
+    assert meta["output_top_logprobs"][0][0] == [lp, token, text]  # the chosen token is the top-1
+    assert len(meta["output_top_logprobs"][0]) == 2 and meta["output_top_logprobs"][0][1][0] < lp
+    assert meta["output_token_logprobs_length"] == 3
+    again = shared.client.post("/generate", json=body).json()["meta_info"]
+    assert again["output_token_logprobs"] == meta["output_token_logprobs"]  # deterministic, seeded by the prompt
+    plain = shared.client.post("/generate", json={**body, "logprob_start_len": None, "top_logprobs_num": 0,
+                                                  "return_text_in_logprobs": False}).json()["meta_info"]
+    assert plain["input_token_logprobs"] == [] and "input_top_logprobs" not in plain
+    assert plain["output_token_logprobs"][0][2] is None
+
+
+def test_openai_logprobs(shared: SimProc) -> None:
+    c = shared.client
+    chat = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "a b"}], "max_tokens": 2,
+                                                "logprobs": True, "top_logprobs": 2}).json()
+    content = chat["choices"][0]["logprobs"]["content"]
+    assert [e["token"] for e in content] == ["a", "b"] and content[0]["bytes"] == [97]
+    assert len(content[0]["top_logprobs"]) == 2 and set(content[0]["top_logprobs"][0]) == {"token", "bytes", "logprob"}
+    done = c.post("/v1/completions", json={"prompt": "a b", "max_tokens": 2, "logprobs": 1, "echo": True}).json()
+    probs = done["choices"][0]["logprobs"]
+    assert probs["tokens"] == ["a", "b", "a", "b"] and probs["token_logprobs"][0] is None
+    assert probs["text_offset"] == [-1] * 4 and probs["top_logprobs"][0] is None and len(probs["top_logprobs"]) == 4
+
+
+def test_more_endpoints(shared: SimProc) -> None:
+    c = shared.client
+    score = c.post("/v1/score", json={"query": "q", "items": ["a", "b"], "label_token_ids": [5, 6]}).json()
+    assert score["object"] == "scoring" and len(score["scores"]) == 2 and all(0 < p < 1 for p in score["scores"][0])
+    resp = c.post("/v1/responses", json={"model": "m", "input": "one two", "max_output_tokens": 2}).json()
+    assert resp["object"] == "response" and resp["output"][0]["content"][0]["text"] == "one two"
+    assert resp["usage"]["output_tokens"] == 2
+    r = c.post("/v1/embeddings", json={"model": "m", "input": "hi"})
+    assert r.status_code == 400 and "--is-embedding" in r.json()["message"]
+    assert c.post("/encode", json={"text": "hi"}).json()["error"]["message"].startswith("This model does not appear")
+
+
+def test_embedding_model(launch: Launcher) -> None:
+    sim = launch(*CI_ARGS, "--is-embedding", model=TINY)
+    sim.wait_ready()
+    c = sim.client
+    out = c.post("/v1/embeddings", json={"model": "m", "input": ["a", "b c"]}).json()
+    assert [len(d["embedding"]) for d in out["data"]] == [64, 64] and out["object"] == "list"
+    assert abs(sum(x * x for x in out["data"][0]["embedding"]) - 1) < 1e-3  # normalized, like the real pooler
+    assert c.post("/v1/embeddings", json={"model": "m", "input": ["a", "b c"]}).json()["data"] == out["data"]
+    b64 = c.post("/v1/embeddings", json={"model": "m", "input": "a", "encoding_format": "base64"}).json()
+    assert isinstance(b64["data"][0]["embedding"], str)
+    enc = c.post("/encode", json={"text": "a"}).json()
+    assert len(enc["embedding"]) == 64 and enc["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
+    assert c.get("/model_info").json()["is_generation"] is False
+    r = c.post("/generate", json={"text": "x"})
+    assert r.status_code == 400 and "--is-embedding" in r.json()["error"]["message"]
+
+
+# ------------------------------------------------------------------------------------------- request faults
+
+
+def test_worker_header_and_http2_probe(shared: SimProc) -> None:
+    r = shared.client.get("/health")
+    assert r.headers["x-sglsim-worker"] == f"{shared.port}/{shared.proc.pid}"
+    with socket.create_connection(("127.0.0.1", shared.port), timeout=5) as s:
+        s.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+    assert data.startswith(b"HTTP/1.1 404 ") and b"HTTP/1.1 400 Bad Request" in data
+    assert b"Invalid HTTP request received." in data
+    assert '"PRI %2A HTTP/2.0" 404 Not Found' in shared.wait_log("PRI %2A")
+
+
+def test_request_faults_at_run_time(launch: Launcher) -> None:
+    sim = launch(*CI_ARGS, "--skip-server-warmup", env={"SGLSIM_FAULT": "fail_first=1"})
+    sim.wait_ready()
+    c = sim.client
+    body = {"text": "x", "sampling_params": {"max_new_tokens": 1}}
+    r = c.post("/generate", json=body)
+    assert r.status_code == 500 and r.json()["type"] == "500" and "fail_first=1" in r.json()["message"]
+    assert c.post("/generate", json=body).status_code == 200
+    state = c.get("/_sim/faults").json()
+    assert state["worker"] == f"{sim.port}/{sim.proc.pid}" and state["faults"]["fail_first"] == 1
+    # switch: every request answers 503, after 0.2 s of latency
+    assert c.post("/_sim/faults", json={"status": 503, "latency": 0.2, "fail_first": None}).status_code == 200
+    tic = time.monotonic()
+    assert c.post("/v1/completions", json={"prompt": "x", "max_tokens": 1}).status_code == 503
+    assert time.monotonic() - tic >= 0.2
+    assert c.get("/health").status_code == 200  # health is not an inference request
+    # a deterministic fraction
+    c.post("/_sim/faults", json={"reset": True, "spec": "fail_rate=0.5,fail_seed=7"})
+    first = [c.post("/generate", json=body).status_code for _ in range(12)]
+    c.post("/_sim/faults", json={"reset": True, "spec": "fail_rate=0.5,fail_seed=7"})
+    assert [c.post("/generate", json=body).status_code for _ in range(12)] == first and {200, 500} == set(first)
+    # an API key from now on; health and the control endpoint stay open
+    c.post("/_sim/faults", json={"reset": True, "api_key": "k2"})
+    assert c.post("/generate", json=body).status_code == 401
+    assert c.post("/generate", json=body, headers={"Authorization": "Bearer k2"}).status_code == 200
+    assert c.get("/health").status_code == 200
+    # payload limit: 413 like a proxy in front of the server would (sglang and uvicorn have none)
+    c.post("/_sim/faults", json={"reset": True, "max_payload": 64})
+    r = c.post("/generate", json={"text": "y" * 200})
+    assert r.status_code == 413 and r.json()["code"] == 413
+    assert c.post("/generate", json=body).status_code == 200
+    # health fails from now on, then not
+    c.post("/_sim/faults", json={"reset": True, "health_fail": True})
+    assert c.get("/health").status_code == 503 and c.get("/health_generate").status_code == 503
+    c.post("/_sim/faults", json={"health_fail": None})
+    assert c.get("/health").status_code == 200
+    # a bad body changes nothing and says why
+    r = c.post("/_sim/faults", json={"crash_oom": True})
+    assert r.status_code == 400 and "startup fault" in r.json()["error"]
+    r = c.post("/_sim/faults", json={"latency": "soon"})
+    assert r.status_code == 400 and "fault 'latency' needs a non-negative number of seconds" in r.json()["error"]
+    assert c.get("/_sim/faults").json()["faults"]["latency"] == 0.0
+
+
+def test_hang_request_and_health_fail_after(launch: Launcher) -> None:
+    sim = launch(*CI_ARGS, "--skip-server-warmup", env={"SGLSIM_FAULT": "hang_request=2,health_fail_after=0.5"})
+    sim.wait_ready()
+    body = {"text": "x", "sampling_params": {"max_new_tokens": 1}}
+    assert sim.client.post("/generate", json=body).status_code == 200
+    with pytest.raises(httpx.ReadTimeout):
+        sim.client.post("/generate", json=body, timeout=0.5)
+    assert sim.client.post("/generate", json=body).status_code == 200
+    wait_for(lambda: sim.status("/health") == 503, 5.0, "/health -> 503 after 0.5 s")
+
+
+def test_trickled_health_still_passes_the_plugins_readiness_wait(tmp_path: Path) -> None:
+    from pytest_sglworker.launcher import LaunchOptions, sim_launcher, spawn_worker
+    from pytest_sglworker.specs import ModelSpec
+
+    options = LaunchOptions(launcher=tuple(sim_launcher()), log_dir=tmp_path / "logs", lock_dir=tmp_path / "locks",
+                            startup_timeout=60)
+    spec = ModelSpec(name="qwen-trickle", model=MODEL, memory_gb=1)
+    tic = time.monotonic()
+    with spawn_worker(spec, options=options, env={"SGLSIM_STARTUP_SECONDS": "0.1",
+                                                  "SGLSIM_FAULT": "trickle=0.005"}) as worker:
+        assert worker.is_alive()
+        assert time.monotonic() - tic > 0.5  # the health answers really were trickled

@@ -1,0 +1,385 @@
+"""The simulated engine's model: its tokenizer, its deterministic generations, logprobs and embeddings.
+
+Part of :mod:`pytest_sglworker.sim`. When ``--model-path`` is a directory with a ``config.json`` its vocab
+size, context length, hidden size, EOS and architecture are the real ones; when it also has a
+``tokenizer.json`` and the ``tokenizers`` package is importable (an optional import: the sim stays
+stdlib-only without it), prompts are tokenized with it, so token counts, ``output_ids``, ``/tokenize`` and
+the chat template's tokens are those of the real engine. Otherwise tokens are words (``text.split()``)
+with ids ``crc32(word) % vocab_size``.
+
+Generations are deterministic, seeded by the prompt: the model echoes the prompt's (non-special) tokens
+in a cycle, 16 of them and then its EOS token, unless ``max_new_tokens``, a stop string or ``ignore_eos``
+says otherwise. Logprobs are deterministic too: every generated token is the top-1 choice of its position.
+"""
+
+from __future__ import annotations
+
+import base64
+import importlib
+import json
+import math
+import struct
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+#: How many tokens the simulated model says before its end-of-sequence token.
+NATURAL_TOKENS = 16
+
+
+# ---------------------------------------------------------------------------------------------- tokenizers
+
+
+class Vocab:
+    """Word-level tokens: ``crc32(word) % vocab_size``; ids it has not seen decode as ``tok<id>``."""
+
+    real = False
+
+    def __init__(self, vocab_size: int, eos_token_id: int) -> None:
+        self.vocab_size = max(int(vocab_size), 2)
+        self.eos_token_id = eos_token_id
+        self.special_ids: frozenset[int] = frozenset({eos_token_id})
+        self._words: dict[int, str] = {}
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = []
+        for word in text.split():
+            token = zlib.crc32(word.encode()) % self.vocab_size
+            self._words.setdefault(token, word)
+            ids.append(token)
+        return ids
+
+    def piece(self, token: int) -> str:
+        return self._words.get(token, f"tok{token}")
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return " ".join(self.piece(i) for i in ids if not (skip_special_tokens and i in self.special_ids))
+
+    def token_text(self, token: int, index: int) -> str:
+        """The text a streamed token adds (word mode: a space before every word but the first)."""
+        return self.piece(token) if index == 0 else " " + self.piece(token)
+
+
+class HFVocab(Vocab):
+    """The model directory's ``tokenizer.json`` through the ``tokenizers`` package."""
+
+    real = True
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_id: int) -> None:
+        super().__init__(vocab_size, eos_token_id)
+        self.tokenizer = tokenizer
+        specials = {i for i, t in tokenizer.get_added_tokens_decoder().items() if getattr(t, "special", False)}
+        self.special_ids = frozenset(specials | {eos_token_id})
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def piece(self, token: int) -> str:
+        return str(self.tokenizer.decode([token], skip_special_tokens=False))
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return str(self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens))
+
+    def token_text(self, token: int, index: int) -> str:
+        return self.piece(token)
+
+
+@dataclass(frozen=True)
+class ModelDir:
+    """What a local model directory says (``config.json``, the tokenizer, the chat template)."""
+
+    vocab: Vocab
+    context_len: int | None
+    hidden_size: int | None
+    architecture: str | None
+    model_type: str | None
+    chat_template: str | None
+    config: dict[str, Any] | None
+
+
+def _first_int(value: Any) -> int | None:
+    if isinstance(value, list):
+        value = value[0] if value else None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def load_model_dir(model_path: str, *, vocab_size: int, eos_token_id: int) -> ModelDir:
+    """The tokenizer and facts of ``model_path`` (the defaults given when it is not a directory)."""
+    folder = Path(model_path)
+    config = _read_json(folder / "config.json") if folder.is_dir() else None
+    text_config = config.get("text_config") if config and isinstance(config.get("text_config"), dict) else None
+    source = text_config or config or {}
+    vocab_n = _first_int(source.get("vocab_size")) or vocab_size
+    eos = _first_int(source.get("eos_token_id") if config else None)
+    generation = _read_json(folder / "generation_config.json") if config else None
+    if eos is None and generation:
+        eos = _first_int(generation.get("eos_token_id"))
+    eos = eos if eos is not None else eos_token_id
+    vocab: Vocab = Vocab(vocab_n, eos)
+    template = None
+    if config is not None and (folder / "tokenizer.json").is_file():
+        try:
+            tokenizers = importlib.import_module("tokenizers")
+            tokenizer = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
+            vocab = HFVocab(tokenizer, vocab_n, eos)
+        except Exception:  # an optional import, a tokenizer it cannot read: fall back to words
+            vocab = Vocab(vocab_n, eos)
+    if config is not None:
+        tok_config = _read_json(folder / "tokenizer_config.json") or {}
+        template = tok_config.get("chat_template") if isinstance(tok_config.get("chat_template"), str) else None
+        if template is None and (folder / "chat_template.jinja").is_file():
+            try:
+                template = (folder / "chat_template.jinja").read_text(encoding="utf-8")
+            except OSError:
+                template = None
+    architectures = source.get("architectures") or (config or {}).get("architectures")
+    return ModelDir(
+        vocab=vocab,
+        context_len=_first_int(source.get("max_position_embeddings")),
+        hidden_size=_first_int(source.get("hidden_size")),
+        architecture=architectures[0] if isinstance(architectures, list) and architectures else None,
+        model_type=source.get("model_type") if isinstance(source.get("model_type"), str) else None,
+        chat_template=template,
+        config=config,
+    )
+
+
+def render_chat(messages: list[dict[str, Any]], template: str | None) -> str:
+    """The prompt a chat template makes of ``messages``: ChatML when the template is ChatML, else plain
+    ``role: content`` lines (the sim does not run Jinja)."""
+    parts = [(str(m.get("role", "")), message_text(m)) for m in messages]
+    if template and "<|im_start|>" in template:
+        return "".join(f"<|im_start|>{role}\n{text}<|im_end|>\n" for role, text in parts) + "<|im_start|>assistant\n"
+    if template and "<|start_header_id|>" in template:
+        body = "".join(f"<|start_header_id|>{role}<|end_header_id|>\n\n{text}<|eot_id|>" for role, text in parts)
+        return "<|begin_of_text|>" + body + "<|start_header_id|>assistant<|end_header_id|>\n\n"
+    return "".join(f"{role}: {text}\n" for role, text in parts) + "assistant:"
+
+
+def message_text(message: dict[str, Any]) -> str:
+    content = message.get("content")
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return " ".join(p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return ""
+
+
+# ---------------------------------------------------------------------------------------------- generation
+
+
+@dataclass
+class Generation:
+    """One deterministic completion of a prompt."""
+
+    prompt_ids: list[int]
+    output_ids: list[int]
+    texts: list[str]  # the cumulative text after each output token (stop strings trimmed)
+    finish: dict[str, Any]
+    cached_tokens: int
+    seed: int
+
+    @property
+    def text(self) -> str:
+        return self.texts[-1] if self.texts else ""
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.output_ids)
+
+    def openai_finish(self) -> tuple[str, Any]:
+        """(finish_reason, matched_stop) as the OpenAI endpoints spell them."""
+        if self.finish["type"] == "length":
+            return "length", None
+        return "stop", self.finish.get("matched")
+
+    def deltas(self) -> list[str]:
+        """The text each output token adds (what a stream sends)."""
+        out, previous = [], ""
+        for text in self.texts:
+            out.append(text[len(previous):] if text.startswith(previous) else text)
+            previous = text
+        return out
+
+
+def prompt_seed(ids: Sequence[int]) -> int:
+    return zlib.crc32(",".join(map(str, ids)).encode())
+
+
+def generate(vocab: Vocab, prompt_ids: list[int], source_ids: list[int], max_new_tokens: int | None,
+             stop: list[str], ignore_eos: bool, stop_token_ids: Sequence[int] = ()) -> Generation:
+    """The prompt's tokens (``source_ids``, special ones left out), cycled, then EOS after 16 tokens;
+    ``max_new_tokens`` (None: up to the EOS), stop strings (trimmed from the text) and ``ignore_eos`` as in
+    sglang; ``output_ids`` includes a matched EOS, the text does not."""
+    seed = prompt_seed(prompt_ids)
+    source = [i for i in source_ids if i not in vocab.special_ids] or [
+        next(i for i in range(seed % vocab.vocab_size, seed % vocab.vocab_size + vocab.vocab_size)
+             if i % vocab.vocab_size not in vocab.special_ids) % vocab.vocab_size]
+    limit = NATURAL_TOKENS + 1 if max_new_tokens is None else max_new_tokens
+    natural = limit if ignore_eos else NATURAL_TOKENS
+    output: list[int] = []
+    texts: list[str] = []
+    finish: dict[str, Any] | None = None
+    stops = set(stop_token_ids)
+    while finish is None:
+        if len(output) >= limit:
+            finish = {"type": "length", "length": limit}
+            break
+        if len(output) >= natural:
+            output.append(vocab.eos_token_id)
+            texts.append(texts[-1] if texts else "")
+            finish = {"type": "stop", "matched": vocab.eos_token_id}
+            break
+        token = source[len(output) % len(source)]
+        output.append(token)
+        text = vocab.decode(output)
+        if token in stops:
+            texts.append(vocab.decode(output[:-1]))
+            finish = {"type": "stop", "matched": token}
+            break
+        for s in stop:
+            at = text.find(s)
+            if at >= 0:
+                text = text[:at].rstrip() if not vocab.real else text[:at]
+                finish = {"type": "stop", "matched": s}
+                break
+        texts.append(text)
+    return Generation(list(prompt_ids), output, texts, finish, 0, seed)
+
+
+# ---------------------------------------------------------------------------------------------- logprobs
+
+
+def _logprob(seed: int, position: int, token: int) -> float:
+    return -round(0.05 + zlib.crc32(f"{seed}:{position}:{token}".encode()) % 8000 / 1000, 6)
+
+
+def top_candidates(vocab: Vocab, seed: int, position: int, chosen: int, k: int) -> list[tuple[float, int]]:
+    """``k`` (logprob, token) pairs of one position, best first: the chosen token, then others below it."""
+    best = _logprob(seed, position, chosen)
+    out = [(best, chosen)]
+    probe = zlib.crc32(f"{seed}:{position}:alt".encode())
+    seen = {chosen}
+    while len(out) < k and len(seen) < vocab.vocab_size:
+        probe = (probe * 1103515245 + 12345) & 0x7FFFFFFF
+        token = probe % vocab.vocab_size
+        if token in seen:
+            continue
+        seen.add(token)
+        out.append((round(best - 0.25 * len(out) - (probe % 97) / 1000, 6), token))
+    return out
+
+
+@dataclass
+class Logprobs:
+    """sglang's ``meta_info`` logprob fields of one generation."""
+
+    input_token: list[list[Any]]
+    output_token: list[list[Any]]
+    input_top: list[Any]
+    output_top: list[Any]
+
+
+def logprobs(vocab: Vocab, gen: Generation, *, start_len: int, top_n: int, with_text: bool,
+             input_side: bool = True) -> Logprobs:
+    """The logprobs of ``gen``: ``[logprob, token_id, text_or_null]`` per token, from prompt position
+    ``start_len`` (-1: none of the prompt; the first prompt token's logprob is null); ``top_n`` alternatives
+    per position when > 0; ``input_side=False`` (a decode node in PD) has no prompt logprobs at all."""
+
+    def entry(lp: float | None, token: int) -> list[Any]:
+        return [lp, token, vocab.piece(token) if with_text else None]
+
+    prompt = gen.prompt_ids
+    input_token: list[list[Any]] = []
+    input_top: list[Any] = []
+    if input_side and start_len >= 0:
+        for pos in range(min(start_len, len(prompt)), len(prompt)):
+            token = prompt[pos]
+            if pos == 0:
+                input_token.append(entry(None, token))
+                input_top.append(None)
+                continue
+            input_token.append(entry(_logprob(gen.seed, pos, token), token))
+            input_top.append([entry(lp, t) for lp, t in top_candidates(vocab, gen.seed, pos, token, top_n)])
+    output_token, output_top = [], []
+    for k, token in enumerate(gen.output_ids):
+        pos = len(prompt) + k
+        output_token.append(entry(_logprob(gen.seed, pos, token), token))
+        output_top.append([entry(lp, t) for lp, t in top_candidates(vocab, gen.seed, pos, token, top_n)])
+    return Logprobs(input_token, output_token, input_top, output_top)
+
+
+def openai_chat_logprob(vocab: Vocab, gen: Generation, index: int, top_n: int) -> dict[str, Any]:
+    """One entry of an OpenAI chat ``logprobs.content`` list."""
+    token = gen.output_ids[index]
+    pos = gen.prompt_tokens + index
+    text = vocab.piece(token)
+
+    def item(lp: float, t: int) -> dict[str, Any]:
+        piece = vocab.piece(t)
+        return {"token": piece, "bytes": list(piece.encode("utf-8")), "logprob": lp}
+
+    tops = top_candidates(vocab, gen.seed, pos, token, top_n) if top_n > 0 else []
+    return {"token": text, "bytes": list(text.encode("utf-8")), "logprob": _logprob(gen.seed, pos, token),
+            "top_logprobs": [item(lp, t) for lp, t in tops]}
+
+
+def openai_completion_logprobs(vocab: Vocab, gen: Generation, top_n: int, *, echo: bool,
+                               indices: Sequence[int] | None = None) -> dict[str, Any]:
+    """An OpenAI completions ``logprobs`` object (``echo``: the prompt's tokens first, the first one null)."""
+    tokens: list[str] = []
+    values: list[float | None] = []
+    tops: list[Any] = []
+    if echo:
+        for pos, token in enumerate(gen.prompt_ids):
+            tokens.append(vocab.piece(token))
+            values.append(None if pos == 0 else _logprob(gen.seed, pos, token))
+            if top_n > 0:
+                tops.append(None if pos == 0 else {vocab.piece(t): lp for lp, t in
+                                                   top_candidates(vocab, gen.seed, pos, token, top_n)})
+    for k in indices if indices is not None else range(len(gen.output_ids)):
+        token = gen.output_ids[k]
+        pos = gen.prompt_tokens + k
+        tokens.append(vocab.piece(token))
+        values.append(_logprob(gen.seed, pos, token))
+        if top_n > 0:
+            tops.append({vocab.piece(t): lp for lp, t in top_candidates(vocab, gen.seed, pos, token, top_n)})
+    return {"text_offset": [-1] * len(tokens), "token_logprobs": values, "tokens": tokens, "top_logprobs": tops}
+
+
+def label_scores(seed: int, labels: Sequence[int], softmax: bool) -> list[float]:
+    """``/v1/score``: the probability of each label token after one query/item pair."""
+    values = [math.exp(_logprob(seed, 0, t)) for t in labels]
+    if softmax and values:
+        total = sum(values)
+        values = [v / total for v in values]
+    return values
+
+
+# ---------------------------------------------------------------------------------------------- embeddings
+
+
+def embedding(ids: Sequence[int], size: int) -> list[float]:
+    """A deterministic unit vector of ``size`` floats for a prompt."""
+    seed = prompt_seed(ids)
+    raw = [((zlib.crc32(f"{seed}:{i}".encode()) % 20001) - 10000) / 10000 for i in range(size)]
+    norm = math.sqrt(sum(x * x for x in raw)) or 1.0
+    return [round(x / norm, 6) for x in raw]
+
+
+def embedding_base64(vector: Sequence[float]) -> str:
+    return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
