@@ -6,6 +6,7 @@ mandatory budget; :mod:`launcher` turns it into a process.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -46,10 +47,13 @@ class ModelSpec:
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.strip() or any(c.isspace() or c == "," for c in self.name):
             raise SpecError(f"model spec name {self.name!r} must be a non-empty string without spaces or commas")
-        if not isinstance(self.model, str) or not self.model:
+        if not isinstance(self.model, str) or not self.model or "\0" in self.model:
             raise SpecError(f"model spec {self.name!r}: 'model' must be a Hugging Face id or a local path")
-        if isinstance(self.memory_gb, bool) or not isinstance(self.memory_gb, (int, float)) or self.memory_gb <= 0:
-            raise SpecError(f"model spec {self.name!r}: 'memory_gb' must be a positive number, got {self.memory_gb!r}")
+        memory = self.memory_gb
+        # math.isfinite: NaN passes "<= 0" and inf passes everything, and both crash round() in memory_mib later.
+        if isinstance(memory, bool) or not isinstance(memory, (int, float)) or not math.isfinite(memory) or memory <= 0:
+            raise SpecError(f"model spec {self.name!r}: 'memory_gb' must be a positive number (finite, in GiB), "
+                            f"got {memory!r}")
         if isinstance(self.tp, bool) or not isinstance(self.tp, int) or self.tp < 1:
             raise SpecError(f"model spec {self.name!r}: 'tp' must be an integer >= 1, got {self.tp!r}")
         if isinstance(self.worker_args, str):
@@ -63,15 +67,33 @@ class ModelSpec:
             raise SpecError(f"model spec {self.name!r}: 'worker_args' must be a list of strings") from None
         if not all(isinstance(a, str) for a in args):
             raise SpecError(f"model spec {self.name!r}: every worker arg must be a string, got {args!r}")
+        if any("\0" in a for a in args):
+            raise SpecError(f"model spec {self.name!r}: a worker arg holds a NUL character")
         features = self.features
         if isinstance(features, str):
             features = frozenset({features})
-        object.__setattr__(self, "features", frozenset(features))
+        try:
+            features = frozenset(features)
+        except TypeError:
+            raise SpecError(f"model spec {self.name!r}: 'features' must be a list of feature names, "
+                            f"got {features!r}") from None
+        if not all(isinstance(f, str) and f for f in features):
+            raise SpecError(f"model spec {self.name!r}: every feature must be a non-empty string, "
+                            f"got {sorted(map(repr, features))}")
+        object.__setattr__(self, "features", features)
         object.__setattr__(self, "worker_args", args)
-        env = dict(self.env)
+        try:
+            env = dict(self.env)
+        except (TypeError, ValueError):
+            raise SpecError(f"model spec {self.name!r}: 'env' must map strings to strings") from None
         if not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
             raise SpecError(f"model spec {self.name!r}: 'env' must map strings to strings")
+        if any(not k or "=" in k or "\0" in k or "\0" in v for k, v in env.items()):
+            raise SpecError(f"model spec {self.name!r}: an 'env' name is empty or holds '=' or NUL, or a value "
+                            "holds NUL")
         object.__setattr__(self, "env", MappingProxyType(env))
+        if not isinstance(self.description, str):
+            raise SpecError(f"model spec {self.name!r}: 'description' must be a string, got {self.description!r}")
 
     def __hash__(self) -> int:
         return hash((self.name, self.model, self.memory_gb, self.tp, self.features, self.worker_args,
@@ -107,14 +129,17 @@ class ModelSpec:
             )
         if "model" not in data or "memory_gb" not in data:
             raise SpecError(f"model spec {name!r}: 'model' and 'memory_gb' are required")
-        return cls(
+        env = data.get("env", {})
+        if not isinstance(env, Mapping):
+            raise SpecError(f"model spec {name!r}: 'env' must map strings to strings, got {env!r}")
+        return cls(  # every field is validated in __post_init__, as for a ModelSpec made directly
             name=name,
             model=data["model"],
             memory_gb=data["memory_gb"],
             tp=data.get("tp", 1),
             features=data.get("features", frozenset()),  # a plain string is one feature (see __post_init__)
             worker_args=data.get("worker_args", ()),
-            env=dict(data.get("env", {})),
+            env=dict(env),
             description=data.get("description", ""),
         )
 

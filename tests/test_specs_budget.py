@@ -151,3 +151,60 @@ def test_nan_fraction_is_refused() -> None:
 def test_dict_spec_with_one_feature_string() -> None:
     spec = SpecRegistry().add({"model": "m", "memory_gb": 1, "features": "chat"}, name="x")
     assert spec.features == frozenset({"chat"})
+
+
+# --------------------------------------------------------------------------------------------------
+# non-finite and hostile values (issue #12, item 3): refused where the spec is made, never later in round()
+
+
+@pytest.mark.parametrize("memory", [float("nan"), float("inf"), float("-inf"), 0, -0.0, -4, True, "4", None, 4j])
+def test_memory_gb_must_be_positive_and_finite(memory: object) -> None:
+    with pytest.raises(SpecError, match=r"'memory_gb' must be a positive number"):
+        ModelSpec("bad", "org/bad", memory)  # type: ignore[arg-type]
+    with pytest.raises(SpecError, match=r"model spec 'bad': 'memory_gb' must be a positive number"):
+        SpecRegistry().add({"model": "org/bad", "memory_gb": memory}, name="bad")
+
+
+def test_json_loaded_dict_spec_with_nan_is_refused() -> None:
+    import json
+
+    data = json.loads('{"model": "org/bad", "memory_gb": NaN}')  # what a gateway's JSON spec file may hold
+    with pytest.raises(SpecError, match="got nan"):
+        SpecRegistry().update({"bad": data})
+    data = json.loads('{"model": "org/bad", "memory_gb": 1e999}')
+    with pytest.raises(SpecError, match="got inf"):
+        SpecRegistry().update({"bad": data})
+
+
+def test_large_finite_memory_is_a_spec_but_never_fits() -> None:
+    from pytest_sglworker.gpus import GpuInfo, can_ever_fit
+
+    spec = ModelSpec("huge", "org/huge", 1e300)
+    assert spec.memory_mib > 0  # no crash in round()
+    gpu = GpuInfo(index=0, uuid="GPU-0", name="sim", total_mib=81920, free_mib=81920)
+    assert "can never fit" in (can_ever_fit([gpu], 1, spec.memory_mib) or "")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"features": 5}, "'features' must be a list of feature names, got 5"),
+        ({"features": ["chat", 1]}, "every feature must be a non-empty string"),
+        ({"features": [""]}, "every feature must be a non-empty string"),
+        ({"model": "org/\0bad"}, "'model' must be a Hugging Face id or a local path"),
+        ({"worker_args": (*CI_WORKER_ARGS, "--x\0")}, "holds a NUL character"),
+        ({"env": {"A=B": "1"}}, "an 'env' name is empty or holds '=' or NUL"),
+        ({"env": {"A": "1\0"}}, "an 'env' name is empty or holds '=' or NUL, or a value holds NUL"),
+        ({"env": 5}, "'env' must map strings to strings"),
+        ({"description": 5}, "'description' must be a string"),
+    ],
+)
+def test_hostile_fields_are_clear_spec_errors(kwargs: dict[str, object], message: str) -> None:
+    fields: dict[str, object] = {"name": "bad", "model": "org/bad", "memory_gb": 4, **kwargs}
+    with pytest.raises(SpecError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        ModelSpec(**fields)  # type: ignore[arg-type]
+
+
+def test_dict_spec_with_env_not_a_mapping_is_a_spec_error() -> None:
+    with pytest.raises(SpecError, match="'env' must map strings to strings, got 'A=1'"):
+        SpecRegistry().add({"model": "m", "memory_gb": 1, "env": "A=1"}, name="x")
