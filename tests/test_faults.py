@@ -855,3 +855,490 @@ def test_short_soak_leaks_nothing(tmp_path: Path) -> None:
     assert len(figures["leaked_processes"]) == 2
     assert all(f["fd_growth"] > 0 for f in figures["fd_growth"].values()), figures["fd_growth"]
     shutil.rmtree(re.search(r"work directory kept: (\S+)", done.stderr).group(1), ignore_errors=True)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Issue #12: hostile engines, hostile values, full disks, frozen and escaping workers
+# --------------------------------------------------------------------------------------------------------
+
+TRICKLE_ENGINE = r'''
+"""An engine that accepts every request and trickles its answer forever: after "HTTP/1.1 200 OK" one header
+line (TRICKLE_MODE=headers) or one body byte of a 1 MB body (TRICKLE_MODE=body) every 0.5 s."""
+import os, socket, sys, threading, time
+
+argv = sys.argv[1:]
+port = int(argv[argv.index("--port") + 1])
+mode = os.environ.get("TRICKLE_MODE", "headers")
+server = socket.socket()
+server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+server.bind(("127.0.0.1", port))
+server.listen(64)
+print(f"trickling engine on port {port} ({mode})", flush=True)
+
+
+def serve(conn):
+    with conn:
+        try:
+            conn.recv(65536)
+            conn.sendall(b"HTTP/1.1 200 OK\r\n")
+            if mode == "body":
+                conn.sendall(b"Content-Type: application/json\r\nContent-Length: 1000000\r\n\r\n")
+            n = 0
+            while True:
+                time.sleep(0.5)
+                conn.sendall(f"X-Trickle-{n}: still coming\r\n".encode() if mode == "headers" else b" ")
+                n += 1
+        except OSError:
+            pass
+
+
+while True:
+    conn, _ = server.accept()
+    threading.Thread(target=serve, args=(conn,), daemon=True).start()
+'''
+
+
+@pytest.mark.parametrize("mode", ["headers", "body"])
+def test_trickled_health_answer_cannot_hold_the_startup_past_its_deadline(
+        pytester: pytest.Pytester, sim_env: dict[str, str], monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
+    """Item 1: every probe is bounded by a whole-request deadline, so the startup deadline holds whatever the
+    engine does on the wire (a per-read timeout would be reset by every trickled byte, forever)."""
+    pytester.makepyfile(trickle_engine=TRICKLE_ENGINE)
+    pytester.makepyfile(test_trickle="def test_x(sgl_worker):\n    raise AssertionError('never healthy')\n")
+    monkeypatch.setenv("TRICKLE_MODE", mode)
+    timeout = 3
+    start = time.monotonic()
+    result = pytester.runpytest_subprocess(
+        *SIM, "--sgl-launcher", f"{sys.executable} {pytester.path / 'trickle_engine.py'}",
+        "--sgl-startup-timeout", str(timeout), "--durations=0", "--durations-min=0", "-vv", "test_trickle.py",
+        timeout=60)
+    wall = time.monotonic() - start
+    result.assert_outcomes(errors=1)
+    out = result.stdout.str()
+    result.stdout.fnmatch_lines([f"*worker qwen3-0.6b on 127.0.0.1:* did not become healthy within {timeout} s "
+                                 "(last health answer: no complete answer to GET /health_generate in time)*"])
+    setup = re.search(r"([\d.]+)s setup\s+test_trickle.py::test_x", out)
+    assert setup, out
+    assert float(setup.group(1)) < timeout + 2.0, f"the startup took {setup.group(1)} s for a {timeout} s deadline"
+    assert wall < timeout + 20, f"the session took {wall:.1f} s"
+    assert "INTERNALERROR" not in out and "Traceback" not in out
+    assert_nothing_left(sim_env)
+
+
+@pytest.mark.parametrize("spec", ['ModelSpec("bad", "org/bad", float("nan"))',
+                                  '{"bad": {"model": "org/bad", "memory_gb": float("inf")}}'])
+def test_non_finite_memory_spec_is_a_usage_error_not_a_crash(pytester: pytest.Pytester, spec: str) -> None:
+    """Item 3: nan/inf passed ``memory_gb <= 0`` and crashed collection in round(); refused where specs are made."""
+    register = f"registry.add({spec})" if spec.startswith("ModelSpec") else f"registry.update({spec})"
+    pytester.makeconftest(f"""
+        from pytest_sglworker import ModelSpec
+
+        def pytest_sglworker_register_specs(registry):
+            {register}
+    """)
+    pytester.makepyfile("def test_x(sgl_worker): pass")
+    result = pytester.runpytest_subprocess("--sgl-engine", "sim", "--sgl-model", "bad", "-p", "no:cacheprovider",
+                                           timeout=60)
+    out = result.stdout.str() + result.stderr.str()
+    assert result.ret == pytest.ExitCode.USAGE_ERROR, out
+    assert "INTERNALERROR" not in out and "Traceback" not in out, out
+    value = "nan" if "nan" in spec else "inf"
+    result.stderr.fnmatch_lines([f"*pytest_sglworker_register_specs in *conftest.py: model spec 'bad': "
+                                 f"'memory_gb' must be a positive number (finite, in GiB), got {value}*"])
+
+
+FREEZE_TESTS = """
+import json, os, signal, time
+
+SEEN = {}
+
+def test_1_freezes_its_pooled_worker(sgl_worker):
+    SEEN["pid"] = sgl_worker.pid
+    os.kill(sgl_worker.pid, signal.SIGSTOP)
+    SEEN["frozen_at"] = time.monotonic()
+
+def test_2_gets_a_fresh_healthy_worker(sgl_worker):
+    waited = time.monotonic() - SEEN["frozen_at"]
+    assert sgl_worker.pid != SEEN["pid"]
+    assert sgl_worker.client.get("/health", timeout=5).status_code == 200
+    with open("freeze.json", "w") as fh:
+        json.dump({"old": SEEN["pid"], "new": sgl_worker.pid, "waited": waited}, fh)
+"""
+
+
+def test_frozen_pooled_worker_is_replaced_quickly_not_handed_on(pytester: pytest.Pytester,
+                                                                 sim_env: dict[str, str]) -> None:
+    """Item 5: a SIGSTOPped worker accepts connections but answers nothing; the reuse check probes its health
+    with a short whole-request deadline, so the next test gets a fresh worker (not a ReadTimeout after 90 s),
+    and the stopped one is torn down at once (SIGCONT with its SIGTERM), not after 15 s more."""
+    pytester.makepyfile(test_freeze=FREEZE_TESTS)
+    start = time.monotonic()
+    result = pytester.runpytest_subprocess(*SIM, "--sgl-reorder", "off", "-p", "no:randomly", timeout=120)
+    wall = time.monotonic() - start
+    result.assert_outcomes(passed=2)
+    seen = json.loads((pytester.path / "freeze.json").read_text())
+    # The 2 s reuse probe, the teardown of the stopped worker and one launch, never the 90 s read timeout.
+    # Usually under 3 s; up to ~12 s when the simulated engine's SIGTERM lands on one of its HTTP threads (see
+    # test_stopped_worker_that_misses_its_first_sigterm_is_torn_down_in_seconds).
+    assert seen["waited"] < 20, f"the next test waited {seen['waited']:.1f} s for its worker"
+    assert wall < 45, f"the session took {wall:.1f} s"
+    out = result.stdout.str()
+    # It says why: the worker is alive but does not answer (not "died").
+    result.stdout.fnmatch_lines([f"*worker qwen3-0.6b on 127.0.0.1:* (pid {seen['old']}*) does not answer its "
+                                 "health*; replacing it"])
+    assert "died while idle" not in out
+    assert "INTERNALERROR" not in out and "ReadTimeout" not in out
+    assert_nothing_left(sim_env, pids=(seen["old"], seen["new"]))
+
+
+DEAF_ENGINE = r'''
+"""A healthy engine that misses its first SIGTERM, as a multi-threaded engine does when, resumed by SIGCONT, the
+signal lands on a thread other than the one that acts on it (the simulated engine sleeps in its main thread:
+seen in 1 of 10 to 20 teardowns of a stopped sim worker). The second SIGTERM ends it."""
+import json, os, signal, socket, sys
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+argv = sys.argv[1:]
+port = int(argv[argv.index("--port") + 1])
+seen = []
+
+
+def on_term(signum, frame):
+    seen.append(signum)
+    if len(seen) >= 2:
+        os._exit(0)
+
+
+signal.signal(signal.SIGTERM, on_term)
+
+
+class Handler(BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = b"{}"
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+server.daemon_threads = True
+print("The server is fired up and ready to roll!", flush=True)
+server.serve_forever()
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="needs processes.py change: terminate_tree sends SIGCONT before SIGTERM and, "
+                                       "when the root has not exited 1 s after that SIGTERM, sends it once more "
+                                       "(a resumed multi-threaded process may take the first one on a thread that "
+                                       "ignores it); and sim.py: block SIGTERM/SIGINT in the HTTP threads "
+                                       "(pthread_sigmask around their start) so the main thread always gets them")
+def test_stopped_worker_that_misses_its_first_sigterm_is_torn_down_in_seconds(
+        pytester: pytest.Pytester, sim_env: dict[str, str]) -> None:
+    """Item 5: the teardown of a stopped worker must not take 10 to 15 s extra. Today it waits the whole
+    term_timeout (10 s) whenever the engine misses the first SIGTERM."""
+    pytester.makepyfile(deaf_engine=DEAF_ENGINE)
+    pytester.makepyfile(test_freeze=FREEZE_TESTS)
+    result = pytester.runpytest_subprocess(
+        *SIM, "--sgl-launcher", f"{sys.executable} {pytester.path / 'deaf_engine.py'}", "--sgl-reorder", "off",
+        "-p", "no:randomly", "test_freeze.py", timeout=120)
+    result.assert_outcomes(passed=2)
+    seen = json.loads((pytester.path / "freeze.json").read_text())
+    assert_nothing_left(sim_env, pids=(seen["old"], seen["new"]))
+    assert seen["waited"] < 6, f"the next test waited {seen['waited']:.1f} s for its worker"
+
+
+ESCAPING_ENGINE = r'''
+"""A healthy engine whose grandchild escapes: it calls setsid, drops the ownership marker (a new process with a
+clean environment: /proc/<pid>/environ never changes after exec) and inherits the worker's listening socket
+(ESCAPE=socket) or opens a listener of its own on the block's spare port (ESCAPE=spare). It writes its pid to
+ESCAPEE_PID_FILE and ends by itself after 120 s."""
+import json, os, socket, subprocess, sys
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+argv = sys.argv[1:]
+port = int(argv[argv.index("--port") + 1])
+mode = os.environ["ESCAPE"]
+sock = socket.socket()
+sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+sock.bind(("127.0.0.1", port))
+sock.listen(64)
+
+ESCAPEE = """
+import os, socket, sys, time
+fd, mode, port = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+if mode == "socket":
+    held = socket.socket(fileno=fd)          # the worker's own listening socket
+else:
+    os.close(fd)
+    held = socket.socket()
+    held.bind(("127.0.0.1", port + 2))       # a port of the block, on a socket of its own
+    held.listen(1)
+with open(os.environ["ESCAPEE_PID_FILE"] + ".tmp", "w") as fh:
+    fh.write(str(os.getpid()))
+os.replace(os.environ["ESCAPEE_PID_FILE"] + ".tmp", os.environ["ESCAPEE_PID_FILE"])
+time.sleep(120)
+"""
+SPAWNER = """
+import os, subprocess, sys
+fd = int(sys.argv[1])
+env = {k: v for k, v in os.environ.items() if k != "SGLWORKER_OWNER"}
+subprocess.Popen([sys.executable, "-c", sys.argv[2], *sys.argv[1:2], *sys.argv[3:]], pass_fds=(fd,), env=env,
+                 start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                 stderr=subprocess.DEVNULL)
+"""
+# The spawner exits at once: the escapee is re-parented, no descendant of the worker any more.
+subprocess.run([sys.executable, "-c", SPAWNER, str(sock.fileno()), ESCAPEE, mode, str(port)],
+               pass_fds=(sock.fileno(),), check=True)
+
+
+class Handler(BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = json.dumps({"model_path": "org/escaping"}).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+server = ThreadingHTTPServer(("127.0.0.1", port), Handler, bind_and_activate=False)
+server.socket.close()
+server.socket = sock
+print("The server is fired up and ready to roll!", flush=True)
+server.serve_forever()
+'''
+
+
+def _listeners(port: int) -> list[int]:
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if any(c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port
+                   for c in proc.net_connections("tcp")):
+                found.append(proc.pid)
+        except psutil.Error:
+            continue
+    return found
+
+
+def _end(pid: int) -> None:
+    with contextlib.suppress(psutil.Error):
+        proc = psutil.Process(pid)
+        proc.kill()
+        proc.wait(10)
+
+
+@pytest.mark.xfail(strict=True, reason="needs launcher.py/processes.py change: after teardown, check that nothing "
+                                       "listens on the worker's ports; kill a listener that holds the worker's own "
+                                       "socket (same socket inode) or descends from it, else quarantine the block "
+                                       "(ports.quarantine_port_block) and warn")
+@pytest.mark.parametrize("escape", ["socket", "spare"])
+def test_escaped_listener_does_not_keep_the_workers_port(pytester: pytest.Pytester, sim_env: dict[str, str],
+                                                          monkeypatch: pytest.MonkeyPatch, escape: str) -> None:
+    """Item 6: a grandchild that calls setsid, drops the marker and keeps LISTEN on a port of the worker's block
+    survives teardown; today the test passes silently and the port stays taken."""
+    pytester.makepyfile(escaping_engine=ESCAPING_ENGINE)
+    pytester.makepyfile(test_escape="""
+        import json
+
+        def test_uses_the_worker(sgl_worker):
+            with open("port.json", "w") as fh:
+                json.dump({"port": sgl_worker.port}, fh)
+            assert sgl_worker.client.get("/health").status_code == 200
+    """)
+    pid_file = pytester.path / "escapee.pid"
+    monkeypatch.setenv("ESCAPEE_PID_FILE", str(pid_file))
+    monkeypatch.setenv("ESCAPE", escape)
+    result = pytester.runpytest_subprocess(
+        *SIM, "--sgl-launcher", f"{sys.executable} {pytester.path / 'escaping_engine.py'}", "test_escape.py",
+        timeout=90)
+    escapee = int(pid_file.read_text()) if pid_file.exists() else None
+    port = json.loads((pytester.path / "port.json").read_text())["port"]
+    listened = port if escape == "socket" else port + 2
+    still = _listeners(listened)
+    survived = escapee is not None and not _gone(escapee)
+    if escapee is not None:
+        _end(escapee)  # ours to end, by pid, whatever the plugin did
+    result.assert_outcomes(passed=1)
+    assert escapee is not None, result.stdout.str()
+    out = result.stdout.str()
+    if escape == "socket":  # it holds the worker's own socket: provably ours, killed
+        assert not survived and still == [], (still, out)
+        assert f"{escapee}" in out and f"{port}" in out, out
+    else:  # a socket of its own, not provably ours: left alone, the block quarantined, a warning
+        assert still == [escapee]
+        assert f"{listened}" in out and "quarantin" in out, out
+
+
+def test_report_on_a_full_disk_is_whole_or_absent(pytester: pytest.Pytester, sim_env: dict[str, str],
+                                                   tmpfs: Callable[[str], Path]) -> None:
+    """Item 8: a full disk left a 0-byte --sgl-report; the earlier report must stay whole (the report writer goes
+    through state.atomic_write)."""
+    point = tmpfs("size=64k,mode=0755")
+    report = point / "report.json"
+    report.write_text('{"schema": "pytest-sglworker/report/v1", "earlier": true}\n')
+    with open(point / "filler", "wb") as fh, contextlib.suppress(OSError):
+        fh.write(b"\0" * (1024 * 1024))
+    pytester.makepyfile("def test_x(): pass")
+    result = pytester.runpytest_subprocess("--sgl-model", "qwen3-0.6b", "--sgl-engine", "sim",
+                                           f"--sgl-report={report}", "-p", "no:cacheprovider", timeout=60)
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines([f"sglworker: ERROR: cannot write the run report to {report} (--sgl-report): *"])
+    assert json.loads(report.read_text()) == {"schema": "pytest-sglworker/report/v1", "earlier": True}
+    assert [p.name for p in point.iterdir() if p.name.endswith(".tmp")] == []
+
+
+def test_record_of_a_live_process_without_the_lock_does_not_stall_the_lease(pytester: pytest.Pytester,
+                                                                            sim_env: dict[str, str]) -> None:
+    """Item 9: a holder record naming a live pid (here this very test process) that holds no lock made the
+    declared GPU look full until the lease timeout. The lock is the truth."""
+    import socket
+
+    lock_dir = Path(sim_env["SGLWORKER_LOCK_DIR"])
+    lock_dir.mkdir(mode=0o700, parents=True)
+    (lock_dir / "gpu-sim-1x80-0.json").write_text(json.dumps({
+        "pid": os.getpid(), "hostname": socket.gethostname(), "holder": "a session that forgot its record",
+        "since": time.time(), "uuid": "GPU-sim-000000000000", "memory_mib": 81920, "index": 0,
+        "namespace": "sim-1x80", "gpus": [0]}))
+    pytester.makepyfile(NEXT_TEST)
+    start = time.monotonic()
+    result = pytester.runpytest_subprocess(*SIM, "--sgl-lease-timeout", "20", timeout=90)
+    result.assert_outcomes(passed=1)
+    assert time.monotonic() - start < 15
+    assert "waiting for 1 GPU" not in result.stdout.str()
+    assert_nothing_left(sim_env)
+
+
+def _free_block() -> tuple[int, int]:
+    import random
+    import socket
+
+    for _ in range(200):
+        low = random.randrange(20000, 32000, 4)
+        ok = True
+        for port in range(low, low + 4):
+            with socket.socket() as sock:
+                try:
+                    sock.bind(("127.0.0.1", port))
+                except OSError:
+                    ok = False
+        if ok:
+            return low, low + 3
+    pytest.skip("no free port block found")
+
+
+@pytest.mark.xfail(strict=True, reason="needs launcher.py change: spawn_worker passes timeout=<the plugin's lease "
+                                       "timeout> and on_wait=<the pool's on_message> to ports.reserve_port_block "
+                                       "(e.g. LaunchOptions.port_wait_timeout, set from --sgl-lease-timeout)")
+def test_a_second_session_queues_for_the_only_port_block(pytester: pytest.Pytester, sim_env: dict[str, str],
+                                                         session_factory: Callable[..., Session]) -> None:
+    """Item 9: with one port block, a second session failed all its tests in 0.3 s instead of waiting for the
+    block the way it waits for a GPU lease."""
+    low, high = _free_block()
+    pytester.makepyfile(test_holder=RECORD_PIDS + textwrap.dedent("""
+        import pytest
+
+        @pytest.mark.sgl_worker(env={"SGLSIM_FAULT": "escape_child"})
+        def test_holds_the_block(sgl_worker):
+            record_pids(sgl_worker)
+            deadline = time.monotonic() + 60
+            while not os.path.exists("go") and time.monotonic() < deadline:
+                time.sleep(0.05)
+    """))
+    (pytester.path / "second").mkdir()
+    (pytester.path / "second" / "test_second.py").write_text(NEXT_TEST)
+    args = ["--sgl-engine", "sim", "--sgl-model", "qwen3-0.6b", "--sgl-gpus", "sim:2", "-p", "no:cacheprovider",
+            "--sgl-port-range", f"{low}-{high}", "--sgl-lease-timeout", "60"]
+    first = session_factory("test_holder.py", *args)
+    _read_pids(pytester, first)
+    second = session_factory("second", *args)
+    lock_dir = Path(sim_env["SGLWORKER_LOCK_DIR"])
+    _wait_for(lambda: list(lock_dir.glob(f"waiting-ports-{second.proc.pid}")) or second.proc.poll() is not None,
+              30, "the second session to wait for the block")
+    queued = second.proc.poll() is None
+    (pytester.path / "go").write_text("")
+    assert first.wait(60) == 0, first.output()
+    code = second.wait(60)
+    assert_nothing_left(sim_env)
+    assert queued, second.output()
+    assert code == 0, second.output()
+    assert "waiting for a free block of 4 ports" in second.output()
+
+
+@pytest.mark.slow
+def test_health_endpoint_slower_than_one_probe_is_still_counted_healthy(pytester: pytest.Pytester,
+                                                                       sim_env: dict[str, str]) -> None:
+    """Item 9: every health answer takes 7 s, longer than the first probe's 5 s; the probe time doubles, so the
+    worker is healthy well before the 60 s deadline (it was never counted healthy with a fixed 5 s)."""
+    pytester.makepyfile("""
+        import pytest
+
+        @pytest.mark.sgl_worker(env={"SGLSIM_FAULT": "slow_health=7"})
+        def test_slow(sgl_worker):
+            assert sgl_worker.client.get("/health").status_code == 200
+    """)
+    start = time.monotonic()
+    result = pytester.runpytest_subprocess(*SIM, "--sgl-startup-timeout", "60", timeout=120)
+    result.assert_outcomes(passed=1)
+    assert time.monotonic() - start < 50
+    assert_nothing_left(sim_env)
+
+
+@pytest.mark.xfail(strict=True, reason="needs plugin.py change: SessionState.register_from catches every Exception "
+                                       "of the hook (not only SpecError) and raises pytest.UsageError naming the "
+                                       "plugin and the exception")
+@pytest.mark.parametrize("error", ['RuntimeError("spec server unreachable")', 'KeyError("models")'])
+def test_register_specs_hook_that_raises_is_a_usage_error(pytester: pytest.Pytester, error: str) -> None:
+    """Item 4 (plugin.py): a raising pytest_sglworker_register_specs ends the session as a usage error."""
+    pytester.makeconftest(f"""
+        def pytest_sglworker_register_specs(registry):
+            raise {error}
+    """)
+    pytester.makepyfile("def test_x(sgl_worker): pass")
+    result = pytester.runpytest_subprocess("--sgl-engine", "sim", "--sgl-model", "qwen3-0.6b",
+                                           "-p", "no:cacheprovider", timeout=60)
+    out = result.stdout.str() + result.stderr.str()
+    assert "INTERNALERROR" not in out and "Traceback" not in out, out
+    assert result.ret == pytest.ExitCode.USAGE_ERROR, out
+    kind, detail = error.split("(")[0], error.split('"')[1]
+    result.stderr.fnmatch_lines([f"*pytest_sglworker_register_specs in *conftest.py*{kind}*{detail}*"])
+
+
+@pytest.mark.xfail(strict=True, reason="needs plugin.py change: SIGTERM and SIGHUP to pytest are turned into an "
+                                       "orderly interrupt (a handler that raises KeyboardInterrupt in the main "
+                                       "thread): teardown, kept logs, the run report (exit 2 or 128+signal)")
+@pytest.mark.parametrize("signame", ["SIGTERM", "SIGHUP"])
+def test_sigterm_to_pytest_is_an_orderly_interrupt(pytester: pytest.Pytester, sim_env: dict[str, str],
+                                                   session_factory: Callable[..., Session], signame: str) -> None:
+    """Item 7 (plugin.py): a CI runner that cancels a job sends SIGTERM (a closed terminal, SIGHUP)."""
+    pytester.makepyfile(RECORD_PIDS + textwrap.dedent("""
+        import pytest
+
+        @pytest.mark.sgl_worker(env={"SGLSIM_FAULT": "escape_child"})
+        def test_waits(sgl_worker):
+            record_pids(sgl_worker)
+            deadline = time.monotonic() + 60
+            while not os.path.exists("go") and time.monotonic() < deadline:
+                time.sleep(0.05)
+    """))
+    report = pytester.path / "report.json"
+    session = session_factory(*SIM, f"--sgl-report={report}")
+    pids = _read_pids(pytester, session)
+    session.proc.send_signal(getattr(signal, signame))
+    code = session.wait(30)
+    # Whatever happened, nothing may be left: today the session watchdog cleans up after the killed session.
+    assert_nothing_left(sim_env, timeout=15, pids=(pids["worker"], pids["child"]))
+    out = session.output()
+    signum = int(getattr(signal, signame))
+    assert code in (pytest.ExitCode.INTERRUPTED, 128 + signum), (code, out)  # pytest's 2, or the shell's 128+n
+    assert "INTERNALERROR" not in out and "Traceback" not in out, out
+    assert signame in out, out
+    assert f"log kept: {Path(sim_env['SGLWORKER_LOG_DIR'])}/sglang-worker-{pids['port']}.log" in out, out
+    assert json.loads(report.read_text())["exitstatus"] in (int(pytest.ExitCode.INTERRUPTED), 128 + signum)
