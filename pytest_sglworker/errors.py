@@ -53,10 +53,10 @@ class WorkerError(SglWorkerError):
 
     @property
     def summary(self) -> str:
-        """``<worker> <event>: <diagnosis>`` on one line."""
+        """One line for a short test summary: the diagnosis first, then what happened to which worker."""
         head = f"{self.worker} {self.event}".strip() if self.worker else str(self.args[0]).split("\n", 1)[0]
         if self.diagnosis is not None and self.diagnosis.is_error:
-            return f"{head}: {self.diagnosis.summary}"
+            return f"{self.diagnosis.summary} ({head})"
         return head
 
     def __str__(self) -> str:

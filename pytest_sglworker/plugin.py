@@ -100,9 +100,16 @@ def _holder(request: pytest.FixtureRequest) -> str:
 
 
 def _fail_with(exc: BaseException) -> None:
+    """Fail the test with the error's text; a worker failure's first line (the one pytest's short summary
+    shows, ``-rA``) is its one-line diagnosis."""
+    from .errors import WorkerError
+
+    text = str(exc)
+    if isinstance(exc, WorkerError) and exc.worker:
+        text = f"{exc.summary}\n{text}"
     # "from None": called inside "except SglWorkerError", the failure would otherwise chain that error as
     # its context, and pytest prints a chain even with pytrace=False: the whole message twice.
-    raise pytest.fail.Exception(str(exc), pytrace=False) from None
+    raise pytest.fail.Exception(text, pytrace=False) from None
 
 
 def _pool(session: SglSession) -> WorkerPool:
@@ -164,11 +171,12 @@ def _give_back(request: pytest.FixtureRequest, pool: WorkerPool, group: WorkerGr
     if dead or not group.is_alive():
         pool.discard(group, failed=failed or bool(dead))
         if dead and not failed and fail_on_death:
+            from .errors import WorkerDied
             from .launcher import signal_name
 
             member = dead[0]
-            pytest.fail(member.failure_message(f"exited with {signal_name(member.returncode)} during the test",
-                                               lines=session.settings.tail_lines), pytrace=False)
+            _fail_with(member.failure(WorkerDied, f"exited with {signal_name(member.returncode)} during the test",
+                                      lines=session.settings.tail_lines))
     elif fresh or request.node.nodeid in session.last_users:
         pool.discard(group, failed=failed)  # unshared, or no later test needs this configuration
     else:
