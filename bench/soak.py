@@ -13,13 +13,33 @@ its process group (``SGLSIM_FAULT=escape_child``), which teardown must find by i
 - **leases**: GPU holder records (``gpu-*.json``) left in the lock directory, and lock files still locked;
 - **logs**: worker logs left in the log directory (every test passes, so every log must be deleted).
 
+``--hostile`` mixes hostile engines among the healthy ones (issue #12), one kind per test, round robin:
+
+- ``trickle``: answers every request with ``HTTP/1.1 200 OK`` and then one header line every 0.5 s, forever;
+  the test has ``startup_timeout=2``: its setup must fail naming the timeout, within 2 s + a margin;
+- ``frozen``: a healthy simulated engine that the test SIGSTOPs; its teardown must be quick;
+- ``escape``: a healthy engine whose grandchild calls setsid, drops the ownership marker and inherits the
+  listening socket (the issue's escaped listener), so it keeps LISTEN on the worker's port after teardown;
+- ``crash``: the simulated engine's CUDA OOM during graph capture (``crash_oom``): the setup must fail with
+  the exit and the diagnosis;
+- ``die``: dies (SIGKILL) on its first inference request during the test: the teardown must report it;
+- ``healthy``, ``escape_child``: as in the plain soak.
+
+It then also counts the **failures reported correctly** (each test's outcome and message against what its kind
+must give, from a per-phase record every xdist worker writes), the **longest time past a deadline** (setup
+of a startup failure beyond its startup timeout) and the longest teardown of a stopped worker; the logs of
+the failed launches are expected to be kept, any other log is a leak.
+
 Usage (from the repository root)::
 
     .venv/bin/python bench/soak.py                     # 300 launches, -n 2, sim:2
     .venv/bin/python bench/soak.py --launches 40       # a short one
     .venv/bin/python bench/soak.py --json soak.json    # also write the figures as JSON
+    .venv/bin/python bench/soak.py --hostile           # 300 launches, hostile engines among healthy ones
+    .venv/bin/python bench/soak.py --hostile --kinds trickle,frozen,healthy   # only some kinds
 
-Exit status: 0 when nothing leaked, 1 on a leak, 2 when the soak itself failed (a test failed, pytest crashed).
+Exit status: 0 when nothing leaked (and, with ``--hostile``, every failure was reported correctly), 1 on a leak,
+2 when the soak itself failed (a test failed unexpectedly, a failure was misreported, pytest crashed).
 """
 
 from __future__ import annotations
@@ -37,6 +57,12 @@ import time
 import uuid
 from pathlib import Path
 from typing import Any
+
+HOSTILE_KINDS = ("trickle", "frozen", "escape", "crash", "die", "healthy", "escape_child", "healthy")
+#: startup timeout of the tests whose engine never becomes healthy
+HOSTILE_STARTUP_TIMEOUT = 2.0
+#: a startup failure may end this long after its deadline (the wait's last probe, the teardown)
+DEADLINE_MARGIN = 2.0
 
 SOAK_MARK = "SGLWORKER_SOAK_MARK"
 #: Samples skipped at the start of each xdist worker: the first launches import httpx, psutil, filelock.
@@ -77,6 +103,197 @@ def test_plain(i, sgl_worker):
 def test_escaped_child(i, sgl_worker):
     _sample(sgl_worker, "escape_child")
 '''
+
+
+HOSTILE_ENGINE = r'''
+"""The soak's engine: SOAK_ENGINE=trickle|escape run here, anything else is the simulated engine."""
+import json, os, runpy, socket, subprocess, sys, threading, time
+
+argv = sys.argv[1:]
+port = int(argv[argv.index("--port") + 1])
+kind = os.environ.get("SOAK_ENGINE", "healthy")
+line = json.dumps({"port": port, "kind": kind, "pid": os.getpid()}) + "\n"
+fd = os.open(os.path.join(os.environ["SOAK_OUT"], "engines.jsonl"), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+os.write(fd, line.encode())
+os.close(fd)
+if kind not in ("trickle", "escape"):
+    sys.argv = ["pytest_sglworker.sim", *argv]
+    runpy.run_module("pytest_sglworker.sim", run_name="__main__", alter_sys=True)
+    sys.exit(0)
+
+server = socket.socket()
+server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+server.bind(("127.0.0.1", port))
+server.listen(64)
+
+if kind == "escape":
+    ESCAPEE = "import socket, sys, time\nheld = socket.socket(fileno=int(sys.argv[1]))\ntime.sleep(30)\n"
+    SPAWNER = (
+        "import os, subprocess, sys\n"
+        "env = {k: v for k, v in os.environ.items() if k != 'SGLWORKER_OWNER'}\n"
+        "subprocess.Popen([sys.executable, '-c', sys.argv[2], sys.argv[1]], pass_fds=(int(sys.argv[1]),), env=env,"
+        " start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)\n"
+    )
+    subprocess.run([sys.executable, "-c", SPAWNER, str(server.fileno()), ESCAPEE], pass_fds=(server.fileno(),),
+                   check=True)
+    print("The server is fired up and ready to roll!", flush=True)
+
+
+def serve(conn):
+    with conn:
+        try:
+            conn.recv(65536)
+            if kind == "escape":
+                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}")
+                conn.recv(65536)  # keep-alive until the client closes
+                return
+            conn.sendall(b"HTTP/1.1 200 OK\r\n")
+            n = 0
+            while True:
+                time.sleep(0.5)
+                conn.sendall(f"X-Trickle-{n}: 1\r\n".encode())
+                n += 1
+        except OSError:
+            pass
+
+
+while True:
+    conn, _ = server.accept()
+    threading.Thread(target=serve, args=(conn,), daemon=True).start()
+'''
+
+HOSTILE_CONFTEST = '''
+import json, os
+import pytest
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    record = {"nodeid": report.nodeid, "when": report.when, "outcome": report.outcome,
+              "duration": round(call.stop - call.start, 3), "message": str(report.longrepr or "")[:4000]}
+    with open(os.path.join(os.environ["SOAK_OUT"], f"phases-{os.getpid()}.jsonl"), "a") as fh:
+        fh.write(json.dumps(record) + "\\n")
+    return report
+'''
+
+HOSTILE_TESTS = '''
+import json, os, signal, time
+import pytest
+
+N = int(os.environ["SOAK_LAUNCHES"])
+OUT = os.environ["SOAK_OUT"]
+KINDS = os.environ["SOAK_KINDS"].split(",")
+TIMEOUT = float(os.environ["SOAK_STARTUP_TIMEOUT"])
+
+
+def _sample(worker, kind):
+    fds = len(os.listdir("/proc/self/fd"))
+    with open("/proc/self/statm") as fh:
+        rss_pages = int(fh.read().split()[1])
+    assert worker.client.get("/health").status_code == 200
+    record = {"xdist": os.getpid(), "t": time.time(), "fds": fds, "rss_kib": rss_pages * os.sysconf("SC_PAGE_SIZE")
+              // 1024, "port": worker.port, "worker": worker.pid, "kind": kind}
+    with open(os.path.join(OUT, f"samples-{os.getpid()}.jsonl"), "a") as fh:
+        fh.write(json.dumps(record) + "\\n")
+
+
+def _ids(kind):
+    return [i for i in range(N) if KINDS[i % len(KINDS)] == kind]
+
+
+@pytest.mark.parametrize("i", _ids("healthy"))
+def test_healthy(i, sgl_worker):
+    _sample(sgl_worker, "healthy")
+
+
+@pytest.mark.sgl_worker(env={"SGLSIM_FAULT": "escape_child"})
+@pytest.mark.parametrize("i", _ids("escape_child"))
+def test_escape_child(i, sgl_worker):
+    _sample(sgl_worker, "escape_child")
+
+
+@pytest.mark.sgl_worker(env={"SOAK_ENGINE": "trickle"}, startup_timeout=TIMEOUT)
+@pytest.mark.parametrize("i", _ids("trickle"))
+def test_trickle(i, sgl_worker):
+    raise AssertionError("a trickling engine can never be healthy")
+
+
+@pytest.mark.parametrize("i", _ids("frozen"))
+def test_frozen(i, sgl_worker):
+    _sample(sgl_worker, "frozen")
+    os.kill(sgl_worker.pid, signal.SIGSTOP)
+
+
+@pytest.mark.sgl_worker(env={"SOAK_ENGINE": "escape"})
+@pytest.mark.parametrize("i", _ids("escape"))
+def test_escape(i, sgl_worker):
+    _sample(sgl_worker, "escape")
+
+
+@pytest.mark.sgl_worker(env={"SGLSIM_FAULT": "crash_oom"})
+@pytest.mark.parametrize("i", _ids("crash"))
+def test_crash(i, sgl_worker):
+    raise AssertionError("an engine that crashes at startup can never be healthy")
+
+
+@pytest.mark.sgl_worker(env={"SGLSIM_FAULT": "die_after=1"})
+@pytest.mark.parametrize("i", _ids("die"))
+def test_die(i, sgl_worker):
+    _sample(sgl_worker, "die")
+    sgl_worker.client.post("/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 2}})
+    sgl_worker.process.wait(10)
+'''
+
+#: kind -> (phase that must fail or None, fragments its message must hold)
+EXPECTED: dict[str, tuple[str | None, tuple[str, ...]]] = {
+    "healthy": (None, ()), "escape_child": (None, ()), "frozen": (None, ()), "escape": (None, ()),
+    "trickle": ("setup", (f"did not become healthy within {HOSTILE_STARTUP_TIMEOUT:g} s",
+                          "no complete answer to GET /health_generate in time")),
+    "crash": ("setup", ("exited during startup with code -9 (SIGKILL)", "CUDA out of memory")),
+    "die": ("teardown", ("exited with code -9 (SIGKILL) during the test", "simulated death after 1 requests")),
+}
+
+
+def _judge(phases: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per test: the phases recorded for it against what its kind must give."""
+    by_test: dict[str, dict[str, dict[str, Any]]] = {}
+    for p in phases:
+        by_test.setdefault(p["nodeid"], {})[p["when"]] = p
+    wrong: list[str] = []
+    expected_failures = correct = 0
+    past_deadline: list[float] = []
+    stopped_teardowns: list[float] = []
+    per_kind: dict[str, int] = {}
+    for nodeid, seen in sorted(by_test.items()):
+        if seen.get("setup", {}).get("outcome") == "skipped":
+            continue  # a kind left out of the mix: its empty parametrization is one skipped test
+        kind = nodeid.split("::test_", 1)[1].split("[", 1)[0]
+        per_kind[kind] = per_kind.get(kind, 0) + 1
+        failing, fragments = EXPECTED[kind]
+        failed = [when for when, p in seen.items() if p["outcome"] == "failed"]
+        if failing is not None:
+            expected_failures += 1
+            message = seen.get(failing, {}).get("message", "")
+            if failed == [failing] and all(f in message for f in fragments) and "_pytest/" not in message:
+                correct += 1
+            else:
+                wrong.append(f"{nodeid}: failed in {failed or 'no phase'}, expected {failing} with {fragments}")
+        elif failed:
+            wrong.append(f"{nodeid}: unexpected failure in {failed}: {seen[failed[0]]['message'][:300]}")
+        if failing == "setup" and "setup" in seen:
+            deadline = HOSTILE_STARTUP_TIMEOUT if kind == "trickle" else 0.0
+            if deadline:
+                past_deadline.append(max(seen["setup"]["duration"] - deadline, 0.0))
+        if kind == "frozen" and "teardown" in seen:
+            stopped_teardowns.append(seen["teardown"]["duration"])
+    return {
+        "tests": sum(per_kind.values()), "per_kind": per_kind, "expected_failures": expected_failures,
+        "failures_reported_correctly": correct, "misreported": wrong,
+        "longest_past_deadline_s": round(max(past_deadline, default=0.0), 2),
+        "longest_stopped_teardown_s": round(max(stopped_teardowns, default=0.0), 2),
+        "stopped_teardowns_over_3s": sum(1 for t in stopped_teardowns if t > 3.0),
+    }
 
 
 def _marked(mark: str) -> dict[int, str]:
@@ -154,7 +371,13 @@ def run(args: argparse.Namespace) -> int:
     work = Path(tempfile.mkdtemp(prefix="sglworker-soak-"))
     out = work / "out"
     out.mkdir()
-    (work / "test_soak.py").write_text(TEST_FILE)
+    kinds = args.kinds.split(",") if args.kinds else list(HOSTILE_KINDS)
+    if args.hostile:
+        (work / "test_soak.py").write_text(HOSTILE_TESTS)
+        (work / "conftest.py").write_text(HOSTILE_CONFTEST)
+        (work / "soak_engine.py").write_text(HOSTILE_ENGINE)
+    else:
+        (work / "test_soak.py").write_text(TEST_FILE)
     log_dir, lock_dir = work / "logs", work / "locks"
     mark = uuid.uuid4().hex
     env = {k: v for k, v in os.environ.items()
@@ -166,13 +389,18 @@ def run(args: argparse.Namespace) -> int:
     })
     if args.inject_leak:
         env["SOAK_INJECT_LEAK"] = "1"
+    if args.hostile:
+        env.update({"SOAK_KINDS": ",".join(kinds), "SOAK_STARTUP_TIMEOUT": str(HOSTILE_STARTUP_TIMEOUT)})
     if "SGLWORKER_TEST_MARK" in os.environ:  # run from the project's tests: keep their leftover check working
         env["SGLWORKER_TEST_MARK"] = os.environ["SGLWORKER_TEST_MARK"]
     report = work / "report.json"
     cmd = [sys.executable, "-m", "pytest", "test_soak.py", "-q", "-p", "no:cacheprovider", "-p", "no:randomly",
            "-n", str(args.workers), "--sgl-engine", "sim", "--sgl-model", "qwen3-0.6b",
            "--sgl-gpus", f"sim:{args.gpus}", "--sgl-reuse", "off", f"--sgl-report={report}"]
-    print(f"soak: {args.launches} launches, -n {args.workers}, sim:{args.gpus}, startup {args.startup:g} s, "
+    if args.hostile:
+        cmd += ["--sgl-launcher", f"{sys.executable} {work / 'soak_engine.py'}"]
+    mix = f", hostile mix {','.join(kinds)}" if args.hostile else ""
+    print(f"soak: {args.launches} launches, -n {args.workers}, sim:{args.gpus}, startup {args.startup:g} s{mix}, "
           f"in {work}", file=sys.stderr)
     start = time.monotonic()
     done = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=args.timeout)
@@ -183,26 +411,39 @@ def run(args: argparse.Namespace) -> int:
     while _marked(mark) and time.monotonic() < deadline:
         time.sleep(0.2)
     leftover = _marked(mark)
+    samples = [json.loads(line) for f in out.glob("samples-*.jsonl") for line in f.read_text().splitlines()]
+    engines = [json.loads(line) for line in (out / "engines.jsonl").read_text().splitlines()] \
+        if (out / "engines.jsonl").exists() else []
+    used_ports = {s["port"] for s in samples} | {e["port"] for e in engines}
+    # Ports are counted before the leftovers are ended: a leftover's listening socket is a leaked port too.
+    listening = _listening_ports()
+    leaked_ports = sorted(p for p in used_ports if p in listening)
+    leaked_ports += sorted(p for p in _listening_ports(set(leftover)) if p not in leaked_ports)
     for pid in leftover:  # counted; now end them, so that a leaky run leaves nothing behind either
         with contextlib.suppress(Exception):
             import psutil
 
             psutil.Process(pid).kill()
-    samples = [json.loads(line) for f in out.glob("samples-*.jsonl") for line in f.read_text().splitlines()]
-    used_ports = {s["port"] for s in samples}
-    listening = _listening_ports()
-    leaked_ports = sorted(p for p in used_ports if p in listening)
-    leaked_ports += sorted(p for p in _listening_ports(set(leftover)) if p not in leaked_ports)
     records = sorted(p.name for p in lock_dir.glob("gpu-*.json")) if lock_dir.is_dir() else []
     held = sorted(p.name for p in lock_dir.glob("*.lock") if _locked(p)) if lock_dir.is_dir() else []
     logs = sorted(p.name for p in log_dir.glob("sglang-worker-*.log")) if log_dir.is_dir() else []
     fds = _fd_growth(samples)
-    launches = 0
+    launches = failed_launches = 0
     if report.exists():
-        launches = sum(w["launches"] for w in json.loads(report.read_text())["workers"].values())
+        workers = json.loads(report.read_text())["workers"].values()
+        launches = sum(w["launches"] for w in workers)
+        failed_launches = sum(w["failures"] for w in workers)
+    judged: dict[str, Any] = {}
+    expected_logs = 0
+    if args.hostile:
+        phases = [json.loads(line) for f in out.glob("phases-*.jsonl") for line in f.read_text().splitlines()]
+        judged = _judge(phases)
+        expected_logs = judged["expected_failures"]
+        logs = logs[expected_logs:]  # as many logs as failed launches are kept on purpose
 
     figures: dict[str, Any] = {
-        "launches_requested": args.launches, "launches": launches, "tests_sampled": len(samples),
+        "launches_requested": args.launches, "launches": launches, "failed_launches": failed_launches,
+        "launch_attempts": launches + failed_launches, "tests_sampled": len(samples), **judged,
         "xdist_workers": len(fds), "wall_seconds": round(wall, 1),
         "launches_per_second": round(launches / wall, 2) if wall else None,
         "pytest_exit": done.returncode,
@@ -211,8 +452,17 @@ def run(args: argparse.Namespace) -> int:
         "fd_growth": {str(k): v for k, v in fds.items()},
     }
     fd_leak = sum(v["fd_growth"] for v in fds.values())
-    print(f"launches            {launches} of {args.launches} in {wall:.1f} s "
-          f"({figures['launches_per_second']}/s), pytest exit {done.returncode}")
+    attempts = launches + failed_launches
+    print(f"launches            {attempts} of {args.launches} in {wall:.1f} s ({launches} healthy, {failed_launches} "
+          f"failed to start; {figures['launches_per_second']}/s), pytest exit {done.returncode}")
+    if args.hostile:
+        print(f"tests by kind       {judged['per_kind']}")
+        print(f"failures reported   {judged['failures_reported_correctly']} of {judged['expected_failures']} "
+              "correctly" + (f"; misreported: {judged['misreported'][:5]}" if judged["misreported"] else ""))
+        print(f"past a deadline     longest {judged['longest_past_deadline_s']:.2f} s (startup timeout "
+              f"{HOSTILE_STARTUP_TIMEOUT:g} s, margin {DEADLINE_MARGIN:g} s)")
+        print(f"stopped teardowns   longest {judged['longest_stopped_teardown_s']:.2f} s, "
+              f"{judged['stopped_teardowns_over_3s']} over 3 s")
     for pid, f in sorted(fds.items()):
         print(f"xdist worker {pid:<7} {f['launches']} launches; fds {f['fds_first']} -> {f['fds_last']} "
               f"(min {f['fds_min']}, max {f['fds_max']}), growth {f['fd_growth']} "
@@ -225,7 +475,12 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=2, sort_keys=True) + "\n")
     leaked = bool(leftover or fd_leak or leaked_ports or records or held or logs)
-    failed = done.returncode != 0 or launches != args.launches
+    if args.hostile:
+        failed = (done.returncode not in (0, 1) or "INTERNALERROR" in done.stdout + done.stderr
+                  or attempts != args.launches or judged["tests"] != args.launches or bool(judged["misreported"])
+                  or judged["longest_past_deadline_s"] > DEADLINE_MARGIN)
+    else:
+        failed = done.returncode != 0 or launches != args.launches
     if failed:
         print("soak FAILED to run cleanly:\n" + textwrap.indent((done.stdout + done.stderr)[-6000:], "  "),
               file=sys.stderr)
@@ -249,9 +504,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep", action="store_true", help="keep the work directory")
     parser.add_argument("--inject-leak", action="store_true",
                         help="self-check of the detectors: each test leaks an fd, each xdist worker a process")
+    parser.add_argument("--hostile", action="store_true",
+                        help="hostile engines (trickling, frozen, escaping, crashing, dying) among healthy ones")
+    parser.add_argument("--kinds", default="", help=f"with --hostile: the kinds, round robin (default "
+                        f"{','.join(HOSTILE_KINDS)})")
     args = parser.parse_args(argv)
     if args.launches < 1 or args.workers < 1 or args.gpus < 1:
         parser.error("--launches, --workers and --gpus must be at least 1")
+    if args.kinds and not args.hostile:
+        parser.error("--kinds needs --hostile")
+    unknown = sorted(set(filter(None, args.kinds.split(","))) - set(HOSTILE_KINDS))
+    if unknown:
+        parser.error(f"unknown kind(s) {', '.join(unknown)}; known: {', '.join(sorted(set(HOSTILE_KINDS)))}")
+    if args.hostile and args.inject_leak:
+        parser.error("--inject-leak is for the plain soak")
     return run(args)
 
 

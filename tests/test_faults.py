@@ -1342,3 +1342,38 @@ def test_sigterm_to_pytest_is_an_orderly_interrupt(pytester: pytest.Pytester, si
     assert signame in out, out
     assert f"log kept: {Path(sim_env['SGLWORKER_LOG_DIR'])}/sglang-worker-{pids['port']}.log" in out, out
     assert json.loads(report.read_text())["exitstatus"] in (int(pytest.ExitCode.INTERRUPTED), 128 + signum)
+
+
+@pytest.mark.slow
+def test_short_hostile_soak_reports_every_failure_and_leaks_nothing(tmp_path: Path) -> None:
+    """bench/soak.py --hostile at a small scale, without the escaped listener (see the next test): trickling,
+    frozen, crashing and dying engines among healthy ones under -n 2; every failure reported as its kind
+    must be, no startup past its deadline, nothing leaked."""
+    soak = Path(__file__).resolve().parents[1] / "bench" / "soak.py"
+    figures_path = tmp_path / "soak.json"
+    done = subprocess.run([sys.executable, str(soak), "--hostile", "--launches", "24", "--kinds",
+                           "trickle,frozen,crash,die,healthy,escape_child", "--json", str(figures_path)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    figures = json.loads(figures_path.read_text())
+    assert figures["launch_attempts"] == 24 and figures["tests"] == 24
+    assert figures["failures_reported_correctly"] == figures["expected_failures"] == 12
+    assert figures["longest_past_deadline_s"] <= 2.0
+    for leak in ("leaked_processes", "leaked_ports", "leaked_lease_records", "held_locks", "leftover_logs"):
+        assert not figures[leak], (leak, figures[leak])
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="needs launcher.py/processes.py change: the post-teardown listener check "
+                                       "(see test_escaped_listener_does_not_keep_the_workers_port)")
+def test_short_hostile_soak_with_escaped_listeners_leaks_nothing(tmp_path: Path) -> None:
+    soak = Path(__file__).resolve().parents[1] / "bench" / "soak.py"
+    figures_path = tmp_path / "soak.json"
+    done = subprocess.run([sys.executable, str(soak), "--hostile", "--launches", "8", "--kinds", "escape,healthy",
+                           "--grace", "2", "--json", str(figures_path)], capture_output=True, text=True, timeout=300)
+    kept = re.search(r"work directory kept: (\S+)", done.stderr)
+    if kept:
+        shutil.rmtree(kept.group(1), ignore_errors=True)
+    figures = json.loads(figures_path.read_text())
+    assert figures["leaked_processes"] == {} and figures["leaked_ports"] == [], figures
+    assert done.returncode == 0, done.stdout + done.stderr
