@@ -66,6 +66,17 @@ def sim_launcher() -> list[str]:
     return [sys.executable, "-m", "pytest_sglworker.sim"]
 
 
+def environment_launcher(environ: Mapping[str, str] | None = None) -> list[str]:
+    """The launcher outside pytest, as the plugin's options would pick it: ``SGLWORKER_LAUNCHER`` (shlex-split),
+    else the simulated engine when ``SGLWORKER_ENGINE=sim``, else :func:`default_launcher`."""
+    environ = os.environ if environ is None else environ
+    if environ.get("SGLWORKER_LAUNCHER", "").strip():
+        return parse_launcher(environ["SGLWORKER_LAUNCHER"])
+    if environ.get("SGLWORKER_ENGINE", "").strip() == "sim":
+        return sim_launcher()
+    return default_launcher()
+
+
 def parse_launcher(value: str) -> list[str]:
     """A ``--sgl-launcher`` value, shlex-split. Raises ``ValueError`` on an empty or unbalanced value."""
     try:
@@ -102,7 +113,7 @@ def build_argv(
             "listen on 127.0.0.1 only (opt out with allow_foreign_host=True / "
             "@pytest.mark.sgl_worker(allow_foreign_host='reason'))"
         )
-    argv = list(launcher if launcher is not None else default_launcher())
+    argv = list(launcher if launcher is not None else environment_launcher())
     argv += ["--model-path", model_path or spec.resolve_model_path(), "--host", LOOPBACK_HOST, "--port", str(port)]
     if nccl_port is not None:
         argv += ["--nccl-port", str(nccl_port)]
@@ -568,12 +579,16 @@ def spawn_worker(
     the launch is retried on another block if the port was taken between reservation and bind). ``kind``
     (default :class:`~pytest_sglworker.kinds.HttpWorker`) says which ports to pin and how readiness is
     proven. ``cancel`` set by another thread (a group member failed) stops the wait at once.
+
+    Outside pytest the launcher follows ``SGLWORKER_LAUNCHER`` / ``SGLWORKER_ENGINE=sim`` (see
+    :func:`environment_launcher`) unless ``options.launcher`` is given. It takes **no GPU lease**: pass the
+    GPUs yourself in ``env`` (``CUDA_VISIBLE_DEVICES``); inside pytest, the fixtures lease them.
     """
     from . import state
 
     kind = kind or HttpWorker()
     options = options or LaunchOptions()
-    check_launcher(options.launcher or default_launcher(), {**os.environ, **spec.env, **(env or {})})
+    check_launcher(options.launcher or environment_launcher(), {**os.environ, **spec.env, **(env or {})})
     log_dir = state.ensure_private_dir(options.log_dir or state.default_log_dir(), what="log directory")
     _check_free_space(log_dir)
     if port is not None and len(kind.port_names) > 2:

@@ -31,7 +31,7 @@ STARTUP_TIMEOUT_DESC = "seconds a worker may take to become healthy (default 600
 LEASE_TIMEOUT_DESC = "seconds to wait for a free GPU lease before failing (default 1800)"
 GPUS_DESC = "GPUs to use: NVML indices '0,2', UUIDs, or a declared inventory 'sim:N' / 'sim:NxGiB' (e.g. sim:4x80)"
 PORT_RANGE_DESC = "port range for worker port blocks, 'LOW-HIGH' (default: below the ephemeral range)"
-KEEP_LOGS_DESC = "keep the logs of workers whose tests passed too (default: only failed runs' logs are kept)"
+KEEP_LOGS_DESC = "keep every worker log, whatever --sgl-log-retention-policy says"
 REUSE_DESC = "reuse a running worker across tests of the same configuration: 'on' (default) or 'off'"
 REORDER_DESC = "reorder tests so that tests of one worker configuration run together: 'on' (default) or 'off'"
 REPORT_DESC = "write the run report (launches, reuses, startup times, failures) as JSON to this path"
@@ -39,6 +39,10 @@ TAIL_DESC = "log lines shown in failure reports (default 40)"
 CARD_DESC = "GPU card for the memory ledger of --sgl-list-models, e.g. H100-80G, H200, A100-40G, L4"
 TIMELINE_DESC = "write the run's timeline (a lane per GPU, a bar per launch) as one self-contained HTML file"
 TRACE_DESC = "write the run's launches as Chrome trace-event JSON (Perfetto, chrome://tracing)"
+RETENTION_COUNT_DESC = ("how many sessions' worker logs to keep under the default log root, in session-<N> "
+                        "directories with a 'current' link (default 3, like pytest's tmp_path_retention_count)")
+RETENTION_POLICY_DESC = ("which worker logs to keep: 'all' (default), 'failed' (only those of workers that failed "
+                         "or served a failing test), 'none' (like pytest's tmp_path_retention_policy)")
 ROUTER_LAUNCHER_DESC = ("command that starts the router of sgl_router, shlex-split "
                         "(default: '<python> -m sglang_router.launch_router')")
 
@@ -80,6 +84,13 @@ def _on_off(value: str) -> bool:
     if lowered in {"off", "0", "false", "no"}:
         return False
     raise ValueError(f"{value!r} is not 'on' or 'off'")
+
+
+def _retention_policy(value: str) -> str:
+    lowered = value.strip().lower()
+    if lowered not in ("all", "failed", "none"):
+        raise ValueError(f"{value!r} is not a retention policy; choose 'all', 'failed' or 'none'")
+    return lowered
 
 
 def _engine(value: str) -> str:
@@ -151,6 +162,10 @@ OPTIONS: tuple[_Opt, ...] = (
     _Opt("card", "SGLWORKER_CARD", "sgl_card", CARD_DESC, None, _card),
     _Opt("timeline", "SGLWORKER_TIMELINE", "sgl_timeline", TIMELINE_DESC, None, _report_path),
     _Opt("trace", "SGLWORKER_TRACE", "sgl_trace", TRACE_DESC, None, _report_path),
+    _Opt("log-retention-count", "SGLWORKER_LOG_RETENTION_COUNT", "sgl_log_retention_count", RETENTION_COUNT_DESC,
+         3, _positive_int),
+    _Opt("log-retention-policy", "SGLWORKER_LOG_RETENTION_POLICY", "sgl_log_retention_policy", RETENTION_POLICY_DESC,
+         "all", _retention_policy),
     _Opt("router-launcher", "SGLWORKER_ROUTER_LAUNCHER", "sgl_router_launcher", ROUTER_LAUNCHER_DESC, None,
          _launcher),
 )
@@ -200,7 +215,14 @@ class Settings:
     router_launcher: tuple[str, ...] | None = None
     timeline: Path | None = None
     trace: Path | None = None
+    log_retention_count: int = 3
+    log_retention_policy: str = "all"
     sources: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def log_policy(self) -> str:
+        """The retention policy in force: ``--sgl-keep-logs`` keeps every log whatever the policy says."""
+        return "all" if self.keep_logs else self.log_retention_policy
 
     @property
     def gpus_explicit(self) -> bool:

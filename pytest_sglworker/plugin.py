@@ -74,7 +74,7 @@ def pytest_cmdline_main(config: pytest.Config) -> int | None:
     settings = resolve_settings(config)
     session = SglSession(config, settings)
     session.register_all()
-    print(render_registry(session.registry, settings))
+    print(render_registry(session.registry, settings, verbose=config.get_verbosity() > 0))
     return 0
 
 

@@ -26,6 +26,7 @@ from .kinds import KindChooser, MemberPlan, WorkerConfig, default_kind
 from .launcher import LaunchOptions, ModelInstance, ProgressCallback, mask_argv, spawn_worker
 from .processes import hostname
 from .report import ConfigStats, LaunchRecord
+from .retention import keeps
 from .specs import ModelSpec
 
 if TYPE_CHECKING:
@@ -159,7 +160,7 @@ class WorkerPool:
         leases: LeaseManager | None = None,
         lease_timeout: float = 1800.0,
         reuse: bool = True,
-        keep_logs: bool = False,
+        log_policy: str = "failed",
         on_progress: ProgressCallback | None = None,
         on_message: Callable[[str], None] | None = None,
         worker_env: Callable[[ModelSpec, dict[str, str]], dict[str, str]] | None = None,
@@ -171,7 +172,7 @@ class WorkerPool:
         self.leases = leases
         self.lease_timeout = lease_timeout
         self.reuse = reuse
-        self.keep_logs = keep_logs
+        self.log_policy = log_policy
         self.on_progress = on_progress
         self.on_message = on_message or (lambda msg: None)
         self.worker_env = worker_env
@@ -289,8 +290,11 @@ class WorkerPool:
             stats.failures += 1
             _attach_ledger(exc, config, lease)
             log_path = getattr(exc, "log_path", None)
-            if log_path:
+            if log_path and keeps(self.log_policy, failed=True):
                 stats.failed_logs.append(str(log_path))
+            elif log_path:
+                with contextlib.suppress(OSError):
+                    os.unlink(log_path)
             self._finish_records(records, outcome="startup_timeout" if type(exc).__name__ == "WorkerStartupTimeout"
                                  else "startup_failed", failure=getattr(exc, "summary", str(exc)))
             if lease is not None:
@@ -466,14 +470,11 @@ class WorkerPool:
                     record.outcome = "stopped"
                 self._take(record, member)
                 path = str(member.log_path)
-                if failed:
-                    if path not in stats.failed_logs:
-                        stats.failed_logs.append(path)
-                elif self.keep_logs:
-                    if path not in stats.kept_logs:
-                        stats.kept_logs.append(path)
-                else:
+                kept = stats.failed_logs if failed else stats.kept_logs
+                if not keeps(self.log_policy, failed=failed):
                     member.remove_log()
+                elif path not in kept:
+                    kept.append(path)
             if entry.lease is not None:
                 self._give_back(entry.lease, pids, entry.leased_at, stats)
             self._stamp_released(entry.records)

@@ -131,8 +131,12 @@ class SglReporter:
             )
             for log in st.failed_logs:
                 terminalreporter.write_line(f"    log kept: {log}")
-            for log in st.kept_logs:
-                terminalreporter.write_line(f"    log kept (--sgl-keep-logs): {log}")
+            if self.session.settings.keep_logs:
+                for log in st.kept_logs:
+                    terminalreporter.write_line(f"    log kept (--sgl-keep-logs): {log}")
+        if any(st.failed_logs or st.kept_logs for st in stats.values()):
+            terminalreporter.write_line(f"sglworker: worker logs of this run in {self.session.log_dir} "
+                                        f"(retention policy {self.session.settings.log_policy})")
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -167,22 +171,40 @@ def _ledger_gpu(settings: Settings) -> tuple[str, int, int | None]:
     return "H100-80G (no GPU visible; choose another with --sgl-card)", gpu_card_mib("H100-80G"), None
 
 
-def render_registry(registry: SpecRegistry, settings: Settings) -> str:
+def render_registry(registry: SpecRegistry, settings: Settings, *, verbose: bool = False) -> str:
+    """``--sgl-list-models``: a compact table (name, model, GPUs x memory, features, budget, the ledger's verdict
+    on the chosen card), then, with ``-v``, every spec in full with its memory ledger."""
     from .ledger import ledger_for_spec
 
     label, total, free = _ledger_gpu(settings)
-    lines = ["pytest-sglworker model registry:", f"memory ledger for: {label}"]
+    rows = [("name", "model", "GPUs x memory", "features", "budget", "ledger verdict")]
+    ledgers = {}
     for spec in registry:
         problems = budget.check_spec(spec)
+        ledger = ledger_for_spec(spec, total, gpu_free_mib=free)
+        ledgers[spec.name] = ledger
+        verdict = "unknown model dims" if ledger is None else f"{ledger.verdict.value} (KV {ledger.kv_tokens:,} tokens)"
+        rows.append((spec.name, spec.model, f"{spec.tp} x {spec.memory_gb:g} GB",
+                     ", ".join(sorted(spec.features)) or "-", "ok" if not problems else "VIOLATED", verdict))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = [f"pytest-sglworker model registry (memory ledger for: {label}):"]
+    lines += ["  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
+    if not verbose:
+        lines.append("(-v: every spec in full, with its memory ledger)")
+        return "\n".join(lines)
+    lines += ["", "memory ledger for: " + label]
+    for spec in registry:
+        problems = budget.check_spec(spec)
+        local = spec.resolve_model_path()
         lines.append(f"  {spec.name}")
-        lines.append(f"    model:       {spec.model} -> {spec.resolve_model_path()}")
+        lines.append(f"    model:       {spec.model}" + (f" -> {local} (local copy)" if local != spec.model else ""))
         lines.append(f"    memory:      {spec.memory_gb:g} GB   tp: {spec.tp}")
         lines.append(f"    features:    {', '.join(sorted(spec.features)) or '-'}")
         lines.append(f"    worker_args: {' '.join(spec.worker_args)}")
         lines.append("    budget:      " + ("ok" if not problems else "VIOLATED: " + "; ".join(map(str, problems))))
         if spec.description:
             lines.append(f"    about:       {spec.description}")
-        ledger = ledger_for_spec(spec, total, gpu_free_mib=free)
+        ledger = ledgers[spec.name]
         if ledger is None:
             lines.append("    ledger:      unknown model dimensions (no local config.json)")
         else:

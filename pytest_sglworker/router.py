@@ -200,10 +200,12 @@ class Router(ManagedProcess):
             record.t_released = time.time()
             record.outcome = "died" if died else "ok"
             record.served(nodeid, self.times.get("ready"), self.times.get("stop_requested"), "done")
-        if not died and not session.settings.keep_logs:
+        from .retention import keeps
+
+        if not keeps(session.settings.log_policy, failed=died):
             self.remove_log()
         else:
-            stats.kept_logs.append(str(self.log_path))
+            (stats.failed_logs if died else stats.kept_logs).append(str(self.log_path))
 
 
 def _router_stats(session: SglSession, group: WorkerGroup, policy: str | None) -> ConfigStats:
@@ -236,7 +238,7 @@ def start_router(session: SglSession, group: WorkerGroup, *, policy: str | None 
     launcher = router_launcher(session.settings)
     check_launcher(launcher)
     s = session.settings
-    log_dir = state.ensure_private_dir(s.log_dir or state.default_log_dir(), what="log directory")
+    log_dir = state.ensure_private_dir(session.log_dir, what="log directory")
     lock_dir = state.ensure_private_dir(s.lock_dir or state.default_lock_dir(), what="lock directory",
                                         shared_ok=s.lock_dir is not None)
     timeout = startup_timeout or min(s.startup_timeout, DEFAULT_ROUTER_TIMEOUT)

@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 from collections.abc import Generator, Mapping
+from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
@@ -85,6 +86,8 @@ class SglSession:
         #: node ids of the last test of each worker configuration: its workers are retired after it
         self.last_users: set[str] = set()
         self.interrupted_by: int | None = None
+        self._log_dir: Path | None = None
+        self._session_dir: Any = None
         self._previous_handlers: dict[int, Any] = {}
         import time
 
@@ -119,14 +122,33 @@ class SglSession:
         return problems
 
     def selected_specs(self) -> list[ModelSpec]:
-        unknown = [m for m in self.settings.models if m not in self.registry]
-        if unknown:
-            raise pytest.UsageError(
-                f"{self.settings.sources.get('model', '--sgl-model')}: "
-                f"unknown model(s) {', '.join(map(repr, unknown))}; "
-                f"known: {', '.join(self.registry.names())} (register more with pytest_sglworker_register_specs)"
-            )
-        return [self.registry.get(m) for m in self.settings.models]
+        """The specs ``--sgl-model`` selects: names, ``all`` (every registered spec) and ``feature:<name>``
+        (every spec with that feature), in the order given, each once. An unknown name is a usage error that
+        suggests the closest known one."""
+        import difflib
+
+        source = self.settings.sources.get("model", "--sgl-model")
+        chosen: dict[str, ModelSpec] = {}
+        for name in self.settings.models:
+            if name == "all":
+                chosen.update((spec.name, spec) for spec in self.registry)
+            elif name.startswith("feature:"):
+                feature = name[len("feature:"):]
+                matching = self.registry.with_feature(feature)
+                if not matching:
+                    known = sorted({f for spec in self.registry for f in spec.features})
+                    raise pytest.UsageError(f"{source}: no registered model has feature {feature!r}; features: "
+                                            f"{', '.join(known) or '(none)'}")
+                chosen.update((spec.name, spec) for spec in matching)
+            elif name in self.registry:
+                chosen.setdefault(name, self.registry.get(name))
+            else:
+                close = difflib.get_close_matches(name, self.registry.names(), n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else ""
+                raise pytest.UsageError(
+                    f"{source}: unknown model(s) {name!r}; known: {', '.join(self.registry.names())}{hint} "
+                    "(also 'all' and 'feature:<name>'; register more with pytest_sglworker_register_specs)")
+        return list(chosen.values())
 
     # -- worker configurations ----------------------------------------------------------------------------
     def choose_kind(self, role: str, args: Any) -> WorkerKind:
@@ -179,12 +201,12 @@ class SglSession:
             message(self, f"cleaned up after earlier sessions: {reaped}")
         self._watchdog = Watchdog(lock_dir=leases.lock_dir)
         options = LaunchOptions(
-            launcher=self.launcher(), log_dir=s.log_dir, lock_dir=s.lock_dir, startup_timeout=s.startup_timeout,
+            launcher=self.launcher(), log_dir=self.log_dir, lock_dir=s.lock_dir, startup_timeout=s.startup_timeout,
             port_range=s.port_range, tail_lines=s.tail_lines,
         )
         return WorkerPool(
             options, leases=leases, lease_timeout=s.lease_timeout, reuse=s.reuse,
-            keep_logs=s.keep_logs, on_progress=lambda instance, elapsed: progress(self, instance, elapsed),
+            log_policy=s.log_policy, on_progress=lambda instance, elapsed: progress(self, instance, elapsed),
             on_message=lambda text: message(self, text), worker_env=self._worker_env,
             choose_kind=self.choose_kind, xdist_worker=xdist_worker_id(self.config),
         )
@@ -207,6 +229,24 @@ class SglSession:
                                                 what="lock directory", shared_ok=self.settings.lock_dir is not None)
             self._leases = LeaseManager(lock_dir, inventory, namespace=selection.namespace)
         return self._leases
+
+    @property
+    def log_dir(self) -> Path:
+        """Where this session's worker and router logs go: ``--sgl-log-dir`` as it is, the directory the xdist
+        controller chose for its workers, or a new ``session-<N>`` under the default root (see
+        :mod:`retention`)."""
+        if self._log_dir is None:
+            workerinput = getattr(self.config, "workerinput", None)
+            if self.settings.log_dir is not None:
+                self._log_dir = self.settings.log_dir
+            elif isinstance(workerinput, dict) and workerinput.get("sglworker_log_dir"):
+                self._log_dir = Path(workerinput["sglworker_log_dir"])
+            else:
+                from .retention import make_session_dir
+
+                self._session_dir = make_session_dir(_default_log_dir(), self.settings.log_retention_count)
+                self._log_dir = self._session_dir.path
+        return self._log_dir
 
     # -- sglang's own parser ------------------------------------------------------------------------------
     def launcher(self) -> tuple[str, ...]:
@@ -271,6 +311,9 @@ class SglSession:
             self._watchdog = None
         if self._leases is not None:
             self._leases.inventory.close()  # NVML shutdown; a declared inventory has nothing to free
+        if self._session_dir is not None:
+            self._session_dir.release()
+            self._session_dir = None
 
     # -- signals: a CI cancel (SIGTERM, SIGHUP) is an orderly interrupt ------------------------------------
     def install_signal_handlers(self) -> None:
@@ -471,8 +514,17 @@ class SglSession:
         if workers and report.failed:
             from .reporter import worker_section
 
+            junit = bool(getattr(self.config.option, "xmlpath", None))
             for instance in workers:
-                report.sections.append(worker_section(instance, self.settings.tail_lines))
+                title, body = worker_section(instance, self.settings.tail_lines)
+                report.sections.append((title, body))
+                # CI systems read junitxml, which takes properties and captured output from the teardown report:
+                # the log path as a property, the tail in the test's system-err (not shown twice in the terminal)
+                prop = (f"sglworker_log_{instance.role}_{instance.port}", str(instance.log_path))
+                if prop not in item.user_properties:
+                    item.user_properties.append(prop)
+                if junit:
+                    item.add_report_section(report.when, "stderr", f"{title}\n{body}\n")
         return report
 
     @pytest.hookimpl(trylast=True)  # after the runner's, which tears down the fixtures of an interrupted test
@@ -616,6 +668,10 @@ class XdistHooks:
                 except Exception:  # a workaround must never fail a run
                     break
         return result
+
+    def pytest_configure_node(self, node: Any) -> None:
+        """The xdist workers log into the controller's session directory."""
+        node.workerinput["sglworker_log_dir"] = str(self.session.log_dir)
 
     def pytest_testnodedown(self, node: Any, error: Any) -> None:
         output = getattr(node, "workeroutput", {})

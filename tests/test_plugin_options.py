@@ -19,10 +19,20 @@ def test_list_models_prints_registry_and_exits(pytester: pytest.Pytester) -> Non
     pytester.makeconftest(SPEC_CONFTEST.format(args=("--mem-fraction-static=0.5", "--cuda-graph-backend-prefill",
                                                      "disabled")))
     pytester.makepyfile("def test_never_runs(): raise AssertionError")
-    result = pytester.runpytest("--sgl-list-models")
+    compact = pytester.runpytest("--sgl-list-models")
+    assert compact.ret == 0
+    compact.stdout.fnmatch_lines([
+        "pytest-sglworker model registry (memory ledger for: *):",
+        "  name*model*GPUs x memory*features*budget*ledger verdict",
+        "  llama-1b *meta-llama/Llama-3.2-1B-Instruct *1 x 4 GB *chat, streaming *ok *fits (KV *tokens)",
+        "  tiny *org/tiny *ok *unknown model dims",
+        "(-v: every spec in full, with its memory ledger)",
+    ])
+    assert "->" not in compact.stdout.str() and "ledger:" not in compact.stdout.str()
+    result = pytester.runpytest("--sgl-list-models", "-v")
     assert result.ret == 0
     result.stdout.fnmatch_lines([
-        "pytest-sglworker model registry:",
+        "pytest-sglworker model registry*",
         "  llama-1b", "*model:*meta-llama/Llama-3.2-1B-Instruct*", "*memory:*4 GB*tp: 1*",
         "*features:*chat, streaming*", "*worker_args: --mem-fraction-static=0.6 --cuda-graph-backend-prefill=disabled",
         "*budget:      ok",
@@ -224,3 +234,24 @@ def test_budget_violation_under_xdist_fails_the_test_not_the_run(pytester: pytes
     result.assert_outcomes(passed=1, errors=1)
     result.stdout.fnmatch_lines(["*0.85 is above the budget of 0.6*"])
     assert "INTERNALERROR" not in result.stdout.str() + result.stderr.str()
+
+
+def test_model_selection_all_feature_and_did_you_mean(pytester: pytest.Pytester) -> None:
+    pytester.makeconftest("""
+        from pytest_sglworker import ModelSpec
+
+        def pytest_sglworker_register_specs(registry):
+            registry.add(ModelSpec("embed-a", "org/embed", 4, features={"embedding"}))
+    """)
+    pytester.makepyfile("def test_m(sgl_model): print('MODEL', sgl_model.name)")
+    everything = pytester.runpytest("--sgl-model", "all", "--collect-only", "-q")
+    assert {line.split("[")[1].rstrip("]") for line in everything.outlines if "test_m[" in line} == {
+        "embed-a", "llama-1b", "llama-8b", "qwen3-0.6b"}
+    embedding = pytester.runpytest("--sgl-model", "feature:embedding,qwen3-0.6b", "--collect-only", "-q")
+    assert [line for line in embedding.outlines if "test_m[" in line] == [
+        "test_model_selection_all_feature_and_did_you_mean.py::test_m[embed-a]",
+        "test_model_selection_all_feature_and_did_you_mean.py::test_m[qwen3-0.6b]"]
+    typo = pytester.runpytest("--sgl-model", "qwen3-06b", "--collect-only")
+    typo.stderr.fnmatch_lines(["*unknown model(s) 'qwen3-06b'; known: *; did you mean 'qwen3-0.6b'?*"])
+    none = pytester.runpytest("--sgl-model", "feature:vision", "--collect-only")
+    none.stderr.fnmatch_lines(["*no registered model has feature 'vision'; features: chat, embedding, streaming*"])

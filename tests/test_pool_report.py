@@ -152,13 +152,13 @@ def test_waiting_status_and_summary(pytester: pytest.Pytester, sim_env: dict[str
 
 
 def test_list_models_uses_declared_inventory_for_the_ledger(pytester: pytest.Pytester) -> None:
-    result = pytester.runpytest("--sgl-list-models", "--sgl-gpus", "sim:2x24")
+    result = pytester.runpytest("--sgl-list-models", "--sgl-gpus", "sim:2x24", "-v")
     assert result.ret == 0
     result.stdout.fnmatch_lines([
         "memory ledger for: declared sim:2x24 (24576 MiB)",
         "*llama-8b*",
     ])
-    result = pytester.runpytest("--sgl-list-models", "--sgl-card", "H100-80G")
+    result = pytester.runpytest("--sgl-list-models", "--sgl-card", "H100-80G", "-v")
     result.stdout.fnmatch_lines(["memory ledger for: H100-80G", "*verdict: fits*"])
 
 

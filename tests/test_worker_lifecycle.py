@@ -131,9 +131,10 @@ def test_failed_test_gets_worker_log_section(pytester: pytest.Pytester, sim_env:
     assert list(Path(sim_env["SGLWORKER_LOG_DIR"]).glob("sglang-worker-*.log"))
 
 
-def test_passing_worker_log_is_removed(pytester: pytest.Pytester, sim_env: dict[str, str]) -> None:
+def test_passing_worker_log_is_removed_under_the_failed_policy(pytester: pytest.Pytester,
+                                                                sim_env: dict[str, str]) -> None:
     pytester.makepyfile("def test_ok(sgl_worker): pass")
-    _run(pytester).assert_outcomes(passed=1)
+    _run(pytester, "--sgl-log-retention-policy", "failed").assert_outcomes(passed=1)
     assert not list(Path(sim_env["SGLWORKER_LOG_DIR"]).glob("sglang-worker-*.log"))
 
 
@@ -296,7 +297,8 @@ def test_kept_log_keeps_its_path_when_the_port_is_reused(pytester: pytest.Pytest
         def test_passes_after(sgl_spawn_worker):
             sgl_spawn_worker("qwen3-0.6b")
     """)
-    result = _run(pytester, "--sgl-port-range", "21000-21003", "-p", "no:randomly")  # one block: same port
+    result = _run(pytester, "--sgl-port-range", "21000-21003", "-p", "no:randomly",  # one block: same port
+                  "--sgl-log-retention-policy", "failed")
     result.assert_outcomes(passed=1, failed=1)
     kept = [line.split("log kept: ", 1)[1].strip() for line in result.stdout.lines if "log kept: " in line]
     assert kept and all(Path(path).exists() for path in kept), kept
@@ -326,3 +328,20 @@ def test_hook_failure_does_not_leak_the_gpu_lease(pytester: pytest.Pytester, sim
     result = _run(pytester, "--sgl-gpus", "sim:1", "--sgl-lease-timeout", "5", "-p", "no:randomly")
     result.assert_outcomes(passed=1, errors=1)
     result.stdout.fnmatch_lines(["*RuntimeError: hook bug*"])
+
+
+def test_outside_pytest_the_readme_example_runs_on_a_cpu(tmp_path: Path) -> None:
+    """The README's "Outside pytest" snippet, as written, with SGLWORKER_ENGINE=sim."""
+    script = tmp_path / "outside.py"
+    script.write_text(
+        "from pytest_sglworker import get_model_spec, spawn_worker\n\n"
+        "with spawn_worker(get_model_spec('qwen3-0.6b')) as worker:\n"
+        "    print(worker.client.get('/model_info').json()['model_path'])\n"
+        "    print('PID', worker.pid)\n")
+    env = {**os.environ, "SGLWORKER_ENGINE": "sim", "SGLSIM_STARTUP_SECONDS": "0.2",
+           "SGLWORKER_LOG_DIR": str(tmp_path / "logs"), "SGLWORKER_LOCK_DIR": str(tmp_path / "locks")}
+    import sys
+
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[0] == "Qwen/Qwen3-0.6B"
