@@ -162,6 +162,7 @@ class WorkerPool:
         reuse: bool = True,
         log_policy: str = "failed",
         on_progress: ProgressCallback | None = None,
+        on_progress_end: Callable[[], None] | None = None,
         on_message: Callable[[str], None] | None = None,
         worker_env: Callable[[ModelSpec, dict[str, str]], dict[str, str]] | None = None,
         choose_kind: KindChooser | None = None,
@@ -174,6 +175,7 @@ class WorkerPool:
         self.reuse = reuse
         self.log_policy = log_policy
         self.on_progress = on_progress
+        self.on_progress_end = on_progress_end
         self.on_message = on_message or (lambda msg: None)
         self.worker_env = worker_env
         self.choose_kind = choose_kind or default_kind
@@ -285,7 +287,11 @@ class WorkerPool:
                 record.gpu_names, start = names[start:start + count], start + count
         try:
             envs = [self._member_env(config, env) for env in _split_env(lease, counts)]
-            members = self._start_members(config, plans, envs, options, records)
+            try:
+                members = self._start_members(config, plans, envs, options, records)
+            finally:
+                if self.on_progress_end is not None:
+                    self.on_progress_end()  # the status line goes before pytest writes the outcome
         except SglWorkerError as exc:
             stats.failures += 1
             _attach_ledger(exc, config, lease)

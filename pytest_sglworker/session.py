@@ -192,7 +192,7 @@ class SglSession:
         from .launcher import LaunchOptions
         from .pool import WorkerPool
         from .reaper import Watchdog, reap_dead_sessions
-        from .reporter import message, progress
+        from .reporter import message, progress, progress_end
 
         s = self.settings
         leases = self.lease_manager()
@@ -207,6 +207,7 @@ class SglSession:
         return WorkerPool(
             options, leases=leases, lease_timeout=s.lease_timeout, reuse=s.reuse,
             log_policy=s.log_policy, on_progress=lambda instance, elapsed: progress(self, instance, elapsed),
+            on_progress_end=lambda: progress_end(self),
             on_message=lambda text: message(self, text), worker_env=self._worker_env,
             choose_kind=self.choose_kind, xdist_worker=xdist_worker_id(self.config),
         )
@@ -634,6 +635,7 @@ class XdistHooks:
 
     def __init__(self, session: SglSession) -> None:
         self.session = session
+        self.relay: Any = None
 
     @pytest.hookimpl(wrapper=True)
     def pytest_collection_modifyitems(
@@ -670,8 +672,19 @@ class XdistHooks:
         return result
 
     def pytest_configure_node(self, node: Any) -> None:
-        """The xdist workers log into the controller's session directory."""
+        """The xdist workers log into the controller's session directory, and send their status lines to the
+        controller (a file it follows) so that a long startup on an xdist worker shows in the terminal."""
         node.workerinput["sglworker_log_dir"] = str(self.session.log_dir)
+        if self.relay is None:
+            from .reporter import ProgressRelay
+
+            self.relay = ProgressRelay(self.session, self.session.log_dir / f".progress-{os.getpid()}.jsonl")
+        node.workerinput["sglworker_progress"] = str(self.relay.path)
+
+    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        if self.relay is not None:
+            self.relay.close()
+            self.relay = None
 
     def pytest_testnodedown(self, node: Any, error: Any) -> None:
         output = getattr(node, "workeroutput", {})

@@ -139,13 +139,13 @@ def test_waiting_status_and_summary(pytester: pytest.Pytester, sim_env: dict[str
     result = pytester.runpytest_subprocess(*SIM, "--sgl-model", "qwen3-0.6b")
     result.assert_outcomes(passed=1)
     result.stdout.fnmatch_lines([
-        "*[[]sglworker[]] waiting for worker qwen3-0.6b on 127.0.0.1:* (pid *, GPUs 0): *, * s",
+        "*[[]sglworker[]] 2 s *: worker qwen3-0.6b on 127.0.0.1:* (pid *, GPUs 0)",
         "*sglang workers*",
         "qwen3-0.6b: 1 launched, 0 reused, startup min/median/max */*/* s*KV #tokens * (predicted *)",
     ])
     quiet = pytester.runpytest_subprocess(*SIM, "--sgl-model", "qwen3-0.6b", "-q")
     quiet.assert_outcomes(passed=1)
-    assert "waiting for worker" not in quiet.stdout.str()
+    assert "s warming up: worker" not in quiet.stdout.str() and "[sglworker] 2 s" not in quiet.stdout.str()
     assert "1 launched" in quiet.stdout.str()  # the summary stays under -q
     silent = pytester.runpytest_subprocess(*SIM, "--sgl-model", "qwen3-0.6b", "-qq")
     assert silent.ret == 0 and "sglang workers" not in silent.stdout.str()
@@ -234,3 +234,57 @@ def test_worker_deaths_are_counted(pytester: pytest.Pytester, sim_env: dict[str,
     result.assert_outcomes(passed=1, errors=1)
     (stats,) = json.loads(report.read_text())["workers"].values()
     assert stats["deaths"] == 1
+
+
+def test_xdist_workers_status_lines_show_through_the_controller(pytester: pytest.Pytester, sim_env: dict[str, str],
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SGLSIM_STARTUP_SECONDS", "4")
+    pytester.makepyfile("""
+        import pytest
+
+        @pytest.mark.parametrize("n", range(2))
+        @pytest.mark.sgl_worker(fresh=True)
+        def test_each(sgl_worker, n):
+            pass
+    """)
+    result = pytester.runpytest_subprocess(*SIM, "--sgl-model", "qwen3-0.6b", "-n", "2", "--sgl-gpus", "sim:2",
+                                           timeout=120)
+    result.assert_outcomes(passed=2)
+    result.stdout.fnmatch_lines(["*[[]sglworker[]] [[]gw?[]] * s *: worker qwen3-0.6b on 127.0.0.1:*"])
+
+
+def test_status_line_on_a_terminal_fits_and_is_cleared_before_pytest_writes(
+        pytester: pytest.Pytester, sim_env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+    import pty
+    import subprocess
+    import sys
+    import time
+
+    monkeypatch.setenv("SGLSIM_STARTUP_SECONDS", "3")
+    pytester.makepyfile("def test_a(sgl_worker): pass\n\ndef test_b(sgl_worker): pass\n")
+    master, slave = pty.openpty()
+    env = {**os.environ, "COLUMNS": "70", "LINES": "40", "TERM": "xterm"}
+    proc = subprocess.Popen([sys.executable, "-m", "pytest", *SIM, "--sgl-model", "qwen3-0.6b", "-v",
+                             "-p", "no:xdist"], cwd=pytester.path, stdin=slave, stdout=slave, stderr=slave, env=env)
+    os.close(slave)
+    chunks = []
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            data = os.read(master, 65536)
+        except OSError:  # the other side closed
+            break
+        if not data:
+            break
+        chunks.append(data)
+    os.close(master)
+    assert proc.wait(30) == 0
+    out = b"".join(chunks).decode(errors="replace")
+    assert "\r[sglworker] 2 s " in out, out[-2000:]
+    # every shown status line fits the 70-column terminal, and is wiped before the test's outcome is written
+    shown = [s.split("\r")[0] for s in out.split("\r[sglworker] ")[1:]]
+    assert shown and all(len("[sglworker] " + s) <= 69 for s in shown), shown
+    for line in out.replace("\r\n", "\n").split("\n"):
+        visible = line.rsplit("\r", 1)[-1]
+        assert not ("PASSED" in visible and "pid" in visible), line

@@ -544,10 +544,10 @@ def test_kv_line_and_phases_reach_the_report(real_run: InnerRun) -> None:
     assert stats["kv_tokens"]["actual"] == 1024
     assert len(stats["startup_seconds"]["samples"]) == 1
     assert any(re.search(r"^tiny-cpu: .*KV #tokens 1024\b", line) for line in real_run.lines), real_run.stdout[-3000:]
-    waiting = [line for line in real_run.lines if "[sglworker] waiting for worker tiny-cpu" in line]
+    waiting = [line for line in real_run.lines if re.search(r"\[sglworker\] \d+ s .*: worker tiny-cpu", line)]
     assert waiting, "no status line while the real engine started"
     known = {"starting", "loading weights", "allocating KV pool", "starting HTTP server", "warming up", "ready"}
-    phases = [re.search(r": ([\w ]+), \d+ s$", line) for line in waiting]
+    phases = [re.search(r"\] \d+ s ([\w ]+): worker", line) for line in waiting]
     assert all(m is not None and m.group(1) in known for m in phases), waiting
 
 
