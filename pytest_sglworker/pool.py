@@ -244,6 +244,8 @@ class WorkerPool:
         if entry is not None:
             for record in entry.records:
                 record.served(nodeid, t_start, t_end, outcome)
+            if outcome in ("failed", "error", "interrupted"):
+                self.stats_for(entry.config).failed_tests += 1
 
     def close(self) -> None:
         """Stop every worker and give back every lease."""

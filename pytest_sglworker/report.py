@@ -40,7 +40,9 @@ class ConfigStats:
     deaths: int = 0
     #: deliberate stops during a test (``worker.stop()``, a router's remove), not deaths
     stops: int = 0
-    #: logs kept because a launch failed or a test that used the worker failed
+    #: tests that used this configuration and failed (their workers' logs are kept)
+    failed_tests: int = 0
+    #: logs kept because a launch failed, a worker died, or a test that used it failed
     failed_logs: list[str] = field(default_factory=list)
     #: logs of passing workers kept by ``--sgl-keep-logs``
     kept_logs: list[str] = field(default_factory=list)
@@ -66,6 +68,7 @@ class ConfigStats:
             "failures": self.failures,
             "deaths": self.deaths,
             "stops": self.stops,
+            "failed_tests": self.failed_tests,
             "failed_logs": list(self.failed_logs),
             "kept_logs": list(self.kept_logs),
             "kv_tokens": {"predicted": self.kv_tokens_predicted, "actual": self.kv_tokens_actual},
@@ -79,6 +82,7 @@ class ConfigStats:
             startup_seconds=list(data["startup_seconds"]["samples"]),
             lease_wait_seconds=data["lease_wait_seconds"], gpu_seconds=data["gpu_seconds"],
             failures=data["failures"], deaths=data["deaths"], stops=data.get("stops", 0),
+            failed_tests=data.get("failed_tests", 0),
             failed_logs=list(data["failed_logs"]), kept_logs=list(data.get("kept_logs", ())),
             kv_tokens_predicted=kv.get("predicted"), kv_tokens_actual=kv.get("actual"),
         )
@@ -93,6 +97,7 @@ class ConfigStats:
         self.failures += other.failures
         self.deaths += other.deaths
         self.stops += other.stops
+        self.failed_tests += other.failed_tests
         self.failed_logs += other.failed_logs
         self.kept_logs += other.kept_logs
         self.kv_tokens_predicted = self.kv_tokens_predicted or other.kv_tokens_predicted

@@ -236,6 +236,7 @@ class SglReporter:
                 if st.kv_tokens_predicted is not None:
                     kv += f" (predicted {st.kv_tokens_predicted})"
             stops = f", {st.stops} stopped" if st.stops else ""
+            stops += f", {st.failed_tests} failed test(s)" if st.failed_tests else ""
             terminalreporter.write_line(
                 f"{st.label}: {st.launches} launched, {st.reuses} reused, startup min/median/max {span}, "
                 f"lease wait {st.lease_wait_seconds:.1f} s, GPU-seconds {st.gpu_seconds:.1f}, "
