@@ -48,6 +48,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -163,18 +164,55 @@ while True:
 '''
 
 HOSTILE_CONFTEST = '''
-import json, os
+import json, os, time
 import pytest
+
+OUT = os.environ["SOAK_OUT"]
+
+
+def _write(name, record):
+    with open(os.path.join(OUT, f"{name}-{os.getpid()}.jsonl"), "a") as fh:
+        fh.write(json.dumps(record) + "\\n")
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item, call):
     report = yield
-    record = {"nodeid": report.nodeid, "when": report.when, "outcome": report.outcome,
-              "duration": round(call.stop - call.start, 3), "message": str(report.longrepr or "")[:4000]}
-    with open(os.path.join(os.environ["SOAK_OUT"], f"phases-{os.getpid()}.jsonl"), "a") as fh:
-        fh.write(json.dumps(record) + "\\n")
+    _write("phases", {"nodeid": report.nodeid, "when": report.when, "outcome": report.outcome,
+                      "duration": round(call.stop - call.start, 3), "message": str(report.longrepr or "")[:4000]})
     return report
+
+
+def _listeners(port):
+    import psutil
+
+    try:
+        return sorted({c.pid or -1 for c in psutil.net_connections("tcp")
+                       if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port})
+    except psutil.AccessDenied:
+        found = []
+        for proc in psutil.process_iter():
+            try:
+                if any(c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port
+                       for c in proc.net_connections("tcp")):
+                    found.append(proc.pid)
+            except psutil.Error:
+                continue
+        return found
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    worker = item.funcargs.get("sgl_worker")
+    result = yield
+    if worker is not None:  # after its teardown, nothing may listen on the worker's ports any more
+        deadline = time.monotonic() + 1.0
+        for port in (worker.port, worker.port + 1):
+            while (pids := _listeners(port)) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if pids:
+                _write("listeners", {"nodeid": item.nodeid, "port": port, "pids": pids})
+    return result
 '''
 
 HOSTILE_TESTS = '''
@@ -185,6 +223,14 @@ N = int(os.environ["SOAK_LAUNCHES"])
 OUT = os.environ["SOAK_OUT"]
 KINDS = os.environ["SOAK_KINDS"].split(",")
 TIMEOUT = float(os.environ["SOAK_STARTUP_TIMEOUT"])
+MARKS = {
+    "healthy": {}, "frozen": {},
+    "escape_child": {"env": {"SGLSIM_FAULT": "escape_child"}},
+    "trickle": {"env": {"SOAK_ENGINE": "trickle"}, "startup_timeout": TIMEOUT},
+    "escape": {"env": {"SOAK_ENGINE": "escape"}},
+    "crash": {"env": {"SGLSIM_FAULT": "crash_oom"}},
+    "die": {"env": {"SGLSIM_FAULT": "die_after=1"}},
+}
 
 
 def _sample(worker, kind):
@@ -198,51 +244,22 @@ def _sample(worker, kind):
         fh.write(json.dumps(record) + "\\n")
 
 
-def _ids(kind):
-    return [i for i in range(N) if KINDS[i % len(KINDS)] == kind]
+# One test per launch, the kinds interleaved (run with --sgl-reorder off), so that hostile engines run among
+# healthy ones all along, and escapees are alive at the end too.
+PARAMS = [pytest.param(KINDS[i % len(KINDS)], i, marks=pytest.mark.sgl_worker(**MARKS[KINDS[i % len(KINDS)]]),
+                       id=f"{KINDS[i % len(KINDS)]}-{i}") for i in range(N)]
 
 
-@pytest.mark.parametrize("i", _ids("healthy"))
-def test_healthy(i, sgl_worker):
-    _sample(sgl_worker, "healthy")
-
-
-@pytest.mark.sgl_worker(env={"SGLSIM_FAULT": "escape_child"})
-@pytest.mark.parametrize("i", _ids("escape_child"))
-def test_escape_child(i, sgl_worker):
-    _sample(sgl_worker, "escape_child")
-
-
-@pytest.mark.sgl_worker(env={"SOAK_ENGINE": "trickle"}, startup_timeout=TIMEOUT)
-@pytest.mark.parametrize("i", _ids("trickle"))
-def test_trickle(i, sgl_worker):
-    raise AssertionError("a trickling engine can never be healthy")
-
-
-@pytest.mark.parametrize("i", _ids("frozen"))
-def test_frozen(i, sgl_worker):
-    _sample(sgl_worker, "frozen")
-    os.kill(sgl_worker.pid, signal.SIGSTOP)
-
-
-@pytest.mark.sgl_worker(env={"SOAK_ENGINE": "escape"})
-@pytest.mark.parametrize("i", _ids("escape"))
-def test_escape(i, sgl_worker):
-    _sample(sgl_worker, "escape")
-
-
-@pytest.mark.sgl_worker(env={"SGLSIM_FAULT": "crash_oom"})
-@pytest.mark.parametrize("i", _ids("crash"))
-def test_crash(i, sgl_worker):
-    raise AssertionError("an engine that crashes at startup can never be healthy")
-
-
-@pytest.mark.sgl_worker(env={"SGLSIM_FAULT": "die_after=1"})
-@pytest.mark.parametrize("i", _ids("die"))
-def test_die(i, sgl_worker):
-    _sample(sgl_worker, "die")
-    sgl_worker.client.post("/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 2}})
-    sgl_worker.process.wait(10)
+@pytest.mark.parametrize(("kind", "i"), PARAMS)
+def test_launch(kind, i, sgl_worker):
+    if kind in ("trickle", "crash"):
+        raise AssertionError(f"a {kind} engine can never be healthy")
+    _sample(sgl_worker, kind)
+    if kind == "frozen":
+        os.kill(sgl_worker.pid, signal.SIGSTOP)
+    elif kind == "die":
+        sgl_worker.client.post("/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 2}})
+        sgl_worker.process.wait(10)
 '''
 
 #: kind -> (phase that must fail or None, fragments its message must hold)
@@ -266,9 +283,11 @@ def _judge(phases: list[dict[str, Any]]) -> dict[str, Any]:
     stopped_teardowns: list[float] = []
     per_kind: dict[str, int] = {}
     for nodeid, seen in sorted(by_test.items()):
-        if seen.get("setup", {}).get("outcome") == "skipped":
-            continue  # a kind left out of the mix: its empty parametrization is one skipped test
-        kind = nodeid.split("::test_", 1)[1].split("[", 1)[0]
+        named = re.search(r"-([a-z_]+)-\d+\]$", nodeid)  # test_launch[qwen3-0.6b-<kind>-<i>]
+        if named is None or named.group(1) not in EXPECTED:
+            wrong.append(f"{nodeid}: not a test of the hostile mix")
+            continue
+        kind = named.group(1)
         per_kind[kind] = per_kind.get(kind, 0) + 1
         failing, fragments = EXPECTED[kind]
         failed = [when for when, p in seen.items() if p["outcome"] == "failed"]
@@ -398,7 +417,7 @@ def run(args: argparse.Namespace) -> int:
            "-n", str(args.workers), "--sgl-engine", "sim", "--sgl-model", "qwen3-0.6b",
            "--sgl-gpus", f"sim:{args.gpus}", "--sgl-reuse", "off", f"--sgl-report={report}"]
     if args.hostile:
-        cmd += ["--sgl-launcher", f"{sys.executable} {work / 'soak_engine.py'}"]
+        cmd += ["--sgl-launcher", f"{sys.executable} {work / 'soak_engine.py'}", "--sgl-reorder", "off"]
     mix = f", hostile mix {','.join(kinds)}" if args.hostile else ""
     print(f"soak: {args.launches} launches, -n {args.workers}, sim:{args.gpus}, startup {args.startup:g} s{mix}, "
           f"in {work}", file=sys.stderr)
@@ -438,6 +457,8 @@ def run(args: argparse.Namespace) -> int:
     if args.hostile:
         phases = [json.loads(line) for f in out.glob("phases-*.jsonl") for line in f.read_text().splitlines()]
         judged = _judge(phases)
+        judged["listened_after_teardown"] = [
+            json.loads(line) for f in out.glob("listeners-*.jsonl") for line in f.read_text().splitlines()]
         expected_logs = judged["expected_failures"]
         logs = logs[expected_logs:]  # as many logs as failed launches are kept on purpose
 
@@ -463,6 +484,9 @@ def run(args: argparse.Namespace) -> int:
               f"{HOSTILE_STARTUP_TIMEOUT:g} s, margin {DEADLINE_MARGIN:g} s)")
         print(f"stopped teardowns   longest {judged['longest_stopped_teardown_s']:.2f} s, "
               f"{judged['stopped_teardowns_over_3s']} over 3 s")
+        after = judged["listened_after_teardown"]
+        print(f"ports still listened on after their worker's teardown: {len(after)}"
+              + (f"  e.g. {after[:3]}" if after else ""))
     for pid, f in sorted(fds.items()):
         print(f"xdist worker {pid:<7} {f['launches']} launches; fds {f['fds_first']} -> {f['fds_last']} "
               f"(min {f['fds_min']}, max {f['fds_max']}), growth {f['fd_growth']} "
@@ -474,7 +498,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"leftover logs       {len(logs)}" + (f"  {logs[:5]}" if logs else ""))
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=2, sort_keys=True) + "\n")
-    leaked = bool(leftover or fd_leak or leaked_ports or records or held or logs)
+    leaked = bool(leftover or fd_leak or leaked_ports or records or held or logs
+                  or judged.get("listened_after_teardown"))
     if args.hostile:
         failed = (done.returncode not in (0, 1) or "INTERNALERROR" in done.stdout + done.stderr
                   or attempts != args.launches or judged["tests"] != args.launches or bool(judged["misreported"])
