@@ -43,6 +43,8 @@ RETENTION_COUNT_DESC = ("how many sessions' worker logs to keep under the defaul
                         "directories with a 'current' link (default 3, like pytest's tmp_path_retention_count)")
 RETENTION_POLICY_DESC = ("which worker logs to keep: 'all' (default), 'failed' (only those of workers that failed "
                          "or served a failing test), 'none' (like pytest's tmp_path_retention_policy)")
+LAUNCH_AHEAD_DESC = ("start up to N upcoming worker configurations ahead, on free GPUs, while earlier tests "
+                     "run (default 1; 0 turns it off)")
 ROUTER_LAUNCHER_DESC = ("command that starts the router of sgl_router, shlex-split "
                         "(default: '<python> -m sglang_router.launch_router')")
 
@@ -166,6 +168,7 @@ OPTIONS: tuple[_Opt, ...] = (
          3, _positive_int),
     _Opt("log-retention-policy", "SGLWORKER_LOG_RETENTION_POLICY", "sgl_log_retention_policy", RETENTION_POLICY_DESC,
          "all", _retention_policy),
+    _Opt("launch-ahead", "SGLWORKER_LAUNCH_AHEAD", "sgl_launch_ahead", LAUNCH_AHEAD_DESC, 1, _positive_int),
     _Opt("router-launcher", "SGLWORKER_ROUTER_LAUNCHER", "sgl_router_launcher", ROUTER_LAUNCHER_DESC, None,
          _launcher),
 )
@@ -217,6 +220,7 @@ class Settings:
     trace: Path | None = None
     log_retention_count: int = 3
     log_retention_policy: str = "all"
+    launch_ahead: int = 1
     sources: Mapping[str, str] = field(default_factory=dict)
 
     @property

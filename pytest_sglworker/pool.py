@@ -89,6 +89,16 @@ class WorkerGroup:
 
 
 @dataclass
+class _Ahead:
+    """A group being launched ahead of the test that needs it, in a thread of its own."""
+
+    config: WorkerConfig
+    cancel: threading.Event = field(default_factory=threading.Event)
+    thread: threading.Thread | None = None
+    error: BaseException | None = None
+
+
+@dataclass
 class _Entry:
     group: WorkerGroup
     lease: Lease | None
@@ -97,6 +107,7 @@ class _Entry:
     tainted: bool = False  # a test that used it failed: keep its logs
     poolable: bool = True  # False for a fresh, unshared group
     last_used: float = field(default_factory=time.monotonic)
+    launched_ahead: bool = False  # its first test is not a reuse
 
     @property
     def config(self) -> WorkerConfig:
@@ -185,6 +196,9 @@ class WorkerPool:
         self.launches: list[LaunchRecord] = []
         self._idle: OrderedDict[str, _Entry] = OrderedDict()  # group id -> entry, LRU first
         self._busy: dict[str, _Entry] = {}
+        self._ahead: dict[WorkerConfig, _Ahead] = {}
+        #: guards the entries and the figures: a launch ahead registers its group from another thread
+        self._lock = threading.RLock()
 
     # -- public -------------------------------------------------------------------------------------------
     def stats_for(self, config: WorkerConfig) -> ConfigStats:
@@ -200,15 +214,23 @@ class WorkerPool:
         is then never shared)."""
         fresh = fresh or options is not None
         stats = self.stats_for(config)
+        if not fresh:
+            self._join_ahead(config)
         if self.reuse and not fresh:
             for key, entry in list(self._idle.items()):
                 if entry.config != config:
                     continue
-                del self._idle[key]
+                with self._lock:
+                    if self._idle.pop(key, None) is None:
+                        continue
                 bad = next((m for m in entry.group if not m.responds()), None)
                 if bad is None:
-                    self._busy[key] = entry
-                    stats.reuses += 1
+                    with self._lock:
+                        self._busy[key] = entry
+                        if entry.launched_ahead:
+                            entry.launched_ahead = False  # its first test: a launch, not a reuse
+                        else:
+                            stats.reuses += 1
                     return entry.group
                 why = "died while idle in the pool" if not bad.is_alive() else (
                     "does not answer its health check (frozen or wedged)")
@@ -221,19 +243,22 @@ class WorkerPool:
 
     def release(self, group: WorkerGroup, *, failed: bool = False) -> None:
         """Give a group back after a test; it stays pooled when reuse is on and every member is alive."""
-        entry = self._busy.pop(group.id, None)
+        with self._lock:
+            entry = self._busy.pop(group.id, None)
         if entry is None:
             return
         entry.tainted = entry.tainted or failed
         entry.last_used = time.monotonic()
         if self.reuse and entry.poolable and group.is_alive() and not self._others_wait():
-            self._idle[group.id] = entry
+            with self._lock:
+                self._idle[group.id] = entry
         else:
             self._retire(entry, failed=entry.tainted)
 
     def discard(self, group: WorkerGroup, *, failed: bool = True) -> None:
         """Stop a group now (a member died, the test asked for fresh workers, or no later test needs it)."""
-        entry = self._busy.pop(group.id, None) or self._idle.pop(group.id, None)
+        with self._lock:
+            entry = self._busy.pop(group.id, None) or self._idle.pop(group.id, None)
         if entry is not None:
             self._retire(entry, failed=failed or entry.tainted)
 
@@ -248,12 +273,70 @@ class WorkerPool:
                 self.stats_for(entry.config).failed_tests += 1
 
     def close(self) -> None:
-        """Stop every worker and give back every lease."""
+        """Stop every worker (those launched ahead too, used or not) and give back every lease."""
+        for ahead in list(self._ahead.values()):
+            ahead.cancel.set()
+        for ahead in list(self._ahead.values()):
+            if ahead.thread is not None:
+                ahead.thread.join(120)
+        self._ahead.clear()
         for entry in list(self._busy.values()) + list(self._idle.values()):
             with contextlib.suppress(Exception):
                 self._retire(entry, failed=entry.tainted)
         self._busy.clear()
         self._idle.clear()
+
+    # -- launching ahead ----------------------------------------------------------------------------------
+    def launch_ahead(self, config: WorkerConfig, *, holder: str) -> bool:
+        """Start ``config``'s group now, in the background, so that it is ready when its first test begins.
+        Only on GPUs that are free this moment and that no other process waits for (it never evicts, never
+        waits for a lease); at most one launch ahead per configuration. Returns whether it started. The test
+        that needs it gets it from :meth:`acquire` (which waits for it), or the failure it met, exactly as if
+        it had been launched then."""
+        with self._lock:
+            if config in self._ahead or any(e.config == config for e in [*self._idle.values(), *self._busy.values()]):
+                return False
+        lease = None
+        if self.leases is not None:
+            try:
+                if self.leases.others_waiting():
+                    return False
+                lease = self.leases.try_acquire(config.gpus_needed(self.choose_kind), config.spec.memory_mib,
+                                                holder=holder)
+            except (SglWorkerError, OSError, ValueError):
+                return False  # it can never fit, or the inventory cannot be read: the test will say so
+            if lease is None:
+                return False
+        ahead = _Ahead(config)
+
+        def run() -> None:
+            try:
+                group = self._launch(config, holder=holder, fresh=False, options=self.options, lease=lease,
+                                     quiet=True, cancel=ahead.cancel)
+            except BaseException as exc:  # handed to the test that needs it
+                ahead.error = exc
+                return
+            with self._lock:
+                entry = self._busy.pop(group.id)
+                entry.launched_ahead = True
+                self._idle[group.id] = entry
+
+        ahead.thread = threading.Thread(target=run, name=f"sglworker-ahead-{config.key}", daemon=True)
+        with self._lock:
+            self._ahead[config] = ahead
+        ahead.thread.start()
+        return True
+
+    def _join_ahead(self, config: WorkerConfig) -> None:
+        """Wait for a launch ahead of ``config`` to finish; raise what it met, as if launched now."""
+        with self._lock:
+            ahead = self._ahead.pop(config, None)
+        if ahead is None or ahead.thread is None:
+            return
+        while ahead.thread.is_alive():
+            ahead.thread.join(0.1)
+        if ahead.error is not None and not isinstance(ahead.error, LaunchCancelled):
+            raise ahead.error
 
     def groups(self) -> list[WorkerGroup]:
         return [e.group for e in list(self._busy.values()) + list(self._idle.values())]
@@ -271,14 +354,17 @@ class WorkerPool:
         return waiting
 
     # -- launching ----------------------------------------------------------------------------------------
-    def _launch(self, config: WorkerConfig, *, holder: str, fresh: bool, options: LaunchOptions) -> WorkerGroup:
+    def _launch(self, config: WorkerConfig, *, holder: str, fresh: bool, options: LaunchOptions,
+                lease: Lease | None = None, quiet: bool = False,
+                cancel: threading.Event | None = None) -> WorkerGroup:
         stats = self.stats_for(config)
         plans = config.members(self.choose_kind)
         counts = [plan.gpus(config.spec) for plan in plans]
         group_id = f"{self.xdist_worker or 'main'}-{os.getpid()}-{next(_ids)}"
         requested = time.time()
-        lease, waited = self._lease_for(config, sum(counts), holder)
-        stats.lease_wait_seconds += waited
+        if lease is None:
+            lease, waited = self._lease_for(config, sum(counts), holder)
+            stats.lease_wait_seconds += waited
         leased_at = time.monotonic()
         records = [self._record(config, plan, group_id if len(plans) > 1 else None, requested,
                                 time.time() if lease is not None else None) for plan in plans]
@@ -287,13 +373,21 @@ class WorkerPool:
             start = 0
             for record, count in zip(records, counts, strict=True):
                 record.gpu_names, start = names[start:start + count], start + count
+        for record in records:
+            record.t_started = time.time()  # refined by each member's own start time once it runs
         try:
             envs = [self._member_env(config, env) for env in _split_env(lease, counts)]
             try:
-                members = self._start_members(config, plans, envs, options, records)
+                members = self._start_members(config, plans, envs, options, records, quiet=quiet, cancel=cancel)
             finally:
-                if self.on_progress_end is not None:
+                if self.on_progress_end is not None and not quiet:
                     self.on_progress_end()  # the status line goes before pytest writes the outcome
+        except LaunchCancelled:  # a launch ahead called off: neither a failure nor a launch
+            self._finish_records(records, outcome="cancelled")
+            if lease is not None:
+                self._give_back(lease, [], leased_at, stats)
+            self._stamp_released(records)
+            raise
         except SglWorkerError as exc:
             stats.failures += 1
             _attach_ledger(exc, config, lease)
@@ -317,7 +411,8 @@ class WorkerPool:
             raise
         group = WorkerGroup(config, members, group_id)
         # Registered at once, so that whatever happens next, close() stops it and gives the lease back.
-        self._busy[group_id] = _Entry(group, lease, leased_at, records, poolable=not fresh)
+        with self._lock:
+            self._busy[group_id] = _Entry(group, lease, leased_at, records, poolable=not fresh)
         stats.launches += 1
         ready = [m.startup_seconds for m in members if m.startup_seconds is not None]
         if ready:
@@ -332,17 +427,20 @@ class WorkerPool:
         return env
 
     def _start_members(self, config: WorkerConfig, plans: Sequence[MemberPlan], envs: Sequence[dict[str, str]],
-                       options: LaunchOptions, records: Sequence[LaunchRecord]) -> list[ModelInstance]:
+                       options: LaunchOptions, records: Sequence[LaunchRecord], *, quiet: bool = False,
+                       cancel: threading.Event | None = None) -> list[ModelInstance]:
         """Start every member; a group is ready after its slowest member, not the sum of their startups. The
         first member that fails stops the others at once and is the error raised."""
         def spawn(plan: MemberPlan, env: dict[str, str], cancel: threading.Event | None) -> ModelInstance:
             instance = spawn_worker(config.spec, extra_args=plan.extra_args, env=env, options=options,
-                                    on_progress=self.on_progress, gpus=env.get("CUDA_VISIBLE_DEVICES"),
-                                    kind=plan.kind, index=plan.index, cancel=cancel)
+                                    on_progress=None if quiet else self.on_progress,
+                                    gpus=env.get("CUDA_VISIBLE_DEVICES"), kind=plan.kind, index=plan.index,
+                                    cancel=cancel)
             return instance
 
+        outer = cancel
         if len(plans) == 1:
-            instance = spawn(plans[0], envs[0], None)
+            instance = spawn(plans[0], envs[0], outer)
             self._take(records[0], instance)
             return [instance]
         cancel = threading.Event()
@@ -366,6 +464,8 @@ class WorkerPool:
             for thread in threads:
                 while thread.is_alive():
                     thread.join(0.1)
+                    if outer is not None and outer.is_set():
+                        cancel.set()  # a launch ahead called off at the session's end: every member stops
         except BaseException:  # Ctrl-C: the members stop, then the interrupt goes on
             cancel.set()
             for thread in threads:
@@ -424,14 +524,24 @@ class WorkerPool:
             return None, 0.0
         memory = config.spec.memory_mib
         start = time.monotonic()
-        # First without waiting; evict idle groups (LRU first) while that frees a lease.
+        # First without waiting; evict idle groups (LRU first) while that frees a lease; launches ahead of
+        # other configurations give way (called off: the test that needs its GPUs now comes first).
         while True:
             lease = self.leases.try_acquire(gpus, memory, holder=holder)
             if lease is not None:
                 return lease, time.monotonic() - start  # time spent evicting idle workers counts too
-            if not self._idle:
-                break
-            _, victim = self._idle.popitem(last=False)
+            with self._lock:
+                aheads = [a for a in self._ahead.values() if a.config != config]
+            if not self._idle and aheads:
+                for ahead in aheads:
+                    ahead.cancel.set()
+                for ahead in aheads:
+                    self._join_ahead(ahead.config)
+                continue
+            with self._lock:
+                if not self._idle:
+                    break
+                _, victim = self._idle.popitem(last=False)
             self.on_message(f"evicting idle {', '.join(m.describe() for m in victim.group)} to free its GPU "
                             f"lease for {config.label}")
             self._retire(victim, failed=victim.tainted)

@@ -37,6 +37,7 @@ WORKERS_KEY = pytest.StashKey[list[Any]]()
 ITEM_ERROR_KEY = pytest.StashKey[str]()
 CONFIG_KEY = pytest.StashKey["WorkerConfig"]()
 REPORTS_KEY = pytest.StashKey[dict[str, pytest.TestReport]]()
+NEXT_KEY = pytest.StashKey["pytest.Item | None"]()
 
 #: The fixtures that launch workers, and the marker each one reads.
 WORKER_FIXTURES = ("sgl_worker", "sgl_workers", "sgl_router")
@@ -87,6 +88,8 @@ class SglSession:
         self.last_users: set[str] = set()
         self.interrupted_by: int | None = None
         self._log_dir: Path | None = None
+        self._queue: list[pytest.Item] = []
+        self._queue_index: dict[str, int] = {}
         self._session_dir: Any = None
         self._previous_handlers: dict[int, Any] = {}
         import time
@@ -440,6 +443,8 @@ class SglSession:
         self._skip_without_router(items)
         if self.settings.reorder:
             _reorder(items)
+        self._queue = list(items)
+        self._queue_index = {item.nodeid: i for i, item in enumerate(items)}
         if not is_xdist_worker(config):  # an xdist worker does not know which tests it will get
             last_users: dict[Any, str] = {}  # WorkerConfig -> node id
             for item in items:
@@ -499,6 +504,43 @@ class SglSession:
         except RouterUnavailable as exc:
             for item in users:
                 item.add_marker(pytest.mark.skip(reason=str(exc)))
+
+    # -- launching ahead --------------------------------------------------------------------------------
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_protocol(self, item: pytest.Item, nextitem: pytest.Item | None) -> None:
+        item.stash[NEXT_KEY] = nextitem
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_call(self, item: pytest.Item) -> None:
+        """With this test's own workers in place (after its setup), start the workers of the next
+        configurations the queue needs (``--sgl-launch-ahead``) on free GPUs, so that they are ready when their
+        first test begins. An xdist worker knows its queue only one test ahead."""
+        count = self.settings.launch_ahead
+        pool = self._pool
+        if count <= 0 or pool is None or not self.settings.reuse:
+            return
+        current = item.stash.get(CONFIG_KEY, None)
+        wanted: list[WorkerConfig] = []
+        for upcoming in self._upcoming(item):
+            config = upcoming.stash.get(CONFIG_KEY, None)
+            if config is None or config == current or config in wanted or not _poolable(upcoming):
+                continue
+            wanted.append(config)
+            if len(wanted) >= count:
+                break
+        for config in wanted:
+            try:
+                pool.launch_ahead(config, holder=f"launch ahead for {self.config.rootpath.name} (pid {os.getpid()})")
+            except Exception as exc:  # launching ahead is an optimisation: it never fails a test
+                self.messages.append(f"launch ahead of {config.label} failed to start: {exc!r}")
+
+    def _upcoming(self, item: pytest.Item) -> list[pytest.Item]:
+        if self._queue and not is_xdist_worker(self.config):
+            at = self._queue_index.get(item.nodeid)
+            if at is not None:
+                return self._queue[at + 1:]
+        nextitem = item.stash.get(NEXT_KEY, None)
+        return [nextitem] if nextitem is not None else []
 
     def pytest_runtest_setup(self, item: pytest.Item) -> None:
         error = item.stash.get(ITEM_ERROR_KEY, None)
@@ -613,6 +655,18 @@ def _default_log_dir() -> Any:
     from .state import default_log_dir
 
     return default_log_dir()
+
+
+def _poolable(item: pytest.Item) -> bool:
+    """Whether a test's workers come from the pool (not ``fresh=True``, not its own launch options)."""
+    try:
+        worker = WorkerMarker.from_mark(item.get_closest_marker("sgl_worker"))
+        group = WorkersMarker.from_mark(item.get_closest_marker("sgl_workers"))
+    except MarkerError:
+        return False
+    if "sgl_worker" in getattr(item, "fixturenames", ()):
+        return not (worker.fresh or worker.startup_timeout is not None or worker.allow_foreign_host is not None)
+    return not (group.fresh or group.startup_timeout is not None)
 
 
 def _reorder(items: list[pytest.Item]) -> None:

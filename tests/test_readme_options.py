@@ -35,6 +35,7 @@ VALUES: dict[str, tuple[str, str, object]] = {
     "--sgl-router-launcher": ("/usr/bin/env router", "router_launcher", ["/usr/bin/env", "router"]),
     "--sgl-log-retention-count": ("5", "log_retention_count", 5),
     "--sgl-log-retention-policy": ("failed", "log_retention_policy", "failed"),
+    "--sgl-launch-ahead": ("2", "launch_ahead", 2),
 }
 
 DUMP = """
