@@ -54,7 +54,8 @@ def test_the_next_configuration_is_ready_when_its_first_test_begins(pytester: py
     result.stdout.fnmatch_lines(["qwen3-0.6b --max-total-tokens 2048: 1 launched, 1 reused*"])
 
 
-def test_outcomes_are_the_same_with_and_without_launch_ahead(pytester: pytest.Pytester, sim_env: dict[str, str]) -> None:
+def test_outcomes_are_the_same_with_and_without_launch_ahead(pytester: pytest.Pytester,
+                                                             sim_env: dict[str, str]) -> None:
     pytester.makepyfile("""
         import pytest
 
