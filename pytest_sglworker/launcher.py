@@ -106,13 +106,14 @@ def build_argv(
 ) -> list[str]:
     """The full worker argv: launcher, model, 127.0.0.1, port, tp, the spec's args, the test's extra args,
     then the args of its kind (``--disaggregation-mode prefill --disaggregation-bootstrap-port N``)."""
-    hosts = foreign_hosts(extra_args) + foreign_hosts(spec.worker_args)
-    if hosts and not allow_foreign_host:
-        raise LaunchError(
-            f"worker {spec.name}: extra args would bind {', '.join(map(repr, hosts))}, not loopback; workers "
-            "listen on 127.0.0.1 only (opt out with allow_foreign_host=True / "
-            "@pytest.mark.sgl_worker(allow_foreign_host='reason'))"
-        )
+    for where, args in (("extra args", extra_args), (f"the worker_args of spec {spec.name!r}", spec.worker_args)):
+        hosts = foreign_hosts(args)
+        if hosts and not allow_foreign_host:
+            raise LaunchError(
+                f"worker {spec.name}: {where} would bind {', '.join(map(repr, hosts))}, not loopback; workers "
+                "listen on 127.0.0.1 only (opt out with allow_foreign_host=True / "
+                "@pytest.mark.sgl_worker(allow_foreign_host='reason'))"
+            )
     argv = list(launcher if launcher is not None else environment_launcher())
     argv += ["--model-path", model_path or spec.resolve_model_path(), "--host", LOOPBACK_HOST, "--port", str(port)]
     if nccl_port is not None:
