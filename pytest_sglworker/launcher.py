@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from .errors import LaunchError, WorkerDied, WorkerError, WorkerStartupError
+from .errors import LaunchCancelled, LaunchError, WorkerDied, WorkerError, WorkerStartupError
 from .health import ProgressCallback as ProgressCallback
 from .health import wait_until_ready
 from .kinds import PORT_BLOCK_SIZE, HttpWorker, WorkerKind
@@ -627,6 +627,10 @@ def spawn_worker(
 
             if exc.diagnosis is not None and exc.diagnosis.kind is Kind.PORT_IN_USE and attempt < attempts:
                 continue
+            raise
+        except LaunchCancelled:
+            instance.stop()
+            instance.remove_log()  # called off before it was needed: nothing to keep
             raise
         except BaseException:
             instance.stop()
