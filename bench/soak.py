@@ -345,9 +345,9 @@ def _listening_ports(pids: set[int] | None = None) -> dict[int, int]:
             pids = {p.pid for p in psutil.process_iter()}
     for pid in pids:
         try:
-            for conn in psutil.Process(pid).net_connections("tcp"):
-                if conn.status == psutil.CONN_LISTEN and conn.laddr:
-                    result[conn.laddr.port] = pid
+            for pconn in psutil.Process(pid).net_connections("tcp"):
+                if pconn.status == psutil.CONN_LISTEN and pconn.laddr:
+                    result[pconn.laddr.port] = pid
         except psutil.Error:
             continue
     return result
