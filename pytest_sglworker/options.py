@@ -34,6 +34,10 @@ PORT_RANGE_DESC = "port range for worker port blocks, 'LOW-HIGH' (default: below
 KEEP_LOGS_DESC = "keep every worker log, whatever --sgl-log-retention-policy says"
 REUSE_DESC = "reuse a running worker across tests of the same configuration: 'on' (default) or 'off'"
 REORDER_DESC = "reorder tests so that tests of one worker configuration run together: 'on' (default) or 'off'"
+DIST_DESC = ("how pytest-xdist hands out worker tests: 'auto' (default: by worker configuration under -n when no "
+             "--dist is given), 'on' (by worker configuration, whatever --dist says), 'off' (xdist's own --dist); "
+             "',steal=K' starts an extra copy of a configuration only while K or more of its tests are left per copy "
+             "(default 4), ',steal=off' never")
 REPORT_DESC = "write the run report (launches, reuses, startup times, failures) as JSON to this path"
 TAIL_DESC = "log lines shown in failure reports (default 40)"
 CARD_DESC = "GPU card for the memory ledger of --sgl-list-models, e.g. H100-80G, H200, A100-40G, L4"
@@ -145,6 +149,12 @@ def _gpus(value: str) -> str:
     return value
 
 
+def _dist(value: str) -> tuple[str, int | None]:
+    from .xdist_scheduling import parse_dist_option
+
+    return parse_dist_option(value)
+
+
 OPTIONS: tuple[_Opt, ...] = (
     _Opt("engine", "SGLWORKER_ENGINE", "sgl_engine", ENGINE_DESC, "real", _engine),
     _Opt("launcher", "SGLWORKER_LAUNCHER", "sgl_launcher", LAUNCHER_DESC, None, _launcher),
@@ -159,6 +169,7 @@ OPTIONS: tuple[_Opt, ...] = (
     _Opt("keep-logs", "SGLWORKER_KEEP_LOGS", "sgl_keep_logs", KEEP_LOGS_DESC, False, _on_off),
     _Opt("reuse", "SGLWORKER_REUSE", "sgl_reuse", REUSE_DESC, True, _on_off),
     _Opt("reorder", "SGLWORKER_REORDER", "sgl_reorder", REORDER_DESC, True, _on_off),
+    _Opt("dist", "SGLWORKER_DIST", "sgl_dist", DIST_DESC, ("auto", 4), _dist),
     _Opt("report", "SGLWORKER_REPORT", "sgl_report", REPORT_DESC, None, _report_path),
     _Opt("tail-lines", "SGLWORKER_TAIL_LINES", "sgl_tail_lines", TAIL_DESC, 40, _positive_int),
     _Opt("card", "SGLWORKER_CARD", "sgl_card", CARD_DESC, None, _card),
@@ -212,6 +223,7 @@ class Settings:
     keep_logs: bool = False
     reuse: bool = True
     reorder: bool = True
+    dist: tuple[str, int | None] = ("auto", 4)
     report: Path | None = None
     tail_lines: int = 40
     card: str | None = None

@@ -746,3 +746,35 @@ class XdistHooks:
             self.session.worker_stats.append(output["sglworker_stats"])
         if output.get("sglworker_launches"):
             self.session.worker_launches.append(output["sglworker_launches"])
+
+    # -- scheduling by worker configuration (--sgl-dist, xdist_scheduling.py) ------------------------------
+    def pytest_xdist_make_scheduler(self, config: pytest.Config, log: Any) -> Any:
+        from .xdist_scheduling import make_scheduler
+
+        return make_scheduler(self.session, config, log)
+
+    @pytest.hookimpl(specname="pytest_configure_node")
+    def pytest_configure_node_scheduling(self, node: Any) -> None:
+        """The xdist workers write which configuration each test needs where the scheduler reads it."""
+        from .xdist_scheduling import configure_node
+
+        configure_node(self.session, node)
+
+    @pytest.hookimpl(tryfirst=True)  # before xdist's worker sends the collection to the controller
+    def pytest_collection_finish(self, session: pytest.Session) -> None:
+        if is_xdist_worker(session.config):
+            from .xdist_scheduling import write_collection_map
+
+            write_collection_map(self.session, session.items)
+
+    def pytest_report_header(self, config: pytest.Config) -> str | None:
+        from .xdist_scheduling import header_line
+
+        return header_line(self.session)
+
+    def pytest_terminal_summary(self, terminalreporter: Any) -> None:
+        from .xdist_scheduling import summary_line
+
+        line = summary_line(self.session)
+        if line is not None and terminalreporter.config.get_verbosity() >= -1:
+            terminalreporter.write_line(line)

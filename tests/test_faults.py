@@ -684,6 +684,7 @@ BAD_VALUES: dict[str, tuple[str, str]] = {
     "keep-logs": ("maybe", "is not 'on' or 'off'"),
     "reuse": ("maybe", "is not 'on' or 'off'"),
     "reorder": ("sideways", "is not 'on' or 'off'"),
+    "dist": ("sideways", "is not 'auto', 'on' or 'off'"),
     "report": ("{dir}", "is a directory"),
     "tail-lines": ("-3", "must be 0 or more"),
     "card": ("B200-1T", "unknown GPU card"),

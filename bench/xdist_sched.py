@@ -1,0 +1,188 @@
+#!/usr/bin/env python
+"""Benchmark of the xdist scheduler that knows worker configurations (issue #16): ratios measured side by side
+in one run.
+
+    .venv/bin/python bench/xdist_sched.py            # 3 runs of each variant of each suite, about 4 minutes
+    .venv/bin/python bench/xdist_sched.py --quick    # 1 run each, about a minute and a half
+    .venv/bin/python bench/xdist_sched.py --json figures.json --reps 5
+
+Two suites, each under ``-n 4 --sgl-gpus sim:4`` with xdist's ``--dist load``, xdist's ``--dist loadgroup`` and
+ours (plain ``-n 4``: ``--sgl-dist auto``), repetitions interleaved (a burst of load hits every variant alike):
+
+- ``e2e``: bench/suites/e2e, 60 tests of 6 worker configurations, one small request each (many configurations,
+  fast tests: affinity is what counts);
+- ``two_large``: bench/suites/two_large, 2 configurations of 24 tests, each asking for 16 tokens at 12.5 ms a
+  token (0.2 s a test, on the engine's side, as a GPU would take it): few, large configurations (work
+  stealing is what counts).
+
+The simulated engine starts in 1 s (``SGLSIM_STARTUP_SECONDS``). Launches come from the ``--sgl-report`` JSON,
+wall from the whole ``pytest`` process. Goals (issue #16): launches <= configurations + xdist workers - 1, wall
+<= the better of load and loadgroup, on both suites. Progress goes to stderr, the table to stdout; the exit
+status is 1 when a run failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+SUITES: dict[str, dict[str, Any]] = {
+    "e2e": {"path": REPO / "bench" / "suites" / "e2e", "configurations": 6, "tests": 60,
+            "env": {"BENCH_E2E_TESTS_PER_SET": "10"}},
+    "two_large": {"path": REPO / "bench" / "suites" / "two_large", "configurations": 2, "tests": 48,
+                  "env": {"BENCH_LARGE_TESTS": "24", "BENCH_LARGE_TOKENS": "16", "SGLSIM_TOKEN_SECONDS": "0.0125"}},
+}
+VARIANTS: dict[str, list[str]] = {
+    "load": ["--dist", "load"],
+    "loadgroup": ["--dist", "loadgroup"],
+    "ours": [],
+}
+WORKERS = 4
+STARTUP = 1.0
+_DROPPED_ENV = ("PYTHONDONTWRITEBYTECODE", "PYTEST_ADDOPTS", "PYTEST_PLUGINS", "PYTEST_DISABLE_PLUGIN_AUTOLOAD")
+_DROPPED_PREFIXES = ("SGLWORKER_", "SGLSIM_")
+
+
+@dataclass
+class Run:
+    suite: str
+    variant: str
+    wall: float
+    rc: int
+    passed: int
+    launches: int
+    steals: int | None
+    tail: str
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in _DROPPED_ENV and not k.startswith(_DROPPED_PREFIXES)}
+    env.update(extra)
+    return env
+
+
+def progress(text: str) -> None:
+    sys.stderr.write(f"  .. {text}\n")
+    sys.stderr.flush()
+
+
+def run_once(workdir: Path, suite: str, variant: str) -> Run:
+    spec = SUITES[suite]
+    run_dir = Path(tempfile.mkdtemp(prefix=f"{suite}-{variant}-", dir=workdir))
+    report = run_dir / "report.json"
+    cmd = [sys.executable, "-m", "pytest", str(spec["path"]), "-p", "no:cacheprovider", "--sgl-engine", "sim",
+           "--sgl-model", "a,b", "--sgl-gpus", f"sim:{WORKERS}", "-n", str(WORKERS), "--sgl-report", str(report),
+           "--sgl-log-dir", str(run_dir / "logs"), "--sgl-lock-dir", str(workdir / "locks"), *VARIANTS[variant]]
+    env = clean_env(SGLSIM_STARTUP_SECONDS=str(STARTUP), **spec["env"])
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    wall = time.perf_counter() - t0
+    out = proc.stdout
+    passed = int(m.group(1)) if (m := re.search(r"(\d+) passed", out)) else 0
+    steals = int(m.group(1)) if (m := re.search(r"(\d+) of them extra copies by work stealing", out)) else None
+    launches = 0
+    if report.exists():
+        launches = sum(w["launches"] for w in json.loads(report.read_text()).get("workers", {}).values())
+    return Run(suite, variant, wall, proc.returncode, passed, launches, steals, "\n".join(out.splitlines()[-15:]))
+
+
+def median(values: Sequence[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def fmt_x(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="1 run of each variant (default 3)")
+    parser.add_argument("--reps", type=int, default=None, help="runs of each variant of each suite")
+    parser.add_argument("--json", type=Path, default=None, help="also write every figure and sample as JSON")
+    parser.add_argument("--only", default=",".join(SUITES), help=f"suites, comma-separated ({', '.join(SUITES)})")
+    args = parser.parse_args(argv)
+    reps = args.reps or (1 if args.quick else 3)
+    suites = [s.strip() for s in args.only.split(",") if s.strip()]
+    unknown = set(suites) - set(SUITES)
+    if unknown:
+        parser.error(f"unknown suite(s): {', '.join(sorted(unknown))}")
+    started = time.time()
+    load_before = os.getloadavg()[0]
+    runs: list[Run] = []
+    with tempfile.TemporaryDirectory(prefix="sglworker-xdist-sched-") as tmp:
+        workdir = Path(tmp)
+        progress("warming up (one unmeasured run)")
+        run_once(workdir, suites[0], "ours")
+        for rep in range(reps):  # round robin over suites and variants
+            for suite in suites:
+                for variant in VARIANTS:
+                    progress(f"{suite} {variant} {rep + 1}/{reps}")
+                    run = run_once(workdir, suite, variant)
+                    if run.rc != 0:
+                        progress(f"{suite} {variant} exited {run.rc}:\n{run.tail}")
+                    runs.append(run)
+    figures: dict[str, Any] = {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(started)), "seconds": round(time.time() - started),
+        "cpus": os.cpu_count(), "python": platform.python_version(), "load_before": round(load_before, 2),
+        "load_after": round(os.getloadavg()[0], 2), "workers": WORKERS, "startup": STARTUP, "reps": reps, "suites": {},
+    }
+    ok = all(r.rc == 0 for r in runs)
+    print(f"xdist scheduling by worker configuration: -n {WORKERS} --sgl-gpus sim:{WORKERS}, simulated startup "
+          f"{STARTUP:g} s, {reps} run(s) each, median wall; {figures['cpus']} CPUs, load {figures['load_before']} -> "
+          f"{figures['load_after']}")
+    print()
+    print("| suite | variant | wall (median) | samples | launches | goal: launches <= | ours / variant (wall) |")
+    print("|---|---|---|---|---|---|---|")
+    for suite in suites:
+        spec = SUITES[suite]
+        bound = spec["configurations"] + WORKERS - 1
+        summary: dict[str, Any] = {}
+        for variant in VARIANTS:
+            mine = [r for r in runs if r.suite == suite and r.variant == variant]
+            summary[variant] = {"wall": median([r.wall for r in mine]), "samples": [round(r.wall, 2) for r in mine],
+                                "launches": median([r.launches for r in mine]),
+                                "steals": median([r.steals for r in mine if r.steals is not None]),
+                                "ok": all(r.rc == 0 and r.passed == spec["tests"] for r in mine)}
+        ours = summary["ours"]["wall"]
+        best = min(summary["load"]["wall"] or float("inf"), summary["loadgroup"]["wall"] or float("inf"))
+        for variant, s in summary.items():
+            ratio = None if not s["wall"] or ours is None else ours / s["wall"]
+            s["ours_over_variant_wall"] = ratio
+            samples = ", ".join(f"{w:.1f}" for w in s["samples"])
+            steals = f" ({s['steals']:g} stolen)" if variant == "ours" and s["steals"] is not None else ""
+            print(f"| {suite} ({spec['tests']} tests, {spec['configurations']} configs) | {variant} | "
+                  f"{s['wall']:.2f} s | {samples} | {s['launches']:g}{steals} | {bound} | "
+                  f"{'1' if variant == 'ours' else fmt_x(ratio)} |")
+        goal_launches = summary["ours"]["launches"] is not None and summary["ours"]["launches"] <= bound
+        goal_wall = ours is not None and ours <= best
+        figures["suites"][suite] = {"configurations": spec["configurations"], "tests": spec["tests"], "bound": bound,
+                                    "variants": summary, "goal_launches": goal_launches, "goal_wall": goal_wall,
+                                    "ours_over_best_wall": None if ours is None or best == float("inf")
+                                    else ours / best}
+        ok = ok and all(s["ok"] for s in summary.values())
+    print()
+    for suite, f in figures["suites"].items():
+        print(f"{suite}: launches {f['variants']['ours']['launches']:g} <= {f['bound']}: "
+              f"{'met' if f['goal_launches'] else 'MISSED'}; wall ours / best of load and loadgroup = "
+              f"{fmt_x(f['ours_over_best_wall'])}: {'met' if f['goal_wall'] else 'MISSED'}")
+    if args.json is not None:
+        figures["runs"] = [{k: v for k, v in asdict(r).items() if k != "tail"} for r in runs]
+        args.json.write_text(json.dumps(figures, indent=2))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
