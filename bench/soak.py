@@ -415,7 +415,8 @@ def run(args: argparse.Namespace) -> int:
     report = work / "report.json"
     cmd = [sys.executable, "-m", "pytest", "test_soak.py", "-q", "-p", "no:cacheprovider", "-p", "no:randomly",
            "-n", str(args.workers), "--sgl-engine", "sim", "--sgl-model", "qwen3-0.6b",
-           "--sgl-gpus", f"sim:{args.gpus}", "--sgl-reuse", "off", f"--sgl-report={report}"]
+           "--sgl-gpus", f"sim:{args.gpus}", "--sgl-reuse", "off", f"--sgl-report={report}",
+           "--sgl-log-retention-policy", "failed"]
     if args.hostile:
         cmd += ["--sgl-launcher", f"{sys.executable} {work / 'soak_engine.py'}", "--sgl-reorder", "off"]
     mix = f", hostile mix {','.join(kinds)}" if args.hostile else ""

@@ -178,6 +178,7 @@ class Watched(Protocol):
     port: int
     started_at: float
     ready_at: float | None
+    ready_probe_seconds: float
     log_path: Path
 
     @property
@@ -329,9 +330,11 @@ def wait_until_ready(
             last_progress = now
             on_progress(target, elapsed)
         probe_deadline = min(deadline, time.monotonic() + probe_budget)
+        probed_at = time.monotonic()
         probe = readiness.probe(target, probe_deadline, exited)
         if probe.ready:
             target.ready_at = time.monotonic()
+            target.ready_probe_seconds = target.ready_at - probed_at
             return
         last_status = probe.status
         stale_seen = stale_seen or probe.stale

@@ -29,7 +29,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -38,7 +38,16 @@ from .errors import LaunchCancelled, LaunchError, WorkerDied, WorkerError, Worke
 from .health import ProgressCallback as ProgressCallback
 from .health import wait_until_ready
 from .kinds import PORT_BLOCK_SIZE, HttpWorker, WorkerKind
-from .processes import OWNER_ENV, listening_pids, owner_tag, process_tree, terminate_tree
+from .processes import (
+    OWNER_ENV,
+    end_process,
+    listeners,
+    listening_pids,
+    owner_tag,
+    process_tree,
+    socket_inodes,
+    terminate_tree,
+)
 from .sglang_facts import LAUNCH_MODULE, LOOPBACK_HOST, LOOPBACK_NAMES, SECRET_FLAG, flag_table
 from .specs import ModelSpec
 
@@ -254,6 +263,8 @@ class ManagedProcess:
     secrets: list[str] = field(default_factory=list, repr=False)
     started_at: float = field(default_factory=time.monotonic)
     ready_at: float | None = None
+    #: how long the readiness probe that found it ready took (a slow health endpoint stays slow)
+    ready_probe_seconds: float = 0.0
     port_block: PortBlock | None = field(default=None, repr=False)
     pids_seen: set[int] = field(default_factory=set)
     #: log lines a failure report quotes
@@ -262,6 +273,10 @@ class ManagedProcess:
     ports: dict[str, int] = field(default_factory=dict)
     #: wall-clock times of its life, for the run report's launch records
     times: dict[str, float] = field(default_factory=dict, repr=False)
+    #: what its teardown found worth saying (an escaped listener killed, a port block quarantined)
+    warnings: list[str] = field(default_factory=list, repr=False)
+    #: inodes of the socket(s) it listened on when it became ready (a process holding one is ours)
+    listen_inodes: set[int] = field(default_factory=set, repr=False)
     _client: httpx.Client | None = field(default=None, repr=False)
     _stopped: bool = field(default=False, repr=False)
 
@@ -298,8 +313,12 @@ class ManagedProcess:
         return self.process.poll() is None
 
     def owns_port(self) -> bool:
-        """Whether a process of this tree listens on its port (a stale server's answer is not ours)."""
-        return bool(listening_pids(self._tree(sweep=False), self.port))
+        """Whether a process of this tree listens on its port (a stale server's answer is not ours); the
+        listening sockets are remembered, so that a process that later holds one is known to be ours."""
+        pids = listening_pids(self._tree(sweep=False), self.port)
+        for pid in pids:
+            self.listen_inodes |= socket_inodes(pid, self.port)
+        return bool(pids)
 
     def fatal_in_log(self) -> bool:
         """Whether the log of this running process shows an error after which it will never serve."""
@@ -371,9 +390,32 @@ class ManagedProcess:
         killed = terminate_tree(self.process, self._tree, term_timeout=term_timeout, kill_timeout=kill_timeout)
         self.times["stopped"] = time.time()
         if self.port_block is not None:
-            self.port_block.release()
+            if self._clear_ports():
+                self.port_block.release()
             self.port_block = None
         return killed
+
+    def _clear_ports(self) -> bool:
+        """After teardown nothing may listen on this process's ports. A listener that provably descends from it
+        (a pid its tree had) or holds its own listening socket is killed; another one is left alone and the
+        port block is quarantined for the session (never handed out again). True when the block is clear."""
+        from .ports import quarantine_port_block
+
+        assert self.port_block is not None
+        clear = True
+        for pid, ports in listeners(self.port_block.ports).items():
+            ours = pid in self.pids_seen or bool(self.listen_inodes & socket_inodes(pid))
+            where = ", ".join(map(str, ports))
+            if ours and end_process(pid):
+                self.warnings.append(f"killed pid {pid}, which escaped the teardown of {self.describe()} and still "
+                                     f"listened on port {where}")
+                continue
+            clear = False
+            quarantine_port_block(self.port_block, reason=f"pid {pid} still listens on {where} after teardown")
+            self.warnings.append(f"pid {pid} still listens on port {where} after the teardown of {self.describe()} "
+                                 f"and is not provably ours: left alone, its port block "
+                                 f"{self.port_block.ports[0]}-{self.port_block.ports[-1]} quarantined for this session")
+        return clear
 
     def remove_log(self) -> None:
         """Delete the log (the retention policy keeps only the logs of failed runs)."""
@@ -423,12 +465,15 @@ class ModelInstance(ManagedProcess):
         return f"worker {self.spec.name}{role} on {self.host}:{self.port} (pid {self.pid}{gpus})"
 
     # -- state --------------------------------------------------------------------------------------------
-    def responds(self, timeout: float = 2.0) -> bool:
-        """Alive and answering its readiness check within ``timeout`` seconds (the whole request): the pool's
-        check before it hands a pooled worker to the next test. A frozen (SIGSTOPped, wedged) worker accepts
-        connections but answers nothing, and fails this."""
+    def responds(self, timeout: float | None = None) -> bool:
+        """Alive and answering its readiness check within ``timeout`` seconds (the whole request; default 2 s,
+        or three times what its ready probe took, whichever is longer): the pool's check before it hands a
+        pooled worker to the next test. A frozen (SIGSTOPped, wedged) worker accepts connections but answers
+        nothing, and fails this."""
         if not self.is_alive():
             return False
+        if timeout is None:
+            timeout = max(2.0, 3 * self.ready_probe_seconds)
         return self.kind.readiness().probe(self, time.monotonic() + timeout, lambda: not self.is_alive()).ready
 
     def fatal_in_log(self) -> bool:
@@ -558,6 +603,9 @@ class LaunchOptions:
     allow_foreign_host: bool = False
     #: log lines quoted by failure reports (``--sgl-tail-lines``)
     tail_lines: int = DEFAULT_TAIL_LINES
+    #: how long to wait for a free port block when every block is held (the plugin uses the lease timeout)
+    port_wait_timeout: float = 0.0
+    on_port_wait: Callable[[str], None] | None = field(default=None, compare=False)
 
 
 def spawn_worker(
@@ -604,7 +652,8 @@ def spawn_worker(
             block = reserve_port_block(
                 state.ensure_private_dir(options.lock_dir or state.default_lock_dir(), what="lock directory",
                                          shared_ok=options.lock_dir is not None),  # as the plugin's GPU leases
-                port_range=options.port_range, size=PORT_BLOCK_SIZE,
+                port_range=options.port_range, size=PORT_BLOCK_SIZE, timeout=options.port_wait_timeout,
+                on_wait=options.on_port_wait,
             )
             ports = dict(zip(kind.port_names, block.ports, strict=False))
         else:

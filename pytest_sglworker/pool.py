@@ -234,8 +234,7 @@ class WorkerPool:
                     return entry.group
                 why = "died while idle in the pool" if not bad.is_alive() else (
                     "does not answer its health check (frozen or wedged)")
-                if bad.is_alive():
-                    stats.deaths += 1  # a dead member is counted when its group is retired
+                # a dead member is counted as a death when its group is retired; a frozen one did not die
                 what = "it" if len(entry.group) == 1 else "its group"
                 self.on_message(bad.failure_message(f"{why}; replacing {what}", lines=10))
                 self._retire(entry, failed=True)
@@ -578,6 +577,9 @@ class WorkerPool:
         try:
             for member in group:
                 member.stop()
+                for warning in member.warnings:
+                    self.on_message(warning)
+                member.warnings.clear()
         finally:
             pids: list[int] = []
             for member, record in zip(group, entry.records, strict=False):

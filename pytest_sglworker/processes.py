@@ -35,13 +35,16 @@ if TYPE_CHECKING:
 __all__ = [
     "OWNER_ENV",
     "SESSION_ID",
+    "end_process",
     "find_tagged_processes",
     "hostname",
+    "listeners",
     "listening_pids",
     "owner_tag",
     "process_alive",
     "process_tree",
     "session_worker_pids",
+    "socket_inodes",
     "tag_session",
     "tag_session_pid",
     "tagged_processes",
@@ -180,6 +183,65 @@ def listening_pids(procs: Iterable[psutil.Process], port: int) -> list[int]:
     return found
 
 
+def socket_inodes(pid: int, port: int | None = None) -> set[int]:
+    """The inodes of the TCP sockets ``pid`` holds (LISTEN on ``port`` only, when given), read from its fds."""
+    import psutil
+
+    inodes: set[int] = set()
+    try:
+        conns = psutil.Process(pid).net_connections(kind="tcp")
+    except (psutil.Error, OSError):
+        return inodes
+    for conn in conns:
+        if port is not None and not (conn.status == psutil.CONN_LISTEN and conn.laddr and conn.laddr.port == port):
+            continue
+        if conn.fd is None or conn.fd < 0:
+            continue
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{conn.fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            inodes.add(int(link[len("socket:["):-1]))
+    return inodes
+
+
+def listeners(ports: Iterable[int]) -> dict[int, list[int]]:
+    """``{pid: [ports]}`` of our processes (same uid) that LISTEN on any of ``ports``."""
+    import psutil
+
+    wanted = set(ports)
+    found: dict[int, list[int]] = {}
+    uid = os.getuid()
+    for proc in psutil.process_iter(["pid", "uids"]):
+        try:
+            if proc.info["uids"] is None or proc.info["uids"].real != uid:
+                continue
+            conns = proc.net_connections(kind="tcp")
+        except (psutil.Error, OSError):
+            continue
+        hits = sorted({c.laddr.port for c in conns
+                       if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port in wanted})
+        if hits:
+            found[proc.pid] = hits
+    return found
+
+
+def end_process(pid: int, timeout: float = 10.0) -> bool:
+    """SIGKILL one process we identified, by pid, and wait (bounded) until it is gone. True if gone."""
+    import psutil
+
+    try:
+        proc = psutil.Process(pid)
+        proc.kill()
+        proc.wait(timeout)
+    except psutil.NoSuchProcess:
+        return True
+    except (psutil.Error, OSError):
+        return False
+    return not _alive(proc)
+
+
 def process_alive(pid: int, since: float, host: str) -> bool:
     """Whether the process that wrote a record at ``since`` (epoch seconds) on ``host`` still runs; a reused
     pid of a younger process does not count. On another host it cannot be told: True."""
@@ -241,9 +303,15 @@ def terminate_tree(
     procs = {p.pid: p for p in collect()}
     if process is not None and process.poll() is None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
-            process.send_signal(signal.SIGTERM)
             process.send_signal(signal.SIGCONT)  # a frozen worker handles nothing until it runs again
-        _wait_gone(process, [], term_timeout)
+            process.send_signal(signal.SIGTERM)
+        # A signal can land on a thread that does not act on it (a resumed engine's HTTP thread while its main
+        # thread sleeps): once more after a second, then the rest of the grace.
+        _wait_gone(process, [], min(1.0, term_timeout))
+        if process.poll() is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                process.send_signal(signal.SIGTERM)
+            _wait_gone(process, [], max(0.0, term_timeout - 1.0))
         procs.update((p.pid, p) for p in collect())
     remaining = [p for p in procs.values() if _alive(p)]
     if process is not None:
@@ -251,8 +319,8 @@ def terminate_tree(
             os.killpg(process.pid, signal.SIGTERM)
     for proc in remaining:
         with contextlib.suppress(psutil.Error):
-            proc.terminate()
             proc.resume()
+            proc.terminate()
     _wait_gone(process, remaining, min(5.0, term_timeout) if process is not None else term_timeout)
     procs.update((p.pid, p) for p in collect())
     leftovers = [p for p in procs.values() if _alive(p)]

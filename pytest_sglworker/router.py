@@ -245,7 +245,8 @@ def start_router(session: SglSession, group: WorkerGroup, *, policy: str | None 
     stats = _router_stats(session, group, policy)
     pool = session.pool
     for attempt in (1, 2, 3):
-        block = reserve_port_block(lock_dir, port_range=s.port_range)
+        block = reserve_port_block(lock_dir, port_range=s.port_range, timeout=s.lease_timeout,
+                                   on_wait=session.pool.on_message)
         ports = dict(zip(ROUTER_PORTS, block.ports, strict=False))
         argv = router_argv(launcher, port=ports["http"], prometheus_port=ports["prometheus"], group=group,
                            policy=policy, args=args)

@@ -205,7 +205,8 @@ class SglSession:
         self._watchdog = Watchdog(lock_dir=leases.lock_dir)
         options = LaunchOptions(
             launcher=self.launcher(), log_dir=self.log_dir, lock_dir=s.lock_dir, startup_timeout=s.startup_timeout,
-            port_range=s.port_range, tail_lines=s.tail_lines,
+            port_range=s.port_range, tail_lines=s.tail_lines, port_wait_timeout=s.lease_timeout,
+            on_port_wait=lambda text: message(self, text),
         )
         return WorkerPool(
             options, leases=leases, lease_timeout=s.lease_timeout, reuse=s.reuse,
@@ -231,7 +232,10 @@ class SglSession:
             inventory = load_inventory(selection, os.environ)
             lock_dir = state.ensure_private_dir(self.settings.lock_dir or state.default_lock_dir(),
                                                 what="lock directory", shared_ok=self.settings.lock_dir is not None)
-            self._leases = LeaseManager(lock_dir, inventory, namespace=selection.namespace)
+            from .reporter import message
+
+            self._leases = LeaseManager(lock_dir, inventory, namespace=selection.namespace,
+                                        on_message=lambda text: message(self, text))
         return self._leases
 
     @property

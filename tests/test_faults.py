@@ -28,7 +28,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from pytest_sglworker import plugin
+from pytest_sglworker import options as plugin_options
 
 SIM = ["--sgl-engine", "sim", "--sgl-model", "qwen3-0.6b", "--sgl-gpus", "sim:1", "-p", "no:cacheprovider"]
 MARK = "SGLWORKER_TEST_MARK"
@@ -421,7 +421,8 @@ def test_worker_death_during_tests(pytester: pytest.Pytester, sim_env: dict[str,
             assert sgl_worker.pid != IDLE[0]
             assert sgl_worker.client.get("/health").status_code == 200
     """))
-    result = pytester.runpytest_subprocess(*SIM, "--sgl-reorder", "off", timeout=90)
+    # the sim logs its escaped child early, before its capture bars: a longer tail reaches it
+    result = pytester.runpytest_subprocess(*SIM, "--sgl-reorder", "off", "--sgl-tail-lines", "150", timeout=90)
     # 1 and 4 pass but error at teardown; 2 fails; 3, 5, 6, 7 pass
     outcomes = result.parseoutcomes()
     assert (outcomes.get("passed"), outcomes.get("failed"), outcomes.get("errors")) == (6, 1, 2), outcomes
@@ -431,7 +432,7 @@ def test_worker_death_during_tests(pytester: pytest.Pytester, sim_env: dict[str,
         "*worker qwen3-0.6b on 127.0.0.1:* exited with code -9 (SIGKILL) during the test",
         "diagnosis:*",
         "log: *sglang-worker-*.log",
-        "last 40 lines:",
+        "last 150 lines:",
         "*spawned scheduler pid=*",
     ])
     result.stdout.fnmatch_lines([
@@ -441,7 +442,7 @@ def test_worker_death_during_tests(pytester: pytest.Pytester, sim_env: dict[str,
         "worker qwen3-0.6b on 127.0.0.1:* exited during the test",
         "diagnosis: RuntimeError: simulated death after 1 requests*",
         "log: *sglang-worker-*.log",
-        "last 40 lines:",
+        "last 150 lines:",
     ])
     result.stdout.fnmatch_lines([
         "*ERROR at teardown of test_4_terminated_from_outside*",
@@ -688,13 +689,19 @@ BAD_VALUES: dict[str, tuple[str, str]] = {
     "report": ("{dir}", "is a directory"),
     "tail-lines": ("-3", "must be 0 or more"),
     "card": ("B200-1T", "unknown GPU card"),
+    "router-launcher": ("'unbalanced", "cannot split launcher"),
+    "timeline": ("{dir}", "is a directory"),
+    "trace": ("{dir}", "is a directory"),
+    "log-retention-count": ("-1", "must be 0 or more"),
+    "log-retention-policy": ("some", "is not a retention policy; choose 'all', 'failed' or 'none'"),
+    "launch-ahead": ("many", "is not an integer"),
 }
 #: options whose bad value is only seen when a worker is needed: a clear error on each worker test.
 PER_TEST = {"log-dir", "lock-dir"}
 
 
 def test_every_option_has_a_bad_value_here() -> None:
-    assert {opt.name for opt in plugin.OPTIONS} == set(BAD_VALUES)
+    assert {opt.name for opt in plugin_options.OPTIONS} == set(BAD_VALUES)
 
 
 def _option_run(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, name: str, env: str, ini: str,
@@ -723,9 +730,9 @@ def _option_run(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, name
 
 
 @pytest.mark.parametrize("source", ["cli", "env", "ini"])
-@pytest.mark.parametrize("opt", plugin.OPTIONS, ids=lambda opt: opt.name)
+@pytest.mark.parametrize("opt", plugin_options.OPTIONS, ids=lambda opt: opt.name)
 def test_invalid_option_value(pytester: pytest.Pytester, sim_env: dict[str, str], monkeypatch: pytest.MonkeyPatch,
-                              opt: plugin._Opt, source: str) -> None:
+                              opt: plugin_options._Opt, source: str) -> None:
     value, fragment = BAD_VALUES[opt.name]
     result, label = _option_run(pytester, monkeypatch, opt.name, opt.env, opt.ini, source, value)
     out = result.stdout.str() + result.stderr.str()
@@ -1033,11 +1040,6 @@ server.serve_forever()
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="needs processes.py change: terminate_tree sends SIGCONT before SIGTERM and, "
-                                       "when the root has not exited 1 s after that SIGTERM, sends it once more "
-                                       "(a resumed multi-threaded process may take the first one on a thread that "
-                                       "ignores it); and sim.py: block SIGTERM/SIGINT in the HTTP threads "
-                                       "(pthread_sigmask around their start) so the main thread always gets them")
 def test_stopped_worker_that_misses_its_first_sigterm_is_torn_down_in_seconds(
         pytester: pytest.Pytester, sim_env: dict[str, str]) -> None:
     """Item 5: the teardown of a stopped worker must not take 10 to 15 s extra. Today it waits the whole
@@ -1136,10 +1138,6 @@ def _end(pid: int) -> None:
         proc.wait(10)
 
 
-@pytest.mark.xfail(strict=True, reason="needs launcher.py/processes.py change: after teardown, check that nothing "
-                                       "listens on the worker's ports; kill a listener that holds the worker's own "
-                                       "socket (same socket inode) or descends from it, else quarantine the block "
-                                       "(ports.quarantine_port_block) and warn")
 @pytest.mark.parametrize("escape", ["socket", "spare"])
 def test_escaped_listener_does_not_keep_the_workers_port(pytester: pytest.Pytester, sim_env: dict[str, str],
                                                           monkeypatch: pytest.MonkeyPatch, escape: str) -> None:
@@ -1235,9 +1233,6 @@ def _free_block() -> tuple[int, int]:
     pytest.skip("no free port block found")
 
 
-@pytest.mark.xfail(strict=True, reason="needs launcher.py change: spawn_worker passes timeout=<the plugin's lease "
-                                       "timeout> and on_wait=<the pool's on_message> to ports.reserve_port_block "
-                                       "(e.g. LaunchOptions.port_wait_timeout, set from --sgl-lease-timeout)")
 def test_a_second_session_queues_for_the_only_port_block(pytester: pytest.Pytester, sim_env: dict[str, str],
                                                          session_factory: Callable[..., Session]) -> None:
     """Item 9: with one port block, a second session failed all its tests in 0.3 s instead of waiting for the
@@ -1359,8 +1354,6 @@ def test_short_hostile_soak_reports_every_failure_and_leaks_nothing(tmp_path: Pa
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="needs launcher.py/processes.py change: the post-teardown listener check "
-                                       "(see test_escaped_listener_does_not_keep_the_workers_port)")
 def test_short_hostile_soak_with_escaped_listeners_leaks_nothing(tmp_path: Path) -> None:
     soak = Path(__file__).resolve().parents[1] / "bench" / "soak.py"
     figures_path = tmp_path / "soak.json"
@@ -1374,10 +1367,6 @@ def test_short_hostile_soak_with_escaped_listeners_leaks_nothing(tmp_path: Path)
     assert done.returncode == 0, done.stdout + done.stderr
 
 
-@pytest.mark.xfail(strict=True, reason="needs launcher.py change: ModelInstance.responds() bounds its probe by "
-                                       "max(2 s, 3 x the time the probe that made the worker ready took), so a worker "
-                                       "whose health endpoint is merely slow is reused; pool.py: a replaced live "
-                                       "worker is not counted as a death")
 def test_pooled_worker_with_a_slow_health_endpoint_is_still_reused(pytester: pytest.Pytester,
                                                                    sim_env: dict[str, str]) -> None:
     """Item 5's reuse check must not mistake slow for frozen: a worker whose health answer takes 2.5 s (the real

@@ -36,6 +36,7 @@ VALUES: dict[str, tuple[str, str, object]] = {
     "--sgl-log-retention-count": ("5", "log_retention_count", 5),
     "--sgl-log-retention-policy": ("failed", "log_retention_policy", "failed"),
     "--sgl-launch-ahead": ("2", "launch_ahead", 2),
+    "--sgl-dist": ("on,steal=8", "dist", ["on", 8]),
 }
 
 DUMP = """

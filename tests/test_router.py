@@ -201,7 +201,8 @@ def test_no_port_left(sgl_router):
     raise AssertionError("never reached: the worker holds the range's only port block")
 """
                         )
-    result = _run(pytester, "--sgl-gpus", "sim:1", "--sgl-port-range", "21500-21503", timeout=120)
+    result = _run(pytester, "--sgl-gpus", "sim:1", "--sgl-port-range", "21500-21503", "--sgl-lease-timeout", "2",
+                  timeout=120)
     result.assert_outcomes(errors=1)
     result.stdout.fnmatch_lines(["*no free block of 4 ports in 21500-21503*"])
     assert "INTERNALERROR" not in result.stdout.str()

@@ -68,13 +68,14 @@ def test_workers_listen_on_loopback_only(pytester: pytest.Pytester, sim_env: dic
         def test_explicit_opt_out(sgl_worker):
             assert _listening(sgl_worker.pid) == [("0.0.0.0", sgl_worker.port)]
     """)
-    result = pytester.runpytest_subprocess(*SIM, timeout=120)
+    result = pytester.runpytest_subprocess(*SIM, "--sgl-log-retention-policy", "failed", timeout=120)
     result.assert_outcomes(passed=2, errors=3, failed=2)
     out = result.stdout.str()
     refused = "workers listen on 127.0.0.1 only (opt out with allow_foreign_host=True"
     for host in ("'0.0.0.0'", "'::'", "'10.1.2.3'"):
         assert f"extra args would bind {host}, not loopback; {refused}" in out
     assert out.count("not loopback") >= 5
+    assert f"the worker_args of spec 'exposed' would bind '0.0.0.0', not loopback; {refused}" in out
     assert "INTERNALERROR" not in out
     # a refused worker is never launched (a failed launch would have kept its log)
     assert len(list(Path(sim_env["SGLWORKER_LOG_DIR"]).glob("sglang-worker-*.log"))) == 0
@@ -213,15 +214,18 @@ def test_files_the_plugin_creates_are_not_world_writable(pytester: pytest.Pytest
     result.assert_outcomes(failed=1)
     modes: dict[str, int] = json.loads((pytester.path / "modes.json").read_text())
     root = f"pytest-sglworker-{os.getuid()}"
-    expected = {root: 0o700, f"{root}/logs": 0o700, f"{root}/locks": 0o700}
+    expected = {root: 0o700, f"{root}/logs": 0o700, f"{root}/locks": 0o700,
+                f"{root}/logs/session-1": 0o700, f"{root}/logs/current": 0o777}  # the link itself
     for name in modes:
         if name.endswith(".log"):
             expected[name] = 0o600
+        elif name.endswith("session-1/.lock"):
+            expected[name] = 0o600  # the session directory's own lock: private like its logs
         elif name.endswith((".lock", ".json")):
             expected[name] = 0o644
     assert modes == expected
     assert any(n.endswith(".json") for n in modes) and any(n.endswith(".log") for n in modes)
-    (log,) = (shared_tmp / root / "logs").glob("sglang-worker-*.log")  # kept, still private
+    (log,) = (shared_tmp / root / "logs" / "current").glob("sglang-worker-*.log")  # kept, still private
     assert stat.S_IMODE(log.stat().st_mode) == 0o600
     assert stat.S_IMODE((pytester.path / "report.json").stat().st_mode) == 0o644
 
@@ -273,7 +277,7 @@ def test_secrets_never_appear_in_what_the_plugin_writes(pytester: pytest.Pyteste
     report, junit = pytester.path / "report.json", pytester.path / "junit.xml"
     result = pytester.runpytest_subprocess(
         *SIM, "--sgl-launcher", f"{sys.executable} {pytester.path / 'echo_launcher.py'}", "-rA",
-        f"--sgl-report={report}", f"--junitxml={junit}", "test_secret.py", timeout=120,
+        f"--sgl-report={report}", f"--junitxml={junit}", "test_secret.py", "--sgl-tail-lines", "400", timeout=120,
     )
     result.assert_outcomes(failed=1, passed=1, errors=2)
     written = {"terminal": result.stdout.str() + result.stderr.str(), "report": report.read_text(),
