@@ -77,10 +77,12 @@ def http_request(
     headers: dict[str, str] | None = None,
     abort: Callable[[], bool] | None = None,
     max_bytes: int = 4 * 1024 * 1024,
+    tls: bool = False,
 ) -> HttpResponse:
     """One HTTP/1.1 request on a fresh connection, complete (status, headers and body) before ``deadline``
     (``time.monotonic()`` seconds) or :class:`ProbeTimeout`. ``abort`` is asked between reads (e.g. "has the
-    process exited?"); when it says so the request ends with :class:`ProbeTimeout` at once."""
+    process exited?"); when it says so the request ends with :class:`ProbeTimeout` at once. ``tls``: HTTPS, with
+    the certificate checked against the system's trust store (an attached worker behind TLS)."""
 
     def remaining() -> float:
         left = deadline - time.monotonic()
@@ -95,8 +97,13 @@ def http_request(
     if body or method in ("POST", "PUT"):
         lines.append(f"Content-Length: {len(body)}")
     request = ("\r\n".join(lines) + "\r\n\r\n").encode() + body
-    with socket.create_connection((host, port), timeout=max(min(deadline - time.monotonic(), 1.0), 0.001)) as sock:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    with socket.create_connection((host, port), timeout=max(min(deadline - time.monotonic(), 1.0), 0.001)) as raw:
+        raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock = raw
+        if tls:
+            import ssl
+
+            sock = ssl.create_default_context().wrap_socket(raw, server_hostname=host)
         sock.settimeout(remaining())
         sock.sendall(request)
         data = b""

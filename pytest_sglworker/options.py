@@ -49,6 +49,13 @@ RETENTION_POLICY_DESC = ("which worker logs to keep: 'all' (default), 'failed' (
                          "or served a failing test), 'none' (like pytest's tmp_path_retention_policy)")
 LAUNCH_AHEAD_DESC = ("start up to N upcoming worker configurations ahead, on free GPUs, while earlier tests "
                      "run (default 1; 0 turns it off)")
+WORKER_URL_DESC = ("run the tests of model spec NAME against the running worker at URL instead of launching one "
+                   "(never leased, never stopped; its /server_info must keep the budget); repeatable, several URLs "
+                   "of one NAME make a group")
+SHARD_DESC = ("run only the K-th of N shards of the selected tests, 'K/N' (e.g. 2/4): each worker configuration's "
+              "tests stay on one shard; balanced by --sgl-shard-report, else by test count")
+SHARD_REPORT_DESC = ("earlier runs' --sgl-report file(s) whose measured times balance --sgl-shard; comma-separated "
+                     "paths or glob patterns (a missing file falls back to balancing by test count)")
 ROUTER_LAUNCHER_DESC = ("command that starts the router of sgl_router, shlex-split "
                         "(default: '<python> -m sglang_router.launch_router')")
 
@@ -155,6 +162,19 @@ def _dist(value: str) -> tuple[str, int | None]:
     return parse_dist_option(value)
 
 
+def _shard(value: str) -> Any:
+    from .sharding import parse_shard
+
+    return parse_shard(value)
+
+
+def _patterns(value: str) -> tuple[str, ...]:
+    patterns = tuple(p.strip() for p in value.replace("\n", ",").split(",") if p.strip())
+    if not patterns:
+        raise ValueError("no path given")
+    return patterns
+
+
 OPTIONS: tuple[_Opt, ...] = (
     _Opt("engine", "SGLWORKER_ENGINE", "sgl_engine", ENGINE_DESC, "real", _engine),
     _Opt("launcher", "SGLWORKER_LAUNCHER", "sgl_launcher", LAUNCHER_DESC, None, _launcher),
@@ -182,6 +202,8 @@ OPTIONS: tuple[_Opt, ...] = (
     _Opt("launch-ahead", "SGLWORKER_LAUNCH_AHEAD", "sgl_launch_ahead", LAUNCH_AHEAD_DESC, 1, _positive_int),
     _Opt("router-launcher", "SGLWORKER_ROUTER_LAUNCHER", "sgl_router_launcher", ROUTER_LAUNCHER_DESC, None,
          _launcher),
+    _Opt("shard", "SGLWORKER_SHARD", "sgl_shard", SHARD_DESC, None, _shard),
+    _Opt("shard-report", "SGLWORKER_SHARD_REPORT", "sgl_shard_report", SHARD_REPORT_DESC, (), _patterns),
 )
 
 
@@ -194,6 +216,10 @@ def add_options(parser: pytest.Parser) -> None:
     group.addoption("--sgl-model", dest="sgl_model", action="append", default=None, metavar="NAME",
                     help=MODEL_DESC + " [env SGLWORKER_MODELS, ini sgl_models]")
     parser.addini("sgl_models", MODEL_DESC, default="")
+    group.addoption("--sgl-worker-url", dest="sgl_worker_url", action="append", default=None, metavar="NAME=URL",
+                    help=WORKER_URL_DESC + " [env SGLWORKER_WORKER_URLS, comma-separated; ini sgl_worker_urls, one "
+                                           "per line]")
+    parser.addini("sgl_worker_urls", WORKER_URL_DESC, type="linelist", default=[])
     group.addoption("--sgl-list-models", dest="sgl_list_models", action="store_true", default=False,
                     help="print the model registry (model, memory, tp, features, budget, memory ledger) and exit")
     for opt in OPTIONS:
@@ -233,6 +259,10 @@ class Settings:
     log_retention_count: int = 3
     log_retention_policy: str = "all"
     launch_ahead: int = 1
+    shard: Any = None  # sharding.ShardSpec
+    shard_report: tuple[str, ...] = ()
+    #: spec name -> the attached workers of --sgl-worker-url (attached.WorkerUrl)
+    worker_urls: Mapping[str, tuple[Any, ...]] = field(default_factory=dict)
     sources: Mapping[str, str] = field(default_factory=dict)
 
     @property
@@ -284,6 +314,20 @@ def resolve_settings(config: pytest.Config) -> Settings:
             name = name.strip()
             if name and name not in models:
                 models.append(name)
+    cli_urls = config.getoption("sgl_worker_url")
+    if cli_urls:
+        raw_urls, sources["worker-url"] = list(cli_urls), "--sgl-worker-url"
+    elif os.environ.get("SGLWORKER_WORKER_URLS"):
+        raw_urls, sources["worker-url"] = [os.environ["SGLWORKER_WORKER_URLS"]], "SGLWORKER_WORKER_URLS"
+    else:
+        raw_urls = list(config.getini("sgl_worker_urls") or [])
+        sources["worker-url"] = "ini sgl_worker_urls" if raw_urls else "default"
+    from .attached import parse_worker_urls
+
+    try:
+        values["worker_urls"] = parse_worker_urls(raw_urls)
+    except ValueError as exc:
+        raise pytest.UsageError(f"{sources['worker-url']}: {exc}") from None
     if values["engine"] == "sim" and values["gpus"] is None:
         values["gpus"] = "sim:8x80"
     return Settings(models=tuple(models), sources=sources, **values)

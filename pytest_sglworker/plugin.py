@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from .errors import SglWorkerError
+from .errors import BudgetViolation, SglWorkerError
 from .markers import MARKER_DOCS, RouterMarker, WorkerMarker, WorkersMarker
 from .session import (
     CONFIG_KEY,
@@ -143,6 +143,45 @@ def _options(pool: WorkerPool, startup_timeout: float | None, allow_foreign_host
                                allow_foreign_host=allow_foreign_host is not None)
 
 
+def _attached_group(request: pytest.FixtureRequest, config: WorkerConfig) -> WorkerGroup | None:
+    """The spec's attached workers (``--sgl-worker-url``) as this test's group, or None when it has none.
+    Collection has already skipped the shapes they cannot take; a test collection did not see is checked now."""
+    session = state_of(request.config)
+    if config.spec.name not in session.settings.worker_urls:
+        return None
+    from .pool import WorkerGroup
+
+    try:
+        refusal = session.attached_refusal(request.node, config)
+        workers = session.attached_workers(config.spec) or []
+    except SglWorkerError as exc:
+        _fail_with(exc)
+        raise
+    if refusal is not None:
+        if refusal[0] == "skip":
+            pytest.skip(refusal[1])
+        _fail_with(BudgetViolation(refusal[1]))
+    wanted = config.group.count if config.group is not None else 1
+    group = WorkerGroup(config, workers[:wanted], f"attached-{config.key}")
+    stats = _pool(session).stats_for(config)
+    if "(attached" not in stats.label:
+        stats.label += f" (attached: {', '.join(w.url for w in group)})"
+    stats.reuses += 1
+    request.node.stash.setdefault(WORKERS_KEY, []).extend(group)
+    return group
+
+
+def _check_attached_after(request: pytest.FixtureRequest, group: WorkerGroup) -> None:
+    """An attached worker that stops answering during a passing test fails it: the next tests would fail on
+    it too, with less to go on."""
+    call = request.node.stash.get(REPORTS_KEY, {}).get("call")
+    if call is None or call.failed:
+        return
+    silent = [m for m in group if not m.responds()]
+    if silent:
+        _fail_with(SglWorkerError(f"{silent[0].describe()} stopped answering its health check during the test"))
+
+
 def _acquire(request: pytest.FixtureRequest, config: WorkerConfig, *, fresh: bool,
              options: LaunchOptions | None) -> tuple[WorkerPool, WorkerGroup]:
     pool = _pool(state_of(request.config))
@@ -194,6 +233,11 @@ def sgl_worker(request: pytest.FixtureRequest, sgl_model: ModelSpec) -> Iterator
         _fail_with(exc)
         raise
     config = _config_for(request, sgl_model, "sgl_worker")
+    attached = _attached_group(request, config)
+    if attached is not None:
+        yield attached[0]
+        _check_attached_after(request, attached)
+        return
     pool = _pool(state_of(request.config))
     pool, group = _acquire(request, config, fresh=marker.fresh,
                            options=_options(pool, marker.startup_timeout, marker.allow_foreign_host))
@@ -213,6 +257,11 @@ def sgl_workers(request: pytest.FixtureRequest, sgl_model: ModelSpec) -> Iterato
         _fail_with(exc)
         raise
     config = _config_for(request, sgl_model, "sgl_workers")
+    attached = _attached_group(request, config)
+    if attached is not None:
+        yield attached
+        _check_attached_after(request, attached)
+        return
     pool = _pool(state_of(request.config))
     pool, group = _acquire(request, config, fresh=marker.fresh, options=_options(pool, marker.startup_timeout, None))
     yield group

@@ -190,6 +190,9 @@ def worker_section(instance: ModelInstance, tail: int) -> tuple[str, str]:
     worker that died during the test, the full failure (diagnosis included)."""
     role = "" if instance.role == "worker" else f" {instance.role}"
     title = f"sglang worker {instance.spec.name}{role} {instance.host}:{instance.port}"
+    if getattr(instance, "attached", False):
+        state = "answers its health check" if instance.responds() else "does NOT answer its health check"
+        return f"{title} (attached)", f"{instance.describe()} {state} now\n{instance.log_tail(tail)}"
     if instance.is_alive() or instance.stopped:
         return title, f"log: {instance.log_path}\nlast {tail} lines:\n{instance.log_tail(tail)}"
     from .launcher import signal_name
@@ -208,11 +211,18 @@ class SglReporter:
         s = self.session.settings
         if not s.models and all(src == "default" for src in s.sources.values() if not src.startswith("ini sgl_models")):
             return None  # a run that does not use the plugin prints nothing
-        models = ", ".join(s.models) or "none selected"
+        models = ", ".join(s.models or tuple(s.worker_urls)) or "none selected"
         launcher = " ".join(s.launcher) if s.launcher else ("simulated engine" if s.engine == "sim" else
                                                              f"{sys.executable} -m sglang.launch_server")
-        return [f"sglworker: models: {models}; engine: {s.engine} ({launcher}); gpus: {s.gpus or 'auto (NVML)'}",
-                f"sglworker: worker flags {self.session.flag_check}"]
+        lines = [f"sglworker: models: {models}; engine: {s.engine} ({launcher}); gpus: {s.gpus or 'auto (NVML)'}",
+                 f"sglworker: worker flags {self.session.flag_check}"]
+        if s.worker_urls:
+            attached = ", ".join(str(url) for urls in s.worker_urls.values() for url in urls)
+            lines.append(f"sglworker: attached workers (never launched, leased or stopped): {attached}")
+        if s.shard is not None:
+            basis = f"balanced by {s.sources.get('shard-report')}" if s.shard_report else "balanced by test count"
+            lines.append(f"sglworker: shard {s.shard} ({basis}; each worker configuration's tests on one shard)")
+        return lines
 
     def pytest_terminal_summary(self, terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
         if getattr(config, "workerinput", None) is not None:
@@ -233,8 +243,12 @@ class SglReporter:
             kv = ""
             if st.kv_tokens_actual is not None:
                 kv = f", KV #tokens {st.kv_tokens_actual}"
-                if st.kv_tokens_predicted is not None:
-                    kv += f" (predicted {st.kv_tokens_predicted})"
+                if st.kv_tokens_predicted == st.kv_tokens_actual:
+                    kv += " (as predicted)"
+                elif st.kv_tokens_predicted is not None:
+                    # The ledger and the engine disagree about this card: a finding, not noise.
+                    off = (st.kv_tokens_actual - st.kv_tokens_predicted) / max(st.kv_tokens_predicted, 1)
+                    kv += f" (MISMATCH: the ledger predicted {st.kv_tokens_predicted}, {off:+.1%})"
             stops = f", {st.stops} stopped" if st.stops else ""
             stops += f", {st.failed_tests} failed test(s)" if st.failed_tests else ""
             terminalreporter.write_line(

@@ -92,6 +92,11 @@ class SglSession:
         self._queue_index: dict[str, int] = {}
         self._session_dir: Any = None
         self._previous_handlers: dict[int, Any] = {}
+        #: spec name -> its attached workers (--sgl-worker-url), or the error that makes them unusable
+        self._attached: dict[str, Any] = {}
+        #: node id -> [seconds of setup + call + teardown, its configuration's key]: the report's "tests"
+        self.test_times: dict[str, list[Any]] = {}
+        self.shard_note: str | None = None
         import time
 
         self.started_at = time.time()
@@ -132,7 +137,9 @@ class SglSession:
 
         source = self.settings.sources.get("model", "--sgl-model")
         chosen: dict[str, ModelSpec] = {}
-        for name in self.settings.models:
+        if not self.settings.models and self.settings.worker_urls:
+            source = self.settings.sources.get("worker-url", "--sgl-worker-url")
+        for name in self.settings.models or tuple(self.settings.worker_urls):
             if name == "all":
                 chosen.update((spec.name, spec) for spec in self.registry)
             elif name.startswith("feature:"):
@@ -180,6 +187,118 @@ class SglSession:
         subject += "".join(f", {role}_args={list(a)!r}" for role, a in (group.role_args if group else ())) + ")"
         return WorkerConfig.resolve(spec, args, env, opt_out=reason, group=group, subject=subject, fix=OPT_OUT_FIX)
 
+    # -- attached workers (--sgl-worker-url, attached.py) -------------------------------------------------
+    def attached_workers(self, spec: ModelSpec) -> list[Any] | None:
+        """The attached workers of ``spec`` (probed once), None when it has none; AttachedWorkerError when
+        they are down or serve another model (remembered: the next test does not wait for it again)."""
+        targets = self.settings.worker_urls.get(spec.name)
+        if not targets:
+            return None
+        if spec.name not in self._attached:
+            from .attached import AttachedWorkerError, attach
+
+            source = self.settings.sources.get("worker-url", "--sgl-worker-url")
+            try:
+                tail = self.settings.tail_lines
+                self._attached[spec.name] = [attach(t, spec, source=source, index=i, tail_lines=tail)
+                                             for i, t in enumerate(targets)]
+            except AttachedWorkerError as exc:
+                self._attached[spec.name] = exc
+        found = self._attached[spec.name]
+        if isinstance(found, BaseException):
+            raise found
+        return list(found)
+
+    def attached_refusal(self, item: Any, config: WorkerConfig) -> tuple[str, str] | None:
+        """Why ``item`` cannot run on its spec's attached workers: ``("skip", reason)`` for a shape they cannot
+        take, ``("error", message)`` for a budget they break without an opt-out; None when it can."""
+        workers = self.attached_workers(config.spec) or []
+        where = ", ".join(w.url for w in workers)
+        name = config.spec.name
+        if config.extra_args or config.env or (config.group is not None and any(a for _, a in config.group.role_args)):
+            return "skip", (f"{name} is attached ({where}): it runs as it was started, and this test's extra args or "
+                            f"env need a launched worker (drop --sgl-worker-url {name}=... to run it)")
+        if config.group is not None and config.group.is_pd:
+            return "skip", f"{name} is attached ({where}): this test needs a prefill/decode group"
+        wanted = config.group.count if config.group is not None else 1
+        if wanted > len(workers):
+            return "skip", (f"{name} is attached ({where}): this test needs {wanted} workers, {len(workers)} "
+                            f"attached (give --sgl-worker-url {name}=URL once per worker)")
+        problems = [p for w in workers[:wanted] for p in w.problems]
+        if problems and not opt_out_reason(item):
+            subject = "; ".join(f"attached worker {w.url}" for w in workers[:wanted] if w.problems)
+            return "error", budget.describe_violation(
+                f"{subject} ({name}, {self.settings.sources.get('worker-url', '--sgl-worker-url')})", problems,
+                fix="restart it with CI_WORKER_ARGS (--mem-fraction-static 0.6 --cuda-graph-backend-prefill "
+                    "disabled), or mark the test @pytest.mark.sgl_budget_opt_out(reason='why')")
+        return None
+
+    def _check_attached(self, items: list[pytest.Item], problems: dict[str, str]) -> None:
+        from .attached import AttachedWorkerError
+
+        if not self.settings.worker_urls:
+            return
+        unknown = [n for n in self.settings.worker_urls if n not in self.registry]
+        if unknown and not is_xdist_worker(self.config):
+            raise pytest.UsageError(f"{self.settings.sources.get('worker-url')}: unknown model spec(s) "
+                                    f"{', '.join(map(repr, unknown))}; known: {', '.join(self.registry.names())}")
+        for item in items:
+            config = item.stash.get(CONFIG_KEY, None)
+            if config is None or config.spec.name not in self.settings.worker_urls:
+                continue
+            try:
+                refusal = self.attached_refusal(item, config)
+            except AttachedWorkerError as exc:
+                if not is_xdist_worker(self.config):
+                    raise pytest.UsageError(str(exc)) from None
+                refusal = ("error", str(exc))
+            except MarkerError as exc:
+                refusal = ("error", str(exc))
+            if refusal is None:
+                continue
+            if refusal[0] == "skip":
+                item.add_marker(pytest.mark.skip(reason=refusal[1]))
+            else:
+                problems[item.nodeid] = refusal[1]
+
+    # -- sharding (--sgl-shard, sharding.py) ----------------------------------------------------------------
+    def shard_costs(self) -> Any:
+        """The costs of --sgl-shard-report (None: balance by test count); a file that is no run report is a
+        usage error naming it."""
+        if not hasattr(self, "_shard_costs"):
+            from .sharding import load_costs
+
+            try:
+                costs, notes = load_costs(self.settings.shard_report)
+            except ValueError as exc:
+                raise pytest.UsageError(f"{self.settings.sources.get('shard-report')}: {exc}") from None
+            self._shard_costs = costs
+            self._shard_notes = notes
+        return self._shard_costs
+
+    def _apply_shard(self, config: pytest.Config, items: list[pytest.Item]) -> None:
+        shard = self.settings.shard
+        if shard is None:
+            return
+        from .sharding import plan_shards
+
+        costs = self.shard_costs()
+        tests = [(item.nodeid, item.stash[CONFIG_KEY].key if CONFIG_KEY in item.stash else None) for item in items]
+        shards = plan_shards(tests, shard.total, costs)
+        mine = shards[shard.index - 1]
+        keep = mine.nodeids
+        dropped = [item for item in items if item.nodeid not in keep]
+        items[:] = [item for item in items if item.nodeid in keep]
+        if dropped:
+            config.hook.pytest_deselected(items=dropped)
+        total = sum(s.cost for s in shards)
+        unit = "s" if costs is not None else " tests"
+        basis = (f"balanced by {len(costs.sources)} report(s)" if costs is not None
+                 else "balanced by test count" + (f" ({'; '.join(self._shard_notes)})" if self._shard_notes else ""))
+        self.shard_note = (f"sglworker: shard {shard}: {len(items)} of {len(tests)} tests, "
+                           f"{len(mine.configs)} worker configuration(s), estimated {mine.cost:.1f}{unit} of "
+                           f"{total:.1f}{unit} ({basis})")
+
     # -- workers ------------------------------------------------------------------------------------------
     @property
     def pool(self) -> WorkerPool:
@@ -198,7 +317,16 @@ class SglSession:
         from .reporter import message, progress, progress_end
 
         s = self.settings
-        leases = self.lease_manager()
+        try:
+            leases: Any = self.lease_manager()
+        except SglWorkerError as exc:
+            from .errors import InventoryUnavailable
+
+            if not (isinstance(exc, InventoryUnavailable) and s.worker_urls):
+                raise
+            # Attached workers (and a router in front of them) need no GPU: the pool serves them, and any launch
+            # it is asked for fails with the inventory's error.
+            leases = _NoInventory(exc, self._lock_dir())
         reaped = reap_dead_sessions(s.log_dir or _default_log_dir(), lock_dir=leases.lock_dir)
         if reaped:
             message(self, f"cleaned up after earlier sessions: {reaped}")
@@ -217,26 +345,44 @@ class SglSession:
         )
 
     def _worker_env(self, spec: ModelSpec, lease_env: dict[str, str]) -> dict[str, str]:
+        lease_env = {**self._declared_gpu_env(), **lease_env}
         result = self.config.hook.pytest_sglworker_worker_env(spec=spec, lease_env=dict(lease_env))
         return dict(lease_env) if result is None else dict(result)
+
+    def _declared_gpu_env(self) -> dict[str, str]:
+        """For declared GPUs (``--sgl-gpus sim:NxGiB``): the card size and the free memory the ledger predicts
+        with, for the simulated engine, so its KV pool and log lines are those of that card (the run report's
+        predicted and actual KV figures then agree). A real engine ignores them."""
+        from .gpus import DeclaredInventory
+
+        inventory = getattr(self._leases, "inventory", None)
+        if not isinstance(inventory, DeclaredInventory):
+            return {}
+        from .sim_core import ENV_GPU_FREE, ENV_GPU_MEM
+
+        return {ENV_GPU_MEM: f"{inventory.total_mib / 1024:g}", ENV_GPU_FREE: str(inventory.total_mib)}
 
     def lease_manager(self) -> LeaseManager:
         """The session's GPU lease manager (one inventory, one lock directory). Raises InventoryUnavailable
         when the inventory cannot be read, ValueError when --sgl-gpus names GPUs that are not visible, and
         UnsafeDirectory for a lock directory that cannot be used."""
         if self._leases is None:
-            from . import state
             from .gpus import LeaseManager, load_inventory, parse_gpus_option
 
             selection = parse_gpus_option(self.settings.gpus or "")
             inventory = load_inventory(selection, os.environ)
-            lock_dir = state.ensure_private_dir(self.settings.lock_dir or state.default_lock_dir(),
-                                                what="lock directory", shared_ok=self.settings.lock_dir is not None)
+            lock_dir = self._lock_dir()
             from .reporter import message
 
             self._leases = LeaseManager(lock_dir, inventory, namespace=selection.namespace,
                                         on_message=lambda text: message(self, text))
         return self._leases
+
+    def _lock_dir(self) -> Path:
+        from . import state
+
+        return state.ensure_private_dir(self.settings.lock_dir or state.default_lock_dir(), what="lock directory",
+                                        shared_ok=self.settings.lock_dir is not None)
 
     @property
     def log_dir(self) -> Path:
@@ -361,6 +507,15 @@ class SglSession:
         if problems:
             raise pytest.UsageError("\n".join(problems.values()))
         selected = self.selected_specs()
+        names = {spec.name for spec in selected}
+        unselected = [name for name in self.settings.worker_urls if name not in names]
+        if unselected:
+            raise pytest.UsageError(
+                f"{self.settings.sources.get('worker-url')}: model spec(s) {', '.join(map(repr, unselected))} are "
+                f"attached but not selected by {self.settings.sources.get('model')} ({', '.join(sorted(names))}); "
+                "add them to the selection, or drop --sgl-model to run exactly the attached specs")
+        if self.settings.shard is not None:
+            self.shard_costs()  # a bad report file stops the session here, before any worker starts
         if selected and not is_xdist_worker(session.config):
             # Before any GPU time is spent; a run that selects no model launches nothing and checks nothing.
             # Every registered spec, like the budget check: one batch, cached per sglang install.
@@ -426,6 +581,7 @@ class SglSession:
                 item.stash[ITEM_ERROR_KEY] = str(exc)
             except (BudgetViolation, ValueError) as exc:
                 problems[item.nodeid] = str(exc)
+        self._check_attached(items, problems)
         with_args = {item.nodeid: item.stash[CONFIG_KEY] for item in items
                      if CONFIG_KEY in item.stash and item.stash[CONFIG_KEY].members()[0].extra_args}
         flagged = self.check_flags({f"test {nodeid}": (c.spec, m.extra_args)
@@ -443,6 +599,7 @@ class SglSession:
                     item.stash[ITEM_ERROR_KEY] = problems[item.nodeid]
                     if CONFIG_KEY in item.stash:
                         del item.stash[CONFIG_KEY]
+        self._apply_shard(config, items)
         self._skip_impossible(items)
         self._skip_without_router(items)
         if self.settings.reorder:
@@ -458,7 +615,9 @@ class SglSession:
 
     def _skip_impossible(self, items: list[pytest.Item]) -> None:
         """Skip, before anything launches, tests whose workers can never get a GPU lease here."""
-        configs = {item.stash[CONFIG_KEY] for item in items if CONFIG_KEY in item.stash}
+        attached = self.settings.worker_urls  # never leased: no GPU needed here
+        configs = {item.stash[CONFIG_KEY] for item in items
+                   if CONFIG_KEY in item.stash and item.stash[CONFIG_KEY].spec.name not in attached}
         if not configs:
             return
         try:
@@ -473,13 +632,13 @@ class SglSession:
                 # xdist worker cannot stop the session cleanly, so each worker test fails with the message.
                 source = f"{self.settings.sources['gpus']}: " if inventory else ""
                 for item in items:
-                    if CONFIG_KEY in item.stash:
+                    if item.stash.get(CONFIG_KEY, None) in configs:
                         item.stash[ITEM_ERROR_KEY] = f"{source}{exc}"
                 return
             if self.settings.gpus_explicit:
                 raise pytest.UsageError(f"{self.settings.sources['gpus']}: {exc}") from None
             for item in items:
-                if CONFIG_KEY in item.stash:
+                if item.stash.get(CONFIG_KEY, None) in configs:
                     item.add_marker(pytest.mark.skip(reason=reason))
             return
         reasons = {}
@@ -557,6 +716,8 @@ class SglSession:
     ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
         report = yield
         item.stash.setdefault(REPORTS_KEY, {})[report.when] = report
+        if CONFIG_KEY in item.stash:  # carried to the xdist controller with the report
+            report.sglworker_config = item.stash[CONFIG_KEY].key  # type: ignore[attr-defined]
         workers = item.stash.get(WORKERS_KEY, None)
         if workers and report.failed:
             from .reporter import worker_section
@@ -568,11 +729,23 @@ class SglSession:
                 # CI systems read junitxml, which takes properties and captured output from the teardown report:
                 # the log path as a property, the tail in the test's system-err (not shown twice in the terminal)
                 prop = (f"sglworker_log_{instance.role}_{instance.port}", str(instance.log_path))
-                if prop not in item.user_properties:
+                if instance.log_path is not None and prop not in item.user_properties:
                     item.user_properties.append(prop)
                 if junit:
                     item.add_report_section(report.when, "stderr", f"{title}\n{body}\n")
         return report
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        """Each test's time (setup, which includes waiting for its workers, call and teardown) and its worker
+        configuration, for the run report: what --sgl-shard-report balances shards by."""
+        if is_xdist_worker(self.config):
+            return
+        entry = self.test_times.setdefault(report.nodeid, [0.0, None])
+        entry[0] += report.duration
+        entry[1] = entry[1] or getattr(report, "sglworker_config", None)
+
+    def pytest_report_collectionfinish(self, config: pytest.Config) -> str | None:
+        return self.shard_note
 
     @pytest.hookimpl(trylast=True)  # after the runner's, which tears down the fixtures of an interrupted test
     def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
@@ -620,7 +793,9 @@ class SglSession:
                 "interrupted": exitstatus == int(pytest.ExitCode.INTERRUPTED) or self.interrupted_by is not None,
                 "started_at": round(self.started_at, 3), "finished_at": round(time.time(), 3),
                 "workers": {k: v.as_dict() for k, v in sorted(self.collected_stats().items())},
-                "launches": self.collected_launches()}
+                "launches": self.collected_launches(),
+                "tests": {nodeid: {"seconds": round(seconds, 3), "config": key}
+                          for nodeid, (seconds, key) in self.test_times.items()}}
 
     def write_artifacts(self, exitstatus: int) -> None:
         """``--sgl-report``, ``--sgl-timeline`` and ``--sgl-trace``, each written atomically; a failure to
@@ -653,6 +828,23 @@ class SglSession:
                               f"({s.sources.get(name, '--sgl-' + name)}): {detail}", always=True)
             else:
                 message(self, f"run {name} written to {path}", always=True)
+
+
+class _NoInventory:
+    """The pool's leases when there is no GPU inventory but attached workers need no GPU: asking for a lease
+    raises the inventory's error."""
+
+    def __init__(self, error: SglWorkerError, lock_dir: Path) -> None:
+        self.error = error
+        self.lock_dir = lock_dir
+
+    def try_acquire(self, *args: Any, **kwargs: Any) -> Any:
+        raise self.error
+
+    acquire = try_acquire
+
+    def others_waiting(self) -> bool:
+        return False
 
 
 def _default_log_dir() -> Any:

@@ -55,7 +55,10 @@ def test_pool_reuses_by_configuration_and_fresh_is_unshared(
     assert (tight["launches"], tight["reuses"]) == (1, 1)
     assert tight["label"] == "qwen3-0.6b --max-total-tokens 512"
     assert plain["startup_seconds"]["min"] > 0 and len(plain["startup_seconds"]["samples"]) == 2
-    assert plain["kv_tokens"]["actual"] > 0 and plain["kv_tokens"]["predicted"] > 0
+    # The sim is told the declared card (80 GB by default) and the free memory the ledger predicts with:
+    # predicted and actual agree exactly, and the summary says so.
+    assert plain["kv_tokens"]["actual"] == plain["kv_tokens"]["predicted"] > 0
+    result.stdout.fnmatch_lines(["*qwen3-0.6b:*KV #tokens * (as predicted)*"])
     assert tight["kv_tokens"]["actual"] == 512
     assert sum(1 for r in _records(record) if r["event"] == "start") == 3
 
@@ -141,7 +144,7 @@ def test_waiting_status_and_summary(pytester: pytest.Pytester, sim_env: dict[str
     result.stdout.fnmatch_lines([
         "*[[]sglworker[]] 2 s *: worker qwen3-0.6b on 127.0.0.1:* (pid *, GPUs 0)",
         "*sglang workers*",
-        "qwen3-0.6b: 1 launched, 0 reused, startup min/median/max */*/* s*KV #tokens * (predicted *)",
+        "qwen3-0.6b: 1 launched, 0 reused, startup min/median/max */*/* s*KV #tokens * (as predicted)",
     ])
     quiet = pytester.runpytest_subprocess(*SIM, "--sgl-model", "qwen3-0.6b", "-q")
     quiet.assert_outcomes(passed=1)
@@ -288,3 +291,35 @@ def test_status_line_on_a_terminal_fits_and_is_cleared_before_pytest_writes(
     for line in out.replace("\r\n", "\n").split("\n"):
         visible = line.rsplit("\r", 1)[-1]
         assert not ("PASSED" in visible and "pid" in visible), line
+
+
+def test_declared_card_size_reaches_the_sim_and_the_ledger(
+    pytester: pytest.Pytester, sim_env: dict[str, str], tmp_path: Path
+) -> None:
+    """--sgl-gpus sim:2x24: the sim's KV pool is that of a 24 GiB card, as the ledger predicts; a spec whose
+    args make the engine disagree with the ledger is flagged as a mismatch in the summary."""
+    pytester.makepyfile("""
+        import pytest
+
+        def test_plain(sgl_worker):
+            info = sgl_worker.client.get("/server_info").json()
+            assert info["max_total_num_tokens"] > 0
+
+        @pytest.mark.sgl_worker(args=["--max-total-tokens", "4096"])
+        def test_capped(sgl_worker): pass
+    """)
+    reports = {}
+    for card in ("24", "80"):
+        path = tmp_path / f"report-{card}.json"
+        result = pytester.runpytest_subprocess(*SIM, "--sgl-model", "qwen3-0.6b", "--sgl-gpus", f"sim:2x{card}",
+                                               "--sgl-report", str(path))
+        result.assert_outcomes(passed=2)
+        reports[card] = json.loads(path.read_text())["workers"]
+        plain = reports[card]["qwen3-0.6b"]["kv_tokens"]
+        assert plain["actual"] == plain["predicted"] > 0
+    small, large = (reports[c]["qwen3-0.6b"]["kv_tokens"]["actual"] for c in ("24", "80"))
+    assert 0 < small < large / 2  # the 24 GiB card's pool, not the 80 GB default's
+    capped = next(v for k, v in reports["24"].items() if k != "qwen3-0.6b")["kv_tokens"]
+    assert capped["actual"] == 4096
+    if capped["predicted"] != 4096:  # a ledger that ignores the cap is a finding, said as such
+        result.stdout.fnmatch_lines(["*MISMATCH: the ledger predicted*"])

@@ -37,6 +37,10 @@ VALUES: dict[str, tuple[str, str, object]] = {
     "--sgl-log-retention-policy": ("failed", "log_retention_policy", "failed"),
     "--sgl-launch-ahead": ("2", "launch_ahead", 2),
     "--sgl-dist": ("on,steal=8", "dist", ["on", 8]),
+    "--sgl-worker-url": ("qwen3-0.6b=http://127.0.0.1:1", "worker_urls",
+                         {"qwen3-0.6b": ["qwen3-0.6b=http://127.0.0.1:1"]}),
+    "--sgl-shard": ("1/2", "shard", "1/2"),
+    "--sgl-shard-report": ("{tmp}/shard-report.json", "shard_report", ["{tmp}/shard-report.json"]),
 }
 
 DUMP = """
@@ -51,7 +55,7 @@ def pytest_configure(config):
     out = {k: (str(v) if isinstance(v, pathlib.Path) else list(v) if isinstance(v, tuple) else v)
            for k, v in vars(settings).items() if k != "sources"}
     out["sources"] = dict(settings.sources)
-    pathlib.Path(os.environ["SETTINGS_DUMP"]).write_text(json.dumps(out))
+    pathlib.Path(os.environ["SETTINGS_DUMP"]).write_text(json.dumps(out, default=str))
 """
 
 
@@ -74,7 +78,7 @@ def test_the_table_documents_every_option_and_nothing_else() -> None:
     from pytest_sglworker.options import OPTIONS
 
     documented = {flag for flag, _, _ in documented_rows()}
-    assert documented == {f"--sgl-{opt.name}" for opt in OPTIONS} | {"--sgl-model"}
+    assert documented == {f"--sgl-{opt.name}" for opt in OPTIONS} | {"--sgl-model", "--sgl-worker-url"}
     assert documented == set(VALUES), "give every documented option a value here"
 
 
@@ -106,6 +110,8 @@ def test_every_documented_name_resolves(pytester: pytest.Pytester, monkeypatch: 
         _, attr, expected = VALUES[flag]
         if isinstance(expected, str):
             expected = expected.format(tmp=tmp_path)
+        elif isinstance(expected, list):
+            expected = [e.format(tmp=tmp_path) if isinstance(e, str) else e for e in expected]
         assert settings[attr] == expected, (flag, source, settings[attr])
         name = flag[len("--sgl-"):]
         want = {"cli": flag, "env": env, "ini": f"ini {ini_key}"}[source]
