@@ -279,6 +279,7 @@ class ManagedProcess:
     listen_inodes: set[int] = field(default_factory=set, repr=False)
     _client: httpx.Client | None = field(default=None, repr=False)
     _stopped: bool = field(default=False, repr=False)
+    _exit_expected: bool = field(default=False, repr=False)
 
     # -- identity -----------------------------------------------------------------------------------------
     @property
@@ -299,8 +300,15 @@ class ManagedProcess:
 
     @property
     def stopped(self) -> bool:
-        """Stopped on purpose (:meth:`stop`, :meth:`kill`), as opposed to an exit of its own (a death)."""
-        return self._stopped
+        """Stopped on purpose (:meth:`stop`, :meth:`kill`, or an exit announced by :meth:`expect_exit`), as
+        opposed to an exit of its own (a death)."""
+        return self._stopped or (self._exit_expected and self.process.poll() is not None)
+
+    def expect_exit(self) -> None:
+        """Say that this process will exit on its own during the test (a crash fault the test switched on,
+        e.g. the simulated engine's ``die_after``): its exit is then a deliberate stop, not a death that fails
+        the test; teardown still ends the whole tree."""
+        self._exit_expected = True
 
     def describe(self) -> str:
         return f"process on {self.host}:{self.port} (pid {self.pid})"

@@ -80,22 +80,39 @@ def _expected(group: WorkerGroup) -> int:
     return sum(data_parallel_size(m.spec, m.argv) for m in group)
 
 
+def api_key_of(args: Sequence[str]) -> str | None:
+    """The ``--api-key`` given to the router (its worker API then needs it too), or None."""
+    key = None
+    for i, arg in enumerate(args):
+        if arg == "--api-key" and i + 1 < len(args):
+            key = args[i + 1]
+        elif arg.startswith("--api-key="):
+            key = arg.split("=", 1)[1]
+    return key
+
+
+def _auth(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
 class RouterReadiness(Readiness):
     """``GET /health`` 200, then ``GET /workers`` listing every worker of the group healthy."""
 
     what = "router"
     ready_word = "ready"
 
-    def __init__(self, group: WorkerGroup) -> None:
+    def __init__(self, group: WorkerGroup, api_key: str | None = None) -> None:
         self.urls = group.urls
         self.expected = _expected(group)
+        self.headers = _auth(api_key)
 
     def probe(self, target: Watched, deadline: float, abort: Callable[[], bool]) -> Probe:
         try:
             health = http_request(target.host, target.port, "/health", deadline=deadline, abort=abort)
             if health.status != 200:
                 return Probe(False, f"/health HTTP {health.status}")
-            listed = http_request(target.host, target.port, "/workers", deadline=deadline, abort=abort)
+            listed = http_request(target.host, target.port, "/workers", deadline=deadline, abort=abort,
+                                  headers=self.headers)
         except ConnectionRefusedError:
             return Probe(False, "not listening yet", listening=False)
         except ProbeTimeout:
@@ -128,6 +145,13 @@ class Router(ManagedProcess):
     removed: list[str] = field(default_factory=list)
     #: the pool figures of the group's configuration (a removal counts as a deliberate stop there)
     group_stats: ConfigStats | None = field(default=None, repr=False)
+    #: the router's ``--api-key``: its worker API methods send it; ``client`` does not (a test of the key
+    #: sends it itself, or ``headers=router.auth_headers``)
+    api_key: str | None = field(default=None, repr=False)
+
+    @property
+    def auth_headers(self) -> dict[str, str]:
+        return _auth(self.api_key)
 
     @property
     def role(self) -> str:
@@ -153,13 +177,13 @@ class Router(ManagedProcess):
     # -- the router's worker API --------------------------------------------------------------------------
     def workers(self) -> list[dict[str, Any]]:
         """The router's worker list (``GET /workers``)."""
-        resp = self.client.get("/workers", timeout=10.0)
+        resp = self.client.get("/workers", timeout=10.0, headers=self.auth_headers)
         resp.raise_for_status()
         return list(resp.json()["workers"])
 
     def add_worker(self, url: str, **fields: Any) -> dict[str, Any]:
         """``POST /workers``: add a worker at ``url``; returns the router's answer."""
-        resp = self.client.post("/workers", json={"url": url, **fields}, timeout=30.0)
+        resp = self.client.post("/workers", json={"url": url, **fields}, timeout=30.0, headers=self.auth_headers)
         resp.raise_for_status()
         return dict(resp.json()) if resp.content else {}
 
@@ -169,7 +193,7 @@ class Router(ManagedProcess):
         if not matches:
             raise LookupError(f"the router lists no worker at {url}: {[w.get('url') for w in self.workers()]}")
         for worker in matches:
-            resp = self.client.delete(f"/workers/{worker['id']}", timeout=30.0)
+            resp = self.client.delete(f"/workers/{worker['id']}", timeout=30.0, headers=self.auth_headers)
             resp.raise_for_status()
         self.removed.append(url)
         if self.group_stats is not None:
@@ -263,10 +287,10 @@ def start_router(session: SglSession, group: WorkerGroup, *, policy: str | None 
             raise
         router = Router(host=LOOPBACK_HOST, port=ports["http"], ports=ports, port_block=block, group=group,
                         policy=policy, record=record, tail_lines=s.tail_lines, group_stats=pool.stats_for(group.config),
-                        **started)
+                        api_key=api_key_of(args), **started)
         record.pid, record.log_path, record.node = router.pid, str(router.log_path), hostname()
         try:
-            wait_until_ready(router, RouterReadiness(group), timeout=timeout, ready_line=None)
+            wait_until_ready(router, RouterReadiness(group, router.api_key), timeout=timeout, ready_line=None)
         except WorkerError as exc:
             router.stop()
             record.take_times(router)
