@@ -52,6 +52,7 @@ class Kind(str, Enum):
     MODEL_NOT_FOUND = "model_not_found"
     NCCL_ERROR = "nccl_error"
     BAD_FLAG = "bad_flag"
+    SIM_FAULT = "sim_fault"
     KILLED_BY_SIGNAL = "killed_by_signal"
     UNKNOWN = "unknown"
 
@@ -608,6 +609,13 @@ RULES: tuple[Rule, ...] = (
             r"DistBackendError",
         ),
         warnings=(r"\bNCCL WARN\b",),
+        fatal=True,
+    ),
+    Rule(
+        Kind.SIM_FAULT,
+        lambda f: f"the simulated engine refused its faults: {_clip(f.first.split('SGLSIM_FAULT: ', 1)[-1])}",
+        _fixed("fix the SGLSIM_FAULT value (the faults and their values: python -m pytest_sglworker.sim --help)"),
+        patterns=(r"\(sim\): error: SGLSIM_FAULT: ",),
         fatal=True,
     ),
     Rule(

@@ -577,6 +577,9 @@ class SglSession:
                     problems[item.nodeid] = spec_problems[spec.name]
                     continue
                 item.stash[CONFIG_KEY] = self.resolve_config(item, spec, fixture)
+                fault = self._sim_fault_problem(item.stash[CONFIG_KEY])
+                if fault:
+                    problems[item.nodeid] = f"test {item.nodeid}: {fault}"
             except MarkerError as exc:
                 item.stash[ITEM_ERROR_KEY] = str(exc)
             except (BudgetViolation, ValueError) as exc:
@@ -612,6 +615,22 @@ class SglSession:
                 if CONFIG_KEY in item.stash:
                     last_users[item.stash[CONFIG_KEY]] = item.nodeid
             self.last_users = set(last_users.values())
+
+    def _sim_fault_problem(self, config: WorkerConfig) -> str | None:
+        """With the simulated engine, a fault setting in a spec's or a marker's env that the engine would refuse
+        (an unknown fault, a value out of range): said at collection, with the faults it knows."""
+        if self.settings.engine != "sim":
+            return None
+        from .sim_core import ENV_FAULT, FaultError, parse_fault_spec
+
+        value = {**config.spec.env, **dict(config.env)}.get(ENV_FAULT)
+        if not value:
+            return None
+        try:
+            parse_fault_spec(value, f"env {ENV_FAULT}={value!r}")
+        except FaultError as exc:
+            return f"{exc}; the faults and their values: python -m pytest_sglworker.sim --help"
+        return None
 
     def _skip_impossible(self, items: list[pytest.Item]) -> None:
         """Skip, before anything launches, tests whose workers can never get a GPU lease here."""

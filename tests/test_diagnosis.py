@@ -712,7 +712,7 @@ def test_every_kind_has_exactly_one_rule_and_its_flags() -> None:
         assert kind.fatal is rule.fatal and kind.memory is rule.memory
     assert {k.value for k in FATAL_KINDS} == {
         "graph_capture_oom", "graph_capture_error", "kv_pool_does_not_fit", "weights_oom", "cuda_oom",
-        "port_in_use", "model_not_found", "nccl_error", "bad_flag",
+        "port_in_use", "model_not_found", "nccl_error", "bad_flag", "sim_fault",
     }
     assert {k.value for k in MEMORY_KINDS} == {
         "graph_capture_oom", "kv_pool_does_not_fit", "weights_oom", "cuda_oom", "killed_by_signal",

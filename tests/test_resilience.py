@@ -165,3 +165,34 @@ def test_crash(sgl_router, sgl_workers):
     result = pytester.runpytest_subprocess(*SIM, timeout=120)
     result.assert_outcomes(passed=1, errors=1)
     result.stdout.fnmatch_lines(["*exited with code -9 (SIGKILL) during the test*"])
+
+
+def test_bad_fault_settings_are_said_clearly(pytester: pytest.Pytester, sim_env: dict[str, str]) -> None:
+    """An unknown fault or a value out of range: a usage error at collection listing the faults (marker or spec
+    env); the control endpoint answers 400 with the same line; a worker started with one outside the marker
+    path is diagnosed as such, not as 'log shows no error'."""
+    pytester.makepyfile(test_bad="""
+import pytest
+
+@pytest.mark.sgl_worker(env={"SGLSIM_FAULT": "fial_first=2"})
+def test_typo(sgl_worker): pass
+""")
+    result = pytester.runpytest_subprocess(*SIM, timeout=60)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*test_typo*: env SGLSIM_FAULT='fial_first=2': unknown fault 'fial_first' "
+                                 "(known: crash_oom, *fail_first=...*); the faults and their values: "
+                                 "python -m pytest_sglworker.sim --help"])
+    pytester.makepyfile(test_bad=HELPERS + """
+def test_control_endpoint(sgl_worker):
+    for body, said in [({"fial_first": 1}, "unknown fault 'fial_first'"),
+                       ({"fail_rate": 7}, "between 0 and 1")]:
+        resp = httpx.post(sgl_worker.url + "/_sim/faults", json=body, timeout=5)
+        assert resp.status_code == 400 and said in resp.text, resp.text
+
+def test_spawned(sgl_spawn_worker):
+    sgl_spawn_worker(env={"SGLSIM_FAULT": "latency=-1"})  # the factory's env is not seen at collection
+""")
+    result = pytester.runpytest_subprocess(*SIM, timeout=60)
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(["diagnosis: the simulated engine refused its faults: *latency*",
+                                 "FAILED *test_spawned* - Failed: the simulated engine refused its f*"])
