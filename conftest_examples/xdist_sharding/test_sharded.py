@@ -1,9 +1,10 @@
 """A suite sharded across xdist workers: three worker configurations, several tests each.
 
 Each test function below asks for ``sgl_worker``; the configuration is the model spec plus the test's
-``@pytest.mark.sgl_worker(args=...)``. pytest-sglworker marks every test with ``xdist_group`` named after its
-configuration, so under ``--dist loadgroup`` all tests of one configuration go to one xdist worker and share
-one launch (``--sgl-report`` shows ``launches: 1`` per configuration). Every xdist worker leases its own
+``@pytest.mark.sgl_worker(args=...)``. Under plain ``-n`` pytest-sglworker hands each configuration's tests to
+the xdist worker that has it running (``--sgl-dist auto``); it also marks every test with ``xdist_group`` named
+after its configuration, so under ``--dist loadgroup`` all tests of one configuration go to one xdist worker
+and share one launch (``--sgl-report`` shows ``launches: 1`` per configuration). Every xdist worker leases its own
 GPU(s): no two workers ever share a GPU or a port, and surplus xdist workers wait for a lease.
 """
 
