@@ -23,7 +23,6 @@ from .session import (
     STATE_KEY,
     WORKERS_KEY,
     SglSession,
-    XdistHooks,
     state_of,
 )
 from .specs import ModelSpec, SpecRegistry, set_active_registry
@@ -60,6 +59,8 @@ def pytest_configure(config: pytest.Config) -> None:
     config.pluginmanager.register(session, "sglworker-session")
     config.pluginmanager.register(SglReporter(session), "sglworker-reporter")
     if config.pluginmanager.hasplugin("xdist"):
+        from .xdist_hooks import XdistHooks
+
         config.pluginmanager.register(XdistHooks(session), "sglworker-xdist")
     session.install_signal_handlers()
 

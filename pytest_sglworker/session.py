@@ -1,10 +1,10 @@
 """The plugin's session object: one per pytest process, registered as a plugin whose hooks are its methods
 (the way pytest-xdist registers its ``DSession``). A pytest-facing module, split from ``plugin.py``.
 
-It holds the session's registry, settings, pool, GPU leases and watchdog, and does the collection-time work:
-budget and flag checks, parametrization over the selected models, per-test worker configurations
-(:meth:`SglSession.resolve_config`, the one place every entry point resolves one), skipping what the
-inventory can never hold, reordering, and the run report at the end.
+It holds the session's registry, settings, pool, GPU leases, watchdog and attached workers: parametrization
+over the selected models, per-test worker configurations (:meth:`SglSession.resolve_config`, the one place
+every entry point resolves one), launching ahead, the failure report sections, and the run report at the
+end. The collection-time checks are in :mod:`collection`, the xdist hooks in :mod:`xdist_hooks`.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from . import budget
-from .errors import BudgetViolation, SglWorkerError, SpecError
+from .errors import SglWorkerError, SpecError
 from .markers import MarkerError, WorkerMarker, WorkersMarker, opt_out_reason, required_features
 from .options import Settings
 from .specs import ModelSpec, SpecRegistry, set_active_registry
@@ -97,6 +97,8 @@ class SglSession:
         #: node id -> [seconds of setup + call + teardown, its configuration's key]: the report's "tests"
         self.test_times: dict[str, list[Any]] = {}
         self.shard_note: str | None = None
+        #: the costs of --sgl-shard-report and the notes on reading them (collection.shard_costs), once read
+        self.shard_costs: tuple[Any, list[str]] | None = None
         import time
 
         self.started_at = time.time()
@@ -232,72 +234,6 @@ class SglSession:
                 fix="restart it with CI_WORKER_ARGS (--mem-fraction-static 0.6 --cuda-graph-backend-prefill "
                     "disabled), or mark the test @pytest.mark.sgl_budget_opt_out(reason='why')")
         return None
-
-    def _check_attached(self, items: list[pytest.Item], problems: dict[str, str]) -> None:
-        from .attached import AttachedWorkerError
-
-        if not self.settings.worker_urls:
-            return
-        unknown = [n for n in self.settings.worker_urls if n not in self.registry]
-        if unknown and not is_xdist_worker(self.config):
-            raise pytest.UsageError(f"{self.settings.sources.get('worker-url')}: unknown model spec(s) "
-                                    f"{', '.join(map(repr, unknown))}; known: {', '.join(self.registry.names())}")
-        for item in items:
-            config = item.stash.get(CONFIG_KEY, None)
-            if config is None or config.spec.name not in self.settings.worker_urls:
-                continue
-            try:
-                refusal = self.attached_refusal(item, config)
-            except AttachedWorkerError as exc:
-                if not is_xdist_worker(self.config):
-                    raise pytest.UsageError(str(exc)) from None
-                refusal = ("error", str(exc))
-            except MarkerError as exc:
-                refusal = ("error", str(exc))
-            if refusal is None:
-                continue
-            if refusal[0] == "skip":
-                item.add_marker(pytest.mark.skip(reason=refusal[1]))
-            else:
-                problems[item.nodeid] = refusal[1]
-
-    # -- sharding (--sgl-shard, sharding.py) ----------------------------------------------------------------
-    def shard_costs(self) -> Any:
-        """The costs of --sgl-shard-report (None: balance by test count); a file that is no run report is a
-        usage error naming it."""
-        if not hasattr(self, "_shard_costs"):
-            from .sharding import load_costs
-
-            try:
-                costs, notes = load_costs(self.settings.shard_report)
-            except ValueError as exc:
-                raise pytest.UsageError(f"{self.settings.sources.get('shard-report')}: {exc}") from None
-            self._shard_costs = costs
-            self._shard_notes = notes
-        return self._shard_costs
-
-    def _apply_shard(self, config: pytest.Config, items: list[pytest.Item]) -> None:
-        shard = self.settings.shard
-        if shard is None:
-            return
-        from .sharding import plan_shards
-
-        costs = self.shard_costs()
-        tests = [(item.nodeid, item.stash[CONFIG_KEY].key if CONFIG_KEY in item.stash else None) for item in items]
-        shards = plan_shards(tests, shard.total, costs)
-        mine = shards[shard.index - 1]
-        keep = mine.nodeids
-        dropped = [item for item in items if item.nodeid not in keep]
-        items[:] = [item for item in items if item.nodeid in keep]
-        if dropped:
-            config.hook.pytest_deselected(items=dropped)
-        total = sum(s.cost for s in shards)
-        unit = "s" if costs is not None else " tests"
-        basis = (f"balanced by {len(costs.sources)} report(s)" if costs is not None
-                 else "balanced by test count" + (f" ({'; '.join(self._shard_notes)})" if self._shard_notes else ""))
-        self.shard_note = (f"sglworker: shard {shard}: {len(items)} of {len(tests)} tests, "
-                           f"{len(mine.configs)} worker configuration(s), estimated {mine.cost:.1f}{unit} of "
-                           f"{total:.1f}{unit} ({basis})")
 
     # -- workers ------------------------------------------------------------------------------------------
     @property
@@ -515,7 +451,9 @@ class SglSession:
                 f"attached but not selected by {self.settings.sources.get('model')} ({', '.join(sorted(names))}); "
                 "add them to the selection, or drop --sgl-model to run exactly the attached specs")
         if self.settings.shard is not None:
-            self.shard_costs()  # a bad report file stops the session here, before any worker starts
+            from .collection import shard_costs
+
+            shard_costs(self)  # a bad report file stops the session here, before any worker starts
         if selected and not is_xdist_worker(session.config):
             # Before any GPU time is spent; a run that selects no model launches nothing and checks nothing.
             # Every registered spec, like the budget check: one batch, cached per sglang install.
@@ -547,145 +485,9 @@ class SglSession:
     @pytest.hookimpl(trylast=True)  # after -k/-m/--deselect: deselected tests are neither checked nor counted
     def pytest_collection_modifyitems(self, session: pytest.Session, config: pytest.Config,
                                       items: list[pytest.Item]) -> None:
-        # A usage error stops the session; an xdist worker cannot stop it cleanly (xdist would report an
-        # INTERNALERROR), so there each offending test fails on its own with the same message instead.
-        problems: dict[str, str] = {}  # nodeid -> message
-        spec_problems = self.spec_problems()  # also specs of conftests loaded during collection
-        for item in items:
-            if "sgl_model" in getattr(item, "fixturenames", ()):
-                try:
-                    required_features(item)
-                except MarkerError as exc:
-                    item.stash[ITEM_ERROR_KEY] = str(exc)
-        for item in items:
-            fixturenames = getattr(item, "fixturenames", ())
-            fixture = next((f for f in WORKER_FIXTURES if f in fixturenames), None)
-            if fixture is None and "sgl_spawn_worker" not in fixturenames:
-                continue
-            try:
-                WorkerMarker.from_mark(item.get_closest_marker("sgl_worker"))
-                opt_out_reason(item)
-                if fixture is None:
-                    continue
-                from .markers import RouterMarker
+        from .collection import modify_items
 
-                RouterMarker.from_mark(item.get_closest_marker("sgl_router"))
-                spec = item_spec(item)
-                if spec is None:
-                    continue
-                if spec.name in spec_problems:
-                    problems[item.nodeid] = spec_problems[spec.name]
-                    continue
-                item.stash[CONFIG_KEY] = self.resolve_config(item, spec, fixture)
-                fault = self._sim_fault_problem(item.stash[CONFIG_KEY])
-                if fault:
-                    problems[item.nodeid] = f"test {item.nodeid}: {fault}"
-            except MarkerError as exc:
-                item.stash[ITEM_ERROR_KEY] = str(exc)
-            except (BudgetViolation, ValueError) as exc:
-                problems[item.nodeid] = str(exc)
-        self._check_attached(items, problems)
-        with_args = {item.nodeid: item.stash[CONFIG_KEY] for item in items
-                     if CONFIG_KEY in item.stash and item.stash[CONFIG_KEY].members()[0].extra_args}
-        flagged = self.check_flags({f"test {nodeid}": (c.spec, m.extra_args)
-                                    for nodeid, c in with_args.items() for m in c.members()[:1]})
-        for nodeid in with_args:
-            if f"test {nodeid}" in flagged:
-                problems[nodeid] = flagged[f"test {nodeid}"]
-        if spec_problems and not is_xdist_worker(config):
-            raise pytest.UsageError("\n".join(spec_problems.values()))
-        if problems:
-            if not is_xdist_worker(config):
-                raise pytest.UsageError("\n".join(dict.fromkeys(problems.values())))
-            for item in items:
-                if item.nodeid in problems:
-                    item.stash[ITEM_ERROR_KEY] = problems[item.nodeid]
-                    if CONFIG_KEY in item.stash:
-                        del item.stash[CONFIG_KEY]
-        self._apply_shard(config, items)
-        self._skip_impossible(items)
-        self._skip_without_router(items)
-        if self.settings.reorder:
-            _reorder(items)
-        self._queue = list(items)
-        self._queue_index = {item.nodeid: i for i, item in enumerate(items)}
-        if not is_xdist_worker(config):  # an xdist worker does not know which tests it will get
-            last_users: dict[Any, str] = {}  # WorkerConfig -> node id
-            for item in items:
-                if CONFIG_KEY in item.stash:
-                    last_users[item.stash[CONFIG_KEY]] = item.nodeid
-            self.last_users = set(last_users.values())
-
-    def _sim_fault_problem(self, config: WorkerConfig) -> str | None:
-        """With the simulated engine, a fault setting in a spec's or a marker's env that the engine would refuse
-        (an unknown fault, a value out of range): said at collection, with the faults it knows."""
-        if self.settings.engine != "sim":
-            return None
-        from .sim_core import ENV_FAULT, FaultError, parse_fault_spec
-
-        value = {**config.spec.env, **dict(config.env)}.get(ENV_FAULT)
-        if not value:
-            return None
-        try:
-            parse_fault_spec(value, f"env {ENV_FAULT}={value!r}")
-        except FaultError as exc:
-            return f"{exc}; the faults and their values: python -m pytest_sglworker.sim --help"
-        return None
-
-    def _skip_impossible(self, items: list[pytest.Item]) -> None:
-        """Skip, before anything launches, tests whose workers can never get a GPU lease here."""
-        attached = self.settings.worker_urls  # never leased: no GPU needed here
-        configs = {item.stash[CONFIG_KEY] for item in items
-                   if CONFIG_KEY in item.stash and item.stash[CONFIG_KEY].spec.name not in attached}
-        if not configs:
-            return
-        try:
-            manager = self.lease_manager()
-        except (SglWorkerError, ValueError) as exc:  # ValueError: --sgl-gpus names GPUs that are not visible
-            from .errors import InventoryUnavailable
-
-            reason = f"no GPU inventory: {exc}"
-            inventory = isinstance(exc, InventoryUnavailable)
-            if not inventory or (self.settings.gpus_explicit and is_xdist_worker(self.config)):
-                # An unsafe or unusable lock directory is an error, never a skip (a green run would hide it); an
-                # xdist worker cannot stop the session cleanly, so each worker test fails with the message.
-                source = f"{self.settings.sources['gpus']}: " if inventory else ""
-                for item in items:
-                    if item.stash.get(CONFIG_KEY, None) in configs:
-                        item.stash[ITEM_ERROR_KEY] = f"{source}{exc}"
-                return
-            if self.settings.gpus_explicit:
-                raise pytest.UsageError(f"{self.settings.sources['gpus']}: {exc}") from None
-            for item in items:
-                if item.stash.get(CONFIG_KEY, None) in configs:
-                    item.add_marker(pytest.mark.skip(reason=reason))
-            return
-        reasons = {}
-        for c in configs:
-            gpus = c.gpus_needed(self.choose_kind)
-            why = manager.can_ever_fit(gpus, c.spec.memory_mib)
-            if why and c.group is not None:
-                why = f"the group {c.group.describe()} leases {gpus} GPU(s) at once: {why}"
-            elif why and gpus != c.spec.tp:
-                why = f"the worker leases {gpus} GPU(s) at once (tp x data-parallel replicas): {why}"
-            reasons[c] = why
-        for item in items:
-            worker_config = item.stash.get(CONFIG_KEY, None)
-            if worker_config is not None and reasons.get(worker_config):
-                item.add_marker(pytest.mark.skip(reason=f"{worker_config.spec.name}: {reasons[worker_config]}"))
-
-    def _skip_without_router(self, items: list[pytest.Item]) -> None:
-        """Skip, before their workers launch, the tests of ``sgl_router`` when the router is not installed."""
-        users = [item for item in items if "sgl_router" in getattr(item, "fixturenames", ())]
-        if not users:
-            return
-        from .router import RouterUnavailable, router_launcher
-
-        try:
-            router_launcher(self.settings)
-        except RouterUnavailable as exc:
-            for item in users:
-                item.add_marker(pytest.mark.skip(reason=str(exc)))
+        modify_items(self, config, items)
 
     # -- launching ahead --------------------------------------------------------------------------------
     @pytest.hookimpl(tryfirst=True)
@@ -701,11 +503,13 @@ class SglSession:
         pool = self._pool
         if count <= 0 or pool is None or not self.settings.reuse:
             return
+        from .collection import poolable
+
         current = item.stash.get(CONFIG_KEY, None)
         wanted: list[WorkerConfig] = []
         for upcoming in self._upcoming(item):
             config = upcoming.stash.get(CONFIG_KEY, None)
-            if config is None or config == current or config in wanted or not _poolable(upcoming):
+            if config is None or config == current or config in wanted or not poolable(upcoming):
                 continue
             wanted.append(config)
             if len(wanted) >= count:
@@ -870,126 +674,3 @@ def _default_log_dir() -> Any:
     from .state import default_log_dir
 
     return default_log_dir()
-
-
-def _poolable(item: pytest.Item) -> bool:
-    """Whether a test's workers come from the pool (not ``fresh=True``, not its own launch options)."""
-    try:
-        worker = WorkerMarker.from_mark(item.get_closest_marker("sgl_worker"))
-        group = WorkersMarker.from_mark(item.get_closest_marker("sgl_workers"))
-    except MarkerError:
-        return False
-    if "sgl_worker" in getattr(item, "fixturenames", ()):
-        return not (worker.fresh or worker.startup_timeout is not None or worker.allow_foreign_host is not None)
-    return not (group.fresh or group.startup_timeout is not None)
-
-
-def _reorder(items: list[pytest.Item]) -> None:
-    """Stable: tests of one worker configuration move up to the first test of that configuration."""
-    first: dict[str, int] = {}
-    keys: list[tuple[int, int]] = []
-    for index, item in enumerate(items):
-        worker_config = item.stash.get(CONFIG_KEY, None)
-        if worker_config is None:
-            keys.append((index, 0))
-            continue
-        anchor = first.setdefault(worker_config.key, index)
-        keys.append((anchor, 1 if anchor != index else 0))
-    order = sorted(range(len(items)), key=lambda i: (keys[i], i))
-    items[:] = [items[i] for i in order]
-
-
-class XdistHooks:
-    """Registered only when pytest-xdist is present."""
-
-    def __init__(self, session: SglSession) -> None:
-        self.session = session
-        self.relay: Any = None
-
-    @pytest.hookimpl(wrapper=True)
-    def pytest_collection_modifyitems(
-        self, config: pytest.Config, items: list[pytest.Item]
-    ) -> Generator[None, None, None]:
-        # Under --dist loadgroup, xdist's worker appends the xdist_group name to each node id in its own
-        # pytest_collection_modifyitems, which pluggy calls before the plugin's (xdist registers it later):
-        # the group marks must be in place first. The main hook reports marker errors.
-        for item in items:
-            spec = item_spec(item)
-            fixturenames = getattr(item, "fixturenames", ())
-            fixture = next((f for f in WORKER_FIXTURES if f in fixturenames), None)
-            if spec is None or fixture is None or item.get_closest_marker("xdist_group") is not None:
-                continue
-            try:
-                key = self.session.resolve_config(item, spec, fixture).key
-            except (MarkerError, BudgetViolation, ValueError):
-                continue
-            item.add_marker(pytest.mark.xdist_group(name=f"sgl-{key}"))
-        result = yield
-        # pytest >= 9.2 derives the node id from the structured item._id, while xdist <= 3.8 still writes the
-        # suffixed id to the legacy item._nodeid: the @group suffix is lost and loadgroup silently stops
-        # grouping (pytest-dev/pytest-xdist#1386). Carry it over; a no-op once xdist sets the id itself.
-        # This is the plugin's one use of pytest internals, guarded so that another pytest cannot break a run.
-        for item in items:
-            legacy = getattr(item, "_nodeid", None)
-            if isinstance(legacy, str) and legacy.startswith(item.nodeid + "@") and hasattr(item, "_id"):
-                try:
-                    from _pytest.nodeid import NodeId
-
-                    item._id = NodeId.parse(legacy)
-                except Exception:  # a workaround must never fail a run
-                    break
-        return result
-
-    def pytest_configure_node(self, node: Any) -> None:
-        """The xdist workers log into the controller's session directory, and send their status lines to the
-        controller (a file it follows) so that a long startup on an xdist worker shows in the terminal."""
-        node.workerinput["sglworker_log_dir"] = str(self.session.log_dir)
-        if self.relay is None:
-            from .reporter import ProgressRelay
-
-            self.relay = ProgressRelay(self.session, self.session.log_dir / f".progress-{os.getpid()}.jsonl")
-        node.workerinput["sglworker_progress"] = str(self.relay.path)
-
-    def pytest_sessionfinish(self, session: pytest.Session) -> None:
-        if self.relay is not None:
-            self.relay.close()
-            self.relay = None
-
-    def pytest_testnodedown(self, node: Any, error: Any) -> None:
-        output = getattr(node, "workeroutput", {})
-        if output.get("sglworker_stats"):
-            self.session.worker_stats.append(output["sglworker_stats"])
-        if output.get("sglworker_launches"):
-            self.session.worker_launches.append(output["sglworker_launches"])
-
-    # -- scheduling by worker configuration (--sgl-dist, xdist_scheduling.py) ------------------------------
-    def pytest_xdist_make_scheduler(self, config: pytest.Config, log: Any) -> Any:
-        from .xdist_scheduling import make_scheduler
-
-        return make_scheduler(self.session, config, log)
-
-    @pytest.hookimpl(specname="pytest_configure_node")
-    def pytest_configure_node_scheduling(self, node: Any) -> None:
-        """The xdist workers write which configuration each test needs where the scheduler reads it."""
-        from .xdist_scheduling import configure_node
-
-        configure_node(self.session, node)
-
-    @pytest.hookimpl(tryfirst=True)  # before xdist's worker sends the collection to the controller
-    def pytest_collection_finish(self, session: pytest.Session) -> None:
-        if is_xdist_worker(session.config):
-            from .xdist_scheduling import write_collection_map
-
-            write_collection_map(self.session, session.items)
-
-    def pytest_report_header(self, config: pytest.Config) -> str | None:
-        from .xdist_scheduling import header_line
-
-        return header_line(self.session)
-
-    def pytest_terminal_summary(self, terminalreporter: Any) -> None:
-        from .xdist_scheduling import summary_line
-
-        line = summary_line(self.session)
-        if line is not None and terminalreporter.config.get_verbosity() >= -1:
-            terminalreporter.write_line(line)
