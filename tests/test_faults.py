@@ -695,6 +695,8 @@ BAD_VALUES: dict[str, tuple[str, str]] = {
     "log-retention-count": ("-1", "must be 0 or more"),
     "log-retention-policy": ("some", "is not a retention policy; choose 'all', 'failed' or 'none'"),
     "launch-ahead": ("many", "is not an integer"),
+    "shard": ("3/2", "there is no shard 3 of 2"),
+    "shard-report": (" , ", "no path given"),
 }
 #: options whose bad value is only seen when a worker is needed: a clear error on each worker test.
 PER_TEST = {"log-dir", "lock-dir"}

@@ -679,7 +679,9 @@ class Check:
         skip = self.needs_gpu("ledger_input", cuda=False)
         if skip:
             return skip
-        session = self.session("list-models", [], ["--sgl-list-models", "--sgl-gpus", str(self.primary)], timeout=60)
+        # -vv: the full ledger (the inner sessions run with -q, and --sgl-list-models shows it from -v up)
+        session = self.session("list-models", [], ["--sgl-list-models", "-vv", "--sgl-gpus", str(self.primary)],
+                               timeout=60)
         if isinstance(session, str):
             return Row("ledger_input", "skip", session)
         at = time.time()
