@@ -35,6 +35,7 @@ from .specs import (
 
 if TYPE_CHECKING:
     from .diagnosis import Diagnosis, diagnose
+    from .grpc_worker import GrpcHealth, GrpcWorker
     from .kinds import DecodeWorker, GroupShape, HttpWorker, PrefillWorker, WorkerConfig, WorkerKind
     from .launcher import LaunchOptions, ManagedProcess, ModelInstance, running_worker, spawn_worker
     from .ledger import MemoryLedger, predict_memory
@@ -54,6 +55,8 @@ _LAZY = {
     "HttpWorker": "kinds",
     "PrefillWorker": "kinds",
     "DecodeWorker": "kinds",
+    "GrpcWorker": "grpc_worker",
+    "GrpcHealth": "grpc_worker",
     "GroupShape": "kinds",
     "WorkerGroup": "pool",
     "WorkerPool": "pool",
@@ -81,6 +84,8 @@ __all__ = [
     "DecodeWorker",
     "Diagnosis",
     "GroupShape",
+    "GrpcHealth",
+    "GrpcWorker",
     "HttpWorker",
     "InventoryUnavailable",
     "LaunchError",

@@ -5,8 +5,9 @@ Every test that needs a worker gets its configuration resolved once (``CONFIG_KE
 problem is said before GPU time is spent: a broken budget or a flag sglang's parser refuses (a usage error; on
 an xdist worker, an error of each test concerned), an attached worker that is down or serves another model, a
 fault the simulated engine would refuse. Then ``--sgl-shard`` selects this runner's part (:mod:`sharding`),
-tests the inventory can never hold or the router is missing for are skipped with the reason, and tests are
-reordered so that one configuration's tests run together.
+tests the inventory can never hold or the router is missing for are skipped with the reason (so are tests of
+gRPC workers without the gRPC packages; a selected spec that runs ``--grpc-mode`` is then a usage error), and
+tests are reordered so that one configuration's tests run together.
 """
 
 from __future__ import annotations
@@ -153,6 +154,7 @@ def modify_items(session: SglSession, config: pytest.Config, items: list[pytest.
     apply_shard(session, config, items)
     skip_impossible(session, items)
     skip_without_router(session, items)
+    skip_without_grpc(session, items)
     if session.settings.reorder:
         reorder(items)
     session._queue = list(items)
@@ -237,6 +239,30 @@ def skip_without_router(session: SglSession, items: list[pytest.Item]) -> None:
     except RouterUnavailable as exc:
         for item in users:
             item.add_marker(pytest.mark.skip(reason=str(exc)))
+
+
+def skip_without_grpc(session: SglSession, items: list[pytest.Item]) -> None:
+    """Without the gRPC packages, the tests of gRPC workers (``--grpc-mode``): skipped with the install command
+    when a test's args ask for it, a usage error (on an xdist worker: each test's error) when a selected spec's
+    worker_args do."""
+    from .grpc_worker import grpc_refusal
+
+    verdicts: dict[WorkerConfig, tuple[str, str] | None] = {}
+    for item in items:
+        worker_config = item.stash.get(CONFIG_KEY, None)
+        if worker_config is None or worker_config.spec.name in session.settings.worker_urls:
+            continue
+        if worker_config not in verdicts:
+            verdicts[worker_config] = grpc_refusal(worker_config, session.choose_kind)
+        verdict = verdicts[worker_config]
+        if verdict is None:
+            continue
+        if verdict[0] == "skip":
+            item.add_marker(pytest.mark.skip(reason=verdict[1]))
+        elif is_xdist_worker(session.config):
+            item.stash[ITEM_ERROR_KEY] = verdict[1]
+        else:
+            raise pytest.UsageError(verdict[1])
 
 
 def poolable(item: pytest.Item) -> bool:

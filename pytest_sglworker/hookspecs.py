@@ -29,5 +29,6 @@ def pytest_sglworker_worker_env(spec: object, lease_env: dict[str, str]) -> dict
 @pytest.hookspec(firstresult=True)
 def pytest_sglworker_worker_kind(role: str, args: tuple[str, ...]) -> object | None:
     """Return the :class:`~pytest_sglworker.kinds.WorkerKind` of a worker with ``role`` (``worker``,
-    ``prefill``, ``decode``) and these extra args, or None for the default
-    (:func:`~pytest_sglworker.kinds.default_kind`). A new kind of worker is one subclass returned here."""
+    ``prefill``, ``decode``) and these args (the spec's worker_args, then the test's and its role's extra
+    args), or None for the default (:func:`~pytest_sglworker.kinds.default_kind`: ``--grpc-mode`` selects
+    :class:`~pytest_sglworker.grpc_worker.GrpcWorker`). A new kind of worker is one subclass returned here."""

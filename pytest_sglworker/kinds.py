@@ -101,6 +101,10 @@ class WorkerKind:
     def gpus(self, spec: ModelSpec, args: Sequence[str]) -> int:
         return gpu_count(spec, args)
 
+    def check_available(self, spec: ModelSpec) -> None:
+        """Raise a :class:`~pytest_sglworker.errors.LaunchError` before anything starts when this kind cannot be
+        launched from this Python (a gRPC worker without the gRPC packages)."""
+
     def __repr__(self) -> str:
         return f"<{type(self).__name__}>"
 
@@ -142,11 +146,17 @@ KindChooser = Callable[[str, Sequence[str]], WorkerKind]
 
 
 def default_kind(role: str, args: Sequence[str]) -> WorkerKind:
-    """The kind of a member with ``role`` and these args (``pytest_sglworker_worker_kind`` may override it)."""
+    """The kind of a member with ``role`` and these args, the spec's worker_args first
+    (``pytest_sglworker_worker_kind`` may override it): ``--grpc-mode`` makes a regular worker a
+    :class:`~pytest_sglworker.grpc_worker.GrpcWorker`."""
     if role == "prefill":
         return PrefillWorker()
     if role == "decode":
         return DecodeWorker()
+    from .grpc_worker import GrpcWorker, wants_grpc
+
+    if wants_grpc(args):
+        return GrpcWorker()
     return HttpWorker()
 
 
@@ -280,7 +290,8 @@ class WorkerConfig:
             args = (*self.extra_args, *(self.group.args_for(role) if self.group is not None else ()))
             index = counts.get(role, 0)
             counts[role] = index + 1
-            plans.append(MemberPlan(role, index, choose(role, args), tuple(args)))
+            # The kind sees the spec's worker_args too (``--grpc-mode`` in a spec); the plan keeps the extra args.
+            plans.append(MemberPlan(role, index, choose(role, (*self.spec.worker_args, *args)), tuple(args)))
         return plans
 
     def gpus_needed(self, choose: KindChooser | None = None) -> int:

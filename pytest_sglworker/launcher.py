@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from .errors import LaunchCancelled, LaunchError, WorkerDied, WorkerError, WorkerStartupError
 from .health import ProgressCallback as ProgressCallback
 from .health import wait_until_ready
-from .kinds import PORT_BLOCK_SIZE, HttpWorker, WorkerKind
+from .kinds import PORT_BLOCK_SIZE, HttpWorker, WorkerKind, default_kind
 from .processes import (
     OWNER_ENV,
     end_process,
@@ -634,8 +634,9 @@ def spawn_worker(
     ``env`` is added to the inherited environment (after the spec's env): a GPU lease's
     ``CUDA_VISIBLE_DEVICES`` goes here. Without ``port``, a port block is reserved across processes (and
     the launch is retried on another block if the port was taken between reservation and bind). ``kind``
-    (default :class:`~pytest_sglworker.kinds.HttpWorker`) says which ports to pin and how readiness is
-    proven. ``cancel`` set by another thread (a group member failed) stops the wait at once.
+    (default: :func:`~pytest_sglworker.kinds.default_kind` of the spec's and the extra args, so
+    ``--grpc-mode`` makes a :class:`~pytest_sglworker.grpc_worker.GrpcWorker`) says which ports to pin and
+    how readiness is proven. ``cancel`` set by another thread (a group member failed) stops the wait at once.
 
     Outside pytest the launcher follows ``SGLWORKER_LAUNCHER`` / ``SGLWORKER_ENGINE=sim`` (see
     :func:`environment_launcher`) unless ``options.launcher`` is given. It takes **no GPU lease**: pass the
@@ -643,7 +644,8 @@ def spawn_worker(
     """
     from . import state
 
-    kind = kind or HttpWorker()
+    kind = kind or default_kind("worker", (*spec.worker_args, *extra_args))
+    kind.check_available(spec)
     options = options or LaunchOptions()
     check_launcher(options.launcher or environment_launcher(), {**os.environ, **spec.env, **(env or {})})
     log_dir = state.ensure_private_dir(options.log_dir or state.default_log_dir(), what="log directory")
@@ -665,7 +667,7 @@ def spawn_worker(
             )
             ports = dict(zip(kind.port_names, block.ports, strict=False))
         else:
-            ports = {"http": port}
+            ports = {kind.port_names[0]: port}
         try:
             instance = _start(spec, ports, extra_args, env, options, log_dir, gpus, kind, index)
         except BaseException:
@@ -706,7 +708,7 @@ def _start(
     kind: WorkerKind,
     index: int,
 ) -> ModelInstance:
-    port = ports["http"]
+    port = ports[kind.port_names[0]]
     argv = build_argv(spec, port=port, nccl_port=ports.get("nccl"), launcher=options.launcher,
                       extra_args=extra_args, allow_foreign_host=options.allow_foreign_host,
                       role_args=kind.role_args(ports))

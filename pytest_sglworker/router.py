@@ -10,17 +10,21 @@ Plain Python, no pytest (the ``sgl_router`` fixture in ``plugin.py`` calls :func
 - is in regular mode over the group's workers, PD mode (``--pd-disaggregation --prefill URL BOOTSTRAP_PORT
   --decode URL``) over a prefill/decode group, and ``--dp-aware`` when a worker has ``--dp-size`` > 1;
 - is ready when ``GET /health`` answers 200 and ``GET /workers`` lists every worker healthy
-  (:class:`RouterReadiness`); a router that exits or never gets ready fails at once with its log tail.
+  (:class:`RouterReadiness`); a router that exits or never gets ready fails at once with its log tail;
+- in front of gRPC workers (``grpc://`` URLs) gets ``TIKTOKEN_ENCODINGS_BASE`` (:func:`router_env`): the
+  router needs OpenAI's ``o200k_base.tiktoken`` to start its gRPC router, and finds the worker's tokenizer
+  through the worker's ``GetModelInfo``.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import shlex
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -242,6 +246,29 @@ def _router_stats(session: SglSession, group: WorkerGroup, policy: str | None) -
     return stats
 
 
+def router_env(group: WorkerGroup, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """What the router's environment adds: in front of gRPC workers, ``TIKTOKEN_ENCODINGS_BASE`` naming the
+    installed ``o200k_base.tiktoken`` (``scripts/install-router-vocab.sh``) unless it is set already; the router
+    builds its Harmony encoder from it whenever it has a gRPC router, and downloads it otherwise."""
+    from .grpc_worker import ROUTER_VOCAB_ENV, router_vocab_dir
+
+    environ = os.environ if environ is None else environ
+    if environ.get(ROUTER_VOCAB_ENV) or not any(url.startswith("grpc://") for url in group.urls):
+        return {}
+    folder = router_vocab_dir(environ)
+    return {ROUTER_VOCAB_ENV: str(folder)} if folder is not None else {}
+
+
+def _vocab_hint(router: Router) -> str:
+    """The fix, when the router died building its Harmony encoder (no vocab file and no network)."""
+    if "Failed to load Harmony encoding" not in router.log_tail(200):
+        return ""
+    from .grpc_worker import ROUTER_VOCAB_ENV, ROUTER_VOCAB_HINT
+
+    return (f"the router's gRPC mode needs OpenAI's o200k_base.tiktoken (it downloads it when it can): run "
+            f"'{ROUTER_VOCAB_HINT}', or set {ROUTER_VOCAB_ENV} to a folder that holds it")
+
+
 def router_launcher(settings: Settings) -> list[str]:
     """The router's launcher: ``--sgl-router-launcher``, else ``<python> -m sglang_router.launch_router`` when
     the package is installed; :class:`RouterUnavailable` (a skip with the install command) otherwise."""
@@ -280,7 +307,7 @@ def start_router(session: SglSession, group: WorkerGroup, *, policy: str | None 
                               t_lease_requested=time.time(), port=ports["http"], argv=" ".join(mask_argv(argv)))
         pool.launches.append(record)
         try:
-            started = start_process(argv, {}, log_dir / log_name("sglang-router", ports["http"]))
+            started = start_process(argv, router_env(group), log_dir / log_name("sglang-router", ports["http"]))
         except BaseException:
             block.release()
             record.outcome = "startup_failed"
@@ -293,6 +320,7 @@ def start_router(session: SglSession, group: WorkerGroup, *, policy: str | None 
             wait_until_ready(router, RouterReadiness(group, router.api_key), timeout=timeout, ready_line=None)
         except WorkerError as exc:
             router.stop()
+            exc.extra = "\n".join(filter(None, (exc.extra, _vocab_hint(router))))
             record.take_times(router)
             record.outcome, record.failure = "startup_failed", exc.summary
             record.t_released = time.time()

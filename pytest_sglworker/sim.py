@@ -658,8 +658,9 @@ def _register_ranks(sim: Sim) -> None:
                                 "pp_rank": 0, "rank_ip": host, "rank_port": 17000 + os.getpid() % 20000 + rank})
 
 
-def _startup(sim: Sim, pre_bind: float, warmup: float) -> SimHTTPServer:
-    """Everything from the server-args line to readiness; returns the running server."""
+def _startup(sim: Sim, pre_bind: float, warmup: float) -> SimHTTPServer | None:
+    """Everything from the server-args line to readiness; returns the running HTTP server (None in
+    ``--grpc-mode``: the gRPC server is ``sim.grpc``)."""
     plan, log, faults = sim.plan, sim.log, sim.faults
     args = plan.args
     timings: dict[str, Any] = {}
@@ -797,6 +798,15 @@ def _startup(sim: Sim, pre_bind: float, warmup: float) -> SimHTTPServer:
         + "}" for k, v in timings.items()))
     if faults.hang_before_bind:
         _wait_forever()
+    if args["grpc_mode"] or args["smg_grpc_mode"]:
+        from . import sim_grpc
+
+        served = sim_grpc.serve(sim, warmup)
+        if isinstance(served, int):
+            raise _StartupExit(served)
+        log.info(READY_LINE)
+        sim.recorder.record("ready", startup_seconds=round(time.time() - sim.recorder.started, 6))
+        return None
 
     host, port = args["host"], args["port"]
     server_cls = SimHTTPServer6 if ":" in host else SimHTTPServer
@@ -851,6 +861,9 @@ def _shutdown(sim: Sim, signum: int) -> int:
     while sim.running > 0 and time.monotonic() < deadline:
         time.sleep(0.01)
     log.info(f"Gracefully exiting... Remaining number of requests {sim.running}. Remaining requests remaining_rids=[].")
+    if sim.grpc is not None:
+        log.info("Received shutdown signal")
+        sim.grpc.stop()
     if server is not None:
         log.uvicorn("INFO", "Shutting down")
         server.shutdown()
@@ -892,6 +905,12 @@ def main(argv: list[str] | None = None) -> int:
         pd_wait = _env_float(ENV_PD_WAIT, 15.0)
     except FaultError as exc:
         return _config_error(str(exc))
+    if ns.grpc_mode or ns.smg_grpc_mode:
+        from .sim_grpc import missing_reason
+
+        missing = missing_reason()
+        if missing:
+            return _config_error(missing)
     plan = make_plan(ns, total_gib, free_mib=free_mib, argv=argv)
     log = Log(ns.log_level, ns.log_level_http or ns.log_level, plan.args["tp_size"])
     args = plan.args

@@ -147,6 +147,8 @@ class Sim:
         self.worker_id = f"{plan.args['port']}/{os.getpid()}"
         self.bootstrap: sim_pd.BootstrapState | None = None
         self.prefill_infos = sim_pd.PrefillInfoCache()
+        #: the gRPC server and its HTTP sidecar in ``--grpc-mode`` (a ``sim_grpc.GrpcSim``)
+        self.grpc: Any = None
 
     @property
     def mode(self) -> str:

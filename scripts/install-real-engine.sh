@@ -5,8 +5,9 @@
 #
 # Builds a venv (about 2.6 GB) with sglang 0.5.23 (--no-deps), the CPU build of torch 2.13.0 (pinned by
 # scripts/real_engine/constraints.txt, so nothing pulls a CUDA torch), the packages sglang needs to serve
-# (scripts/real_engine/requirements.txt), torchvision 0.28.0 with its two fake-op registrations guarded, and
-# a placeholder sgl_kernel copied into the venv's site-packages (no PYTHONPATH needed). Idempotent: a
+# (scripts/real_engine/requirements.txt, smg-grpc-servicer for --grpc-mode included), torchvision 0.28.0 with
+# its two fake-op registrations guarded, and a placeholder sgl_kernel copied into the venv's site-packages (no
+# PYTHONPATH needed). Idempotent: a
 # finished install leaves a marker file (written last) and a rerun with the same recipe exits at once.
 #
 # Then: SGLWORKER_REAL_ENGINE=VENV_DIR (or the default location) lets the tests find it; see
@@ -90,6 +91,8 @@ import torch
 import torchvision  # noqa: F401
 import sglang
 import sglang.srt.entrypoints.http_server  # noqa: F401
+import smg_grpc_proto  # noqa: F401  (--grpc-mode: the servicer and its stubs)
+import smg_grpc_servicer  # noqa: F401
 
 assert torch.__version__ == sys.argv[1], f"torch {torch.__version__} != {sys.argv[1]}"
 assert sglang.__version__ == sys.argv[2], f"sglang {sglang.__version__} != {sys.argv[2]}"
