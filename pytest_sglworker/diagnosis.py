@@ -32,6 +32,10 @@ Why this module is ~800 lines and not 600: the records already live in :mod:`dia
 piece (log structure, chained and headerless tracebacks, continuation lines, startup state, choosing the cause) plus
 the phase and memory-line readers, which share its markers and are this module's public API. Splitting the scanner
 further would only spread one state machine over two files.
+
+Why one module of this size: the scanner is one state machine over the log (tracebacks, chained tracebacks, per-
+rank prefixes, the capture in progress) whose states the classification reads; what the kinds *are* lives in
+:mod:`diagnosis_rules`, one record each.
 """
 
 from __future__ import annotations

@@ -7,6 +7,9 @@ docstring of :mod:`pytest_sglworker.diagnosis` for how to add a rule.
 The scanner's cheap pre-filter (the only lines it looks at closely) is *derived* from the records: every pattern's
 required literal text is extracted from the regex itself (:func:`required_literals`), so a new pattern cannot be
 silently ignored. A pattern with no literal the pre-filter could key on is refused when the record is built.
+
+Why one module of this size: it is the table of records itself, one per failure kind with its summary and advice
+functions beside it, so that adding a rule is one edit here (and a log fixture).
 """
 
 from __future__ import annotations

@@ -5,6 +5,10 @@ It holds the session's registry, settings, pool, GPU leases, watchdog and attach
 over the selected models, per-test worker configurations (:meth:`SglSession.resolve_config`, the one place
 every entry point resolves one), launching ahead, the failure report sections, and the run report at the
 end. The collection-time checks are in :mod:`collection`, the xdist hooks in :mod:`xdist_hooks`.
+
+Why one module of this size: it is the one object that holds a pytest process's state (registry, settings, pool,
+leases, watchdog, attached workers) and the hooks that read it; collection-time work is in :mod:`collection`, xdist
+hooks in :mod:`xdist_hooks`, options in :mod:`options`, markers in :mod:`markers`, output in :mod:`reporter`.
 """
 
 from __future__ import annotations

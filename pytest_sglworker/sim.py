@@ -76,6 +76,10 @@ configurator: the automatic ``--mem-fraction-static``, ``rest = free_after_weigh
 fraction)``, ``#tokens = rest // kv_bytes_per_token`` rounded down to ``--page-size``, capped by
 ``--max-total-tokens``; ``rest <= 0`` fails like 0.5.23, "Loaded weights leave no GPU memory for the KV
 cache"), over the model's dims (the built-in table, or the ``config.json`` of a model directory).
+
+Why one module of this size: it is the simulated engine's startup, in the order sglang prints it (parser, plan,
+weights, KV pool, capture, bind, warmup, shutdown), and each fault interrupts that one sequence at its own step;
+the request surface lives in :mod:`sim_http` and :mod:`sim_grpc`.
 """
 
 from __future__ import annotations

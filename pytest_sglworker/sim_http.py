@@ -6,6 +6,11 @@ by ``tests/test_sim_differential.py`` against the real engine on the CPU): ``/ge
 "BadRequestError", "param": null, "code": 400}``, a body that fails FastAPI's validation (bad JSON, a
 missing field, a wrong content type) is the same envelope with ``"type": "Bad Request"`` and a pydantic-like
 message, and an abort with another status (a PD handshake timeout) has ``"type": "<status>"``.
+
+Why one module of this size: it is the HTTP surface of sglang's ``srt/entrypoints/http_server.py`` and its OpenAI
+adapters, one handler per endpoint, all sharing the same request checks, error envelopes and the ``Sim`` state;
+split by endpoint, every file would import every other's checks. The startup is in :mod:`sim`, PD in :mod:`sim_pd`,
+tokens in :mod:`sim_tokens`, faults in :mod:`sim_core`, gRPC in :mod:`sim_grpc`.
 """
 
 from __future__ import annotations

@@ -12,6 +12,10 @@ workers without GPUs) are packed into rows, so that no two bars overlap and ever
 
 The page fetches nothing: inline CSS and SVG, no script (hover text is SVG ``<title>``), a Content Security
 Policy of ``default-src 'none'``, and a ``data:`` favicon. Every string from the report is escaped.
+
+Why one module of this size: the HTML page and the Chrome trace are two renderings of one tolerant model of the
+report (the parsing of untrusted times is shared), and the page is self-contained: its SVG and CSS are written
+here, no template files.
 """
 
 from __future__ import annotations

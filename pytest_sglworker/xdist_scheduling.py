@@ -23,6 +23,10 @@ xdist's own ``LoadScheduling``, unchanged.
 
 :class:`Planner` is the plain scheduling logic (no xdist, no pytest); :class:`ConfigScheduling` is xdist's
 ``Scheduling`` protocol around it. A pytest-facing module: xdist is imported only when a scheduler is made.
+
+Why one module of this size: xdist's scheduler protocol (``add_node``, ``schedule``, ``mark_test_complete``,
+``remove_node``) and the planner it calls share one model of units, nodes and their queues; the xdist hooks that
+install it are in :mod:`xdist_hooks`.
 """
 
 from __future__ import annotations
