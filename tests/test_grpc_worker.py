@@ -395,6 +395,7 @@ def real_grpc_python() -> Path:
 
 
 @pytest.mark.real_engine
+@pytest.mark.slow  # a second real engine startup (about 80 s on 2 CPUs): -m real_engine or -m slow selects it
 @needs_grpc
 @needs_router
 def test_real_sglang_grpc_mode_behind_the_real_router(pytester: pytest.Pytester, sim_env: dict[str, str],
