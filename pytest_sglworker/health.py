@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from .errors import LaunchCancelled, WorkerError, WorkerStartupError, WorkerStartupTimeout
-from .sglang_facts import HEALTH_PATH, READY_LINE
+from .sglang_facts import HEALTH_PATH, READY_LINE, READY_PATH
 
 if TYPE_CHECKING:
     import subprocess
@@ -211,14 +211,24 @@ class Readiness(ABC):
 
 
 class HttpHealth(Readiness):
-    """sglang's ``/health_generate``: 200 once the server has warmed up and can generate, and only counted
-    when the listening socket belongs to the process's own tree (a stale server on the port is not ours)."""
+    """sglang's ``GET /ready``: 200 once the server has answered its warmup request (no generation, no 1 s
+    wait, unlike ``/health_generate``), and only counted when the listening socket belongs to the process's own
+    tree (a stale server on the port is not ours). An engine that answers ``/ready`` 404 (an sglang without
+    it, another launcher) is asked ``/health_generate`` from then on. ``path`` given: that path only."""
 
-    def __init__(self, path: str = HEALTH_PATH, headers: dict[str, str] | None = None) -> None:
-        self.path = path
+    def __init__(self, path: str | None = None, headers: dict[str, str] | None = None) -> None:
+        self.path = path or READY_PATH
+        self.fallback = HEALTH_PATH if path is None else None
         self.headers = headers
 
     def probe(self, target: Watched, deadline: float, abort: Callable[[], bool]) -> Probe:
+        answer = self._probe(target, deadline, abort)
+        if answer.status == "HTTP 404" and self.fallback is not None:
+            self.path, self.fallback = self.fallback, None
+            return self._probe(target, deadline, abort)
+        return answer
+
+    def _probe(self, target: Watched, deadline: float, abort: Callable[[], bool]) -> Probe:
         try:
             resp = http_request(target.host, target.port, self.path, deadline=deadline, headers=self.headers,
                                 abort=abort)

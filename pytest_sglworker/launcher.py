@@ -16,6 +16,11 @@ Promises kept here:
   a stale server left on the port is never mistaken for ours;
 - teardown sends SIGTERM to the process group, waits, SIGKILLs, then sweeps every process that carries
   this worker's environment marker (schedulers that left the group or were re-parented to PID 1).
+
+Why one module of this size: what a launch must get right happens in one order (argv, secrets masked, private log
+file, Popen with no pipe, the wait, the report of a failure with its log) and the objects a test holds
+(``ModelInstance``, ``ManagedProcess``) are the ones that order produces; process ownership is in :mod:`processes`,
+readiness in :mod:`health`.
 """
 
 from __future__ import annotations
@@ -41,7 +46,9 @@ from .kinds import PORT_BLOCK_SIZE, HttpWorker, WorkerKind, default_kind
 from .processes import (
     OWNER_ENV,
     end_process,
+    held_socket_inodes,
     listeners,
+    listening_inodes,
     listening_pids,
     owner_tag,
     process_tree,
@@ -322,8 +329,20 @@ class ManagedProcess:
 
     def owns_port(self) -> bool:
         """Whether a process of this tree listens on its port (a stale server's answer is not ours); the
-        listening sockets are remembered, so that a process that later holds one is known to be ours."""
-        pids = listening_pids(self._tree(sweep=False), self.port)
+        listening sockets are remembered, so that a process that later holds one is known to be ours. The
+        kernel names the port's listeners (:func:`processes.listening_inodes`); the root's fds are looked at
+        first (sglang's HTTP server and the simulated engine listen in the root), the rest of the tree only
+        when the root holds none of them."""
+        inodes = listening_inodes(self.port)
+        if inodes is not None:
+            held = held_socket_inodes(self.pid, inodes)
+            if not held and inodes:
+                for proc in self._tree(sweep=False):
+                    if proc.pid != self.pid:
+                        held |= held_socket_inodes(proc.pid, inodes)
+            self.listen_inodes |= held
+            return bool(held)
+        pids = listening_pids(self._tree(sweep=False), self.port)  # no /proc (not Linux): psutil
         for pid in pids:
             self.listen_inodes |= socket_inodes(pid, self.port)
         return bool(pids)
@@ -628,6 +647,7 @@ def spawn_worker(
     kind: WorkerKind | None = None,
     index: int = 0,
     cancel: threading.Event | None = None,
+    starter: Callable[..., ModelInstance] | None = None,
 ) -> ModelInstance:
     """Launch a worker for ``spec`` and return it once it is healthy.
 
@@ -637,6 +657,8 @@ def spawn_worker(
     (default: :func:`~pytest_sglworker.kinds.default_kind` of the spec's and the extra args, so
     ``--grpc-mode`` makes a :class:`~pytest_sglworker.grpc_worker.GrpcWorker`) says which ports to pin and
     how readiness is proven. ``cancel`` set by another thread (a group member failed) stops the wait at once.
+    ``starter`` replaces how the process is started (``_start``'s signature; ``--sgl-cluster ray`` starts it in
+    a Ray actor on another node); the port block, the health wait, the retries and the teardown stay these.
 
     Outside pytest the launcher follows ``SGLWORKER_LAUNCHER`` / ``SGLWORKER_ENGINE=sim`` (see
     :func:`environment_launcher`) unless ``options.launcher`` is given. It takes **no GPU lease**: pass the
@@ -669,7 +691,7 @@ def spawn_worker(
         else:
             ports = {kind.port_names[0]: port}
         try:
-            instance = _start(spec, ports, extra_args, env, options, log_dir, gpus, kind, index)
+            instance = (starter or _start)(spec, ports, extra_args, env, options, log_dir, gpus, kind, index)
         except BaseException:
             if block is not None:
                 block.release()

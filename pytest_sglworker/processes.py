@@ -23,6 +23,8 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
+import struct
 import subprocess
 import time
 import uuid
@@ -37,8 +39,10 @@ __all__ = [
     "SESSION_ID",
     "end_process",
     "find_tagged_processes",
+    "held_socket_inodes",
     "hostname",
     "listeners",
+    "listening_inodes",
     "listening_pids",
     "owner_tag",
     "process_alive",
@@ -166,6 +170,102 @@ def process_tree(root_pid: int, tag: str | None = None, *, sweep: bool = True) -
             for proc in find_tagged_processes(tag):
                 procs.setdefault(proc.pid, proc)
     return list(procs.values())
+
+
+# The kernel's answer to "who listens on this port", without reading its whole TCP table: psutil's
+# ``net_connections`` reads ``/proc/net/tcp`` and ``tcp6``, and every read of those makes the kernel walk its
+# whole TCP hash table (milliseconds on a busy machine, twice per process and per call), which was most of the
+# time between an engine's ready line and the fixture's return. One ``SOCK_DIAG_BY_FAMILY`` netlink dump per
+# address family, filtered to state LISTEN (what ``ss -l`` sends), walks only the listening hash.
+_NETLINK_SOCK_DIAG = 4
+_SOCK_DIAG_BY_FAMILY = 20
+_NLM_F_REQUEST, _NLM_F_DUMP = 0x1, 0x300
+_NLMSG_ERROR, _NLMSG_DONE = 2, 3
+_TCP_LISTEN = 10
+_TCP_TABLES = ("/proc/net/tcp", "/proc/net/tcp6")
+
+
+def listening_inodes(port: int) -> set[int] | None:
+    """The inodes of the sockets that LISTEN on TCP ``port`` (any address, IPv4 and IPv6), from the kernel's
+    sock_diag netlink interface, else one read of ``/proc/net/tcp`` and ``tcp6``; None where neither exists
+    (not Linux: ask :func:`listening_pids`)."""
+    try:
+        found: set[int] = set()
+        for family in (socket.AF_INET, socket.AF_INET6):
+            found |= _diag_listeners(family, port)
+        return found
+    except (OSError, AttributeError, struct.error):  # no AF_NETLINK, or the request refused
+        return _table_listeners(port)
+
+
+def _diag_listeners(family: int, port: int) -> set[int]:
+    """One dump of the TCP sockets in state LISTEN of ``family`` (``struct inet_diag_req_v2``, bounded)."""
+    sockid = struct.pack("!HH", port, 0) + bytes(32) + struct.pack("=III", 0, 0xFFFFFFFF, 0xFFFFFFFF)
+    request = struct.pack("=BBBBI", family, socket.IPPROTO_TCP, 0, 0, 1 << _TCP_LISTEN) + sockid
+    header = struct.pack("=IHHII", 16 + len(request), _SOCK_DIAG_BY_FAMILY, _NLM_F_REQUEST | _NLM_F_DUMP, 1, 0)
+    found: set[int] = set()
+    deadline = time.monotonic() + 2.0
+    with socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, _NETLINK_SOCK_DIAG) as sock:
+        sock.settimeout(2.0)
+        sock.sendall(header + request)
+        while time.monotonic() < deadline:
+            data = sock.recv(65536)
+            if not data:
+                return found
+            offset = 0
+            while offset + 16 <= len(data):
+                length, kind = struct.unpack_from("=IH", data, offset)
+                if kind == _NLMSG_DONE:
+                    return found
+                if kind == _NLMSG_ERROR or length < 16:
+                    raise OSError("sock_diag refused the request")
+                body = offset + 16  # struct inet_diag_msg: state at 1, source port at 4, inode at 68
+                if len(data) >= body + 72 and data[body + 1] == _TCP_LISTEN:
+                    (sport,) = struct.unpack_from("!H", data, body + 4)
+                    (inode,) = struct.unpack_from("=I", data, body + 68)
+                    if sport == port:
+                        found.add(inode)
+                offset += (length + 3) & ~3
+    raise OSError("sock_diag answered past its deadline")
+
+
+def _table_listeners(port: int) -> set[int] | None:
+    suffix = f":{port:04X}"
+    found: set[int] = set()
+    readable = False
+    for table in _TCP_TABLES:
+        try:
+            with open(table) as fh:
+                readable = True
+                next(fh, None)
+                for line in fh:
+                    fields = line.split()
+                    if len(fields) > 9 and fields[3] == "0A" and fields[1].endswith(suffix):  # 0A: LISTEN
+                        found.add(int(fields[9]))
+        except OSError:
+            continue
+    return found if readable else None
+
+
+def held_socket_inodes(pid: int, wanted: Iterable[int]) -> set[int]:
+    """Which of the socket inodes ``wanted`` process ``pid`` holds among its fds (``socket:[inode]`` links)."""
+    links = {f"socket:[{inode}]": inode for inode in wanted}
+    held: set[int] = set()
+    if not links:
+        return held
+    fd_dir = f"/proc/{pid}/fd"
+    try:
+        fds = os.listdir(fd_dir)
+    except OSError:
+        return held
+    for fd in fds:
+        try:
+            inode = links.get(os.readlink(f"{fd_dir}/{fd}"))
+        except OSError:
+            continue
+        if inode is not None:
+            held.add(inode)
+    return held
 
 
 def listening_pids(procs: Iterable[psutil.Process], port: int) -> list[int]:

@@ -50,6 +50,11 @@ CPU_ENGINE_ENV_VAR = "SGLANG_USE_CPU_ENGINE"
 #: ``/health`` and ``/health_generate`` share one handler: 503 while starting, then a one-token generation.
 HEALTH_PATH = "/health_generate"
 HEALTH_PATHS = ("/health", "/health_generate")
+#: 200 once the tokenizer manager is ``Up`` (set after the warmup request succeeded, just before the ready
+#: line) and not paused, 503 before: answered from the server's state, no generation. ``/health_generate``
+#: instead schedules a one-token generation and then sleeps in 1 s steps until the scheduler has answered,
+#: so confirming readiness with it costs the engine a generation and the wait a second.
+READY_PATH = "/ready"
 #: All server args plus ``max_total_num_tokens`` and ``version`` (the old name still answers).
 SERVER_INFO_PATHS = ("/server_info", "/get_server_info")
 MODEL_INFO_PATHS = ("/model_info", "/get_model_info")

@@ -227,7 +227,7 @@ STARTUP_FAULTS: dict[str, tuple[str, str]] = {
 }
 REQUEST_FAULTS: dict[str, tuple[str, str]] = {
     "die_after": ("pos", "SIGKILL of itself right after answering the N-th inference request"),
-    "slow_health": ("seconds", "every /health and /health_generate answer is delayed by S seconds"),
+    "slow_health": ("seconds", "every /health, /health_generate and /ready answer is delayed by S seconds"),
     "fail_first": ("nonneg", "the first N inference requests (from when it is set) fail with 500 (or status=)"),
     "fail_rate": ("fraction", "a fraction P of the inference requests fail with 500 (or status=), "
                               "deterministically: request k fails when crc32('<seed>:<k>') / 2**32 < P"),
@@ -236,9 +236,9 @@ REQUEST_FAULTS: dict[str, tuple[str, str]] = {
     "latency": ("seconds", "every inference request waits S seconds before it is answered"),
     "hang_request": ("nonneg", "the N-th inference request (from when it is set) is never answered (0: none)"),
     "hang_requests": ("flag", "every inference request is never answered"),
-    "health_fail_after": ("seconds", "/health and /health_generate answer 503 from S seconds after the fault is "
-                                     "set (0: from now on)"),
-    "health_fail": ("flag", "/health and /health_generate answer 503 from now on (health_fail_after=0)"),
+    "health_fail_after": ("seconds", "/health, /health_generate and /ready answer 503 from S seconds after the "
+                                     "fault is set (0: from now on)"),
+    "health_fail": ("flag", "/health, /health_generate and /ready answer 503 from now on (health_fail_after=0)"),
     "api_key": ("key", "require 'Authorization: Bearer KEY' on everything but /health*, /ready*, /metrics* and "
                        "/_sim/* (like --api-key, which it overrides)"),
     "max_payload": ("bytes", "a request body over N bytes is refused with 413 (sglang and uvicorn have no limit)"),

@@ -681,7 +681,13 @@ class Handler(BaseHTTPRequestHandler):
         self._send(200 if ok else 503, b"", None)
 
     def _ready(self, body: bytes) -> None:
-        self._send(200 if self.sim.ready and not self.sim.shutting_down else 503, b"", None)
+        # The health faults (slow_health, health_fail*) apply to every health endpoint, /ready included.
+        sim = self.sim
+        faults = sim.state.snapshot()
+        if faults.slow_health:
+            time.sleep(faults.slow_health)
+        ok = sim.ready and not sim.shutting_down and not sim.state.health_failing()
+        self._send(200 if ok else 503, b"", None)
 
     def _ping(self, body: bytes) -> None:
         self._send(200, b"", None)

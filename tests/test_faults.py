@@ -697,6 +697,7 @@ BAD_VALUES: dict[str, tuple[str, str]] = {
     "launch-ahead": ("many", "is not an integer"),
     "shard": ("3/2", "there is no shard 3 of 2"),
     "shard-report": (" , ", "no path given"),
+    "cluster": ("yarn", "is not a cluster; choose 'ray'"),
 }
 #: options whose bad value is only seen when a worker is needed: a clear error on each worker test.
 PER_TEST = {"log-dir", "lock-dir"}
@@ -926,7 +927,7 @@ def test_trickled_health_answer_cannot_hold_the_startup_past_its_deadline(
     result.assert_outcomes(errors=1)
     out = result.stdout.str()
     result.stdout.fnmatch_lines([f"*worker qwen3-0.6b on 127.0.0.1:* did not become healthy within {timeout} s "
-                                 "(last health answer: no complete answer to GET /health_generate in time)*"])
+                                 "(last health answer: no complete answer to GET /ready in time)*"])
     setup = re.search(r"([\d.]+)s setup\s+test_trickle.py::test_x", out)
     assert setup, out
     assert float(setup.group(1)) < timeout + 2.0, f"the startup took {setup.group(1)} s for a {timeout} s deadline"

@@ -135,15 +135,17 @@ def _post_json(worker, path, payload):
 
 def test_a_ready_and_generate(sgl_worker, record):
     # The fixture hands out the worker only once the real engine is healthy: the readiness line is
-    # already in the log, /health_generate answers 200 now, and the engine never answered 200 before it.
+    # already in the log, /ready answered 200 after it (the readiness probe: no generation), the engine never
+    # answered 200 before it, and no health generation ran before this test's own requests.
     log = sgl_worker.log_path.read_text(errors="replace")
     assert "The server is fired up and ready to roll!" in log
-    assert sgl_worker.client.get("/health_generate").status_code == 200
     lines = log.splitlines()
     ready = next(i for i, line in enumerate(lines) if "The server is fired up and ready to roll!" in line)
-    health = [i for i, line in enumerate(lines) if '"GET /health_generate HTTP/1.1" 200' in line]
+    health = [i for i, line in enumerate(lines) if '"GET /ready HTTP/1.1" 200' in line]
     assert health and min(health) > ready, "the engine answered 200 before it was ready"
-    not_ready = sum('"GET /health_generate HTTP/1.1" 503' in line for line in lines)
+    assert not any('"GET /health_generate HTTP/1.1"' in line for line in lines), "readiness cost a generation"
+    not_ready = sum('"GET /ready HTTP/1.1" 503' in line for line in lines)
+    assert sgl_worker.client.get("/health_generate").status_code == 200
 
     resp = _post_json(sgl_worker, "/generate",
                       {{"text": "The capital city of France is",

@@ -118,3 +118,54 @@ def test_a_stopped_tree_is_ended_without_waiting_for_the_kill(stopped: bool) -> 
     killed = terminate_tree(root, lambda: process_tree(root.pid, tag), term_timeout=10, kill_timeout=10)
     assert root.poll() is not None and killed == []  # SIGTERM (with SIGCONT) sufficed
     assert time.monotonic() - start < 5
+
+
+# ---------------------------------------------------------------------------------------------- listeners
+
+
+def test_listening_inodes_name_the_ports_listeners_by_netlink_and_by_the_tables() -> None:
+    """The kernel's listeners of one port (IPv4 and IPv6), the same from sock_diag and from /proc/net/tcp*;
+    a connected or merely bound socket on the port is not a listener; the holder's fds hold the inodes."""
+    import socket
+
+    from pytest_sglworker.processes import _table_listeners, held_socket_inodes, listening_inodes, socket_inodes
+
+    with socket.socket() as v4:
+        v4.bind(("127.0.0.1", 0))
+        port = v4.getsockname()[1]
+        assert listening_inodes(port) == set()  # bound, not listening
+        v4.listen()
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as client:
+            v4_inodes = listening_inodes(port)
+            assert v4_inodes == _table_listeners(port) == socket_inodes(os.getpid(), port), (port, v4_inodes)
+            assert len(v4_inodes) == 1  # the client's connected socket is not one of them
+            assert held_socket_inodes(os.getpid(), v4_inodes) == v4_inodes
+            assert client.fileno() >= 0
+        try:
+            v6 = socket.socket(socket.AF_INET6)
+            v6.bind(("::1", port))
+        except OSError:
+            pytest.skip("no IPv6 loopback here")
+        with v6:
+            v6.listen()
+            both = listening_inodes(port)
+            assert both == _table_listeners(port) and len(both) == 2 and v4_inodes < both
+    assert listening_inodes(port) == set()
+
+
+def test_held_socket_inodes_of_another_process_and_of_a_dead_one() -> None:
+    from pytest_sglworker.processes import held_socket_inodes, listening_inodes
+
+    code = ("import socket, sys, time; s = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen(); "
+            "print(s.getsockname()[1], flush=True); time.sleep(60)")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        port = int(proc.stdout.readline())
+        inodes = listening_inodes(port)
+        assert inodes and held_socket_inodes(proc.pid, inodes) == inodes
+        assert held_socket_inodes(os.getpid(), inodes) == set()  # not ours
+    finally:
+        proc.kill()
+        proc.wait(10)
+    assert held_socket_inodes(proc.pid, inodes) == set()  # gone: nothing, no error
