@@ -196,6 +196,10 @@ def skip_impossible(session: SglSession, items: list[pytest.Item]) -> None:
     except (SglWorkerError, ValueError) as exc:  # ValueError: --sgl-gpus names GPUs that are not visible
         from .errors import InventoryUnavailable
 
+        if session.settings.cluster is not None and isinstance(exc, InventoryUnavailable):
+            # no Ray, or an unreachable cluster: the run cannot mean what it says
+            raise pytest.UsageError(f"{session.settings.sources.get('cluster', '--sgl-cluster')}: {exc}") from None
+
         reason = f"no GPU inventory: {exc}"
         inventory = isinstance(exc, InventoryUnavailable)
         if not inventory or (session.settings.gpus_explicit and is_xdist_worker(session.config)):

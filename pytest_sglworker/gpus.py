@@ -28,6 +28,11 @@ pid was reused by a younger process) is ignored; so is one that cannot be truste
 JSON, a field out of range: see :func:`inspect_holder_record`), which the :class:`LeaseManager` also
 removes, with one warning, when its lock is free. A lock or record path that holds something else (a
 directory, a symlink) is an :class:`~pytest_sglworker.state.UnusableFile` error naming it.
+
+Why one module of this size: the inventory, the holder records and the leases share the index conventions
+above and one lock-file layout, and the lease's memory-release wait reads the inventory it leased from; the
+sections below depend one way (holder records <- inventory <- leases), so a split along them is mechanical
+when the module grows again. Ray's leases, the other lease surface, are in :mod:`ray_cluster`.
 """
 
 from __future__ import annotations

@@ -56,6 +56,9 @@ SHARD_DESC = ("run only the K-th of N shards of the selected tests, 'K/N' (e.g. 
               "tests stay on one shard; balanced by --sgl-shard-report, else by test count")
 SHARD_REPORT_DESC = ("earlier runs' --sgl-report file(s) whose measured times balance --sgl-shard; comma-separated "
                      "paths or glob patterns (a missing file falls back to balancing by test count)")
+CLUSTER_DESC = ("where workers run: 'off' (default: this machine, file-lock GPU leases), 'ray' (a Ray cluster, "
+                "ray.init(address='auto'), RAY_ADDRESS honoured), 'ray://HOST:PORT' (Ray Client) or 'ray:HOST:PORT' "
+                "(a GCS address); Ray's scheduler then leases the GPUs (needs pytest-sglworker[ray])")
 ROUTER_LAUNCHER_DESC = ("command that starts the router of sgl_router, shlex-split "
                         "(default: '<python> -m sglang_router.launch_router')")
 
@@ -168,6 +171,12 @@ def _shard(value: str) -> Any:
     return parse_shard(value)
 
 
+def _cluster(value: str) -> Any:
+    from .ray_cluster import parse_cluster
+
+    return parse_cluster(value)
+
+
 def _patterns(value: str) -> tuple[str, ...]:
     patterns = tuple(p.strip() for p in value.replace("\n", ",").split(",") if p.strip())
     if not patterns:
@@ -204,6 +213,7 @@ OPTIONS: tuple[_Opt, ...] = (
          _launcher),
     _Opt("shard", "SGLWORKER_SHARD", "sgl_shard", SHARD_DESC, None, _shard),
     _Opt("shard-report", "SGLWORKER_SHARD_REPORT", "sgl_shard_report", SHARD_REPORT_DESC, (), _patterns),
+    _Opt("cluster", "SGLWORKER_CLUSTER", "sgl_cluster", CLUSTER_DESC, None, _cluster),
 )
 
 
@@ -261,6 +271,7 @@ class Settings:
     launch_ahead: int = 1
     shard: Any = None  # sharding.ShardSpec
     shard_report: tuple[str, ...] = ()
+    cluster: Any = None  # ray_cluster.ClusterSpec
     #: spec name -> the attached workers of --sgl-worker-url (attached.WorkerUrl)
     worker_urls: Mapping[str, tuple[Any, ...]] = field(default_factory=dict)
     sources: Mapping[str, str] = field(default_factory=dict)
@@ -328,6 +339,9 @@ def resolve_settings(config: pytest.Config) -> Settings:
         values["worker_urls"] = parse_worker_urls(raw_urls)
     except ValueError as exc:
         raise pytest.UsageError(f"{sources['worker-url']}: {exc}") from None
+    if values["cluster"] is not None and values["gpus"] is not None:
+        raise pytest.UsageError(f"{sources['gpus']} and {sources['cluster']} exclude each other: on a cluster, its "
+                                "scheduler leases the GPUs (drop the GPU selection, or the cluster)")
     if values["engine"] == "sim" and values["gpus"] is None:
         values["gpus"] = "sim:8x80"
     return Settings(models=tuple(models), sources=sources, **values)

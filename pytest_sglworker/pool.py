@@ -7,6 +7,10 @@ hold half of what the other needs), and are reused together by later tests of th
 a health check of every member. A dead or frozen member makes the whole group be replaced. When a lease is
 needed for another configuration, idle groups are evicted least recently used first. A lease is given back
 only after its memory is released.
+
+Why one module of this size: the pool's promises (one lease per group, parallel member starts with one failure
+stopping the rest, reuse after health, eviction, launch ahead) all act on the same entries under one lock;
+launching one process is in :mod:`launcher`, leases in :mod:`gpus`.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .errors import LaunchCancelled, LeaseImpossible, SglWorkerError, WorkerError
 from .kinds import KindChooser, MemberPlan, WorkerConfig, default_kind
@@ -153,6 +157,8 @@ def _split_env(lease: Lease | None, counts: Sequence[int]) -> list[dict[str, str
     if lease is None:
         return [{} for _ in counts]
     env = lease.env()
+    if not lease.cuda_visible_devices:  # the cluster assigns the devices on the node (--sgl-cluster ray)
+        return [dict(env) for _ in counts]
     devices = lease.cuda_visible_devices.split(",")
     out, start = [], 0
     for count in counts:
@@ -300,8 +306,7 @@ class WorkerPool:
             try:
                 if self.leases.others_waiting():
                     return False
-                lease = self.leases.try_acquire(config.gpus_needed(self.choose_kind), config.spec.memory_mib,
-                                                holder=holder)
+                lease = self.leases.try_acquire(self._wanted(config), config.spec.memory_mib, holder=holder)
             except (SglWorkerError, OSError, ValueError):
                 return False  # it can never fit, or the inventory cannot be read: the test will say so
             if lease is None:
@@ -362,7 +367,7 @@ class WorkerPool:
         group_id = f"{self.xdist_worker or 'main'}-{os.getpid()}-{next(_ids)}"
         requested = time.time()
         if lease is None:
-            lease, waited = self._lease_for(config, sum(counts), holder)
+            lease, waited = self._lease_for(config, counts, holder)
             stats.lease_wait_seconds += waited
         leased_at = time.monotonic()
         records = [self._record(config, plan, group_id if len(plans) > 1 else None, requested,
@@ -377,7 +382,8 @@ class WorkerPool:
         try:
             envs = [self._member_env(config, env) for env in _split_env(lease, counts)]
             try:
-                members = self._start_members(config, plans, envs, options, records, quiet=quiet, cancel=cancel)
+                members = self._start_members(config, plans, envs, options, records, quiet=quiet, cancel=cancel,
+                                              lease=lease)
             finally:
                 if self.on_progress_end is not None and not quiet:
                     self.on_progress_end()  # the status line goes before pytest writes the outcome
@@ -427,11 +433,14 @@ class WorkerPool:
 
     def _start_members(self, config: WorkerConfig, plans: Sequence[MemberPlan], envs: Sequence[dict[str, str]],
                        options: LaunchOptions, records: Sequence[LaunchRecord], *, quiet: bool = False,
-                       cancel: threading.Event | None = None) -> list[ModelInstance]:
+                       cancel: threading.Event | None = None, lease: Lease | None = None) -> list[ModelInstance]:
         """Start every member; a group is ready after its slowest member, not the sum of their startups. The
-        first member that fails stops the others at once and is the error raised."""
+        first member that fails stops the others at once and is the error raised. A lease that places its
+        members itself (``spawner``: a Ray placement group's bundles) starts member ``i`` in its part ``i``."""
         def spawn(plan: MemberPlan, env: dict[str, str], cancel: threading.Event | None) -> ModelInstance:
-            instance = spawn_worker(config.spec, extra_args=plan.extra_args, env=env, options=options,
+            placed = getattr(lease, "spawner", None)
+            launch = placed(next(i for i, p in enumerate(plans) if p is plan)) if placed is not None else spawn_worker
+            instance = launch(config.spec, extra_args=plan.extra_args, env=env, options=options,
                                     on_progress=None if quiet else self.on_progress,
                                     gpus=env.get("CUDA_VISIBLE_DEVICES"), kind=plan.kind, index=plan.index,
                                     cancel=cancel)
@@ -502,6 +511,7 @@ class WorkerPool:
     def _take(record: LaunchRecord, instance: ModelInstance) -> None:
         record.take_times(instance)
         record.port, record.pid, record.log_path = instance.port, instance.pid, str(instance.log_path)
+        record.node = getattr(instance, "ray_node", "") or record.node  # a Ray actor's node, not this machine
         record.argv = " ".join(mask_argv(instance.argv))
         record.gpus = [int(g) for g in (instance.gpus or "").split(",") if g.strip().isdigit()]
 
@@ -518,15 +528,23 @@ class WorkerPool:
         for record in records:
             record.t_released = record.t_released or now
 
-    def _lease_for(self, config: WorkerConfig, gpus: int, holder: str) -> tuple[Lease | None, float]:
+    def _wanted(self, config: WorkerConfig) -> Any:
+        """What a lease of ``config`` asks for: its GPU count, or each member's count for a lease manager that
+        places members itself (``per_member``: Ray's placement groups, one bundle per member)."""
+        counts = [plan.gpus(config.spec) for plan in config.members(self.choose_kind)]
+        return counts if getattr(self.leases, "per_member", False) else sum(counts)
+
+    def _lease_for(self, config: WorkerConfig, counts: Sequence[int], holder: str) -> tuple[Lease | None, float]:
         if self.leases is None:
             return None, 0.0
+        gpus = sum(counts)
+        wanted: Any = list(counts) if getattr(self.leases, "per_member", False) else gpus
         memory = config.spec.memory_mib
         start = time.monotonic()
         # First without waiting; evict idle groups (LRU first) while that frees a lease; launches ahead of
         # other configurations give way (called off: the test that needs its GPUs now comes first).
         while True:
-            lease = self.leases.try_acquire(gpus, memory, holder=holder)
+            lease = self.leases.try_acquire(wanted, memory, holder=holder)
             if lease is not None:
                 return lease, time.monotonic() - start  # time spent evicting idle workers counts too
             with self._lock:
@@ -545,7 +563,7 @@ class WorkerPool:
                             f"lease for {config.label}")
             self._retire(victim, failed=victim.tainted)
         self._check_not_self_blocked(config, gpus)
-        lease = self.leases.acquire(gpus, memory, holder=holder, timeout=self.lease_timeout,
+        lease = self.leases.acquire(wanted, memory, holder=holder, timeout=self.lease_timeout,
                                     on_wait=self.on_message)
         return lease, time.monotonic() - start
 

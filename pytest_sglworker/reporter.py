@@ -214,7 +214,8 @@ class SglReporter:
         models = ", ".join(s.models or tuple(s.worker_urls)) or "none selected"
         launcher = " ".join(s.launcher) if s.launcher else ("simulated engine" if s.engine == "sim" else
                                                              f"{sys.executable} -m sglang.launch_server")
-        lines = [f"sglworker: models: {models}; engine: {s.engine} ({launcher}); gpus: {s.gpus or 'auto (NVML)'}",
+        lines = [f"sglworker: models: {models}; engine: {s.engine} ({launcher}); gpus: "
+                 + (f"leased by the {s.cluster.describe()}" if s.cluster is not None else s.gpus or "auto (NVML)"),
                  f"sglworker: worker flags {self.session.flag_check}"]
         if s.worker_urls:
             attached = ", ".join(str(url) for urls in s.worker_urls.values() for url in urls)

@@ -20,7 +20,7 @@ import sys
 from collections.abc import Generator, Mapping
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import pytest
 
@@ -306,6 +306,13 @@ class SglSession:
         """The session's GPU lease manager (one inventory, one lock directory). Raises InventoryUnavailable
         when the inventory cannot be read, ValueError when --sgl-gpus names GPUs that are not visible, and
         UnsafeDirectory for a lock directory that cannot be used."""
+        if self._leases is None and self.settings.cluster is not None:
+            from .ray_cluster import RayLeaseManager
+            from .reporter import message
+
+            # Ray's scheduler leases the GPUs; the local lock directory still holds the port blocks.
+            self._leases = cast("LeaseManager", RayLeaseManager(self.settings.cluster, self._lock_dir(),
+                                                                on_message=lambda text: message(self, text)))
         if self._leases is None:
             from .gpus import LeaseManager, load_inventory, parse_gpus_option
 

@@ -41,6 +41,8 @@ VALUES: dict[str, tuple[str, str, object]] = {
                          {"qwen3-0.6b": ["qwen3-0.6b=http://127.0.0.1:1"]}),
     "--sgl-shard": ("1/2", "shard", "1/2"),
     "--sgl-shard-report": ("{tmp}/shard-report.json", "shard_report", ["{tmp}/shard-report.json"]),
+    # "off" (no cluster): a Ray cluster would exclude --sgl-gpus above, and collection would join it
+    "--sgl-cluster": ("off", "cluster", None),
 }
 
 DUMP = """
