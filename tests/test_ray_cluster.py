@@ -397,6 +397,7 @@ def test_a_full_cluster_waits_then_times_out_as_local_leases_do(pytester: pytest
 
 
 @pytest.mark.real_engine
+@pytest.mark.slow  # one more real engine startup (about 2 min on 2 CPUs): -m real_engine or -m slow selects it
 def test_the_real_cpu_engine_runs_as_a_ray_actor(pytester: pytest.Pytester, on_ray: Path,
                                                  tmp_path_factory: pytest.TempPathFactory,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
