@@ -414,13 +414,17 @@ class ManagedProcess:
             return []
         self.times.setdefault("stop_requested", time.time())
         self._stopped = True
-        killed = terminate_tree(self.process, self._tree, term_timeout=term_timeout, kill_timeout=kill_timeout)
+        killed = self._terminate(term_timeout, kill_timeout)
         self.times["stopped"] = time.time()
         if self.port_block is not None:
             if self._clear_ports():
                 self.port_block.release()
             self.port_block = None
         return killed
+
+    def _terminate(self, term_timeout: float, kill_timeout: float) -> list[int]:
+        """End the whole process tree (:func:`processes.terminate_tree`); the PIDs that needed SIGKILL."""
+        return terminate_tree(self.process, self._tree, term_timeout=term_timeout, kill_timeout=kill_timeout)
 
     def _clear_ports(self) -> bool:
         """After teardown nothing may listen on this process's ports. A listener that provably descends from it

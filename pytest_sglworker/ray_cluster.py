@@ -358,15 +358,8 @@ def _worker_class() -> type[ModelInstance]:
             def _tree(self, *, sweep: bool = True) -> list[Any]:
                 return []
 
-            def stop(self, *, term_timeout: float = 10.0, kill_timeout: float = 10.0) -> list[int]:
-                if self._client is not None:
-                    with contextlib.suppress(Exception):
-                        self._client.close()
-                    self._client = None
-                if self._stopped and self.port_block is None and self.times.get("stopped"):
-                    return []
-                self.times.setdefault("stop_requested", time.time())
-                self._stopped = True
+            def _terminate(self, term_timeout: float, kill_timeout: float) -> list[int]:
+                """The tree's teardown on its node, through the actor."""
                 killed: list[int] = []
                 try:
                     result = self._ray.get(self._actor.stop.remote(term_timeout, kill_timeout),
@@ -378,12 +371,11 @@ def _worker_class() -> type[ModelInstance]:
                     self.warnings.append(f"the Ray actor of {self.describe()} was gone at teardown "
                                          f"({type(exc).__name__}); its node's watchdog ends the worker's tree")
                     cast(RemoteProcess, self.process).forget(None)
-                self.times["stopped"] = time.time()
-                if self.port_block is not None:
-                    if not self.log_local or self._clear_ports():
-                        self.port_block.release()
-                    self.port_block = None
                 return killed
+
+            def _clear_ports(self) -> bool:
+                # Another node's listeners cannot be seen from here: its block is released as it is.
+                return not self.log_local or super()._clear_ports()
 
         _RAY_WORKER = RayWorker
     return _RAY_WORKER
