@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import importlib
 import os
-import sys
 import threading
 import time
 import traceback
@@ -36,18 +35,15 @@ from collections.abc import Iterator
 from concurrent import futures
 from typing import Any, NoReturn
 
+from .grpc_worker import INSTALL_HINT, SCHEDULER_SERVICE, grpc_missing_reason
 from .sim_core import CONTROL_PATH, ENV_FAULT
 from .sim_http import SITE, VERSION, Handler, Sim, SimHTTPServer, kill_self
 from .sim_tokens import Generation, embedding, logprobs
 
 __all__ = ["INSTALL_HINT", "SCHEDULER_SERVICE", "WARMUP_INPUT_IDS", "GrpcSim", "missing_reason", "serve"]
 
-INSTALL_HINT = "pip install 'pytest-sglworker[grpc]'"
-SCHEDULER_SERVICE = "sglang.grpc.scheduler.SglangScheduler"
 #: The servicer's warmup request (``smg_grpc_servicer/sglang/server.py``): "random-looking but safe" ids.
 WARMUP_INPUT_IDS = (123, 456, 789, 234, 567, 890, 345)
-_MODULES = (("grpcio", "grpc"), ("grpcio-health-checking", "grpc_health.v1.health_pb2"),
-            ("smg-grpc-proto", "smg_grpc_proto"))
 #: sglang's HTTP status of an abort -> the gRPC status the servicer ends the stream with.
 _STATUS_CODES = {400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 404: "NOT_FOUND", 429: "RESOURCE_EXHAUSTED",
                  503: "UNAVAILABLE", 504: "DEADLINE_EXCEEDED"}
@@ -55,15 +51,7 @@ _STATUS_CODES = {400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 404: "NOT_FOUN
 
 def missing_reason() -> str:
     """One line naming the packages ``--grpc-mode`` needs and this Python lacks, or ""."""
-    missing = []
-    for dist, module in _MODULES:
-        try:
-            importlib.import_module(module)
-        except ImportError:
-            missing.append(dist)
-    if not missing:
-        return ""
-    return (f"--grpc-mode needs {', '.join(missing)}, missing for {sys.executable}: {INSTALL_HINT}")
+    return grpc_missing_reason("--grpc-mode")
 
 
 def _m(name: str) -> Any:
