@@ -396,6 +396,14 @@ class ManagedProcess:
         self.pids_seen.update(p.pid for p in procs)
         return procs
 
+    def remember_tree(self) -> None:
+        """Remember the pids of the tree as it is now (the root's at least, even when it has exited)."""
+        import psutil
+
+        self.pids_seen.add(self.pid)
+        with contextlib.suppress(psutil.Error, OSError):
+            self._tree(sweep=False)
+
     def kill(self, sig: int = signal.SIGKILL) -> None:
         """Send ``sig`` to the root process on purpose (a test simulating a crash): the exit that follows
         is a deliberate stop, not a death; teardown still ends the whole tree."""
@@ -705,6 +713,9 @@ def spawn_worker(
             wait_until_ready(instance, kind.readiness(), timeout=options.startup_timeout, on_progress=on_progress,
                              cancel=cancel)
             instance.times["ready"] = time.time()
+            # The tree as it serves (sglang's scheduler and detokenizer included) is remembered now: a worker
+            # that is SIGKILLed later still has its pids in the lease's memory-release wait.
+            instance.remember_tree()
             return instance
         except WorkerStartupError as exc:
             instance.stop()
