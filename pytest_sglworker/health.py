@@ -309,6 +309,11 @@ def wait_until_ready(
     whatever the process does on the wire; both carry the diagnosis and the log tail. The log line
     ``ready_line`` makes the next probe happen at once (the probe stays the truth). ``cancel``, set by another
     thread, ends the wait with :class:`LaunchCancelled` (a member of the same group failed)."""
+    # What a failure or a log line needs is imported before the wait, not inside it: a Ctrl-C that lands in a
+    # module's dataclass creation (an exec of generated code) makes CPython 3.11 end the process with SIGINT
+    # at exit even after pytest handled the interrupt, so the run would exit -2 instead of 2.
+    from . import diagnosis, launcher  # noqa: F401
+
     readiness = readiness or HttpHealth()
     deadline = target.started_at + timeout
     last_progress = 0.0
