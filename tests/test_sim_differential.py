@@ -381,7 +381,10 @@ def stream_shapes(events: list[Any], *, with_first: bool) -> dict[str, Any]:
 
 
 def _chunks(events: list[Any]) -> int:
-    return sum(1 for e in events if e != "[DONE]")
+    """How many chunks carry generated output: a usage-only chunk (``choices: []``, sent for
+    ``stream_options.include_usage``) does not count, so two tokens coalesced into one chunk by the real
+    engine, then its usage chunk, is one chunk, not two."""
+    return sum(1 for e in events if e != "[DONE]" and not (isinstance(e, dict) and e.get("choices") == []))
 
 
 def compare(case: Case, real: Answer, sim: Answer) -> list[str]:
