@@ -15,8 +15,6 @@ that ``bench/run.py`` measures the committed code against what it replaced, in t
    ``http_server.py``) before it answers 200: confirming readiness with it cost a generation and at least 1 s.
    The committed probe is ``GET /ready``, answered from the tokenizer manager's state. The simulated engine
    answers both at once, so this part shows only against the real engine (``bench/run.py`` part ``real``).
-
-``bench/proposed_launch_ahead.py`` holds the one fix still only proposed (launch ahead when a GPU comes free).
 """
 
 from __future__ import annotations

@@ -185,8 +185,12 @@ class WorkerPool:
         choose_kind: KindChooser | None = None,
         release_wait: float = 60.0,
         xdist_worker: str | None = None,
+        on_leased: Callable[[WorkerConfig], None] | None = None,
     ) -> None:
         self.options = options
+        #: called with the configuration once a test's own launch holds its lease, before its startup: the
+        #: session starts the next configurations ahead on the GPUs left free, alongside this startup
+        self.on_leased = on_leased
         self.leases = leases
         self.lease_timeout = lease_timeout
         self.reuse = reuse
@@ -369,6 +373,13 @@ class WorkerPool:
         if lease is None:
             lease, waited = self._lease_for(config, counts, holder)
             stats.lease_wait_seconds += waited
+            if self.on_leased is not None and not quiet:
+                try:
+                    self.on_leased(config)
+                except BaseException:  # an interrupt: the lease must not outlive it
+                    if lease is not None:
+                        self._give_back(lease, [], time.monotonic(), stats)
+                    raise
         leased_at = time.monotonic()
         records = [self._record(config, plan, group_id if len(plans) > 1 else None, requested,
                                 time.time() if lease is not None else None) for plan in plans]

@@ -94,6 +94,8 @@ class SglSession:
         self._log_dir: Path | None = None
         self._queue: list[pytest.Item] = []
         self._queue_index: dict[str, int] = {}
+        #: the test whose fixtures are being set up (its launch triggers the launches ahead)
+        self._setting_up: pytest.Item | None = None
         self._session_dir: Any = None
         self._previous_handlers: dict[int, Any] = {}
         #: spec name -> its attached workers (--sgl-worker-url), or the error that makes them unusable
@@ -282,6 +284,7 @@ class SglSession:
             on_progress_end=lambda: progress_end(self),
             on_message=lambda text: message(self, text), worker_env=self._worker_env,
             choose_kind=self.choose_kind, xdist_worker=xdist_worker_id(self.config),
+            on_leased=self._on_leased,
         )
 
     def _worker_env(self, spec: ModelSpec, lease_env: dict[str, str]) -> dict[str, str]:
@@ -507,9 +510,28 @@ class SglSession:
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_runtest_call(self, item: pytest.Item) -> None:
-        """With this test's own workers in place (after its setup), start the workers of the next
-        configurations the queue needs (``--sgl-launch-ahead``) on free GPUs, so that they are ready when their
-        first test begins. An xdist worker knows its queue only one test ahead."""
+        """With this test's own workers in place (after its setup), start the next configurations ahead."""
+        self.launch_ahead(item)
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_runtest_teardown(self, item: pytest.Item, nextitem: pytest.Item | None) -> None:
+        """After this test's fixtures are torn down its workers are pooled again, or retired when it was the
+        last test of their configuration: a GPU may just have come free for the next configurations."""
+        if nextitem is not None:
+            self.launch_ahead(item)
+
+    def _on_leased(self, config: WorkerConfig) -> None:
+        """A test's own launch holds its lease and starts now: the next configurations start alongside it on
+        the GPUs left free, instead of one startup later."""
+        item = self._setting_up
+        if item is not None:
+            self.launch_ahead(item)
+
+    def launch_ahead(self, item: pytest.Item) -> None:
+        """Start the workers of the next configurations the queue needs after ``item`` (``--sgl-launch-ahead``)
+        on free GPUs, so that they are ready when their first test begins. Considered when a test's own launch
+        has its lease, when its workers are in place, and after its teardown. An xdist worker knows its queue
+        only one test ahead."""
         count = self.settings.launch_ahead
         pool = self._pool
         if count <= 0 or pool is None or not self.settings.reuse:
@@ -539,10 +561,16 @@ class SglSession:
         nextitem = item.stash.get(NEXT_KEY, None)
         return [nextitem] if nextitem is not None else []
 
-    def pytest_runtest_setup(self, item: pytest.Item) -> None:
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_setup(self, item: pytest.Item) -> Generator[None, None, None]:
         error = item.stash.get(ITEM_ERROR_KEY, None)
         if error is not None:
             pytest.fail(error, pytrace=False)
+        self._setting_up = item
+        try:
+            return (yield)
+        finally:
+            self._setting_up = None
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_makereport(

@@ -54,6 +54,44 @@ def test_the_next_configuration_is_ready_when_its_first_test_begins(pytester: py
     result.stdout.fnmatch_lines(["qwen3-0.6b --max-total-tokens 2048: 1 launched, 1 reused*"])
 
 
+def test_launches_ahead_start_with_the_first_startup_and_when_a_gpu_comes_free(
+        pytester: pytest.Pytester, sim_env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three configurations on two GPUs, startups long next to the tests, B's the longest. B starts alongside
+    A's startup (A's own launch holds its lease: the other GPU is free), not once A is ready; C starts when A's
+    last test is torn down and its GPU comes free, not once B's first test has its worker."""
+    monkeypatch.setenv("SGLSIM_STARTUP_SECONDS", "1.5")
+    pytester.makepyfile("""
+        import pytest
+
+        A = pytest.mark.sgl_worker(args=["--max-total-tokens", "1024"])
+        B = pytest.mark.sgl_worker(args=["--max-total-tokens", "2048"], env={"SGLSIM_STARTUP_SECONDS": "5"})
+        C = pytest.mark.sgl_worker(args=["--max-total-tokens", "3072"])
+
+        @A
+        def test_a1(sgl_worker): pass
+
+        @A
+        def test_a2(sgl_worker): pass
+
+        @B
+        def test_b1(sgl_worker): pass
+
+        @C
+        def test_c1(sgl_worker): pass
+    """)
+    result = pytester.runpytest_subprocess(*SIM, "--sgl-gpus", "sim:2", "--sgl-launch-ahead", "2",
+                                           "--sgl-report", "report.json", timeout=120)
+    result.assert_outcomes(passed=4)
+    launches = {r["label"].split()[-1] if "2048" not in r["label"] else "2048": r
+                for r in _report(pytester)["launches"]}
+    a, b, c = launches["1024"], launches["2048"], launches["3072"]
+    assert len(launches) == 3
+    assert b["t_started"] < a["t_ready"], "B waited for A to be ready before it started"
+    assert c["t_started"] >= max(t["t_end"] for t in a["tests"]), "C started before a GPU was free"
+    assert c["t_started"] < b["t_ready"], "C waited for B's worker instead of starting when A's GPU came free"
+    assert c["t_ready"] <= min(t["t_start"] for t in c["tests"])
+
+
 def test_outcomes_are_the_same_with_and_without_launch_ahead(pytester: pytest.Pytester,
                                                              sim_env: dict[str, str]) -> None:
     pytester.makepyfile("""
