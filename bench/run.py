@@ -1310,11 +1310,9 @@ def readme_notes(results: dict[str, Any]) -> list[str]:
     if a and a["on"]["ratio"] is not None and a["on"]["ratio"] > AHEAD_GOAL:
         gaps = a["gpu_idle_gap_median"]
         notes.append(
-            f"- **Launch ahead misses 0.6x at its default:** with `--sgl-launch-ahead 1` one configuration is kept "
-            f"launching ahead; the one after it starts only once the next test has its workers, so a GPU freed by "
-            f"a retired worker can stand idle for part of a startup: {fmt_s(gaps.get('on'))} (median) between a "
-            f"worker's stop and the next launch on it, against {fmt_s(gaps.get('two'))} with "
-            f"`--sgl-launch-ahead 2` and {fmt_s(gaps.get('off'))} without launch ahead. The bound of any schedule "
+            f"- **Launch ahead misses 0.6x at its default:** a GPU stood idle {fmt_s(gaps.get('on'))} (median) "
+            f"between a worker's stop and the next launch on it, against {fmt_s(gaps.get('two'))} with "
+            f"`--sgl-launch-ahead 2` and {fmt_s(gaps.get('off'))} without launch ahead; the bound of any schedule "
             f"on these GPUs is {fmt_x(a.get('two_gpu_bound_ratio'))}.")
     g = results.get("groups")
     if g and g.get("router") and g["router"]["ratio"] is not None and g["router"]["ratio"] > GROUP_GOAL:

@@ -516,9 +516,10 @@ class SglSession:
     @pytest.hookimpl(trylast=True)
     def pytest_runtest_teardown(self, item: pytest.Item, nextitem: pytest.Item | None) -> None:
         """After this test's fixtures are torn down its workers are pooled again, or retired when it was the
-        last test of their configuration: a GPU may just have come free for the next configurations."""
+        last test of their configuration: a GPU may just have come free. Seen from the next test, whose
+        configuration comes first (it is about to be needed), then the ones after it."""
         if nextitem is not None:
-            self.launch_ahead(item)
+            self.launch_ahead(item, nextitem=nextitem)
 
     def _on_leased(self, config: WorkerConfig) -> None:
         """A test's own launch holds its lease and starts now: the next configurations start alongside it on
@@ -527,20 +528,25 @@ class SglSession:
         if item is not None:
             self.launch_ahead(item)
 
-    def launch_ahead(self, item: pytest.Item) -> None:
-        """Start the workers of the next configurations the queue needs after ``item`` (``--sgl-launch-ahead``)
-        on free GPUs, so that they are ready when their first test begins. Considered when a test's own launch
-        has its lease, when its workers are in place, and after its teardown. An xdist worker knows its queue
-        only one test ahead."""
+    def launch_ahead(self, item: pytest.Item, nextitem: pytest.Item | None = None) -> None:
+        """Start the workers of the next configurations the queue needs after ``item`` (``--sgl-launch-ahead``:
+        how many beyond the current test's) on free GPUs, so that they are ready when their first test begins.
+        Considered when a test's own launch has its lease, when its workers are in place, and after its
+        teardown, where ``nextitem`` is the current test: its configuration is wanted first, then as many
+        beyond it. Configurations already pooled or launching count without a new launch. An xdist worker
+        knows its queue only one test ahead."""
         count = self.settings.launch_ahead
         pool = self._pool
         if count <= 0 or pool is None or not self.settings.reuse:
             return
         from .collection import poolable
 
-        current = item.stash.get(CONFIG_KEY, None)
+        if nextitem is None:
+            current, queue = item.stash.get(CONFIG_KEY, None), self._upcoming(item)
+        else:
+            current, queue, count = None, [nextitem, *self._upcoming(nextitem)], count + 1
         wanted: list[WorkerConfig] = []
-        for upcoming in self._upcoming(item):
+        for upcoming in queue:
             config = upcoming.stash.get(CONFIG_KEY, None)
             if config is None or config == current or config in wanted or not poolable(upcoming):
                 continue

@@ -79,8 +79,8 @@ def test_launches_ahead_start_with_the_first_startup_and_when_a_gpu_comes_free(
         @C
         def test_c1(sgl_worker): pass
     """)
-    result = pytester.runpytest_subprocess(*SIM, "--sgl-gpus", "sim:2", "--sgl-launch-ahead", "2",
-                                           "--sgl-report", "report.json", timeout=120)
+    result = pytester.runpytest_subprocess(*SIM, "--sgl-gpus", "sim:2", "--sgl-report", "report.json",
+                                           timeout=120)  # the default, --sgl-launch-ahead 1
     result.assert_outcomes(passed=4)
     launches = {r["label"].split()[-1] if "2048" not in r["label"] else "2048": r
                 for r in _report(pytester)["launches"]}
