@@ -344,6 +344,13 @@ def test_killed_xdist_worker_lease_is_taken_over_after_its_engine_is_gone(
     assert any(life.start > watch.gone_at for life in lives), "no later test got the GPU after the death"
 
 
+def _environ(pid: int) -> dict[str, str]:
+    try:
+        return psutil.Process(pid).environ()
+    except psutil.Error:
+        return {}
+
+
 def test_gpu_of_a_dead_holder_stays_busy_while_its_workers_run(tmp_path: Path) -> None:
     """The unit behind the test above: an unlocked GPU whose dead holder left a worker running is not free."""
     dead = subprocess.Popen([sys.executable, "-c", "pass"])  # the holder: dead, and a zombie not reaped yet
@@ -358,6 +365,11 @@ def test_gpu_of_a_dead_holder_stays_busy_while_its_workers_run(tmp_path: Path) -
     orphan = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
                               env={**os.environ, OWNER_ENV: f"{dead.pid}-deadbeef:0123456789ab"})
     try:
+        # Until its exec, the child shows the test's environment: wait until it carries the dead holder's tag.
+        deadline = time.monotonic() + 10
+        while OWNER_ENV not in _environ(orphan.pid) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert OWNER_ENV in _environ(orphan.pid)
         assert manager.try_acquire(1, 1000, holder="me") is None
         with pytest.raises(LeaseTimeout, match=rf"GPU 0 still used by worker process\(es\) {orphan.pid} of pid "
                                             rf"{dead.pid}, which died"):
