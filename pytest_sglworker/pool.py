@@ -20,7 +20,7 @@ import itertools
 import os
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -35,6 +35,7 @@ from .specs import ModelSpec
 
 if TYPE_CHECKING:
     from .gpus import Lease, LeaseManager
+    from .ledger import MemoryLedger
 
 __all__ = ["WorkerConfig", "WorkerGroup", "WorkerPool"]
 
@@ -118,38 +119,67 @@ class _Entry:
         return self.group.config
 
 
-def _gpu_of(lease: Lease | None) -> tuple[int, int] | None:
+def _gpu_of(lease: Lease | None, first: int = 0) -> tuple[int, int] | None:
+    """``(total, free)`` MiB of the lease's GPU ``first`` (a member's first GPU), else of its first GPU."""
     if lease is None or not lease.gpus:
         return None
-    gpu = lease.gpus[0]
+    gpu = lease.gpus[first] if first < len(lease.gpus) else lease.gpus[0]
     return gpu.total_mib, gpu.free_mib
 
 
-def _attach_ledger(exc: SglWorkerError, config: WorkerConfig, lease: Lease | None) -> None:
-    """Give a startup failure whose diagnosis is about memory the memory ledger of its GPU."""
-    diagnosis = getattr(exc, "diagnosis", None)
-    gpu = _gpu_of(lease)
-    if gpu is None or diagnosis is None or not diagnosis.memory_related or not isinstance(exc, WorkerError):
-        return
+def _member_args(plan: MemberPlan) -> tuple[str, ...]:
+    """A member's args after the spec's, as its engine gets them: the test's, its role's, then its kind's
+    (``--disaggregation-mode prefill|decode``). The kind's port values are placeholders (0): no figure of the
+    memory ledger reads a port."""
+    try:
+        kind_args = plan.kind.role_args(defaultdict(int))
+    except Exception:  # a plugin's kind that needs real ports: its mode is unknown to the ledger
+        kind_args = []
+    return (*plan.extra_args, *kind_args)
+
+
+def _member_ledger(config: WorkerConfig, plans: Sequence[MemberPlan], index: int,
+                   lease: Lease | None) -> MemoryLedger | None:
+    """The memory ledger of member ``index``: its own args, on its own first GPU of the group's lease."""
+    gpu = _gpu_of(lease, sum(plan.gpus(config.spec) for plan in plans[:index]))
+    if gpu is None:
+        return None
     from .ledger import ledger_for_spec
 
-    exc.ledger = ledger_for_spec(config.spec, gpu[0], gpu_free_mib=gpu[1], extra_args=config.extra_args)
+    return ledger_for_spec(config.spec, gpu[0], gpu_free_mib=gpu[1], extra_args=_member_args(plans[index]))
 
 
-def _record_kv_tokens(instance: ModelInstance, config: WorkerConfig, lease: Lease | None, stats: ConfigStats) -> None:
-    """The actual ``KV Cache is allocated ... #tokens: N`` against the ledger's prediction."""
+def _attach_ledger(exc: SglWorkerError, config: WorkerConfig, plans: Sequence[MemberPlan], index: int,
+                   lease: Lease | None) -> None:
+    """Give a member's startup failure whose diagnosis is about memory the memory ledger of that member."""
+    diagnosis = getattr(exc, "diagnosis", None)
+    if diagnosis is None or not diagnosis.memory_related or not isinstance(exc, WorkerError):
+        return
+    ledger = _member_ledger(config, plans, index, lease)
+    if ledger is not None:
+        exc.ledger = ledger
+
+
+def _record_kv_tokens(members: Sequence[ModelInstance], config: WorkerConfig, plans: Sequence[MemberPlan],
+                      lease: Lease | None, stats: ConfigStats) -> None:
+    """Each member's actual ``KV Cache is allocated ... #tokens: N`` against the ledger's prediction for that
+    member (a prefill and a decode member of one group differ). The configuration has one figure: the first
+    member that disagrees with its prediction, else the first member; a disagreement already recorded stays."""
     from .diagnosis import parse_kv_tokens
 
-    actual = parse_kv_tokens(instance.log_text(max_bytes=1024 * 1024))
-    if actual is not None:
-        stats.kv_tokens_actual = actual
-    gpu = _gpu_of(lease)
-    if gpu is not None and stats.kv_tokens_predicted is None:
-        from .ledger import ledger_for_spec
+    def differs(actual: int | None, predicted: int | None) -> bool:
+        return actual is not None and predicted is not None and actual != predicted
 
-        ledger = ledger_for_spec(config.spec, gpu[0], gpu_free_mib=gpu[1], extra_args=config.extra_args)
-        if ledger is not None:
-            stats.kv_tokens_predicted = ledger.kv_tokens
+    if differs(stats.kv_tokens_actual, stats.kv_tokens_predicted):
+        return
+    pairs: list[tuple[int, int | None]] = []
+    for index, member in enumerate(members):
+        actual = parse_kv_tokens(member.log_text(max_bytes=1024 * 1024))
+        if actual is not None:
+            ledger = _member_ledger(config, plans, index, lease)
+            pairs.append((actual, ledger.kv_tokens if ledger is not None else None))
+    if pairs:
+        stats.kv_tokens_actual, stats.kv_tokens_predicted = next((p for p in pairs if differs(*p)), pairs[0])
 
 
 def _split_env(lease: Lease | None, counts: Sequence[int]) -> list[dict[str, str]]:
@@ -406,7 +436,6 @@ class WorkerPool:
             raise
         except SglWorkerError as exc:
             stats.failures += 1
-            _attach_ledger(exc, config, lease)
             log_path = getattr(exc, "log_path", None)
             if log_path and keeps(self.log_policy, failed=True):
                 stats.failed_logs.append(str(log_path))
@@ -434,7 +463,7 @@ class WorkerPool:
         if ready:
             stats.startup_seconds.append(max(ready))  # a group is ready when its slowest member is
         with contextlib.suppress(Exception):  # bookkeeping for the report must never fail a test
-            _record_kv_tokens(members[0], config, lease, stats)
+            _record_kv_tokens(members, config, plans, lease, stats)
         return group
 
     def _member_env(self, config: WorkerConfig, lease_env: dict[str, str]) -> dict[str, str]:
@@ -448,18 +477,23 @@ class WorkerPool:
         """Start every member; a group is ready after its slowest member, not the sum of their startups. The
         first member that fails stops the others at once and is the error raised. A lease that places its
         members itself (``spawner``: a Ray placement group's bundles) starts member ``i`` in its part ``i``."""
-        def spawn(plan: MemberPlan, env: dict[str, str], cancel: threading.Event | None) -> ModelInstance:
+        def spawn(i: int, cancel: threading.Event | None) -> ModelInstance:
+            plan, env = plans[i], envs[i]
             placed = getattr(lease, "spawner", None)
-            launch = placed(next(i for i, p in enumerate(plans) if p is plan)) if placed is not None else spawn_worker
-            instance = launch(config.spec, extra_args=plan.extra_args, env=env, options=options,
-                                    on_progress=None if quiet else self.on_progress,
-                                    gpus=env.get("CUDA_VISIBLE_DEVICES"), kind=plan.kind, index=plan.index,
-                                    cancel=cancel)
-            return instance
+            launch = placed(i) if placed is not None else spawn_worker
+            try:
+                return launch(config.spec, extra_args=plan.extra_args, env=env, options=options,
+                              on_progress=None if quiet else self.on_progress,
+                              gpus=env.get("CUDA_VISIBLE_DEVICES"), kind=plan.kind, index=plan.index,
+                              cancel=cancel)
+            except SglWorkerError as exc:  # a memory failure gets the ledger of this member's own args
+                with contextlib.suppress(Exception):
+                    _attach_ledger(exc, config, plans, i, lease)
+                raise
 
         outer = cancel
         if len(plans) == 1:
-            instance = spawn(plans[0], envs[0], outer)
+            instance = spawn(0, outer)
             self._take(records[0], instance)
             return [instance]
         cancel = threading.Event()
@@ -468,7 +502,7 @@ class WorkerPool:
 
         def run(i: int) -> None:
             try:
-                results[i] = spawn(plans[i], envs[i], cancel)
+                results[i] = spawn(i, cancel)
             except BaseException as exc:  # handed to the main thread
                 results[i] = exc
                 if not isinstance(exc, LaunchCancelled):

@@ -136,3 +136,18 @@ def test_deliberate_stops_and_deaths_are_told_apart(make_pool) -> None:  # type:
     stats = pool.stats[config.key]
     assert (stats.stops, stats.deaths) == (1, 1)
     assert sorted(r.outcome for r in pool.launches) == ["died", "stopped"]
+
+
+def test_a_failing_member_gets_the_memory_ledger_of_its_own_args(make_pool) -> None:  # type: ignore[no-untyped-def]
+    """A decode member whose own args leave no memory for the KV pool: the ledger attached to its failure is
+    the decode side's (its mode, its role's fraction), not that of the group's shared args."""
+    pool = make_pool(gpus=2)
+    config = WorkerConfig.of(QWEN, group=GroupShape(prefill=1, decode=1, role_args=(
+        ("decode", ("--mem-fraction-static", "0.005")),)))
+    with pytest.raises(WorkerStartupError) as info:
+        pool.acquire(config, holder="pd")
+    ledger = info.value.ledger
+    assert ledger is not None
+    assert (ledger.mode, ledger.mem_fraction_static) == ("decode", 0.005)
+    assert ledger.kv_tokens == 0
+    assert pool.groups() == [] and pool.leases.holders() == {}

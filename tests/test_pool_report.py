@@ -323,3 +323,30 @@ def test_declared_card_size_reaches_the_sim_and_the_ledger(
     assert capped["actual"] == 4096
     if capped["predicted"] != 4096:  # a ledger that ignores the cap is a finding, said as such
         result.stdout.fnmatch_lines(["*MISMATCH: the ledger predicted*"])
+
+
+def test_each_member_of_a_prefill_decode_group_is_compared_with_its_own_ledger(
+    pytester: pytest.Pytester, sim_env: dict[str, str], tmp_path: Path
+) -> None:
+    """A PD group on a declared card: every member's KV pool is predicted with that member's own args (its
+    role's args and its ``--disaggregation-mode``), not the group's shared args, so the summary shows no false
+    mismatch. The two roles are given different caps: a ledger built from the shared args misses the prefill
+    cap, and one built from the first member's args misses the decode cap."""
+    pytester.makepyfile("""
+        import pytest
+
+        @pytest.mark.sgl_workers(prefill=1, decode=1, prefill_args=["--max-total-tokens", "4096"],
+                                 decode_args=["--max-total-tokens", "8192"])
+        def test_pd(sgl_workers):
+            (prefill,), (decode,) = sgl_workers.prefill, sgl_workers.decode
+            assert prefill.client.get("/server_info").json()["max_total_num_tokens"] == 4096
+            assert decode.client.get("/server_info").json()["max_total_num_tokens"] == 8192
+    """)
+    report = tmp_path / "report.json"
+    result = pytester.runpytest_subprocess(*SIM, "--sgl-model", "qwen3-0.6b", "--sgl-gpus", "sim:2x80",
+                                           "--sgl-report", str(report))
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["qwen3-0.6b [[]1P+1D[]]*KV #tokens * (as predicted)"])
+    result.stdout.no_fnmatch_line("*MISMATCH*")
+    (pd,) = json.loads(report.read_text())["workers"].values()
+    assert pd["kv_tokens"]["actual"] == pd["kv_tokens"]["predicted"]
