@@ -5,11 +5,13 @@ command when the router package is missing."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 
 pytestmark = [
@@ -206,6 +208,96 @@ def test_no_port_left(sgl_router):
     result.assert_outcomes(errors=1)
     result.stdout.fnmatch_lines(["*no free block of 4 ports in 21500-21503*"])
     assert "INTERNALERROR" not in result.stdout.str()
+
+
+GRAB_ROUTER = r'''
+"""A router launcher that lets a foreign process take the router's port just before it binds it (once)."""
+import os, runpy, socket, subprocess, sys, time
+
+LISTENER = """
+import socket, sys, time
+s = socket.socket()
+s.bind(("127.0.0.1", int(sys.argv[1])))
+s.listen(64)
+s.settimeout(0.2)
+end = time.monotonic() + 60
+while time.monotonic() < end:
+    try:
+        c, _ = s.accept()
+        c.close()
+    except OSError:
+        pass
+"""
+
+SPAWN = """
+import subprocess, sys
+child = subprocess.Popen([sys.executable, "-c", *sys.argv[1:]], start_new_session=True,
+                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+print(child.pid)
+"""
+
+argv = sys.argv[1:]
+port = int(argv[argv.index("--port") + 1])
+flag = os.environ["GRAB_FLAG"]
+if not os.path.exists(flag):
+    # Not ours: no owner tag, and not our descendant either (started through a parent that exits at once).
+    env = {k: v for k, v in os.environ.items() if k != "SGLWORKER_OWNER"}
+    foreign = int(subprocess.run([sys.executable, "-c", SPAWN, LISTENER, str(port)], env=env, check=True,
+                                 stdin=subprocess.DEVNULL, capture_output=True, text=True).stdout)
+    for _ in range(500):
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            break
+        except OSError:
+            time.sleep(0.01)
+    with open(flag + ".tmp", "w") as fh:
+        fh.write(f"{port} {foreign}")
+    os.replace(flag + ".tmp", flag)
+sys.argv = ["sglang_router.launch_router", *argv]
+runpy.run_module("sglang_router.launch_router", run_name="__main__", alter_sys=True)
+'''
+
+
+def test_router_port_taken_between_reservation_and_bind_is_retried_on_another_block(
+    pytester: pytest.Pytester, sim_env: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A foreign process binds the router's reserved port before the router does: the router exits with
+    "Address already in use", and the fixture starts it again on another port block; the foreign process is
+    left alone."""
+    pytester.makepyfile(grab_router=GRAB_ROUTER)
+    flag = pytester.path / "grabbed"
+    monkeypatch.setenv("GRAB_FLAG", str(flag))
+    pytester.makepyfile(test_grab="""
+import os
+import pytest
+
+@pytest.mark.sgl_workers(count=1)
+def test_serves_on_another_port(sgl_router, sgl_workers):
+    grabbed = int(open(os.environ["GRAB_FLAG"]).read().split()[0])
+    assert sgl_router.port != grabbed
+    assert [w["url"] for w in sgl_router.wait_for_workers(1)] == sgl_workers.urls
+    resp = sgl_router.client.post("/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 2}})
+    assert resp.status_code == 200, resp.text
+""")
+    try:
+        result = _run(pytester, "--sgl-gpus", "sim:1", "--sgl-router-launcher",
+                      f"{sys.executable} {pytester.path / 'grab_router.py'}", "--sgl-report", "report.json",
+                      "test_grab.py", timeout=120)
+        result.assert_outcomes(passed=1)
+        port, foreign = (int(x) for x in flag.read_text().split())
+        # The foreign listener really held the first port: the router's bind failed there and was retried.
+        text = (Path(sim_env["SGLWORKER_LOG_DIR"]) / f"sglang-router-{port}.log").read_text()
+        assert "address already in use" in text.lower()
+        routers = [r for r in json.loads((pytester.path / "report.json").read_text())["launches"]
+                   if r["role"] == "router"]
+        assert len(routers) == 2, routers
+        assert (routers[0]["port"], routers[0]["outcome"]) == (port, "startup_failed")
+        assert routers[1]["port"] != port and routers[1]["outcome"] != "startup_failed"
+        assert psutil.pid_exists(foreign) and psutil.Process(foreign).status() != psutil.STATUS_ZOMBIE
+    finally:
+        if flag.exists():
+            with contextlib.suppress(psutil.Error):
+                psutil.Process(int(flag.read_text().split()[1])).kill()
 
 
 @pytest.fixture
