@@ -274,6 +274,45 @@ def test_sgl_spawn_worker_factory(pytester: pytest.Pytester, sim_env: dict[str, 
     _run(pytester).assert_outcomes(passed=2)
 
 
+def test_embedding_spec_through_the_fixtures(pytester: pytest.Pytester, sim_env: dict[str, str]) -> None:
+    """A spec served with ``--is-embedding`` (feature ``embedding``) through ``sgl_worker`` and
+    ``sgl_spawn_worker``: ``/v1/embeddings`` answers one vector per input, each as long as the hidden size
+    the simulated engine takes for the model; a test that requires the feature skips the generation model."""
+    pytester.makeconftest("""
+        from pytest_sglworker import CI_WORKER_ARGS, ModelSpec
+
+        def pytest_sglworker_register_specs(registry):
+            registry.add(ModelSpec("qwen3-embed", "Qwen/Qwen3-0.6B", 4, features={"embedding"},
+                                   worker_args=(*CI_WORKER_ARGS, "--is-embedding")))
+    """)
+    pytester.makepyfile("""
+        import pytest
+        from pytest_sglworker.sim import model_facts
+
+        def embed(worker, inputs):
+            resp = worker.client.post("/v1/embeddings", json={"model": worker.spec.model, "input": inputs})
+            assert resp.status_code == 200, resp.text
+            return [d["embedding"] for d in resp.json()["data"]]
+
+        @pytest.mark.sgl_requires("embedding")
+        def test_embeddings(sgl_worker, sgl_model):
+            assert sgl_model.name == "qwen3-embed" and "--is-embedding" in sgl_worker.argv
+            assert sgl_worker.client.get("/model_info").json()["is_generation"] is False
+            hidden = model_facts(sgl_model.model).hidden_size
+            assert hidden and [len(v) for v in embed(sgl_worker, ["hello", "a longer sentence"])] == [hidden] * 2
+
+        def test_spawned(sgl_spawn_worker):
+            worker = sgl_spawn_worker("qwen3-embed")
+            (vector,) = embed(worker, "one input")
+            assert len(vector) == model_facts(worker.spec.model).hidden_size
+            assert all(isinstance(x, float) for x in vector)
+    """)
+    result = pytester.runpytest_subprocess("--sgl-engine", "sim", "--sgl-model", "qwen3-embed,qwen3-0.6b",
+                                           "-p", "no:cacheprovider", "-rs", timeout=120)
+    result.assert_outcomes(passed=2, skipped=1)
+    result.stdout.fnmatch_lines(["SKIPPED*qwen3-0.6b*embedding*"])
+
+
 def test_example_router_e2e_suite_runs_on_the_sim(pytester: pytest.Pytester, sim_env: dict[str, str]) -> None:
     """The README's first command runs this suite: keep it green."""
     import shutil
