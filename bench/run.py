@@ -22,7 +22,8 @@ Parts (``--only``; all of them by default):
   one that is ready when it binds.
 - ``real``: the same latency after the real sglang's ready line (CPU build, tiny model; needs
   ``scripts/install-real-engine.sh``), ours against the probe it replaced, and what each health endpoint costs.
-- ``reuse``: an e2e suite of 6 worker configurations, the pool against ``--sgl-reuse off``.
+- ``reuse``: an e2e suite of 6 worker configurations, the pool against ``--sgl-reuse off``; then a 2-worker regular
+  group and a 1+1 prefill/decode group, each over 20 tests, pooled against ``--sgl-reuse off``.
 - ``xdist``: the same suite under ``-n 4`` (``--dist load``, ``--dist loadgroup``, the plugin's scheduler) against
   ``-n 1``.
 - ``ahead``: the same suite with a startup long next to its tests on 2 GPUs, launch ahead on (the default 1, and
@@ -95,6 +96,7 @@ class Plan:
     reuse_startup: float
     reuse_per_set: int  # tests per argument set and model (x 3 sets x 2 models)
     reuse_reps: int
+    reuse_group_tests: int  # tests of each group shape (part reuse)
     xdist_startup: float
     xdist_per_set: int
     xdist_reps: int
@@ -111,13 +113,13 @@ class Plan:
 
 
 FULL = Plan(quick=False, ready_startup=1.0, ready_reps=5, sglang_reps=3, real=True,
-            reuse_startup=1.0, reuse_per_set=5, reuse_reps=2,
+            reuse_startup=1.0, reuse_per_set=5, reuse_reps=2, reuse_group_tests=20,
             xdist_startup=1.0, xdist_per_set=10, xdist_reps=2,
             ahead_startup=5.0, ahead_per_set=10, ahead_reps=2,
             group_startup=5.0, group_reps=3, router_reps=4,
             overhead_sizes=(300, 3000), overhead_reps=(11, 7), import_reps=15, soak_launches=300)
 QUICK = Plan(quick=True, ready_startup=0.3, ready_reps=2, sglang_reps=0, real=False,
-             reuse_startup=0.2, reuse_per_set=2, reuse_reps=1,
+             reuse_startup=0.2, reuse_per_set=2, reuse_reps=1, reuse_group_tests=20,
              xdist_startup=0.2, xdist_per_set=3, xdist_reps=1,
              ahead_startup=1.0, ahead_per_set=3, ahead_reps=1,
              group_startup=1.0, group_reps=1, router_reps=2,
@@ -791,7 +793,7 @@ def run_suite(workdir: Path, suite: Path, label: str, args: Sequence[str], env_e
 
 
 def interleaved(workdir: Path, variants: dict[str, tuple[Path, list[str], dict[str, str]]], reps: int,
-                what: str) -> dict[str, list[SuiteRun]]:
+                what: str, models: str = "a,b") -> dict[str, list[SuiteRun]]:
     """Every variant once per round, the order rotated each round."""
     runs: dict[str, list[SuiteRun]] = {k: [] for k in variants}
     keys = list(variants)
@@ -799,7 +801,7 @@ def interleaved(workdir: Path, variants: dict[str, tuple[Path, list[str], dict[s
         for key in keys[rnd % len(keys):] + keys[:rnd % len(keys)]:
             progress(f"{what}: {key} round {rnd + 1}/{reps}")
             suite, args, env = variants[key]
-            runs[key].append(run_suite(workdir, suite, key, args, env, rnd))
+            runs[key].append(run_suite(workdir, suite, key, args, env, rnd, models))
     return runs
 
 
@@ -838,7 +840,30 @@ def bench_reuse(plan: Plan, workdir: Path) -> dict[str, Any]:
     tests = plan.reuse_per_set * 6
     return {"startup": plan.reuse_startup, "tests": tests, "configurations": 6,
             "variants": {k: summary(v, tests) for k, v in runs.items()},
-            "wall": compare(runs, "pool", "reuse-off"), "launches": compare(runs, "pool", "reuse-off", "launches")}
+            "wall": compare(runs, "pool", "reuse-off"), "launches": compare(runs, "pool", "reuse-off", "launches"),
+            "groups": bench_group_reuse(plan, workdir)}
+
+
+#: the group shapes of part reuse: ``-k`` selects their tests in bench/suites/group_reuse
+GROUP_REUSE_SHAPES = {"regular": "a 2-worker regular group", "pd": "a 1+1 prefill/decode group"}
+
+
+def bench_group_reuse(plan: Plan, workdir: Path) -> dict[str, Any]:
+    """Each group shape over ``reuse_group_tests`` tests on ``sim:2``: pooled (one group launch) against
+    ``--sgl-reuse off`` (a group launched and torn down per test), interleaved. Launches are group launches (the
+    report's per-configuration count), each of 2 processes."""
+    env = {"SGLSIM_STARTUP_SECONDS": str(plan.reuse_startup), "BENCH_GROUP_REUSE_TESTS": str(plan.reuse_group_tests)}
+    suite = SUITES / "group_reuse"
+    shapes: dict[str, Any] = {}
+    for shape, desc in GROUP_REUSE_SHAPES.items():
+        args = ["--sgl-gpus", "sim:2", "-k", f"test_{shape}"]
+        variants = {"pool": (suite, args, env), "reuse-off": (suite, [*args, "--sgl-reuse", "off"], env)}
+        runs = interleaved(workdir, variants, plan.reuse_reps, f"reuse, {desc}", models="a")
+        shapes[shape] = {"tests": plan.reuse_group_tests, "members": 2, "gpus": 2,
+                         "variants": {k: summary(v, plan.reuse_group_tests) for k, v in runs.items()},
+                         "wall": compare(runs, "pool", "reuse-off"),
+                         "launches": compare(runs, "pool", "reuse-off", "launches")}
+    return shapes
 
 
 XDIST_VARIANTS = {
@@ -1216,6 +1241,18 @@ def readme_section(results: dict[str, Any]) -> str:
                      f"{v['reuse-off']['launches']:.0f} launches",
                      f"wall {fmt_ratio(u['wall']['ratio'], u['wall']['range'])}, launches "
                      f"{fmt_x(u['launches']['ratio'])}", ""))
+        for shape, desc in GROUP_REUSE_SHAPES.items():
+            gs = u.get("groups", {}).get(shape)
+            if not gs:
+                continue
+            gv = gs["variants"]
+            rows.append((f"{desc} pooled across {gs['tests']} tests, simulated startup {u['startup']:g} s, "
+                         f"`sim:{gs['gpus']}`: wall {fmt_s(gv['pool']['wall_median'])}, group launches "
+                         f"{gv['pool']['launches']:.0f}",
+                         f"a group per test (`--sgl-reuse off`): {fmt_s(gv['reuse-off']['wall_median'])}, group "
+                         f"launches {gv['reuse-off']['launches']:.0f}",
+                         f"wall {fmt_ratio(gs['wall']['ratio'], gs['wall']['range'])}, launches "
+                         f"{fmt_x(gs['launches']['ratio'])}", ""))
     x = results.get("xdist")
     if x:
         v = x["variants"]
@@ -1446,6 +1483,19 @@ def details_section(results: dict[str, Any]) -> str:
             out.append(f"| {names[k]} | {fmt_s(v['wall_median'])} | {', '.join(f'{w:.1f}' for w in v['wall_samples'])} "
                        f"| {', '.join(str(n) for n in v['launch_samples'])} | {v['gpu_seconds'] or 0:.1f} | "
                        f"{'yes' if v['ok'] else 'NO'} |")
+        for shape, desc in GROUP_REUSE_SHAPES.items() if key == "reuse" else ():
+            gs = s.get("groups", {}).get(shape)
+            if not gs:
+                continue
+            out += ["", f"{desc[0].upper()}{desc[1:]} ({gs['tests']} tests, one configuration, `sim:{gs['gpus']}`, "
+                    f"{gs['members']} processes a launch):", "",
+                    "| variant | wall (median) | samples | group launches | GPU-seconds | ok |",
+                    "|---|---|---|---|---|---|"]
+            for k, v in gs["variants"].items():
+                out.append(f"| {names[k]} | {fmt_s(v['wall_median'])} | "
+                           f"{', '.join(f'{w:.1f}' for w in v['wall_samples'])} | "
+                           f"{', '.join(str(n) for n in v['launch_samples'])} | {v['gpu_seconds'] or 0:.1f} | "
+                           f"{'yes' if v['ok'] else 'NO'} |")
         if key == "ahead":
             gaps = s["gpu_idle_gap_median"]
             out += ["", "Median time a GPU stood idle between a worker's stop and the next launch on it: "
@@ -1576,6 +1626,8 @@ def main(argv: list[str] | None = None) -> int:
         progress(f"figures written to {ns.json}")
     bad = [f"{part}/{k}" for part in ("reuse", "xdist", "ahead")
            for k, v in results.get(part, {}).get("variants", {}).items() if not v["ok"]]
+    bad += [f"reuse/{shape}/{k}" for shape, g in results.get("reuse", {}).get("groups", {}).items()
+            for k, v in g["variants"].items() if not v["ok"]]
     if "groups" in results and not results["groups"]["ok"]:
         bad.append("groups")
     bad += results.get("readiness", {}).get("errors", [])
