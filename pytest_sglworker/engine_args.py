@@ -35,12 +35,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .sglang_facts import LAUNCH_MODULES
+
 __all__ = [
     "ParserCheck",
     "SglangCheckResult",
     "check_with_sglang",
     "find_sglang_python",
     "install_fingerprint",
+    "python_module",
 ]
 
 #: Bump when the worker's semantics or the cache layout change: old cache files are then ignored.
@@ -174,32 +177,43 @@ class SglangCheckResult:
 _PYTHON_NAME = re.compile(r"python(\d+(\.\d+)*)?")
 # Interpreter options that take a separate value (``python -X importtime -m ...``).
 _PYTHON_OPTS_WITH_VALUE = frozenset({"-X", "-W", "-Q"})
-_LAUNCH_MODULES = frozenset({"sglang.launch_server"})
+
+
+def python_module(argv: Sequence[str]) -> str | None:
+    """The module that ``argv`` runs when it is ``[PY, ..., "-m", MODULE, ...]``, else None.
+
+    PY is a ``python``, ``python3`` or ``python3.11`` (a path or a bare name); interpreter options may stand
+    before ``-m`` (``-u``, ``-X importtime``), and ``-mMODULE`` is one argument. A script (or ``-``) before
+    any ``-m`` means no module is run.
+    """
+    if not argv or not _PYTHON_NAME.fullmatch(os.path.basename(argv[0])):
+        return None
+    i = 1
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "-m":
+            return argv[i + 1] if i + 1 < len(argv) else None
+        if arg.startswith("-m") and len(arg) > 2:
+            return arg[2:]
+        if not arg.startswith("-") or arg == "-":
+            return None
+        i += 2 if arg in _PYTHON_OPTS_WITH_VALUE else 1
+    return None
 
 
 def find_sglang_python(launcher: Sequence[str]) -> str | None:
     """The python that runs sglang for a launcher argv, or None if the launcher is not sglang's.
 
-    Understands ``[PY, "-m", "sglang.launch_server"]`` (PY a ``python``, ``python3`` or ``python3.11``,
-    possibly with interpreter options before ``-m``) and ``[.../bin/sglang, "serve"]`` (the venv's python
-    beside the script).
+    Understands ``[PY, "-m", "sglang.launch_server"]`` (see :func:`python_module`: PY a ``python``,
+    ``python3`` or ``python3.11``, possibly with interpreter options before ``-m``) and
+    ``[.../bin/sglang, "serve"]`` (the venv's python beside the script).
     """
     if not launcher:
         return None
     exe = launcher[0]
     name = os.path.basename(exe)
     if _PYTHON_NAME.fullmatch(name):
-        i = 1
-        while i < len(launcher):
-            arg = launcher[i]
-            if arg == "-m":
-                return exe if i + 1 < len(launcher) and launcher[i + 1] in _LAUNCH_MODULES else None
-            if arg.startswith("-m") and len(arg) > 2:
-                return exe if arg[2:] in _LAUNCH_MODULES else None
-            if not arg.startswith("-") or arg == "-":
-                return None
-            i += 2 if arg in _PYTHON_OPTS_WITH_VALUE else 1
-        return None
+        return exe if python_module(launcher) in LAUNCH_MODULES else None
     if name == "sglang" and len(launcher) > 1 and launcher[1] == "serve":
         folder = os.path.dirname(exe)
         if not folder:

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from .engine_args import python_module
 from .errors import LaunchCancelled, LaunchError, WorkerDied, WorkerError, WorkerStartupError
 from .health import ProgressCallback as ProgressCallback
 from .health import wait_until_ready
@@ -540,7 +541,6 @@ def _indent(text: str, prefix: str = "    ") -> str:
 #: that cannot write its log dies or hangs with nothing to show.
 MIN_LOG_FREE_BYTES = 1024 * 1024
 _LAUNCHER_CHECKS: dict[tuple[str, ...], str | None] = {}
-_PYTHON_RE = re.compile(r"python[0-9.]*")
 
 
 def _check_free_space(log_dir: Path) -> None:
@@ -570,10 +570,9 @@ def check_launcher(launcher: Sequence[str], env: Mapping[str, str] | None = None
             raise LaunchError(f"launcher {exe!r} is not executable")
         raise LaunchError(f"launcher {exe!r} not found; install sglang, or set --sgl-launcher / SGLWORKER_LAUNCHER, "
                           "or use --sgl-engine sim")
-    rest = list(launcher[1:])
-    if not _PYTHON_RE.fullmatch(os.path.basename(exe)) or "-m" not in rest or rest.index("-m") + 1 >= len(rest):
+    module = python_module(launcher)
+    if module is None:
         return
-    module = rest[rest.index("-m") + 1]
     top = module.split(".", 1)[0]
     key = (found, top, env.get("PYTHONPATH", ""), env.get("PYTHONHOME", ""))
     if key not in _LAUNCHER_CHECKS:

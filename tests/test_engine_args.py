@@ -27,7 +27,13 @@ from pytest_sglworker.cpu_engine import (
     real_engine_missing_reason,
     real_engine_python,
 )
-from pytest_sglworker.engine_args import ParserCheck, check_with_sglang, find_sglang_python, install_fingerprint
+from pytest_sglworker.engine_args import (
+    ParserCheck,
+    check_with_sglang,
+    find_sglang_python,
+    install_fingerprint,
+    python_module,
+)
 from pytest_sglworker.specs import BUILTIN_SPECS, CI_WORKER_ARGS
 
 FAKE_SERVER_ARGS = """
@@ -278,6 +284,40 @@ def test_not_a_python_is_unavailable(tmp_path: Path) -> None:
 )
 def test_find_sglang_python(launcher: list[str], expected: str | None) -> None:
     assert find_sglang_python(launcher) == expected
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["/v/bin/python", "-m", "mod"], "mod"),
+        (["python3", "-mmod.sub", "--port", "1"], "mod.sub"),
+        (["/v/bin/python3.11", "-u", "-X", "importtime", "-W", "ignore", "-m", "mod", "-m", "other"], "mod"),
+        (["python", "-Xdev", "-B", "-mmod"], "mod"),
+        (["python", "script.py", "-m", "mod"], None),  # -m after the script is the script's
+        (["python", "-", "-m", "mod"], None),
+        (["python", "-u", "-m"], None),
+        (["python", "-u"], None),
+        (["/v/bin/pythonw", "-m", "mod"], None),
+        (["/usr/bin/env", "python", "-m", "mod"], None),
+        ([], None),
+    ],
+)
+def test_python_module(argv: list[str], expected: str | None) -> None:
+    assert python_module(argv) == expected
+
+
+def test_the_launcher_check_reads_the_module_the_same_way() -> None:
+    """check_launcher finds the module with python_module: ``-mMOD`` and interpreter options included, and
+    a ``-m`` that belongs to a script is not the launcher's."""
+    from pytest_sglworker.errors import LaunchError
+    from pytest_sglworker.launcher import check_launcher
+
+    missing = "no_such_module_for_sglworker"
+    for launcher in ([sys.executable, "-m", missing], [sys.executable, f"-m{missing}.x"],
+                     [sys.executable, "-u", "-X", "importtime", "-m", missing]):
+        with pytest.raises(LaunchError, match=f"cannot import '{missing}'"):
+            check_launcher(launcher)
+    check_launcher([sys.executable, "script.py", "-m", missing])
 
 
 def test_find_sglang_python_for_the_sglang_script(tmp_path: Path) -> None:
