@@ -21,6 +21,12 @@ How it fits the pool
   :class:`~pytest_sglworker.launcher.ModelInstance` whose process handle (:class:`RemoteProcess`), port check,
   log tail and teardown go through its actor. Releasing the lease stops the trees, kills the actors, removes
   the placement group.
+
+Why one module of this size: the actor that runs on the node (:class:`WorkerHost`) and the pytest side that drives
+it (:class:`RemoteProcess`, ``RayWorker``, :meth:`RayLeaseManager.starter`) are the two ends of one protocol, the
+dicts that the actor's ``node``, ``start`` and ``stop`` return; and the lease manager, its leases and their workers
+share one connection to the cluster (the manager's ``ray``). Starting a process, tearing its tree down and reading
+its log are :mod:`launcher`'s and :mod:`processes`'s, called here, not copied; the local leases are in :mod:`gpus`.
 """
 
 from __future__ import annotations
