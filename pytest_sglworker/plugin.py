@@ -8,6 +8,7 @@ at module level: httpx, psutil, pynvml, filelock and sglang are imported when a 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 from collections.abc import Iterator, Mapping, Sequence
@@ -223,27 +224,36 @@ def _give_back(request: pytest.FixtureRequest, pool: WorkerPool, group: WorkerGr
         pool.release(group, failed=failed)
 
 
+@contextlib.contextmanager
+def _test_group(request: pytest.FixtureRequest, spec: ModelSpec, fixture: str) -> Iterator[WorkerGroup]:
+    """The group of ``fixture`` (``sgl_worker`` or ``sgl_workers``) for this test: its marker read, its
+    configuration resolved, then the spec's attached workers, or a group from the pool given back after it."""
+    try:
+        marker = (WorkerMarker if fixture == "sgl_worker" else WorkersMarker).from_mark(
+            request.node.get_closest_marker(fixture))
+    except ValueError as exc:
+        _fail_with(exc)
+        raise
+    config = _config_for(request, spec, fixture)
+    attached = _attached_group(request, config)
+    if attached is not None:
+        yield attached
+        _check_attached_after(request, attached)
+        return
+    foreign = marker.allow_foreign_host if isinstance(marker, WorkerMarker) else None
+    pool = _pool(state_of(request.config))
+    pool, group = _acquire(request, config, fresh=marker.fresh, options=_options(pool, marker.startup_timeout, foreign))
+    yield group
+    _give_back(request, pool, group, fresh=marker.fresh)
+
+
 @pytest.fixture
 def sgl_worker(request: pytest.FixtureRequest, sgl_model: ModelSpec) -> Iterator[ModelInstance]:
     """A healthy sglang worker for the current ``sgl_model``, with extra args from
     ``@pytest.mark.sgl_worker(args=[...], env={...})``. Drawn from the session pool (reused by later tests
     of the same configuration unless ``fresh=True``)."""
-    try:
-        marker = WorkerMarker.from_mark(request.node.get_closest_marker("sgl_worker"))
-    except ValueError as exc:
-        _fail_with(exc)
-        raise
-    config = _config_for(request, sgl_model, "sgl_worker")
-    attached = _attached_group(request, config)
-    if attached is not None:
-        yield attached[0]
-        _check_attached_after(request, attached)
-        return
-    pool = _pool(state_of(request.config))
-    pool, group = _acquire(request, config, fresh=marker.fresh,
-                           options=_options(pool, marker.startup_timeout, marker.allow_foreign_host))
-    yield group[0]
-    _give_back(request, pool, group, fresh=marker.fresh)
+    with _test_group(request, sgl_model, "sgl_worker") as group:
+        yield group[0]
 
 
 @pytest.fixture
@@ -252,21 +262,8 @@ def sgl_workers(request: pytest.FixtureRequest, sgl_model: ModelSpec) -> Iterato
     ``sgl_model``: ``.workers``, ``.prefill``, ``.decode``; each member has ``.role``, ``.url``,
     ``.bootstrap_port`` (prefill) and ``log_tail()``. Started in parallel; pooled and reused by later tests
     of the same configuration unless ``fresh=True``. Without the marker: one regular worker."""
-    try:
-        marker = WorkersMarker.from_mark(request.node.get_closest_marker("sgl_workers"))
-    except ValueError as exc:
-        _fail_with(exc)
-        raise
-    config = _config_for(request, sgl_model, "sgl_workers")
-    attached = _attached_group(request, config)
-    if attached is not None:
-        yield attached
-        _check_attached_after(request, attached)
-        return
-    pool = _pool(state_of(request.config))
-    pool, group = _acquire(request, config, fresh=marker.fresh, options=_options(pool, marker.startup_timeout, None))
-    yield group
-    _give_back(request, pool, group, fresh=marker.fresh)
+    with _test_group(request, sgl_model, "sgl_workers") as group:
+        yield group
 
 
 @pytest.fixture
