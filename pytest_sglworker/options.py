@@ -298,6 +298,18 @@ def _raw(config: pytest.Config, name: str, env: str, ini: str) -> tuple[str | No
     return None, "default"
 
 
+def _raw_list(config: pytest.Config, name: str, env: str, ini: str) -> tuple[list[str], str]:
+    """A repeatable option's raw values and where they come from: each ``--sgl-<name>`` given, else the
+    environment variable (one value), else the ini (a string ini is one value, a linelist one per line)."""
+    cli = config.getoption(_dest(name))
+    if cli:
+        return [str(v) for v in cli], f"--sgl-{name}"
+    if os.environ.get(env):
+        return [os.environ[env]], env
+    value = config.getini(ini)
+    return [str(v) for v in value] if isinstance(value, list) else [str(value or "")], f"ini {ini}"
+
+
 def resolve_settings(config: pytest.Config) -> Settings:
     """Resolve every option (command line > env > ini > default); a bad value is a usage error naming it."""
     values: dict[str, Any] = {}
@@ -313,26 +325,15 @@ def resolve_settings(config: pytest.Config) -> Settings:
         except (ValueError, SglWorkerError) as exc:
             raise pytest.UsageError(f"{source}: invalid value {raw!r}: {exc}") from None
     models: list[str] = []
-    cli_models = config.getoption("sgl_model")
-    if cli_models:
-        raw_models, sources["model"] = list(cli_models), "--sgl-model"
-    elif os.environ.get("SGLWORKER_MODELS"):
-        raw_models, sources["model"] = [os.environ["SGLWORKER_MODELS"]], "SGLWORKER_MODELS"
-    else:
-        raw_models, sources["model"] = [str(config.getini("sgl_models") or "")], "ini sgl_models"
+    raw_models, sources["model"] = _raw_list(config, "model", "SGLWORKER_MODELS", "sgl_models")
     for chunk in raw_models:
         for name in chunk.replace("\n", ",").split(","):
             name = name.strip()
             if name and name not in models:
                 models.append(name)
-    cli_urls = config.getoption("sgl_worker_url")
-    if cli_urls:
-        raw_urls, sources["worker-url"] = list(cli_urls), "--sgl-worker-url"
-    elif os.environ.get("SGLWORKER_WORKER_URLS"):
-        raw_urls, sources["worker-url"] = [os.environ["SGLWORKER_WORKER_URLS"]], "SGLWORKER_WORKER_URLS"
-    else:
-        raw_urls = list(config.getini("sgl_worker_urls") or [])
-        sources["worker-url"] = "ini sgl_worker_urls" if raw_urls else "default"
+    raw_urls, sources["worker-url"] = _raw_list(config, "worker-url", "SGLWORKER_WORKER_URLS", "sgl_worker_urls")
+    if not raw_urls:
+        sources["worker-url"] = "default"
     from .attached import parse_worker_urls
 
     try:
