@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from .budget import check_argv, describe_violation
 from .errors import BudgetViolation
+from .ports import PORT_BLOCK_SIZE as PORT_BLOCK_SIZE  # a worker's port block: its pinned ports come first
 from .sglang_facts import flag_table
 from .specs import ModelSpec
 
@@ -43,9 +44,6 @@ __all__ = [
 
 #: Roles of worker group members.
 ROLES = ("worker", "prefill", "decode")
-#: Ports every worker reserves, as one block: its kind's pinned ports (HTTP, NCCL, a bootstrap port), the
-#: rest spare for ports the engine derives.
-PORT_BLOCK_SIZE = 4
 
 
 def gpu_count(spec: ModelSpec, args: Sequence[str]) -> int:

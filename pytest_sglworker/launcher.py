@@ -43,7 +43,7 @@ from .engine_args import python_module
 from .errors import LaunchCancelled, LaunchError, WorkerDied, WorkerError, WorkerStartupError
 from .health import ProgressCallback as ProgressCallback
 from .health import wait_until_ready
-from .kinds import PORT_BLOCK_SIZE, HttpWorker, WorkerKind, default_kind
+from .kinds import HttpWorker, WorkerKind, default_kind
 from .processes import (
     OWNER_ENV,
     end_process,
@@ -690,7 +690,7 @@ def spawn_worker(
     for attempt in range(1, attempts + 1):
         block = None
         if port is None:
-            from .ports import reserve_port_block
+            from .ports import PORT_BLOCK_SIZE, reserve_port_block
 
             block = reserve_port_block(
                 state.ensure_private_dir(options.lock_dir or state.default_lock_dir(), what="lock directory",

@@ -122,8 +122,7 @@ def _launcher(value: str) -> tuple[str, ...]:
 
 
 def _port_range(value: str) -> tuple[int, int]:
-    from .kinds import PORT_BLOCK_SIZE
-    from .ports import parse_port_range
+    from .ports import PORT_BLOCK_SIZE, parse_port_range
 
     low, high = parse_port_range(value)
     if high - low + 1 < PORT_BLOCK_SIZE:

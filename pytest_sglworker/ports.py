@@ -47,6 +47,7 @@ if TYPE_CHECKING:
 __all__ = [
     "DEFAULT_LOW_PORT",
     "MIN_DEFAULT_PORTS",
+    "PORT_BLOCK_SIZE",
     "PortBlock",
     "default_port_range",
     "others_waiting_for_ports",
@@ -57,6 +58,9 @@ __all__ = [
 ]
 
 DEFAULT_LOW_PORT = 20000
+#: Ports every worker (and the router) reserves, as one block: a worker kind's pinned ports (HTTP, NCCL, a
+#: bootstrap port), the rest spare for ports the engine derives.
+PORT_BLOCK_SIZE = 4
 MIN_DEFAULT_PORTS = 1024
 _FALLBACK_RANGE = (20000, 29999)
 _EPHEMERAL_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
@@ -261,7 +265,7 @@ class _Scan:
 def reserve_port_block(
     lock_dir: Path,
     *,
-    size: int = 4,
+    size: int = PORT_BLOCK_SIZE,
     port_range: tuple[int, int] | None = None,
     host: str = "127.0.0.1",
     timeout: float = 0.0,
