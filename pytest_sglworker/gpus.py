@@ -778,7 +778,7 @@ def _pid_of_flag(text: str) -> int | None:
     return pid if 0 < pid <= PID_MAX else None
 
 
-def _live_waiters(lock_dir: Path, prefix: str) -> bool:
+def live_waiters(lock_dir: Path, prefix: str) -> bool:
     """Whether a live process other than this one left a ``<prefix><pid>`` flag in ``lock_dir``; the flags of
     dead waiters are removed."""
     import psutil
@@ -1261,7 +1261,7 @@ class LeaseManager:
         retires its idle workers instead of keeping their GPUs."""
         from .ports import others_waiting_for_ports
 
-        return _live_waiters(self.lock_dir, f"waiting-{self.namespace}-") or others_waiting_for_ports(self.lock_dir)
+        return live_waiters(self.lock_dir, f"waiting-{self.namespace}-") or others_waiting_for_ports(self.lock_dir)
 
     def _attempt(self, tp: int, memory_mib: int, holder: str) -> tuple[Lease | None, _Attempt]:
         gpus = self.inventory.snapshot()

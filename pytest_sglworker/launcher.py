@@ -246,7 +246,7 @@ def log_name(prefix: str, port: int) -> str:
     return f"{prefix}-{port}.log"
 
 
-def _unused_log_path(path: Path) -> Path:
+def unused_log_path(path: Path) -> Path:
     """``path``, or ``<stem>-<n>.log`` when a log is already there (a kept failure): an existing log is never
     renamed or overwritten, so the path a report names stays right."""
     candidate = path
@@ -606,7 +606,10 @@ def _private_file(path: str, flags: int) -> int:
     return os.open(path, flags, 0o600)
 
 
-def _popen(argv: list[str], env: dict[str, str], log_path: Path) -> subprocess.Popen[bytes]:
+def popen(argv: list[str], env: dict[str, str], log_path: Path) -> subprocess.Popen[bytes]:
+    """Start ``argv`` in a session of its own, stdin closed, stdout and stderr appended to ``log_path`` (a
+    private file, whose handle the parent closes at once); a missing or unusable log or launcher is a
+    :class:`LaunchError`."""
     try:
         log = open(log_path, "ab", buffering=0, opener=_private_file)
     except OSError as exc:
@@ -764,9 +767,9 @@ def start_process(argv: list[str], env: Mapping[str, str], log_path: Path) -> di
     full_env.update(env)
     full_env["PYTHONUNBUFFERED"] = "1"
     full_env[OWNER_ENV] = tag
-    log_path = _unused_log_path(log_path)
+    log_path = unused_log_path(log_path)
     started = time.time()
-    process = _popen(argv, full_env, log_path)
+    process = popen(argv, full_env, log_path)
     return {"argv": argv, "log_path": log_path, "process": process, "owner_tag": tag,
             "secrets": secret_values(full_env, argv), "times": {"started": started}}
 

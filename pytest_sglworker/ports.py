@@ -226,9 +226,9 @@ def quarantined_port_blocks() -> dict[int, str]:
 def others_waiting_for_ports(lock_dir: Path) -> bool:
     """Whether another live process of this machine waits for a port block in ``lock_dir`` (its idle pooled
     workers' blocks should then be given back)."""
-    from .gpus import _live_waiters
+    from .gpus import live_waiters
 
-    return _live_waiters(Path(lock_dir), WAITING_PREFIX)
+    return live_waiters(Path(lock_dir), WAITING_PREFIX)
 
 
 def _flag_waiting(lock_dir: Path) -> Path | None:

@@ -180,7 +180,7 @@ class WorkerHost:
         closed), on the GPUs Ray gave this actor."""
         import ray
 
-        from .launcher import _popen, _unused_log_path, secret_values
+        from .launcher import popen, secret_values, unused_log_path
 
         if self.process is not None and self.process.poll() is None:
             raise LaunchError("this Ray worker host already runs a worker")
@@ -193,9 +193,9 @@ class WorkerHost:
         full_env[OWNER_ENV] = self.tag
         path = Path(log_path)
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        path = _unused_log_path(path)
+        path = unused_log_path(path)
         started = time.time()
-        self.process = _popen(argv, full_env, path)
+        self.process = popen(argv, full_env, path)
         self.log_path = path
         self.pids_seen = {self.process.pid}
         return {"pid": self.process.pid, "log_path": str(path), "tag": self.tag, "gpus": gpus,
