@@ -18,6 +18,7 @@ import pytest
 
 from . import budget
 from .errors import SglWorkerError
+from .session import is_xdist_worker, xdist_worker_id
 
 if TYPE_CHECKING:
     from .launcher import ModelInstance
@@ -72,7 +73,7 @@ def progress(session: SglSession, instance: ModelInstance, elapsed: float) -> No
         text = status_text(instance, elapsed)
         relay = _relay_path(session.config)
         if relay is not None:
-            worker = str(getattr(session.config, "workerinput", {}).get("workerid", "?"))
+            worker = xdist_worker_id(session.config) or "?"
             _append(relay, {"worker": worker, "key": str(instance.port), "text": text})
             return
         _show(session.config, str(instance.port), text)
@@ -85,7 +86,7 @@ def progress_end(session: SglSession) -> None:
     try:
         relay = _relay_path(session.config)
         if relay is not None:
-            worker = str(getattr(session.config, "workerinput", {}).get("workerid", "?"))
+            worker = xdist_worker_id(session.config) or "?"
             _append(relay, {"worker": worker, "done": True})
             return
         tr = session.config.pluginmanager.get_plugin("terminalreporter")
@@ -226,7 +227,7 @@ class SglReporter:
         return lines
 
     def pytest_terminal_summary(self, terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
-        if getattr(config, "workerinput", None) is not None:
+        if is_xdist_worker(config):
             return
         # Nothing is imported for a run that launched no worker: the figures come only from a started pool
         # or from xdist workers that launched some.

@@ -124,7 +124,9 @@ class Decision:
 
 def distributing(config: pytest.Config) -> bool:
     """Whether this process is an xdist controller that distributes tests (``-n N``/``--tx``)."""
-    if getattr(config, "workerinput", None) is not None:
+    from .session import is_xdist_worker
+
+    if is_xdist_worker(config):
         return False
     try:
         return (config.getoption("dist") not in (None, "no") and bool(config.getoption("tx"))
