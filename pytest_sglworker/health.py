@@ -7,8 +7,9 @@ is bounded by a whole-request deadline, not a per-read timeout that a trickling 
 (an exit fails at once), watches its log (a fatal error fails after a short grace; the engine's ready line
 triggers an immediate probe), enforces the startup deadline whatever the process does on the wire, reports
 progress, and asks a :class:`Readiness` whether the process is ready. A readiness check differs only in
-:meth:`Readiness.probe`: :class:`HttpHealth` (sglang's ``/health_generate``, answered by our own process) is
-the one workers use; a router or a gRPC worker brings its own subclass.
+:meth:`Readiness.probe`: :class:`HttpHealth` is the one workers use (sglang's ``GET /ready``, ``/health_generate``
+for an engine that answers ``/ready`` 404; a 200 counts only from our own process); a router or a gRPC worker
+brings its own subclass.
 """
 
 from __future__ import annotations

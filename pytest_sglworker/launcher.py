@@ -10,10 +10,10 @@ Promises kept here:
 - the argv is a list (never a shell string) and binds 127.0.0.1 only;
 - stdout and stderr go to one log file per port, ``sglang-worker-<port>.log``; the parent closes its
   handle right after ``Popen`` so that a chatty engine can never block on a pipe;
-- the health wait polls ``/health_generate`` and checks the process on every iteration: an exit fails at
-  once with :class:`WorkerStartupError` (code, signal, diagnosis, log tail), the deadline with
-  :class:`WorkerStartupTimeout`; a 200 counts only if the listening socket belongs to our process tree, so
-  a stale server left on the port is never mistaken for ours;
+- the health wait probes ``GET /ready`` (``/health_generate`` for an engine that answers ``/ready`` 404) and
+  checks the process on every iteration: an exit fails at once with :class:`WorkerStartupError` (code, signal,
+  diagnosis, log tail), the deadline with :class:`WorkerStartupTimeout`; a 200 counts only if the listening
+  socket belongs to our process tree, so a stale server left on the port is never mistaken for ours;
 - teardown sends SIGTERM to the process group, waits, SIGKILLs, then sweeps every process that carries
   this worker's environment marker (schedulers that left the group or were re-parented to PID 1).
 
