@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Benchmark of ``--sgl-cluster ray`` and ``--sgl-shard`` (issue 13): ratios measured side by side in one run.
 
-    .venv/bin/python bench/ray_cluster.py                    # 2 rounds, about 5 minutes on 2 CPUs
+    .venv/bin/python bench/ray_cluster.py                    # 2 rounds, about 6 minutes on 2 CPUs
     .venv/bin/python bench/ray_cluster.py --reps 3 --json figures.json
     .venv/bin/python bench/ray_cluster.py --only shard       # the sharding part alone (no Ray cluster)
 
@@ -12,14 +12,17 @@ One suite of 8 worker configurations of unequal cost (below), the simulated engi
   4 --num-cpus 4``, a private temp dir and port), each with ``--sgl-report``; one unmeasured run of each first,
   then rounds interleaved, the order rotated. Figures: the whole ``pytest`` wall, and per launch (from the
   report's launch records) lease requested -> ready and its phases (requested -> leased, leased -> process
-  started, started -> ready). A ratio is ray / local of the medians (launches pooled over the rounds), its
-  spread the range of the per-round ratios.
+  started, started -> ready), the median of a run's launches. A ratio is ray / local of the medians over the
+  rounds, its spread the range of the per-round ratios.
 - ``shard``: one runner without ``-n`` on ``sim:4`` with ``--sgl-launch-ahead 0`` (so that a configuration's
   launch is in the setup of its first test, as the shard planner assumes, not overlapped with whatever ran
-  before it on the runner): the suite once unsharded with ``--sgl-report``, then ``--sgl-shard k/4`` for k =
-  1..4 balanced by that report (``--sgl-shard-report``) and by test count (no report), interleaved. A shard's
-  measured cost is the sum of its tests' ``seconds`` in its own report; balance is the largest over a quarter
-  of the sum (1.0 is perfect). The union of each plan's shards is checked against the unsharded selection.
+  before it on the runner): the suite once unsharded with ``--sgl-report``, then, in each round, ``--sgl-shard
+  k/4`` for k = 1..4 balanced by that report (``--sgl-shard-report``) and by test count (no report), the two
+  plans alternating, k falling in every other round. A shard's measured cost is the sum of its tests'
+  ``seconds`` in its own report; a round's balance is its largest shard's cost over a quarter of the sum of
+  its 4 shards' (1.0 is perfect), the figure the median of the rounds', its spread their range (the costs
+  printed are each shard's median over the rounds). The union of each plan's shards is checked
+  against the unsharded selection.
 
 The suite: 2 configurations of each of 4 shapes (tests x seconds a test): 6 x 0.15, 2 x 0.65, 1 x 1.7, 1 x 2.1,
 so that a configuration's cost (launch plus tests) is not in proportion to its test count: balanced by count,
@@ -215,7 +218,7 @@ def bench_ray(work: Path, reps: int, address: str) -> dict[str, Any]:
     rows["wall"] = {v: common.median([r["wall"] for r in runs[v]]) for v in VARIANTS}
     rows["wall"]["range"] = common.spread([(r["wall"], loc["wall"]) for r, loc in pairs])
     for name, _, _ in PHASES:
-        rows[name] = {v: common.median([s for r in runs[v] for s in r["phases"][name]]) for v in VARIANTS}
+        rows[name] = {v: common.median([common.median(r["phases"][name]) for r in runs[v]]) for v in VARIANTS}
         rows[name]["range"] = common.spread([(common.median(r["phases"][name]), common.median(loc["phases"][name]))
                                              for r, loc in pairs])
     for row in rows.values():
@@ -225,36 +228,52 @@ def bench_ray(work: Path, reps: int, address: str) -> dict[str, Any]:
             "runs": {v: [{k: r[k] for k in ("wall", "rc", "phases")} for r in runs[v]] for v in VARIANTS}}
 
 
-def bench_shard(work: Path) -> dict[str, Any]:
+def bench_shard(work: Path, reps: int) -> dict[str, Any]:
     common_args = ["--sgl-gpus", f"sim:{GPUS}", "--sgl-launch-ahead", "0"]
     progress("shard: the unsharded reference run")
     ref = run_pytest(work, "unsharded", common_args, None)
-    plans: dict[str, list[dict[str, Any]]] = {"measured": [], "count": []}
-    for k in range(1, SHARDS + 1):
-        for plan in plans:
-            extra = ["--sgl-shard-report", ref["report"]] if plan == "measured" else []
-            run = run_pytest(work, f"shard-{plan}-{k}", [*common_args, "--sgl-shard", f"{k}/{SHARDS}", *extra], None)
-            run["cost"] = sum(t["seconds"] for t in run["tests"].values())
-            plans[plan].append(run)
-            progress(f"shard {k}/{SHARDS} ({plan}): {len(run['tests'])} tests, {run['cost']:.1f} s measured")
     selection = set(ref["tests"])
-    out: dict[str, Any] = {"reference_tests": len(selection), "reference_cost": sum(
-        t["seconds"] for t in ref["tests"].values()), "reference_rc": ref["rc"], "plans": {}}
-    for plan, runs in plans.items():
-        costs = [r["cost"] for r in runs]
-        ids = [set(r["tests"]) for r in runs]
-        configs = [{t["config"] for t in r["tests"].values()} for r in runs]
-        estimates = [r["estimate"] for r in runs if r["estimate"] is not None]
+    # runs[plan][round][k - 1]; the shards' order reversed every other round (a trend in the machine's load
+    # then weighs on every shard alike), the plans' order alternating
+    runs: dict[str, list[list[dict[str, Any]]]] = {"measured": [], "count": []}
+    for rep in range(reps):
+        done: dict[str, dict[int, dict[str, Any]]] = {plan: {} for plan in runs}
+        shards = range(1, SHARDS + 1) if rep % 2 == 0 else range(SHARDS, 0, -1)
+        for i, k in enumerate(shards):
+            for plan in (list(runs) if i % 2 == 0 else list(reversed(runs))):
+                extra = ["--sgl-shard-report", ref["report"]] if plan == "measured" else []
+                run = run_pytest(work, f"shard-{plan}-{rep + 1}-{k}",
+                                 [*common_args, "--sgl-shard", f"{k}/{SHARDS}", *extra], None)
+                run["cost"] = sum(t["seconds"] for t in run["tests"].values())
+                done[plan][k] = run
+                progress(f"round {rep + 1}: shard {k}/{SHARDS} ({plan}): {len(run['tests'])} tests, "
+                         f"{run['cost']:.1f} s measured")
+        for plan in runs:
+            runs[plan].append([done[plan][k] for k in range(1, SHARDS + 1)])
+    out: dict[str, Any] = {"reps": reps, "reference_tests": len(selection),
+                           "reference_cost": sum(t["seconds"] for t in ref["tests"].values()),
+                           "reference_seconds": {n: t["seconds"] for n, t in ref["tests"].items()},
+                           "reference_rc": ref["rc"], "plans": {}}
+    for plan, rounds in runs.items():
+        costs = [common.median([rnd[k]["cost"] for rnd in rounds]) for k in range(SHARDS)]
+        balances = [max(r["cost"] for r in rnd) / (sum(r["cost"] for r in rnd) / SHARDS) for rnd in rounds]
+        ids = [set(r["tests"]) for r in rounds[0]]
+        same_every_round = all([set(r["tests"]) for r in rnd] == ids for rnd in rounds)
+        configs = [{t["config"] for t in r["tests"].values()} for r in rounds[0]]
+        estimates = [r["estimate"] for r in rounds[0] if r["estimate"] is not None]
         est_balance = (max(e[0] for e in estimates) / (estimates[0][1] / SHARDS)
                        if len(estimates) == SHARDS and estimates[0][1] > 0 else None)
         out["plans"][plan] = {
-            "costs": costs, "tests": [len(s) for s in ids], "configurations": [len(c) for c in configs],
-            "balance": max(costs) / (sum(costs) / SHARDS) if sum(costs) > 0 else None,
+            "costs": costs, "tests": [len(x) for x in ids], "configurations": [len(c) for c in configs],
+            "balance": common.median(balances), "balance_range": (min(balances), max(balances)),
             "estimated_balance": est_balance,
-            "union_is_selection": set().union(*ids) == selection,
-            "disjoint": sum(len(s) for s in ids) == len(set().union(*ids)),
+            "union_is_selection": set().union(*ids) == selection and same_every_round,
+            "disjoint": sum(len(x) for x in ids) == len(set().union(*ids)),
             "configs_whole": sum(len(c) for c in configs) == len(set().union(*configs)),
-            "ok": all(r["rc"] == 0 for r in runs),
+            "ok": all(r["rc"] == 0 for rnd in rounds for r in rnd),
+            "rounds": [[{"cost": r["cost"], "rc": r["rc"],
+                         "seconds": {n: t["seconds"] for n, t in r["tests"].items()}} for r in rnd]
+                       for rnd in rounds],
         }
     return out
 
@@ -301,16 +320,18 @@ def markdown(results: dict[str, Any]) -> str:
     s = results.get("shard")
     if s:
         out += ["", f"**`--sgl-shard k/{SHARDS}`** (one runner each, no `-n`, `sim:{GPUS}`, `--sgl-launch-ahead 0`; "
-                f"the unsharded reference: {s['reference_tests']} tests, {s['reference_cost']:.1f} s of test "
-                f"seconds):", "",
-                "| plan | measured cost of shards 1-4 | tests | largest / (total / 4) | the same, planner's estimate |",
+                f"{s['reps']} rounds; the unsharded reference: {s['reference_tests']} tests, "
+                f"{s['reference_cost']:.1f} s of test seconds):", "",
+                "| plan | measured cost of shards 1-4 (median) | tests | largest / (total / 4) (median, range of "
+                "the rounds) | the same, planner's estimate |",
                 "|---|---|---|---|---|"]
         labels = {"measured": "by the reference's measured times (`--sgl-shard-report`)",
                   "count": "by test count (no report)"}
         for plan, p in s["plans"].items():
             est = "-" if p["estimated_balance"] is None else f"{p['estimated_balance']:.2f}"
             out.append(f"| {labels[plan]} | {', '.join(f'{c:.1f}' for c in p['costs'])} s | "
-                       f"{', '.join(map(str, p['tests']))} | **{p['balance']:.2f}** | {est} |")
+                       f"{', '.join(map(str, p['tests']))} | **{p['balance']:.2f}** "
+                       f"({p['balance_range'][0]:.2f}-{p['balance_range'][1]:.2f}) | {est} |")
         checks = []
         for plan, p in s["plans"].items():
             good = p["union_is_selection"] and p["disjoint"] and p["configs_whole"]
@@ -318,8 +339,8 @@ def markdown(results: dict[str, Any]) -> str:
                           f" (union = selection {p['union_is_selection']}, disjoint {p['disjoint']}, "
                           f"each configuration on one shard {p['configs_whole']})"))
         out += ["", "The planner's estimate is the same figure from the costs it planned with (seconds from the "
-                "report; tests when by count). Union of the 4 shards = the unsharded selection, shards disjoint, "
-                "each configuration on one shard: " + "; ".join(checks) + "."]
+                "report; tests when by count). Union of the 4 shards = the unsharded selection (the same shards "
+                "every round), shards disjoint, each configuration on one shard: " + "; ".join(checks) + "."]
     if results.get("leftover") is not None:
         left = results["leftover"]
         out += ["", f"Ray processes of the bench's cluster left after its stop: {len(left)}"
@@ -372,7 +393,7 @@ def main() -> int:
             finally:
                 results["leftover"] = stop_cluster(head, mark)
         if "shard" in parts:
-            results["shard"] = bench_shard(work)
+            results["shard"] = bench_shard(work, ns.reps)
     finally:
         shutil.rmtree(temp, ignore_errors=True)
         if ns.keep:
