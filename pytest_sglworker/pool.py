@@ -365,15 +365,17 @@ class WorkerPool:
         ahead.thread.start()
         return True
 
-    def _join_ahead(self, config: WorkerConfig) -> None:
-        """Wait for a launch ahead of ``config`` to finish; raise what it met, as if launched now."""
+    def _join_ahead(self, config: WorkerConfig, *, raise_error: bool = True) -> None:
+        """Wait for a launch ahead of ``config`` to finish; raise what it met, as if launched now (unless
+        ``raise_error`` is false: a launch ahead called off for another test; the test that needs ``config``
+        then launches it itself and meets its failure then)."""
         with self._lock:
             ahead = self._ahead.pop(config, None)
         if ahead is None or ahead.thread is None:
             return
         while ahead.thread.is_alive():
             ahead.thread.join(0.1)
-        if ahead.error is not None and not isinstance(ahead.error, LaunchCancelled):
+        if raise_error and ahead.error is not None and not isinstance(ahead.error, LaunchCancelled):
             raise ahead.error
 
     def groups(self) -> list[WorkerGroup]:
@@ -598,7 +600,7 @@ class WorkerPool:
                 for ahead in aheads:
                     ahead.cancel.set()
                 for ahead in aheads:
-                    self._join_ahead(ahead.config)
+                    self._join_ahead(ahead.config, raise_error=False)  # its failure is not this test's
                 continue
             with self._lock:
                 if not self._idle:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from pytest_sglworker import ModelSpec
-from pytest_sglworker.errors import LeaseImpossible, WorkerStartupError
+from pytest_sglworker.errors import LaunchError, LeaseImpossible, WorkerStartupError
 from pytest_sglworker.gpus import DeclaredInventory, LeaseManager
 from pytest_sglworker.kinds import GroupShape, WorkerConfig
 from pytest_sglworker.launcher import LaunchOptions, sim_launcher
@@ -151,3 +152,33 @@ def test_a_failing_member_gets_the_memory_ledger_of_its_own_args(make_pool) -> N
     assert (ledger.mode, ledger.mem_fraction_static) == ("decode", 0.005)
     assert ledger.kv_tokens == 0
     assert pool.groups() == [] and pool.leases.holders() == {}
+
+
+def test_a_failed_launch_ahead_called_off_is_not_the_failure_of_the_test_that_called_it_off(
+        make_pool, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    """On one GPU a launch ahead of B holds the lease and then fails (here: its worker_env hook raises once it is
+    called off). The test that needs the GPU now calls it off and gets its own worker; B's failure is met by the
+    test that needs B, when it launches B itself."""
+    aheads: list = []  # type: ignore[type-arg]
+
+    def worker_env(spec: ModelSpec, lease_env: dict[str, str]) -> dict[str, str]:
+        if threading.current_thread().name.startswith("sglworker-ahead"):
+            deadline = time.monotonic() + 10
+            while not aheads and time.monotonic() < deadline:  # the test has not picked it up yet
+                time.sleep(0.01)
+            aheads[0].cancel.wait(10)  # holds the lease until called off
+            raise LaunchError("B's launch ahead broke")
+        if os.environ.get("B_BROKEN") == "1":
+            raise LaunchError("B is broken")
+        return lease_env
+
+    pool = make_pool(gpus=1, worker_env=worker_env)
+    a, b = WorkerConfig.of(QWEN, ["--max-total-tokens", "256"]), WorkerConfig.of(QWEN, ["--max-total-tokens", "512"])
+    assert pool.launch_ahead(b, holder="ahead")
+    aheads.append(pool._ahead[b])
+    group = pool.acquire(a, holder="needs the GPU now")  # called B off: not B's failure
+    assert group[0].is_alive()
+    pool.release(group)
+    monkeypatch.setenv("B_BROKEN", "1")
+    with pytest.raises(LaunchError, match="B is broken"):
+        pool.acquire(b, holder="needs B")
