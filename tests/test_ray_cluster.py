@@ -29,7 +29,7 @@ import psutil
 import pytest
 from test_xdist_gpus import assert_exclusive, lifetimes, max_concurrency
 
-pytestmark = pytest.mark.ray
+pytestmark = [pytest.mark.ray, pytest.mark.xdist_group("ray")]  # one local cluster at a time
 
 ray = pytest.importorskip("ray", reason="Ray is not installed: pip install 'pytest-sglworker[ray]'")
 
