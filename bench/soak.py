@@ -59,6 +59,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from pytest_sglworker.sglang_facts import READY_PATH
+
 HOSTILE_KINDS = ("trickle", "frozen", "escape", "crash", "die", "healthy", "escape_child", "healthy")
 #: startup timeout of the tests whose engine never becomes healthy
 HOSTILE_STARTUP_TIMEOUT = 2.0
@@ -266,7 +268,7 @@ def test_launch(kind, i, sgl_worker):
 EXPECTED: dict[str, tuple[str | None, tuple[str, ...]]] = {
     "healthy": (None, ()), "escape_child": (None, ()), "frozen": (None, ()), "escape": (None, ()),
     "trickle": ("setup", (f"did not become healthy within {HOSTILE_STARTUP_TIMEOUT:g} s",
-                          "no complete answer to GET /health_generate in time")),
+                          f"no complete answer to GET {READY_PATH} in time")),
     "crash": ("setup", ("exited during startup with code -9 (SIGKILL)", "CUDA out of memory")),
     "die": ("teardown", ("exited with code -9 (SIGKILL) during the test", "simulated death after 1 requests")),
 }

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from port_grab import grab_launcher
 
 from pytest_sglworker import options as plugin_options
 
@@ -462,52 +463,7 @@ def test_worker_death_during_tests(pytester: pytest.Pytester, sim_env: dict[str,
 # A port taken between reservation and bind
 # --------------------------------------------------------------------------------------------------------
 
-GRAB_LAUNCHER = r'''
-"""A launcher that lets a foreign process take the worker's port just before the engine binds it (once)."""
-import os, runpy, socket, subprocess, sys, time
-
-LISTENER = """
-import socket, sys, time
-s = socket.socket()
-s.bind(("127.0.0.1", int(sys.argv[1])))
-s.listen(64)
-s.settimeout(0.2)
-end = time.monotonic() + 60
-while time.monotonic() < end:
-    try:
-        c, _ = s.accept()
-        c.close()
-    except OSError:
-        pass
-"""
-
-SPAWN = """
-import subprocess, sys
-child = subprocess.Popen([sys.executable, "-c", *sys.argv[1:]], start_new_session=True,
-                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-print(child.pid)
-"""
-
-argv = sys.argv[1:]
-port = int(argv[argv.index("--port") + 1])
-flag = os.environ["GRAB_FLAG"]
-if not os.path.exists(flag):
-    # Not ours: no owner tag, and not our descendant either (started through a parent that exits at once).
-    env = {k: v for k, v in os.environ.items() if k != "SGLWORKER_OWNER"}
-    foreign = int(subprocess.run([sys.executable, "-c", SPAWN, LISTENER, str(port)], env=env, check=True,
-                                 stdin=subprocess.DEVNULL, capture_output=True, text=True).stdout)
-    for _ in range(500):
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            break
-        except OSError:
-            time.sleep(0.01)
-    with open(flag + ".tmp", "w") as fh:
-        fh.write(f"{port} {foreign}")
-    os.replace(flag + ".tmp", flag)
-sys.argv = ["pytest_sglworker.sim", *argv]
-runpy.run_module("pytest_sglworker.sim", run_name="__main__", alter_sys=True)
-'''
+GRAB_LAUNCHER = grab_launcher("pytest_sglworker.sim")
 
 
 def test_port_taken_between_reservation_and_bind_is_retried_on_another_block(

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from port_grab import grab_launcher
 
 pytestmark = [
     pytest.mark.router,
@@ -210,52 +211,7 @@ def test_no_port_left(sgl_router):
     assert "INTERNALERROR" not in result.stdout.str()
 
 
-GRAB_ROUTER = r'''
-"""A router launcher that lets a foreign process take the router's port just before it binds it (once)."""
-import os, runpy, socket, subprocess, sys, time
-
-LISTENER = """
-import socket, sys, time
-s = socket.socket()
-s.bind(("127.0.0.1", int(sys.argv[1])))
-s.listen(64)
-s.settimeout(0.2)
-end = time.monotonic() + 60
-while time.monotonic() < end:
-    try:
-        c, _ = s.accept()
-        c.close()
-    except OSError:
-        pass
-"""
-
-SPAWN = """
-import subprocess, sys
-child = subprocess.Popen([sys.executable, "-c", *sys.argv[1:]], start_new_session=True,
-                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-print(child.pid)
-"""
-
-argv = sys.argv[1:]
-port = int(argv[argv.index("--port") + 1])
-flag = os.environ["GRAB_FLAG"]
-if not os.path.exists(flag):
-    # Not ours: no owner tag, and not our descendant either (started through a parent that exits at once).
-    env = {k: v for k, v in os.environ.items() if k != "SGLWORKER_OWNER"}
-    foreign = int(subprocess.run([sys.executable, "-c", SPAWN, LISTENER, str(port)], env=env, check=True,
-                                 stdin=subprocess.DEVNULL, capture_output=True, text=True).stdout)
-    for _ in range(500):
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            break
-        except OSError:
-            time.sleep(0.01)
-    with open(flag + ".tmp", "w") as fh:
-        fh.write(f"{port} {foreign}")
-    os.replace(flag + ".tmp", flag)
-sys.argv = ["sglang_router.launch_router", *argv]
-runpy.run_module("sglang_router.launch_router", run_name="__main__", alter_sys=True)
-'''
+GRAB_ROUTER = grab_launcher("sglang_router.launch_router")
 
 
 def test_router_port_taken_between_reservation_and_bind_is_retried_on_another_block(
