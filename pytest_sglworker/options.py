@@ -331,14 +331,16 @@ def resolve_settings(config: pytest.Config) -> Settings:
             if name and name not in models:
                 models.append(name)
     raw_urls, sources["worker-url"] = _raw_list(config, "worker-url", "SGLWORKER_WORKER_URLS", "sgl_worker_urls")
+    values["worker_urls"] = {}
     if not raw_urls:
         sources["worker-url"] = "default"
-    from .attached import parse_worker_urls
+    else:
+        from .attached import parse_worker_urls  # only when given: a run without attached workers never imports it
 
-    try:
-        values["worker_urls"] = parse_worker_urls(raw_urls)
-    except ValueError as exc:
-        raise pytest.UsageError(f"{sources['worker-url']}: {exc}") from None
+        try:
+            values["worker_urls"] = parse_worker_urls(raw_urls)
+        except ValueError as exc:
+            raise pytest.UsageError(f"{sources['worker-url']}: {exc}") from None
     if values["cluster"] is not None and values["gpus"] is not None:
         raise pytest.UsageError(f"{sources['gpus']} and {sources['cluster']} exclude each other: on a cluster, its "
                                 "scheduler leases the GPUs (drop the GPU selection, or the cluster)")

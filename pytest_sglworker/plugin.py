@@ -58,6 +58,8 @@ def pytest_configure(config: pytest.Config) -> None:
     session.register_all()
     set_active_registry(session.registry)
     config.pluginmanager.register(session, "sglworker-session")
+    if session.settings.report or session.settings.timeline or session.settings.trace:
+        session.enable_run_hooks()  # every test's time goes into the run report (an xdist controller collects none)
     config.pluginmanager.register(SglReporter(session), "sglworker-reporter")
     if config.pluginmanager.hasplugin("xdist"):
         from .xdist_hooks import XdistHooks

@@ -49,6 +49,15 @@ OPT_OUT_FIX = ("drop the args that loosen the budget, or add "
                "@pytest.mark.sgl_budget_opt_out(reason='why this test needs it')")
 
 
+#: every fixture of the plugin (plugin.py)
+PLUGIN_FIXTURES = frozenset({"sgl_model", "sgl_registry", "sgl_spawn_worker", *WORKER_FIXTURES})
+
+
+def uses_plugin(item: pytest.Item) -> bool:
+    """Whether a test asks for one of the plugin's fixtures; its markers mean nothing without one."""
+    return not PLUGIN_FIXTURES.isdisjoint(getattr(item, "fixturenames", ()))
+
+
 def is_xdist_worker(config: pytest.Config) -> bool:
     """Whether this process is an xdist worker (it cannot stop the session: per-test errors instead)."""
     return getattr(config, "workerinput", None) is not None
@@ -95,7 +104,8 @@ class SglSession:
         self._queue: list[pytest.Item] = []
         self._queue_index: dict[str, int] = {}
         #: the test whose fixtures are being set up (its launch triggers the launches ahead)
-        self._setting_up: pytest.Item | None = None
+        self.setting_up: pytest.Item | None = None
+        self._run_hooks: RunHooks | None = None
         self._session_dir: Any = None
         self._previous_handlers: dict[int, Any] = {}
         #: spec name -> its attached workers (--sgl-worker-url), or the error that makes them unusable
@@ -499,32 +509,29 @@ class SglSession:
     @pytest.hookimpl(trylast=True)  # after -k/-m/--deselect: deselected tests are neither checked nor counted
     def pytest_collection_modifyitems(self, session: pytest.Session, config: pytest.Config,
                                       items: list[pytest.Item]) -> None:
+        s = self.settings
+        if not (s.shard or s.worker_urls or any(uses_plugin(item) for item in items)):
+            # A run that asks for no worker: nothing to order or launch; the specs registered by conftests found
+            # during collection are still checked.
+            problems = self.spec_problems()
+            if problems and not is_xdist_worker(config):
+                raise pytest.UsageError("\n".join(problems.values()))
+            return
         from .collection import modify_items
 
         modify_items(self, config, items)
+        self.enable_run_hooks()
 
-    # -- launching ahead --------------------------------------------------------------------------------
-    @pytest.hookimpl(tryfirst=True)
-    def pytest_runtest_protocol(self, item: pytest.Item, nextitem: pytest.Item | None) -> None:
-        item.stash[NEXT_KEY] = nextitem
-
-    @pytest.hookimpl(tryfirst=True)
-    def pytest_runtest_call(self, item: pytest.Item) -> None:
-        """With this test's own workers in place (after its setup), start the next configurations ahead."""
-        self.launch_ahead(item)
-
-    @pytest.hookimpl(trylast=True)
-    def pytest_runtest_teardown(self, item: pytest.Item, nextitem: pytest.Item | None) -> None:
-        """After this test's fixtures are torn down its workers are pooled again, or retired when it was the
-        last test of their configuration: a GPU may just have come free. Seen from the next test, whose
-        configuration comes first (it is about to be needed), then the ones after it."""
-        if nextitem is not None:
-            self.launch_ahead(item, nextitem=nextitem)
+    def enable_run_hooks(self) -> None:
+        """Register the per-test hooks (:class:`RunHooks`) once."""
+        if self._run_hooks is None:
+            self._run_hooks = RunHooks(self)
+            self.config.pluginmanager.register(self._run_hooks, "sglworker-run")
 
     def _on_leased(self, config: WorkerConfig) -> None:
         """A test's own launch holds its lease and starts now: the next configurations start alongside it on
         the GPUs left free, instead of one startup later."""
-        item = self._setting_up
+        item = self.setting_up
         if item is not None:
             self.launch_ahead(item)
 
@@ -566,51 +573,6 @@ class SglSession:
                 return self._queue[at + 1:]
         nextitem = item.stash.get(NEXT_KEY, None)
         return [nextitem] if nextitem is not None else []
-
-    @pytest.hookimpl(wrapper=True)
-    def pytest_runtest_setup(self, item: pytest.Item) -> Generator[None, None, None]:
-        error = item.stash.get(ITEM_ERROR_KEY, None)
-        if error is not None:
-            pytest.fail(error, pytrace=False)
-        self._setting_up = item
-        try:
-            return (yield)
-        finally:
-            self._setting_up = None
-
-    @pytest.hookimpl(wrapper=True)
-    def pytest_runtest_makereport(
-        self, item: pytest.Item, call: pytest.CallInfo[None]
-    ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
-        report = yield
-        item.stash.setdefault(REPORTS_KEY, {})[report.when] = report
-        if CONFIG_KEY in item.stash:  # carried to the xdist controller with the report
-            report.sglworker_config = item.stash[CONFIG_KEY].key  # type: ignore[attr-defined]
-        workers = item.stash.get(WORKERS_KEY, None)
-        if workers and report.failed:
-            from .reporter import worker_section
-
-            junit = bool(getattr(self.config.option, "xmlpath", None))
-            for instance in workers:
-                title, body = worker_section(instance, self.settings.tail_lines)
-                report.sections.append((title, body))
-                # CI systems read junitxml, which takes properties and captured output from the teardown report:
-                # the log path as a property, the tail in the test's system-err (not shown twice in the terminal)
-                prop = (f"sglworker_log_{instance.role}_{instance.port}", str(instance.log_path))
-                if instance.log_path is not None and prop not in item.user_properties:
-                    item.user_properties.append(prop)
-                if junit:
-                    item.add_report_section(report.when, "stderr", f"{title}\n{body}\n")
-        return report
-
-    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
-        """Each test's time (setup, which includes waiting for its workers, call and teardown) and its worker
-        configuration, for the run report: what --sgl-shard-report balances shards by."""
-        if is_xdist_worker(self.config):
-            return
-        entry = self.test_times.setdefault(report.nodeid, [0.0, None])
-        entry[0] += report.duration
-        entry[1] = entry[1] or getattr(report, "sglworker_config", None)
 
     def pytest_report_collectionfinish(self, config: pytest.Config) -> str | None:
         return self.shard_note
@@ -719,3 +681,77 @@ def _default_log_dir() -> Any:
     from .state import default_log_dir
 
     return default_log_dir()
+
+
+class RunHooks:
+    """The per-test hooks: a test's worker failure sections, its launch ahead, its time for the run report.
+    Registered (:meth:`SglSession.enable_run_hooks`) only in runs that use the plugin's fixtures or write a run
+    report, so that a run that never asks for a worker pays no hook call per test."""
+
+    def __init__(self, session: SglSession) -> None:
+        self.session = session
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_protocol(self, item: pytest.Item, nextitem: pytest.Item | None) -> None:
+        item.stash[NEXT_KEY] = nextitem
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_call(self, item: pytest.Item) -> None:
+        """With this test's own workers in place (after its setup), start the next configurations ahead."""
+        self.session.launch_ahead(item)
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_runtest_teardown(self, item: pytest.Item, nextitem: pytest.Item | None) -> None:
+        """After this test's fixtures are torn down its workers are pooled again, or retired when it was the
+        last test of their configuration: a GPU may just have come free. Seen from the next test, whose
+        configuration comes first (it is about to be needed), then the ones after it."""
+        if nextitem is not None:
+            self.session.launch_ahead(item, nextitem=nextitem)
+
+    def pytest_runtest_setup(self, item: pytest.Item) -> None:
+        error = item.stash.get(ITEM_ERROR_KEY, None)
+        if error is not None:
+            pytest.fail(error, pytrace=False)
+
+    @pytest.hookimpl(wrapper=True, specname="pytest_runtest_setup")
+    def pytest_runtest_setup_tracked(self, item: pytest.Item) -> Generator[None, None, None]:
+        """Which test's fixtures are being set up: its own launch starts the launches ahead."""
+        self.session.setting_up = item
+        try:
+            return (yield)
+        finally:
+            self.session.setting_up = None
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_makereport(
+        self, item: pytest.Item, call: pytest.CallInfo[None]
+    ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+        report = yield
+        item.stash.setdefault(REPORTS_KEY, {})[report.when] = report
+        if CONFIG_KEY in item.stash:  # carried to the xdist controller with the report
+            report.sglworker_config = item.stash[CONFIG_KEY].key  # type: ignore[attr-defined]
+        workers = item.stash.get(WORKERS_KEY, None)
+        if workers and report.failed:
+            from .reporter import worker_section
+
+            junit = bool(getattr(self.session.config.option, "xmlpath", None))
+            for instance in workers:
+                title, body = worker_section(instance, self.session.settings.tail_lines)
+                report.sections.append((title, body))
+                # CI systems read junitxml, which takes properties and captured output from the teardown report:
+                # the log path as a property, the tail in the test's system-err (not shown twice in the terminal)
+                prop = (f"sglworker_log_{instance.role}_{instance.port}", str(instance.log_path))
+                if instance.log_path is not None and prop not in item.user_properties:
+                    item.user_properties.append(prop)
+                if junit:
+                    item.add_report_section(report.when, "stderr", f"{title}\n{body}\n")
+        return report
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        """Each test's time (setup, which includes waiting for its workers, call and teardown) and its worker
+        configuration, for the run report: what --sgl-shard-report balances shards by."""
+        if is_xdist_worker(self.session.config):
+            return
+        entry = self.session.test_times.setdefault(report.nodeid, [0.0, None])
+        entry[0] += report.duration
+        entry[1] = entry[1] or getattr(report, "sglworker_config", None)

@@ -19,6 +19,19 @@ from .session import WORKER_FIXTURES, is_xdist_worker, item_spec
 if TYPE_CHECKING:
     from .session import SglSession
 
+WORKER_FIXTURE_SET = frozenset(WORKER_FIXTURES)
+
+
+def distributing(config: pytest.Config) -> bool:
+    """Whether this process is an xdist controller that distributes tests (``-n N``/``--tx``)."""
+    if is_xdist_worker(config):
+        return False
+    try:
+        return (config.getoption("dist") not in (None, "no") and bool(config.getoption("tx"))
+                and not config.getoption("collectonly"))
+    except ValueError:  # pytest-xdist's options are not registered
+        return False
+
 
 class XdistHooks:
     """Registered only when pytest-xdist is present."""
@@ -35,10 +48,12 @@ class XdistHooks:
         # pytest_collection_modifyitems, which pluggy calls before the plugin's (xdist registers it later):
         # the group marks must be in place first. The main hook reports marker errors.
         for item in items:
-            spec = item_spec(item)
             fixturenames = getattr(item, "fixturenames", ())
-            fixture = next((f for f in WORKER_FIXTURES if f in fixturenames), None)
-            if spec is None or fixture is None or item.get_closest_marker("xdist_group") is not None:
+            if WORKER_FIXTURE_SET.isdisjoint(fixturenames):
+                continue
+            fixture = next(f for f in WORKER_FIXTURES if f in fixturenames)
+            spec = item_spec(item)
+            if spec is None or item.get_closest_marker("xdist_group") is not None:
                 continue
             try:
                 key = self.session.resolve_config(item, spec, fixture).key
@@ -46,6 +61,8 @@ class XdistHooks:
                 continue
             item.add_marker(pytest.mark.xdist_group(name=f"sgl-{key}"))
         result = yield
+        if not is_xdist_worker(config):
+            return result  # only an xdist worker appends the group to the node ids
         # pytest >= 9.2 derives the node id from the structured item._id, while xdist <= 3.8 still writes the
         # suffixed id to the legacy item._nodeid: the @group suffix is lost and loadgroup silently stops
         # grouping (pytest-dev/pytest-xdist#1386). Carry it over; a no-op once xdist sets the id itself.
@@ -104,11 +121,15 @@ class XdistHooks:
             write_collection_map(self.session, session.items)
 
     def pytest_report_header(self, config: pytest.Config) -> str | None:
+        if not distributing(config):
+            return None
         from .xdist_scheduling import header_line
 
         return header_line(self.session)
 
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
+        if not distributing(terminalreporter.config):
+            return  # no scheduler of ours ran
         from .xdist_scheduling import summary_line
 
         line = summary_line(self.session)

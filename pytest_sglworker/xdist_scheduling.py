@@ -43,6 +43,8 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from .xdist_hooks import distributing
+
 if TYPE_CHECKING:
     from .options import Settings
     from .session import SglSession
@@ -120,19 +122,6 @@ class Decision:
 
     use: bool
     line: str | None
-
-
-def distributing(config: pytest.Config) -> bool:
-    """Whether this process is an xdist controller that distributes tests (``-n N``/``--tx``)."""
-    from .session import is_xdist_worker
-
-    if is_xdist_worker(config):
-        return False
-    try:
-        return (config.getoption("dist") not in (None, "no") and bool(config.getoption("tx"))
-                and not config.getoption("collectonly"))
-    except ValueError:  # pytest-xdist's options are not registered
-        return False
 
 
 def decide(config: pytest.Config, settings: Settings) -> Decision | None:

@@ -255,3 +255,32 @@ def test_model_selection_all_feature_and_did_you_mean(pytester: pytest.Pytester)
     typo.stderr.fnmatch_lines(["*unknown model(s) 'qwen3-06b'; known: *; did you mean 'qwen3-0.6b'?*"])
     none = pytester.runpytest("--sgl-model", "feature:vision", "--collect-only")
     none.stderr.fnmatch_lines(["*no registered model has feature 'vision'; features: chat, embedding, streaming*"])
+
+
+UNUSED_PROBE = """
+import sys
+
+def pytest_sessionfinish(session):
+    loaded = sorted(m for m in sys.modules if m.startswith("pytest_sglworker."))
+    run_hooks = session.config.pluginmanager.get_plugin("sglworker-run") is not None
+    print(f"\\nMODULES {' '.join(loaded)}\\nRUN_HOOKS {run_hooks}")
+"""
+
+
+def test_a_run_that_asks_for_no_worker_stays_cheap(pytester: pytest.Pytester) -> None:
+    """Installed but unused (the plugin is loaded into every pytest run of its environment): no per-test hook is
+    registered, and neither the collection-time work, the pool, the launcher, attached workers nor the xdist
+    scheduler is imported. A run with a worker test registers the per-test hooks."""
+    pytester.makeconftest(UNUSED_PROBE)
+    pytester.makepyfile(test_plain="def test_a(): pass\ndef test_b(): pass\n")
+    result = pytester.runpytest_subprocess("-s", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=2)
+    modules = set(next(line for line in result.outlines if line.startswith("MODULES")).split()[1:])
+    heavy = {f"pytest_sglworker.{m}" for m in ("collection", "pool", "launcher", "attached", "xdist_scheduling",
+                                                "health", "kinds", "grpc_worker", "gpus")}
+    assert not modules & heavy, sorted(modules & heavy)
+    result.stdout.fnmatch_lines(["RUN_HOOKS False"])
+    pytester.makepyfile(test_worker="def test_w(sgl_worker): pass\n")
+    result = pytester.runpytest_subprocess("-s", "-p", "no:cacheprovider", "--sgl-engine", "sim", "--sgl-model",
+                                           "qwen3-0.6b", "--collect-only", "-q")
+    result.stdout.fnmatch_lines(["RUN_HOOKS True"])
