@@ -5,6 +5,7 @@ simulated engine; every test also checks that nothing is left running (tests/con
 from __future__ import annotations
 
 import json
+import re
 import signal
 import time
 from pathlib import Path
@@ -82,7 +83,7 @@ def test_launches_ahead_start_with_the_first_startup_and_when_a_gpu_comes_free(
     result = pytester.runpytest_subprocess(*SIM, "--sgl-gpus", "sim:2", "--sgl-report", "report.json",
                                            timeout=120)  # the default, --sgl-launch-ahead 1
     result.assert_outcomes(passed=4)
-    launches = {r["label"].split()[-1] if "2048" not in r["label"] else "2048": r
+    launches = {re.search(r"--max-total-tokens (\d+)", r["label"]).group(1): r  # type: ignore[union-attr]
                 for r in _report(pytester)["launches"]}
     a, b, c = launches["1024"], launches["2048"], launches["3072"]
     assert len(launches) == 3
