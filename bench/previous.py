@@ -23,10 +23,10 @@ import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from pytest_sglworker.health import HttpHealth
-from pytest_sglworker.kinds import HttpWorker
-from pytest_sglworker.processes import listening_pids, socket_inodes
-from pytest_sglworker.sglang_facts import HEALTH_PATH
+from pytest_sglworker.engine.sglang_facts import HEALTH_PATH
+from pytest_sglworker.resources.processes import listening_pids, socket_inodes
+from pytest_sglworker.workers.health import HttpHealth
+from pytest_sglworker.workers.kinds import HttpWorker
 
 
 def psutil_owns_port(self: Any) -> bool:
@@ -40,7 +40,7 @@ def psutil_owns_port(self: Any) -> bool:
 @contextlib.contextmanager
 def previous_owns_port() -> Iterator[None]:
     """``ModelInstance.owns_port`` replaced by :func:`psutil_owns_port` for the duration."""
-    from pytest_sglworker.launcher import ModelInstance
+    from pytest_sglworker.workers.launcher import ModelInstance
 
     original: Callable[[Any], bool] = ModelInstance.owns_port
     ModelInstance.owns_port = psutil_owns_port  # type: ignore[method-assign]

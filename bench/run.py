@@ -243,9 +243,10 @@ def tcp_tables() -> tuple[int, float]:
 def warm_bytecode() -> None:
     """Import everything the measured processes import once, with bytecode caching on, so that every
     measured process finds its .pyc files (the environment of this session may disable them)."""
-    code = ("import pytest, xdist, httpx, psutil, filelock, pytest_sglworker.plugin, pytest_sglworker.launcher, "
-            "pytest_sglworker.pool, pytest_sglworker.gpus, pytest_sglworker.ports, pytest_sglworker.reaper, "
-            "pytest_sglworker.sim, pytest_sglworker.state, pytest_sglworker.router\n"
+    code = ("import pytest, xdist, httpx, psutil, filelock, pytest_sglworker.plugin, "
+            "pytest_sglworker.workers.launcher, pytest_sglworker.workers.pool, pytest_sglworker.resources.gpus, "
+            "pytest_sglworker.resources.ports, pytest_sglworker.resources.reaper, pytest_sglworker.sim, "
+            "pytest_sglworker.resources.state, pytest_sglworker.workers.router\n"
             "for name in ('diagnosis', 'ledger', 'xdist_scheduling', 'sim_pd'):\n"
             "    try: __import__('pytest_sglworker.' + name)\n"
             "    except ImportError: pass\n")
@@ -322,7 +323,7 @@ def ours_variant(variant: str) -> Iterator[tuple[Any, list[float]]]:
     pass to ``spawn_worker`` and a list that receives the duration of every ownership check."""
     from previous import PreviousWorker, previous_owns_port
 
-    import pytest_sglworker.launcher as launcher_mod
+    import pytest_sglworker.workers.launcher as launcher_mod
 
     kind = None
     with contextlib.ExitStack() as stack:
@@ -351,7 +352,7 @@ def ours_variant(variant: str) -> Iterator[tuple[Any, list[float]]]:
 def launch_ours(workdir: Path, variant: str, mode: str, mode_args: Sequence[str], startup: float,
                 rnd: int = 0) -> Launch:
     from pytest_sglworker import ModelSpec, SglWorkerError
-    from pytest_sglworker.launcher import LaunchOptions, sim_launcher, spawn_worker
+    from pytest_sglworker.workers.launcher import LaunchOptions, sim_launcher, spawn_worker
 
     record = Path(tempfile.mktemp(prefix="rec-", suffix=".jsonl", dir=workdir))
     options = LaunchOptions(launcher=tuple(sim_launcher()), log_dir=workdir / "logs", lock_dir=workdir / "locks",
@@ -632,7 +633,7 @@ class LogWatcher:
 @contextlib.contextmanager
 def log_path_of_next_start(watcher: LogWatcher) -> Iterator[None]:
     """Hands the log path of the next process the launcher starts to ``watcher``."""
-    import pytest_sglworker.launcher as launcher_mod
+    import pytest_sglworker.workers.launcher as launcher_mod
 
     original = launcher_mod.start_process
 
@@ -655,16 +656,16 @@ _HEALTH_GET = re.compile(rb'"GET /(health_generate|health|ready) HTTP')
 def bench_real(plan: Plan, workdir: Path) -> dict[str, Any]:
     from previous import PreviousWorker, previous_owns_port
 
-    from pytest_sglworker.cpu_engine import (
+    from pytest_sglworker.engine.cpu_engine import (
         build_tiny_model,
         cpu_engine_spec,
         real_engine_launcher,
         real_engine_missing_reason,
         real_engine_python,
     )
-    from pytest_sglworker.health import http_request
-    from pytest_sglworker.launcher import LaunchOptions, spawn_worker
-    from pytest_sglworker.sglang_facts import READY_LINE
+    from pytest_sglworker.engine.sglang_facts import READY_LINE
+    from pytest_sglworker.workers.health import http_request
+    from pytest_sglworker.workers.launcher import LaunchOptions, spawn_worker
 
     root = os.environ.get("BENCH_REAL_ENGINE") or None
     python = real_engine_python(root)

@@ -59,7 +59,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from pytest_sglworker.sglang_facts import READY_PATH
+from pytest_sglworker.engine.sglang_facts import READY_PATH
 
 HOSTILE_KINDS = ("trickle", "frozen", "escape", "crash", "die", "healthy", "escape_child", "healthy")
 #: startup timeout of the tests whose engine never becomes healthy

@@ -9,7 +9,15 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from .budget import check_argv, check_spec
+from .engine.budget import check_argv, check_spec
+from .engine.specs import (
+    BUILTIN_SPECS,
+    CI_WORKER_ARGS,
+    ModelSpec,
+    SpecRegistry,
+    get_model_spec,
+    get_models_with_feature,
+)
 from .errors import (
     BudgetViolation,
     InventoryUnavailable,
@@ -24,47 +32,39 @@ from .errors import (
     WorkerStartupError,
     WorkerStartupTimeout,
 )
-from .specs import (
-    BUILTIN_SPECS,
-    CI_WORKER_ARGS,
-    ModelSpec,
-    SpecRegistry,
-    get_model_spec,
-    get_models_with_feature,
-)
 
 if TYPE_CHECKING:
-    from .diagnosis import Diagnosis, diagnose
-    from .grpc_worker import GrpcHealth, GrpcWorker
-    from .kinds import DecodeWorker, GroupShape, HttpWorker, PrefillWorker, WorkerConfig, WorkerKind
-    from .launcher import LaunchOptions, ManagedProcess, ModelInstance, running_worker, spawn_worker
-    from .ledger import MemoryLedger, predict_memory
-    from .pool import WorkerGroup, WorkerPool
-    from .router import Router
+    from .engine.diagnosis import Diagnosis, diagnose
+    from .engine.ledger import MemoryLedger, predict_memory
+    from .workers.grpc_worker import GrpcHealth, GrpcWorker
+    from .workers.kinds import DecodeWorker, GroupShape, HttpWorker, PrefillWorker, WorkerConfig, WorkerKind
+    from .workers.launcher import LaunchOptions, ManagedProcess, ModelInstance, running_worker, spawn_worker
+    from .workers.pool import WorkerGroup, WorkerPool
+    from .workers.router import Router
 
 __version__ = "0.1.0"
 
 _LAZY = {
-    "LaunchOptions": "launcher",
-    "ModelInstance": "launcher",
-    "spawn_worker": "launcher",
-    "running_worker": "launcher",
-    "ManagedProcess": "launcher",
-    "WorkerConfig": "kinds",
-    "WorkerKind": "kinds",
-    "HttpWorker": "kinds",
-    "PrefillWorker": "kinds",
-    "DecodeWorker": "kinds",
-    "GrpcWorker": "grpc_worker",
-    "GrpcHealth": "grpc_worker",
-    "GroupShape": "kinds",
-    "WorkerGroup": "pool",
-    "WorkerPool": "pool",
-    "Router": "router",
-    "Diagnosis": "diagnosis",
-    "diagnose": "diagnosis",
-    "MemoryLedger": "ledger",
-    "predict_memory": "ledger",
+    "LaunchOptions": "workers.launcher",
+    "ModelInstance": "workers.launcher",
+    "spawn_worker": "workers.launcher",
+    "running_worker": "workers.launcher",
+    "ManagedProcess": "workers.launcher",
+    "WorkerConfig": "workers.kinds",
+    "WorkerKind": "workers.kinds",
+    "HttpWorker": "workers.kinds",
+    "PrefillWorker": "workers.kinds",
+    "DecodeWorker": "workers.kinds",
+    "GrpcWorker": "workers.grpc_worker",
+    "GrpcHealth": "workers.grpc_worker",
+    "GroupShape": "workers.kinds",
+    "WorkerGroup": "workers.pool",
+    "WorkerPool": "workers.pool",
+    "Router": "workers.router",
+    "Diagnosis": "engine.diagnosis",
+    "diagnose": "engine.diagnosis",
+    "MemoryLedger": "engine.ledger",
+    "predict_memory": "engine.ledger",
 }
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .diagnosis import Diagnosis
-    from .ledger import MemoryLedger
+    from .engine.diagnosis import Diagnosis
+    from .engine.ledger import MemoryLedger
 
 
 class SglWorkerError(Exception):

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Install Debian's chromium for the timeline's browser test tier (tests/test_timeline_browser.py, -m browser).
+# Install Debian's chromium for the timeline's browser test tier (tests/plugin/test_timeline_browser.py, -m browser).
 #
 # Usage: bash scripts/install-browser.sh
 #

@@ -10,7 +10,7 @@ and (when sglang is installed) one real launch of a tiny model. It prints one ta
 
 ``--dry-run``: the same sessions against a fake NVML (``fake_nvml/pynvml.py`` first on ``PYTHONPATH``) and
 a fake CUDA driver, sharing one fake-GPU state (``fakegpu.py``) in which the holders' allocations show up;
-no libcuda, no GPU. CI runs it (tests/test_gpu_check.py).
+no libcuda, no GPU. CI runs it (tests/acceptance/test_gpu_check.py).
 
 Every wait has a deadline: each inner session runs under a timeout (then SIGINT, then SIGKILL of its own
 process group), the whole run under ``--budget`` seconds. Nothing is left running: the last check looks for
@@ -492,7 +492,7 @@ class Check:
             if not Path(lines[-2]).resolve().is_relative_to(REPO):
                 problems.append(f"pytest_sglworker is imported from {lines[-2]}, not from this tree ({REPO})")
         # NVML
-        from pytest_sglworker.gpus import resolve_visible_devices
+        from pytest_sglworker.resources.gpus import resolve_visible_devices
 
         try:
             if self.dry:
@@ -707,8 +707,8 @@ class Check:
         elif (int(qwen.group(1)), int(qwen.group(2))) != (total, free):
             problems.append(f"qwen3-0.6b's ledger used {qwen.group(1)} MiB / free {qwen.group(2)}, the header "
                             f"{total} / {free}")
-        from pytest_sglworker.ledger import GPU_CARDS, ledger_for_spec
-        from pytest_sglworker.specs import BUILTIN_SPECS
+        from pytest_sglworker.engine.ledger import GPU_CARDS, ledger_for_spec
+        from pytest_sglworker.engine.specs import BUILTIN_SPECS
 
         card = _card_for(header.group(2), total, GPU_CARDS)
         data["card"] = card
@@ -978,7 +978,7 @@ class Check:
                 return skip
         if self.remaining() < 150:
             return Row("sglang_launch", "skip", f"skipped: out of time ({self.remaining():.0f} s left)")
-        from pytest_sglworker.cpu_engine import CPU_ENGINE_ARGS, CPU_ENGINE_ENV, TinyModelError, build_tiny_model
+        from pytest_sglworker.engine.cpu_engine import CPU_ENGINE_ARGS, CPU_ENGINE_ENV, TinyModelError, build_tiny_model
 
         try:
             model = build_tiny_model(python, self.work / "tiny-model", timeout=min(180, self.remaining() - 120))
@@ -999,7 +999,7 @@ class Check:
         log_path = result.get("log_path") or _newest_log(self.logs, "sglang-worker-")
         log_text = Path(log_path).read_text(encoding="utf-8", errors="replace") if log_path else ""
         phases = _startup_phases(log_text)
-        from pytest_sglworker.diagnosis import parse_memory
+        from pytest_sglworker.engine.diagnosis import parse_memory
 
         memory = vars(parse_memory(log_text))
         report = _read_json(self.work / "report-sglang.json") or {}

@@ -1,5 +1,5 @@
-"""Run in the real engine's Python (PYTHONPATH = the repository): compares pytest_sglworker.sglang_facts with
-sglang's own code and prints one JSON line of findings. Used by tests/test_sglang_facts_real.py.
+"""Run in the real engine's Python (PYTHONPATH = the repository): compares pytest_sglworker.engine.sglang_facts with
+sglang's own code and prints one JSON line of findings. Used by tests/engine/test_sglang_facts_real.py.
 
 sglang's memory functions read a server-args record through attribute access only, so a namespace with the
 fields they read stands in for a full ``ServerArgs`` (whose construction would resolve a whole model)."""
@@ -19,8 +19,8 @@ from sglang.srt.arg_groups.model_overrides import qwen3_vl
 from sglang.srt.configs.model_config import AttentionArch
 from sglang.srt.server_args import ServerArgs
 
-from pytest_sglworker import ledger
-from pytest_sglworker import sglang_facts as facts
+from pytest_sglworker.engine import ledger
+from pytest_sglworker.engine import sglang_facts as facts
 
 findings: dict[str, Any] = {"sglang": importlib.metadata.version("sglang")}
 

@@ -97,7 +97,7 @@ def _record(request, router, order: str, seconds: float) -> None:  # type: ignor
 @pytest.fixture
 def bare_router_first(request, sgl_workers):  # type: ignore[no-untyped-def]
     """Set up after the workers and before ``sgl_router`` (the test lists it first)."""
-    from pytest_sglworker.router import default_router_launcher, router_argv
+    from pytest_sglworker.workers.router import default_router_launcher, router_argv
 
     argv = router_argv(default_router_launcher(), port=1, prometheus_port=2, group=sgl_workers, policy=None, args=())
     return _bare_router_seconds(argv, list(sgl_workers.urls))

@@ -3,7 +3,7 @@
 Put first on ``PYTHONPATH``; it answers the NVML calls pytest-sglworker and the check make, from the state
 directory named by ``$GPU_CHECK_FAKE_GPU``, so that the memory the holders "allocate" through the fake CUDA
 driver shows up here, in every process, as real NVML would show it. Modelled on the fake of
-``tests/test_gpus.py`` (``make_nvml``), with the same shapes as nvidia-ml-py (``str`` results, objects with
+``tests/resources/test_gpus.py`` (``make_nvml``), with the same shapes as nvidia-ml-py (``str`` results, objects with
 ``total``/``free``/``used``, ``pid``/``usedGpuMemory``, ``busId``).
 """
 

@@ -8,7 +8,7 @@ The driver (``check.py``) sets, in the environment:
 - ``GPU_CHECK_PROBE``, ``GPU_CHECK_SMI``, ``GPU_CHECK_HOLD_S``, ``GPU_CHECK_BIG_GB``, ``GPU_CHECK_TINY_MODEL``
   (see the tests that read them).
 
-Leases are observed by wrapping ``pytest_sglworker.gpus.Lease`` (``__init__`` and ``release``): each
+Leases are observed by wrapping ``pytest_sglworker.resources.gpus.Lease`` (``__init__`` and ``release``): each
 acquisition and each release (with its :class:`ReleaseReport`) becomes an event with a ``time.time()``
 stamp, which the driver lines up with the holders' events and its NVML samples. If the package changes so
 that this cannot be done, an ``observer_error`` event says so and the checks that need it fail.
@@ -60,13 +60,13 @@ _ids = itertools.count(1)
 
 def _install_lease_observer() -> None:
     try:
-        from pytest_sglworker import gpus
+        from pytest_sglworker.resources import gpus
 
         lease_cls: Any = gpus.Lease
         original_init: Callable[..., None] = lease_cls.__init__
         original_release: Callable[..., Any] = lease_cls.release
     except (ImportError, AttributeError) as exc:
-        emit("observer_error", error=f"cannot observe leases (pytest_sglworker.gpus.Lease changed?): {exc!r}")
+        emit("observer_error", error=f"cannot observe leases (pytest_sglworker.resources.gpus.Lease changed?): {exc!r}")
         return
     if getattr(original_release, "_gpu_check", False):
         return

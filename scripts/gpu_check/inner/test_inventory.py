@@ -12,7 +12,7 @@ from typing import Any
 
 from inner_helpers import nvml_readings
 
-from pytest_sglworker.gpus import load_inventory, parse_gpus_option
+from pytest_sglworker.resources.gpus import load_inventory, parse_gpus_option
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from cuda_driver import normalize_bus_id

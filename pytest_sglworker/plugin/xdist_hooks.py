@@ -1,0 +1,137 @@
+"""The plugin's pytest-xdist hooks: a pytest-facing module split from ``session.py``, registered only when
+pytest-xdist is present. It marks tests with ``xdist_group`` for ``--dist loadgroup``, sends the controller's
+log directory and status-line relay to the xdist workers, merges their report figures, and plugs in the
+scheduler of :mod:`xdist_scheduling`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Generator
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+from ..errors import BudgetViolation
+from .markers import MarkerError
+from .session import WORKER_FIXTURES, is_xdist_worker, item_spec
+
+if TYPE_CHECKING:
+    from .session import SglSession
+
+WORKER_FIXTURE_SET = frozenset(WORKER_FIXTURES)
+
+
+def distributing(config: pytest.Config) -> bool:
+    """Whether this process is an xdist controller that distributes tests (``-n N``/``--tx``)."""
+    if is_xdist_worker(config):
+        return False
+    try:
+        return (config.getoption("dist") not in (None, "no") and bool(config.getoption("tx"))
+                and not config.getoption("collectonly"))
+    except ValueError:  # pytest-xdist's options are not registered
+        return False
+
+
+class XdistHooks:
+    """Registered only when pytest-xdist is present."""
+
+    def __init__(self, session: SglSession) -> None:
+        self.session = session
+        self.relay: Any = None
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_collection_modifyitems(
+        self, config: pytest.Config, items: list[pytest.Item]
+    ) -> Generator[None, None, None]:
+        # Under --dist loadgroup, xdist's worker appends the xdist_group name to each node id in its own
+        # pytest_collection_modifyitems, which pluggy calls before the plugin's (xdist registers it later):
+        # the group marks must be in place first. The main hook reports marker errors.
+        for item in items:
+            fixturenames = getattr(item, "fixturenames", ())
+            if WORKER_FIXTURE_SET.isdisjoint(fixturenames):
+                continue
+            fixture = next(f for f in WORKER_FIXTURES if f in fixturenames)
+            spec = item_spec(item)
+            if spec is None or item.get_closest_marker("xdist_group") is not None:
+                continue
+            try:
+                key = self.session.resolve_config(item, spec, fixture).key
+            except (MarkerError, BudgetViolation, ValueError):
+                continue
+            item.add_marker(pytest.mark.xdist_group(name=f"sgl-{key}"))
+        result = yield
+        if not is_xdist_worker(config):
+            return result  # only an xdist worker appends the group to the node ids
+        # pytest >= 9.2 derives the node id from the structured item._id, while xdist <= 3.8 still writes the
+        # suffixed id to the legacy item._nodeid: the @group suffix is lost and loadgroup silently stops
+        # grouping (pytest-dev/pytest-xdist#1386). Carry it over; a no-op once xdist sets the id itself.
+        # This is the plugin's one use of pytest internals, guarded so that another pytest cannot break a run.
+        for item in items:
+            legacy = getattr(item, "_nodeid", None)
+            if isinstance(legacy, str) and legacy.startswith(item.nodeid + "@") and hasattr(item, "_id"):
+                try:
+                    from _pytest.nodeid import NodeId
+
+                    item._id = NodeId.parse(legacy)
+                except Exception:  # a workaround must never fail a run
+                    break
+        return result
+
+    def pytest_configure_node(self, node: Any) -> None:
+        """The xdist workers log into the controller's session directory, and send their status lines to the
+        controller (a file it follows) so that a long startup on an xdist worker shows in the terminal."""
+        node.workerinput["sglworker_log_dir"] = str(self.session.log_dir)
+        if self.relay is None:
+            from .reporter import ProgressRelay
+
+            self.relay = ProgressRelay(self.session, self.session.log_dir / f".progress-{os.getpid()}.jsonl")
+        node.workerinput["sglworker_progress"] = str(self.relay.path)
+
+    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        if self.relay is not None:
+            self.relay.close()
+            self.relay = None
+
+    def pytest_testnodedown(self, node: Any, error: Any) -> None:
+        output = getattr(node, "workeroutput", {})
+        if output.get("sglworker_stats"):
+            self.session.worker_stats.append(output["sglworker_stats"])
+        if output.get("sglworker_launches"):
+            self.session.worker_launches.append(output["sglworker_launches"])
+
+    # -- scheduling by worker configuration (--sgl-dist, xdist_scheduling.py) ------------------------------
+    def pytest_xdist_make_scheduler(self, config: pytest.Config, log: Any) -> Any:
+        from .xdist_scheduling import make_scheduler
+
+        return make_scheduler(self.session, config, log)
+
+    @pytest.hookimpl(specname="pytest_configure_node")
+    def pytest_configure_node_scheduling(self, node: Any) -> None:
+        """The xdist workers write which configuration each test needs where the scheduler reads it."""
+        from .xdist_scheduling import configure_node
+
+        configure_node(self.session, node)
+
+    @pytest.hookimpl(tryfirst=True)  # before xdist's worker sends the collection to the controller
+    def pytest_collection_finish(self, session: pytest.Session) -> None:
+        if is_xdist_worker(session.config):
+            from .xdist_scheduling import write_collection_map
+
+            write_collection_map(self.session, session.items)
+
+    def pytest_report_header(self, config: pytest.Config) -> str | None:
+        if not distributing(config):
+            return None
+        from .xdist_scheduling import header_line
+
+        return header_line(self.session)
+
+    def pytest_terminal_summary(self, terminalreporter: Any) -> None:
+        if not distributing(terminalreporter.config):
+            return  # no scheduler of ours ran
+        from .xdist_scheduling import summary_line
+
+        line = summary_line(self.session)
+        if line is not None and terminalreporter.config.get_verbosity() >= -1:
+            terminalreporter.write_line(line)

@@ -1,0 +1,754 @@
+"""An xdist scheduler that knows worker configurations (issue #16): ``--sgl-dist``.
+
+Under ``-n N`` xdist's default ``--dist load`` spreads tests in small batches, so that every xdist worker
+launches every configuration it receives a test of; ``--dist loadgroup`` launches each configuration once but
+leaves xdist workers idle when configurations are few and large. This scheduler does both jobs:
+
+- **Affinity**: an xdist worker keeps receiving the tests of the configuration it already runs (then of a
+  configuration still in its pool), and starts an unstarted configuration (the largest that fits the free
+  GPUs) only when its own is done.
+- **Work stealing**: an xdist worker with nothing else to do starts a copy of its own of a configuration
+  that another one runs, and takes part of its tests, only when (1) a GPU for it is free (the inventory
+  less what the other xdist workers' pools hold, as this scheduler placed them), (2) at least ``K`` of its
+  tests are left for each copy (``--sgl-dist auto,steal=K``, default 4), (3) once the run has measured a
+  startup and a test duration, the work left per running copy outweighs a startup (``left x test time >
+  copies x startup``), and (4) the run has started fewer than ``xdist workers - 1`` extra copies, which
+  bounds the launches by ``configurations + xdist workers - 1``.
+
+The controller does not collect; each xdist worker writes, before it reports its collection, which
+configuration each node id needs (and how many GPUs it leases at once) to a file of a private directory
+that the controller names in ``workerinput``. A node id that is missing there is read from the
+``@sgl-<key>`` suffix that ``--dist loadgroup`` adds; a run whose tests need no worker is scheduled by
+xdist's own ``LoadScheduling``, unchanged.
+
+:class:`Planner` is the plain scheduling logic (no xdist, no pytest); :class:`ConfigScheduling` is xdist's
+``Scheduling`` protocol around it. A pytest-facing module: xdist is imported only when a scheduler is made.
+
+Why one module of this size: xdist's scheduler protocol (``add_node``, ``schedule``, ``mark_test_complete``,
+``remove_node``) and the planner it calls share one model of units, nodes and their queues; the xdist hooks that
+install it are in :mod:`xdist_hooks`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import statistics
+from collections import deque
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+from .xdist_hooks import distributing
+
+if TYPE_CHECKING:
+    from .options import Settings
+    from .session import SglSession
+
+MODES = ("auto", "on", "off")
+DEFAULT_STEAL_MIN = 4
+#: tests a node holds at once (the one it runs, the next one xdist needs to know, one more in flight)
+WINDOW = 3
+MAP_INPUT = "sglworker_collection_map"
+MAP_SCHEMA = "pytest-sglworker/xdist-collection/v1"
+#: ``--dist`` modes that this scheduler replaces under ``--sgl-dist on`` (``each`` runs every test everywhere)
+REPLACEABLE = ("load", "loadscope", "loadfile", "loadgroup", "worksteal")
+_STATE = pytest.StashKey[dict[str, Any]]()
+
+
+# ---------------------------------------------------------------------------------------------- the option
+
+
+def parse_dist_option(value: str) -> tuple[str, int | None]:
+    """``auto|on|off[,steal=K|off]`` -> ``(mode, K)``; ``K`` is None when stealing is off."""
+    parts = [p.strip().lower() for p in value.split(",")]
+    mode, rest = parts[0], parts[1:]
+    if mode not in MODES:
+        raise ValueError(f"{value!r} is not 'auto', 'on' or 'off' (optionally followed by ',steal=K' or "
+                         "',steal=off')")
+    steal: int | None = DEFAULT_STEAL_MIN
+    for part in rest:
+        name, _, raw = part.partition("=")
+        if name.strip() != "steal" or not raw.strip():
+            raise ValueError(f"{value!r}: unknown setting {part!r}; the only one is 'steal=K' or 'steal=off'")
+        raw = raw.strip()
+        if raw == "off":
+            steal = None
+            continue
+        try:
+            steal = int(raw)
+        except ValueError:
+            raise ValueError(f"{value!r}: steal={raw!r} is not an integer or 'off'") from None
+        if steal < 1:
+            raise ValueError(f"{value!r}: steal={raw} must be 1 or more (or 'off')")
+    return mode, steal
+
+
+def explicit_dist(config: pytest.Config) -> str | None:
+    """The ``--dist`` mode the user gave (command line, ``PYTEST_ADDOPTS``, ini ``addopts``), or None when
+    xdist's mode comes from its ``-n`` default. ``-d`` counts as ``--dist load``. The last one wins."""
+    args: list[str] = []
+    try:
+        args += [str(a) for a in config.getini("addopts") or ()]
+    except (ValueError, KeyError):
+        pass
+    try:
+        args += shlex.split(os.environ.get("PYTEST_ADDOPTS", ""))
+    except ValueError:
+        pass
+    args += [str(a) for a in config.invocation_params.args]
+    found: str | None = None
+    tokens = iter(args)
+    for token in tokens:
+        if token == "--":
+            break
+        if token == "--dist":
+            found = next(tokens, found)
+        elif token.startswith("--dist="):
+            found = token.split("=", 1)[1]
+        elif token == "-d":
+            found = "load"
+    return found
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Whether this run's tests are handed out by :class:`ConfigScheduling`, and the header line saying so
+    (``line`` None: nothing to say)."""
+
+    use: bool
+    line: str | None
+
+
+def decide(config: pytest.Config, settings: Settings) -> Decision | None:
+    """``--sgl-dist``: None when xdist does not distribute here; else whether ours is used, and why."""
+    if not distributing(config):
+        return None
+    mode, steal = settings.dist
+    source = settings.sources.get("dist", "default")
+    given = explicit_dist(config)
+    dist = str(config.getoption("dist"))
+    selects = bool(settings.models)
+    stealing = f"work stealing while {steal}+ tests are left per copy" if steal else "no work stealing"
+    switch = {"default": f"--sgl-dist {mode}", "--sgl-dist": f"--sgl-dist {mode}"}.get(
+        source, f"{source}={mode}" if source.startswith("SGLWORKER_") else f"{source} = {mode}")
+    if mode == "off":
+        line = f"sglworker: xdist's own --dist {dist} hands out the tests ({switch})" if selects else None
+        return Decision(False, line)
+    if mode == "auto" and given is not None:
+        line = (f"sglworker: xdist's --dist {given} hands out the tests, as given (--sgl-dist on schedules them by "
+                "worker configuration)") if selects else None
+        return Decision(False, line)
+    if dist not in REPLACEABLE:
+        return Decision(False, f"sglworker: --dist {dist} runs every test on every xdist worker: --sgl-dist {mode} "
+                               "does not apply")
+    why = "" if mode == "on" else ", as no --dist was given"
+    over = f" instead of --dist {given}" if given is not None else ""
+    line = (f"sglworker: xdist tests scheduled by worker configuration{over} ({switch}{why}): affinity, "
+            f"{stealing}; --sgl-dist off for xdist's --dist load")
+    return Decision(True, line if selects or mode == "on" else None)
+
+
+# ---------------------------------------------------------------------------------------------- planning
+
+
+@dataclass(frozen=True)
+class Unit:
+    """What a test needs: a worker configuration (``key``, ``gpus`` leased at once) whose tests an xdist
+    worker should keep, and whether other xdist workers may start copies of it (False for a user's own
+    ``xdist_group``: its tests stay on one xdist worker, as under ``--dist loadgroup``)."""
+
+    key: str
+    gpus: int = 1
+    stealable: bool = True
+
+
+@dataclass
+class _Node:
+    id: Hashable
+    pending: list[int] = field(default_factory=list)
+    current: str | None = None
+    residents: list[str] = field(default_factory=list)  # configurations its pool holds, most recent first
+    probes: set[int] = field(default_factory=set)  # tests whose duration includes a launch
+    down: bool = False
+
+
+@dataclass
+class Actions:
+    """What the planner asks of the xdist workers: tests to send (collection indices), and shutdowns."""
+
+    sends: list[tuple[Hashable, list[int]]] = field(default_factory=list)
+    shutdowns: list[Hashable] = field(default_factory=list)
+
+
+def _median(values: Sequence[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+class Planner:
+    """Hands tests (collection indices) to nodes by configuration: affinity first, then work stealing.
+
+    ``units[i]`` is what test ``i`` needs (None: no pooled worker; any node runs it). ``gpus_total`` is the
+    inventory's size (None: unknown, no GPU check), ``steal_min`` the ``K`` of work stealing (None: off),
+    ``workers`` the number of xdist workers (``workers - 1`` extra copies at most)."""
+
+    def __init__(self, units: Sequence[Unit | None], *, gpus_total: int | None, steal_min: int | None,
+                 workers: int, window: int = WINDOW) -> None:
+        self.units = list(units)
+        self.queues: dict[str | None, deque[int]] = {}
+        self.info: dict[str, Unit] = {}
+        for index, unit in enumerate(self.units):
+            if unit is not None:
+                self.info.setdefault(unit.key, unit)
+            self.queues.setdefault(unit.key if unit else None, deque()).append(index)
+        self.total = gpus_total
+        self.steal_min = steal_min
+        self.steal_budget = max(0, workers - 1)
+        self.window = max(2, window)
+        self.nodes: dict[Hashable, _Node] = {}
+        self.launches = 0
+        self.steals = 0
+        self._seconds: dict[str, list[float]] = {}
+        self._startups: dict[str, list[float]] = {}
+
+    # -- state --------------------------------------------------------------------------------------------
+    @property
+    def configurations(self) -> int:
+        return len(self.info)
+
+    def left(self) -> int:
+        return sum(len(q) for q in self.queues.values())
+
+    @property
+    def finished(self) -> bool:
+        return not self.left() and all(len(n.pending) < 2 for n in self.nodes.values())
+
+    @property
+    def has_pending(self) -> bool:
+        return bool(self.left()) or any(n.pending for n in self.nodes.values())
+
+    def copies(self, key: str) -> int:
+        """Nodes that take tests of ``key`` from its queue."""
+        return sum(1 for n in self.nodes.values() if n.current == key and not n.down)
+
+    def _gpus(self, key: str) -> int:
+        return max(0, self.info[key].gpus)
+
+    def _held(self, node: _Node) -> int:
+        return sum(self._gpus(k) for k in node.residents)
+
+    def _free_for(self, node: _Node) -> int | None:
+        """GPUs ``node`` could lease now: the inventory less what the others' pools hold (its own idle
+        workers are evicted when it needs their GPUs, as the pool does)."""
+        if self.total is None:
+            return None
+        return self.total - sum(self._held(n) for n in self.nodes.values() if n is not node)
+
+    # -- durations ----------------------------------------------------------------------------------------
+    def test_seconds(self, key: str) -> float | None:
+        own = _median(self._seconds.get(key, ()))
+        return own if own is not None else _median([s for v in self._seconds.values() for s in v])
+
+    def startup_seconds(self, key: str) -> float | None:
+        """A launch's cost, from the first test of a configuration on a node (its setup starts the worker)."""
+        t = self.test_seconds(key)
+        own = _median(self._startups.get(key, ()))
+        first = own if own is not None else _median([s for v in self._startups.values() for s in v])
+        if first is None or t is None:
+            return None
+        return max(0.0, first - t)
+
+    def worth_a_copy(self, key: str, left: int, copies: int) -> bool:
+        """The work left per running copy outweighs a startup (unmeasured: assumed so, K decides)."""
+        t, startup = self.test_seconds(key), self.startup_seconds(key)
+        if t is None or startup is None:
+            return True
+        return left * t > copies * startup
+
+    # -- nodes --------------------------------------------------------------------------------------------
+    def add_node(self, node_id: Hashable) -> None:
+        self.nodes.setdefault(node_id, _Node(node_id))
+
+    def mark_down(self, node_id: Hashable) -> None:
+        node = self.nodes.get(node_id)
+        if node is not None:
+            node.down = True
+
+    def remove_node(self, node_id: Hashable) -> tuple[int | None, Actions]:
+        """The node is gone: its first pending test is the one it crashed in (returned), the others go back
+        to the front of their queues."""
+        node = self.nodes.pop(node_id, None)
+        if node is None or not node.pending:
+            return None, self.fill_all()
+        crashed, rest = node.pending[0], node.pending[1:]
+        for index in reversed(rest):
+            self._requeue(index)
+        return crashed, self.fill_all()
+
+    def requeue(self, index: int) -> Actions:
+        """Run ``index`` again (``mark_test_pending``, e.g. a rerun after a crash)."""
+        self._requeue(index)
+        return self.fill_all()
+
+    def _requeue(self, index: int) -> None:
+        unit = self.units[index]
+        self.queues.setdefault(unit.key if unit else None, deque()).appendleft(index)
+
+    def complete(self, node_id: Hashable, index: int, duration: float = 0.0) -> Actions:
+        node = self.nodes.get(node_id)
+        if node is None:
+            return Actions()
+        if index in node.pending:
+            node.pending.remove(index)
+        unit = self.units[index]
+        if unit is not None:
+            samples = self._startups if index in node.probes else self._seconds
+            samples.setdefault(unit.key, []).append(max(0.0, duration))
+        node.probes.discard(index)
+        actions = Actions()
+        self._fill(node, actions)
+        for other in self.nodes.values():
+            if other is not node:
+                self._fill(other, actions)
+        return actions
+
+    def fill_all(self) -> Actions:
+        actions = Actions()
+        for node in sorted(self.nodes.values(), key=lambda n: not n.pending):  # busy nodes keep theirs first
+            self._fill(node, actions)
+        return actions
+
+    # -- choosing -----------------------------------------------------------------------------------------
+    def _choose(self, node: _Node) -> tuple[tuple[str, str | None] | None, bool]:
+        """``((kind, key), blocked)``: what ``node`` takes next (kind ``same``, ``resident``, ``new``,
+        ``unkeyed`` or ``steal``), and whether something was left only because its GPUs are not free."""
+        current = node.current
+        if current is not None and self.queues.get(current):
+            return ("same", current), False
+        for key in node.residents:
+            if key != current and self.queues.get(key) and (self.info[key].stealable or not self.copies(key)):
+                return ("resident", key), False
+        free = self._free_for(node)
+        blocked = False
+        unstarted = [k for k, q in self.queues.items() if k is not None and q and not self.copies(k)]
+        unstarted.sort(key=lambda k: -len(self.queues[k]))  # largest first; ties in collection order
+        for key in unstarted:
+            if free is None or self._gpus(key) <= free:
+                return ("new", key), False
+            blocked = True
+        if self.queues.get(None):
+            return ("unkeyed", None), False
+        stolen, steal_blocked = self._steal_for(free)
+        if stolen is not None:
+            return ("steal", stolen), False
+        return None, blocked or steal_blocked
+
+    def _steal_for(self, free: int | None) -> tuple[str | None, bool]:
+        if self.steal_min is None or self.steals >= self.steal_budget:
+            return None, False
+        running = [k for k, q in self.queues.items()
+                   if k is not None and q and self.info[k].stealable and self.copies(k)]
+        running.sort(key=lambda k: -len(self.queues[k]) / (self.copies(k) + 1))
+        blocked = False
+        for key in running:
+            left, copies, gpus = len(self.queues[key]), self.copies(key), self._gpus(key)
+            if left < self.steal_min * (copies + 1):
+                continue
+            if self.total is not None and gpus and copies + 1 > self.total // gpus:
+                continue
+            if not self.worth_a_copy(key, left, copies):
+                continue
+            if free is not None and gpus > free:
+                blocked = True
+                continue
+            return key, blocked
+        return None, blocked
+
+    def _launch(self, node: _Node, key: str) -> None:
+        node.residents = [key, *(k for k in node.residents if k != key)]
+        if self.total is not None:
+            while len(node.residents) > 1 and sum(self._held(n) for n in self.nodes.values()) > self.total:
+                node.residents.pop()  # the pool evicts its least recently used idle worker
+
+    def _fill(self, node: _Node, actions: Actions) -> None:
+        if node.down:
+            return
+        batch: list[int] = []
+        choice: tuple[str, str | None] | None = None
+        blocked = False
+        while len(node.pending) + len(batch) < self.window:
+            choice, blocked = self._choose(node)
+            if choice is None:
+                break
+            kind, key = choice
+            probe = False
+            if kind in ("new", "steal") and key is not None:
+                self._launch(node, key)
+                self.launches += 1
+                self.steals += kind == "steal"
+                probe = True
+            elif kind == "resident" and key is not None:
+                node.residents = [key, *(k for k in node.residents if k != key)]
+            if key is not None:
+                node.current = key
+            index = self.queues[key].popleft()
+            if probe:
+                node.probes.add(index)
+            batch.append(index)
+        if batch:
+            node.pending.extend(batch)
+            actions.sends.append((node.id, batch))
+        if not self.left():
+            self._down(node, actions)
+        elif choice is None and len(node.pending) < 2 and (node.pending or not blocked):
+            # Nothing for it now: it runs what it holds and leaves, so that its pool's GPUs are given back. A node
+            # that holds a test cannot wait (xdist runs a test only once it knows the next one, or the shutdown);
+            # one that holds none waits when only GPUs are missing (the others free theirs as they finish).
+            self._down(node, actions)
+
+    def _down(self, node: _Node, actions: Actions) -> None:
+        node.down = True
+        actions.shutdowns.append(node.id)
+
+
+# ---------------------------------------------------------------------------------------------- the map
+
+
+def unit_of(session: SglSession, item: pytest.Item) -> Unit | None:
+    """What ``item`` needs from the pool (None: nothing pooled: no worker, a skip, an error, fresh workers)."""
+    from .markers import MarkerError, WorkerMarker, WorkersMarker
+    from .session import CONFIG_KEY, ITEM_ERROR_KEY
+
+    config = item.stash.get(CONFIG_KEY, None)
+    skipped = item.get_closest_marker("skip") is not None or ITEM_ERROR_KEY in item.stash
+    groups = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+                     for m in item.iter_markers("xdist_group")})
+    pooled = False
+    gpus = 0
+    if config is not None and not skipped:
+        try:
+            if config.group is None:
+                worker = WorkerMarker.from_mark(item.get_closest_marker("sgl_worker"))
+                pooled = not (worker.fresh or worker.startup_timeout is not None
+                              or worker.allow_foreign_host is not None)
+            else:
+                workers = WorkersMarker.from_mark(item.get_closest_marker("sgl_workers"))
+                pooled = not (workers.fresh or workers.startup_timeout is not None)
+            gpus = config.gpus_needed(session.choose_kind)
+        except (MarkerError, ValueError, TypeError):
+            pooled = False
+    if groups and not all(g.startswith("sgl-") for g in groups):
+        return Unit("xdist_group:" + "_".join(groups), gpus if pooled else 0, stealable=False)
+    if config is None or skipped or not pooled:
+        return None
+    return Unit(config.key, gpus)
+
+
+def write_collection_map(session: SglSession, items: Sequence[pytest.Item]) -> None:
+    """On an xdist worker: which unit each collected node id needs, for the controller's scheduler."""
+    from .session import xdist_worker_id
+
+    workerinput = getattr(session.config, "workerinput", None)
+    if not isinstance(workerinput, dict) or not workerinput.get(MAP_INPUT):
+        return
+    directory = Path(workerinput[MAP_INPUT])
+    tests: dict[str, list[Any]] = {}
+    for item in items:
+        try:
+            unit = unit_of(session, item)
+        except Exception:  # the map is an optimisation: a test it cannot place runs anywhere
+            unit = None
+        if unit is not None:
+            tests[item.nodeid] = [unit.key, unit.gpus, unit.stealable]
+    gpus: int | None = None
+    if tests:
+        try:
+            gpus = len(session.lease_manager().inventory.static_gpus())
+        except Exception:  # no inventory: the workers skip or fail those tests; nothing to budget
+            gpus = None
+    if not directory.is_dir():
+        return
+    from ..resources.state import atomic_write
+
+    try:
+        atomic_write(directory / f"{xdist_worker_id(session.config)}.json",
+                     json.dumps({"schema": MAP_SCHEMA, "gpus": gpus, "tests": tests}), mode=0o600)
+    except OSError:
+        pass
+
+
+@dataclass
+class CollectionMap:
+    tests: dict[str, Unit] = field(default_factory=dict)
+    gpus: int | None = None
+    read: bool = False
+
+
+def read_collection_map(path: Path) -> CollectionMap | None:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict) or data.get("schema") != MAP_SCHEMA or not isinstance(data.get("tests"), dict):
+        return None
+    gpus = data.get("gpus")
+    result = CollectionMap(gpus=gpus if isinstance(gpus, int) and not isinstance(gpus, bool) and gpus > 0 else None,
+                           read=True)
+    for nodeid, entry in data["tests"].items():
+        if (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], str) and isinstance(entry[1], int)
+                and isinstance(entry[2], bool)):
+            result.tests[str(nodeid)] = Unit(entry[0], max(0, entry[1]), entry[2])
+    return result
+
+
+def unit_from_suffix(nodeid: str) -> Unit | None:
+    """The ``@<group>`` suffix ``--dist loadgroup`` adds (``@sgl-<key>`` for a worker configuration)."""
+    if nodeid.rfind("@") <= nodeid.rfind("]"):
+        return None
+    group = nodeid.rsplit("@", 1)[1]
+    if group.startswith("sgl-") and len(group) > 4:
+        return Unit(group[4:], 1)
+    return Unit("xdist_group:" + group, 0, stealable=False) if group else None
+
+
+# ---------------------------------------------------------------------------------------------- xdist
+
+
+class ConfigScheduling:
+    """xdist's ``Scheduling`` protocol over :class:`Planner`. Until the collection is complete it also feeds
+    an xdist ``LoadScheduling``, which takes over, unchanged, when no collected test needs a pooled worker
+    (or the xdist workers collected different tests: it reports that as xdist does)."""
+
+    def __init__(self, config: pytest.Config, log: Any, *, map_dir: Path | None, steal_min: int | None) -> None:
+        from xdist.scheduler import LoadScheduling  # type: ignore[import-untyped]
+        from xdist.workermanage import parse_tx_spec_config  # type: ignore[import-untyped]
+
+        self.config = config
+        self.log = log.sglworkersched if log is not None else (lambda *args: None)
+        self.numnodes = len(parse_tx_spec_config(config))
+        self.map_dir = map_dir
+        self.steal_min = steal_min
+        self.node2collection: dict[Any, list[str]] = {}
+        self._nodes: list[Any] = []
+        self.collection: list[str] | None = None
+        self.planner: Planner | None = None
+        self.map = CollectionMap()
+        self.delegate: Any = None
+        self._shadow: Any = LoadScheduling(config, log)
+
+    # -- the protocol -------------------------------------------------------------------------------------
+    @property
+    def nodes(self) -> list[Any]:
+        return self.delegate.nodes if self.delegate is not None else list(self._nodes)
+
+    @property
+    def collection_is_completed(self) -> bool:
+        if self.delegate is not None:
+            return bool(self.delegate.collection_is_completed)
+        return len(self.node2collection) >= self.numnodes
+
+    @property
+    def tests_finished(self) -> bool:
+        if self.delegate is not None:
+            return bool(self.delegate.tests_finished)
+        return self.collection_is_completed and self.planner is not None and self.planner.finished
+
+    @property
+    def has_pending(self) -> bool:
+        if self.delegate is not None:
+            return bool(self.delegate.has_pending)
+        return self.planner is not None and self.planner.has_pending
+
+    def add_node(self, node: Any) -> None:
+        if self.delegate is not None:
+            self.delegate.add_node(node)
+            return
+        if self._shadow is not None:  # until the plan is made
+            self._shadow.add_node(node)
+        self._nodes.append(node)
+
+    def add_node_collection(self, node: Any, collection: Sequence[str]) -> None:
+        if self.delegate is not None:
+            self.delegate.add_node_collection(node, collection)
+            return
+        if self.planner is None:
+            self._shadow.add_node_collection(node, collection)
+        if self.collection is not None and list(collection) != self.collection:
+            from xdist.report import report_collection_diff  # type: ignore[import-untyped]
+
+            other = next(iter(self.node2collection))
+            self.log(report_collection_diff(self.collection, list(collection), other.gateway.id, node.gateway.id))
+            return
+        self.node2collection[node] = list(collection)
+        if self.planner is None:
+            self._read_map(node)
+        else:
+            self.planner.add_node(node)
+
+    def mark_test_complete(self, node: Any, item_index: int, duration: float = 0) -> None:
+        if self.delegate is not None:
+            self.delegate.mark_test_complete(node, item_index, duration)
+            return
+        assert self.planner is not None
+        self._sync()
+        self._apply(self.planner.complete(node, item_index, duration))
+
+    def mark_test_pending(self, item: str) -> None:
+        if self.delegate is not None:
+            self.delegate.mark_test_pending(item)
+            return
+        assert self.planner is not None and self.collection is not None
+        self._sync()
+        self._apply(self.planner.requeue(self.collection.index(item)))
+
+    def remove_pending_tests_from_node(self, node: Any, indices: Sequence[int]) -> None:
+        if self.delegate is not None:
+            self.delegate.remove_pending_tests_from_node(node, indices)
+            return
+        raise NotImplementedError  # only answers to a "steal" command, which this scheduler never sends
+
+    def remove_node(self, node: Any) -> str | None:
+        if self.delegate is not None:
+            return self.delegate.remove_node(node)  # type: ignore[no-any-return]
+        if node in self._nodes:
+            self._nodes.remove(node)
+        if self.planner is None:
+            self.node2collection.pop(node, None)
+            return self._shadow.remove_node(node)  # type: ignore[no-any-return]
+        self._sync()
+        crashed, actions = self.planner.remove_node(node)
+        self._apply(actions)
+        return self.collection[crashed] if crashed is not None and self.collection is not None else None
+
+    def schedule(self) -> None:
+        if self.delegate is not None:
+            self.delegate.schedule()
+            return
+        assert self.collection_is_completed
+        if self.planner is not None:
+            self._sync()
+            self._apply(self.planner.fill_all())
+            return
+        collections = list(self.node2collection.values())
+        first = collections[0]
+        if any(c != first for c in collections[1:]) or not self._plan(first):
+            self.delegate, self._shadow = self._shadow, None
+            self.delegate.schedule()
+            return
+        assert self.planner is not None
+        self._apply(self.planner.fill_all())
+
+    # -- helpers ------------------------------------------------------------------------------------------
+    def _read_map(self, node: Any) -> None:
+        if self.map_dir is None or self.map.read:
+            return
+        found = read_collection_map(self.map_dir / f"{node.gateway.id}.json")
+        if found is not None:
+            self.map = found
+
+    def _plan(self, collection: list[str]) -> bool:
+        units = [self.map.tests.get(nodeid) or unit_from_suffix(nodeid) for nodeid in collection]
+        if not any(units):
+            return False
+        self.collection = collection
+        self.planner = Planner(units, gpus_total=self.map.gpus, steal_min=self.steal_min, workers=self.numnodes)
+        for node in self._nodes:
+            if node in self.node2collection:
+                self.planner.add_node(node)
+        self._shadow = None
+        self.log(f"{len(collection)} tests, {self.planner.configurations} configurations, {len(self._nodes)} nodes")
+        return True
+
+    def _sync(self) -> None:
+        """Nodes xdist itself shut down (``-x``, ``--maxfail``, an interrupt) get nothing more."""
+        assert self.planner is not None
+        for node in self._nodes:
+            if getattr(node, "shutting_down", False):
+                self.planner.mark_down(node)
+
+    def _apply(self, actions: Actions) -> None:
+        for node, indices in actions.sends:
+            node.send_runtest_some(indices)  # type: ignore[attr-defined]
+        for node in actions.shutdowns:
+            node.shutdown()  # type: ignore[attr-defined]
+
+    def summary(self) -> str | None:
+        """One line for the terminal summary."""
+        if self.planner is None:
+            if self.delegate is None:
+                return None
+            return "sglworker: no collected test needs a pooled worker: xdist's load scheduling handed them out"
+        p = self.planner
+        steal = f"steal={self.steal_min}" if self.steal_min else "stealing off"
+        return (f"sglworker: xdist scheduled {len(p.units)} tests by worker configuration: {p.configurations} "
+                f"configuration(s) on {self.numnodes} xdist worker(s), {p.launches} launch(es) planned, {p.steals} "
+                f"of them extra copies by work stealing ({steal})")
+
+
+# ---------------------------------------------------------------------------------------------- the hooks
+
+
+def _state(config: pytest.Config) -> dict[str, Any]:
+    return config.stash.setdefault(_STATE, {})
+
+
+def decision_for(session: SglSession) -> Decision | None:
+    state = _state(session.config)
+    if "decision" not in state:
+        state["decision"] = decide(session.config, session.settings)
+    result: Decision | None = state["decision"]
+    return result
+
+
+def header_line(session: SglSession) -> str | None:
+    decision = decision_for(session)
+    return decision.line if decision is not None else None
+
+
+def map_dir_for(session: SglSession) -> Path | None:
+    """The private directory the xdist workers write their collection maps to (made once, removed at the
+    end of the run)."""
+    decision = decision_for(session)
+    if decision is None or not decision.use:
+        return None
+    state = _state(session.config)
+    if "map_dir" not in state:
+        import shutil
+        import tempfile
+
+        try:
+            path: Path | None = Path(tempfile.mkdtemp(prefix="pytest-sglworker-xdist-"))
+        except OSError:
+            path = None
+        if path is not None:
+            session.config.add_cleanup(lambda: shutil.rmtree(path, ignore_errors=True))
+        state["map_dir"] = path
+    result: Path | None = state["map_dir"]
+    return result
+
+
+def configure_node(session: SglSession, node: Any) -> None:
+    path = map_dir_for(session)
+    if path is not None:
+        node.workerinput[MAP_INPUT] = str(path)
+
+
+def make_scheduler(session: SglSession, config: pytest.Config, log: Any) -> ConfigScheduling | None:
+    decision = decision_for(session)
+    if decision is None or not decision.use:
+        return None
+    scheduler = ConfigScheduling(config, log, map_dir=map_dir_for(session), steal_min=session.settings.dist[1])
+    _state(config)["scheduler"] = scheduler
+    return scheduler
+
+
+def summary_line(session: SglSession) -> str | None:
+    scheduler = _state(session.config).get("scheduler")
+    if not isinstance(scheduler, ConfigScheduling):
+        return None
+    line = scheduler.summary()
+    return line if line and (session.settings.models or scheduler.planner is not None) else None

@@ -1,0 +1,470 @@
+"""The simulated engine's gRPC server: sglang 0.5.23's ``--grpc-mode`` (the ``smg-grpc-servicer`` package).
+
+Part of :mod:`pytest_sglworker.sim`, imported only in ``--grpc-mode``: it needs ``grpcio``,
+``grpcio-health-checking`` and ``smg-grpc-proto`` (the servicer's own generated stubs), which ``pip install
+'pytest-sglworker[grpc]'`` installs; :func:`missing_reason` says what is missing, and the sim then exits with
+that one line.
+
+What it serves, as the real servicer does (smg-grpc-servicer 0.14.1 beside sglang 0.5.23 on the CPU):
+
+- on ``--port``: ``sglang.grpc.scheduler.SglangScheduler`` (``Generate`` streamed or not, ``Embed``,
+  ``HealthCheck``, ``Abort``, ``GetModelInfo``, ``GetServerInfo``, ``GetLoads``, ``FlushCache``; the rest
+  UNIMPLEMENTED) and the standard ``grpc.health.v1.Health`` (``""`` and the scheduler service:
+  ``NOT_SERVING`` until the warmup is over, ``SERVING`` after, ``NOT_FOUND`` for another service);
+- on ``--smg-http-sidecar-port`` (default ``--port + 1``), the HTTP sidecar: ``POST /start_profile``, ``POST
+  /stop_profile``, ``GET /metrics`` with ``--enable-metrics``, 404 ``404: Not Found`` for the rest (no
+  ``/health``), plus the sim's own control endpoint ``/_sim/faults`` (the request faults apply to
+  ``Generate`` and ``Embed``; ``slow_health``, ``health_fail*`` to both health services);
+- the startup log: ``HTTP sidecar server started on ...``, ``Standard gRPC health service initialized``,
+  ``gRPC scheduler servicer initialized``, ``gRPC server listening on HOST:PORT``, the warmup (``Sending
+  warmup request to gRPC server...``; skipped with ``--skip-server-warmup``), ``Health service status set to
+  SERVING``, then the ready line. The real warmup request is the token ids 123 ... 890: a model whose vocab
+  is smaller (the tiny test Llama's 512) crashes the real scheduler with ``IndexError: index out of range in
+  self``, and so does the sim (run such a model with ``--skip-server-warmup``);
+- a port already in use: grpc's bind error, ``gRPC startup failed``, exit 1.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import threading
+import time
+import traceback
+from collections.abc import Iterator
+from concurrent import futures
+from typing import Any, NoReturn
+
+from ..workers.grpc_worker import INSTALL_HINT, SCHEDULER_SERVICE, grpc_missing_reason
+from .core import CONTROL_PATH, ENV_FAULT
+from .http_server import SITE, VERSION, Handler, Sim, SimHTTPServer, kill_self
+from .tokens import Generation, embedding, logprobs
+
+__all__ = ["INSTALL_HINT", "SCHEDULER_SERVICE", "WARMUP_INPUT_IDS", "GrpcSim", "missing_reason", "serve"]
+
+#: The servicer's warmup request (``smg_grpc_servicer/sglang/server.py``): "random-looking but safe" ids.
+WARMUP_INPUT_IDS = (123, 456, 789, 234, 567, 890, 345)
+#: sglang's HTTP status of an abort -> the gRPC status the servicer ends the stream with.
+_STATUS_CODES = {400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 404: "NOT_FOUND", 429: "RESOURCE_EXHAUSTED",
+                 503: "UNAVAILABLE", 504: "DEADLINE_EXCEEDED"}
+
+
+def missing_reason() -> str:
+    """One line naming the packages ``--grpc-mode`` needs and this Python lacks, or ""."""
+    return grpc_missing_reason("--grpc-mode")
+
+
+def _m(name: str) -> Any:
+    return importlib.import_module(name)
+
+
+def _pb() -> Any:
+    return _m("smg_grpc_proto").sglang_scheduler_pb2
+
+
+# ---------------------------------------------------------------------------------------------- sidecar
+
+
+class SidecarHandler(Handler):
+    """The real sidecar's routes (aiohttp there), on the sim's HTTP plumbing, plus the sim's control endpoint."""
+
+    def _authorized(self, path: str) -> bool:
+        return True  # the sidecar has no API key check
+
+    def _routes(self) -> dict[str, Any]:
+        routes: dict[str, Any] = {
+            "/start_profile": (("POST",), self._start_profile),
+            "/stop_profile": (("POST",), self._stop_profile),
+            CONTROL_PATH: (("GET", "POST"), self._control),
+        }
+        if self.sim.plan.args["enable_metrics"]:
+            routes["/metrics"] = (("GET",), self._metrics)
+        return routes
+
+    def _dispatch(self) -> None:
+        if self.path.split("?", 1)[0] not in self._routes():
+            self._drain()
+            self._send(404, b"404: Not Found", "text/plain; charset=utf-8")
+            return
+        super()._dispatch()
+
+    def _start_profile(self, body: bytes) -> None:
+        self.server.profiling = True  # type: ignore[attr-defined]
+        self._send(200, b"Start profiling.\n", "text/plain; charset=utf-8")
+
+    def _stop_profile(self, body: bytes) -> None:
+        if not getattr(self.server, "profiling", False):
+            self._send(500, b"Stop profile failed: Profiling is not in progress. Call /start_profile first.\n",
+                       "text/plain; charset=utf-8")
+            return
+        self.server.profiling = False  # type: ignore[attr-defined]
+        self._send(200, b"Stop profiling. This will take some time.\n", "text/plain; charset=utf-8")
+
+
+class SidecarServer(SimHTTPServer):
+    profiling = False
+
+    def __init__(self, address: tuple[str, int], sim: Sim) -> None:
+        self.sim = sim
+        super(SimHTTPServer, self).__init__(address, SidecarHandler)
+
+
+# ---------------------------------------------------------------------------------------------- services
+
+
+def _serving(sim: Sim) -> bool:
+    return sim.ready and not sim.shutting_down and not sim.state.health_failing()
+
+
+def _slow_health(sim: Sim) -> None:
+    delay = sim.state.snapshot().slow_health
+    if delay:
+        time.sleep(delay)
+
+
+def _health_servicer(sim: Sim) -> Any:
+    health_pb2 = _m("grpc_health.v1.health_pb2")
+    base = _m("grpc_health.v1.health_pb2_grpc").HealthServicer
+    grpc = _m("grpc")
+
+    class HealthServicer(base):  # type: ignore[misc, valid-type]
+        def Check(self, request: Any, context: Any) -> Any:
+            _slow_health(sim)
+            if request.service not in ("", SCHEDULER_SERVICE):
+                context.abort(grpc.StatusCode.NOT_FOUND, f"Unknown service: {request.service}")
+            status = health_pb2.HealthCheckResponse.SERVING if _serving(sim) else \
+                health_pb2.HealthCheckResponse.NOT_SERVING
+            return health_pb2.HealthCheckResponse(status=status)
+
+    return HealthServicer()
+
+
+def _scheduler_servicer(sim: Sim) -> Any:
+    pb = _pb()
+    common = _m("smg_grpc_proto.generated.common_pb2")
+    base = _m("smg_grpc_proto").sglang_scheduler_pb2_grpc.SglangSchedulerServicer
+    grpc = _m("grpc")
+    struct_pb2 = _m("google.protobuf.struct_pb2")
+    timestamp_pb2 = _m("google.protobuf.timestamp_pb2")
+    plan = sim.plan
+    started = time.time()
+
+    def abort_status(context: Any, status: int, message: str) -> NoReturn:
+        context.abort(getattr(grpc.StatusCode, _STATUS_CODES.get(status, "INTERNAL")), message)
+        raise AssertionError("unreachable")  # context.abort raises
+
+    def request_faults(context: Any) -> None:
+        faults = sim.state.snapshot()
+        if faults.latency:
+            time.sleep(faults.latency)
+        k, verdict, status = sim.state.next_request()
+        if verdict == "hang":
+            sim.log.info(f"(sim) request {k} hangs ({ENV_FAULT})")
+            while not sim.shutting_down and context.is_active():
+                time.sleep(0.05)
+            abort_status(context, 503, "Server is shutting down")
+        if verdict == "fail":
+            abort_status(context, status, f"simulated failure of request {k} ({ENV_FAULT})")
+
+    def check_input(ids: list[int], max_new: int | None, context: Any) -> None:
+        n, ctx = len(ids), plan.context_len
+        if not ids:
+            abort_status(context, 400, "Generate request has no input_ids (the gRPC API takes tokenized input)")
+        if n >= ctx:
+            abort_status(context, 400, f"The input ({n} tokens) is longer than the model's context length "
+                                       f"({ctx} tokens).")
+        if max_new is not None and max_new + n > ctx:
+            abort_status(context, 400, f"Requested token count exceeds the model's maximum context length of {ctx} "
+                                       f"tokens. You requested a total of {max_new + n} tokens: {n} tokens from "
+                                       f"the input messages and {max_new} tokens for the completion.")
+        if n >= plan.max_req_input_len:
+            abort_status(context, 400, f"Input length ({n} tokens) exceeds the maximum allowed length "
+                                       f"({plan.max_req_input_len} tokens). Use a shorter input or enable "
+                                       "--allow-auto-truncate.")
+        vocab = sim.vocab.vocab_size
+        if any(i >= vocab for i in ids):
+            abort_status(context, 400, f"Input token id out of range: the vocab has {vocab} tokens")
+
+    def finish(gen: Generation) -> dict[str, Any]:
+        reason = "length" if gen.finish.get("type") == "length" else "stop"
+        matched = gen.finish.get("matched")
+        out: dict[str, Any] = {"finish_reason": reason}
+        if isinstance(matched, int) and not isinstance(matched, bool):
+            out["matched_token_id"] = matched
+        elif isinstance(matched, str):
+            out["matched_stop_str"] = matched
+        return out
+
+    def output_logprobs(gen: Generation, request: Any, upto: slice) -> Any:
+        if not request.return_logprob:
+            return None
+        probs = logprobs(sim.vocab, gen, start_len=-1, top_n=max(request.top_logprobs_num, 0), with_text=False)
+        rows = probs.output_token[upto]
+        tops = probs.output_top[upto] if request.top_logprobs_num > 0 else []
+        return pb.OutputLogProbs(
+            token_logprobs=[r[0] for r in rows], token_ids=[r[1] for r in rows],
+            top_logprobs=[pb.TopLogProbs(values=[e[0] for e in top], token_ids=[e[1] for e in top])
+                          for top in tops])
+
+    class SchedulerServicer(base):  # type: ignore[misc, valid-type]
+        def Generate(self, request: Any, context: Any) -> Iterator[Any]:
+            sim.log.info(f"Receive generation request: {request.request_id}")
+            if plan.is_embedding:
+                abort_status(context, 400, "This model is served with --is-embedding and does not generate")
+            sp = request.sampling_params
+            ids = list(request.tokenized.input_ids)
+            max_new = sp.max_new_tokens if sp.HasField("max_new_tokens") else 128
+            check_input(ids, max_new, context)
+            with sim.lock:
+                sim.running += 1
+            try:
+                request_faults(context)
+                n = max(int(sp.n or 1), 1)
+                gens = [sim.generate(ids, None, max_new, list(sp.stop), bool(sp.ignore_eos),
+                                     list(sp.stop_token_ids) or None) for _ in range(n)]
+                if plan.mode == "prefill":  # the prefill side stops after its first token
+                    for gen in gens:
+                        gen.output_ids, gen.texts = gen.output_ids[:1], gen.texts[:1]
+                        gen.finish = {"type": "length", "length": 0}
+                for index, gen in enumerate(gens):
+                    counts = {"prompt_tokens": gen.prompt_tokens, "cached_tokens": gen.cached_tokens}
+                    if request.stream:
+                        for k, token in enumerate(gen.output_ids):
+                            if sim.token_seconds:
+                                time.sleep(sim.token_seconds)
+                            yield pb.GenerateResponse(request_id=request.request_id, chunk=pb.GenerateStreamChunk(
+                                token_ids=[token], completion_tokens=k + 1, index=index,
+                                output_logprobs=output_logprobs(gen, request, slice(k, k + 1)), **counts))
+                        last = gen.output_ids[-1:]  # the servicer's Complete repeats the last chunk's tokens
+                        yield pb.GenerateResponse(request_id=request.request_id, complete=pb.GenerateComplete(
+                            output_ids=last, completion_tokens=gen.completion_tokens, index=index,
+                            **counts, **finish(gen)))
+                    else:
+                        if sim.token_seconds:
+                            time.sleep(sim.token_seconds * gen.completion_tokens)
+                        yield pb.GenerateResponse(request_id=request.request_id, complete=pb.GenerateComplete(
+                            output_ids=gen.output_ids, completion_tokens=gen.completion_tokens, index=index,
+                            output_logprobs=output_logprobs(gen, request, slice(None)), **counts, **finish(gen)))
+            finally:
+                with sim.lock:
+                    sim.running -= 1
+            if sim.count_inference():
+                sim.die()
+
+        def Embed(self, request: Any, context: Any) -> Any:
+            sim.log.info(f"Receive embedding request: {request.request_id}")
+            ids = list(request.tokenized.input_ids)
+            check_input(ids, None, context)
+            with sim.lock:
+                sim.running += 1
+            try:
+                request_faults(context)
+                vector = embedding(ids, plan.hidden_size)
+            finally:
+                with sim.lock:
+                    sim.running -= 1
+            if sim.count_inference():
+                sim.die()
+            return pb.EmbedResponse(embedding_dim=len(vector), embedding=vector, prompt_tokens=len(ids))
+
+        def HealthCheck(self, request: Any, context: Any) -> Any:
+            rid = f"HEALTH_CHECK_{time.time()}"
+            sim.log.info(f"Receive health check request: {rid}")
+            _slow_health(sim)
+            if sim.shutting_down:
+                sim.log.info("Health check request received during shutdown. Returning unhealthy.")
+                return pb.HealthCheckResponse(healthy=False, message="Server is shutting down")
+            if sim.state.health_failing():
+                return pb.HealthCheckResponse(healthy=False, message=f"simulated health failure ({ENV_FAULT})")
+            # The real RPC sends a one-token request to the scheduler: healthy once it answers, warmup or not.
+            return pb.HealthCheckResponse(healthy=True, message="Health check passed")
+
+        def Abort(self, request: Any, context: Any) -> Any:
+            sim.log.info(f"Abort request: {request.request_id} ({request.reason})")
+            return pb.AbortResponse(success=True, message="")
+
+        def GetModelInfo(self, request: Any, context: Any) -> Any:
+            args = plan.args
+            config = plan.model.config or {}
+            labels = config.get("id2label") or {"0": "LABEL_0", "1": "LABEL_1"}  # transformers' default config
+            return pb.GetModelInfoResponse(
+                model_path=args["model_path"], tokenizer_path=args["tokenizer_path"] or "",
+                is_generation=not plan.is_embedding, served_model_name=plan.served_model_name,
+                weight_version="default", max_context_length=plan.max_total_tokens,
+                # The servicer reads these from the scheduler's info, which 0.5.23 does not publish: its defaults.
+                vocab_size=128256, eos_token_ids=[], pad_token_id=0, bos_token_id=1,
+                supports_vision=False, model_type=plan.model.model_type or plan.facts.model_type or "",
+                architectures=[plan.model.architecture or plan.facts.architecture],
+                max_req_input_len=plan.max_req_input_len,
+                id2label_json=_json(labels), num_labels=len(labels))
+
+        def GetServerInfo(self, request: Any, context: Any) -> Any:
+            server_args = struct_pb2.Struct()
+            server_args.update(_plain({k: v for k, v in plan.args.items() if not k.startswith("_")}))
+            info = struct_pb2.Struct()
+            info.update({"status": "ready", "max_total_num_tokens": plan.max_total_tokens,
+                         "max_req_input_len": plan.max_req_input_len,
+                         "startup_time": _plain(sim.startup_timings)})
+            start = timestamp_pb2.Timestamp()
+            start.FromSeconds(int(started))
+            with sim.lock:
+                running = sim.running
+            return pb.GetServerInfoResponse(
+                server_args=server_args, scheduler_info=info, active_requests=running, is_paused=False,
+                last_receive_timestamp=time.time(), uptime_seconds=time.time() - started, sglang_version=VERSION,
+                server_type="grpc", start_time=start, max_total_num_tokens=plan.max_total_tokens)
+
+        def GetLoads(self, request: Any, context: Any) -> Any:
+            with sim.lock:
+                running = sim.running
+            load = pb.SchedulerLoad(dp_rank=0, num_running_reqs=running, num_total_reqs=running,
+                                    max_total_num_tokens=plan.max_total_tokens,
+                                    max_running_requests=plan.max_running_requests,
+                                    memory=pb.MemoryMetrics(weight_gb=round(plan.weights, 3),
+                                                            token_capacity=plan.max_total_tokens),
+                                    disaggregation=pb.DisaggregationMetrics(mode=plan.mode),
+                                    queues=pb.QueueMetrics())
+            return pb.GetLoadsResponse(timestamp=time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime()),
+                                       version=VERSION, dp_rank_count=1, loads=[load],
+                                       aggregate=pb.AggregateMetrics())
+
+        def FlushCache(self, request: Any, context: Any) -> Any:
+            sim.flush_cache()
+            return common.FlushCacheResponse(success=True, message="Cache flushed successfully!")
+
+    return SchedulerServicer()
+
+
+def _json(value: Any) -> str:
+    import json
+
+    return json.dumps(value)
+
+
+def _plain(value: Any) -> Any:
+    """``value`` as JSON-like data for a protobuf ``Struct`` (the servicer's ``make_serializable``)."""
+    if value is None or isinstance(value, (str, bool, int, float)):
+        return value
+    if isinstance(value, (list, tuple, set)):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    return str(value)
+
+
+# ---------------------------------------------------------------------------------------------- lifecycle
+
+
+class GrpcSim:
+    """The running gRPC server and HTTP sidecar of one simulated engine."""
+
+    def __init__(self, sim: Sim, server: Any, sidecar: SidecarServer | None) -> None:
+        self.sim = sim
+        self.server = server
+        self.sidecar = sidecar
+
+    def stop(self) -> None:
+        log = self.sim.log
+        log.info("Shutting down gRPC server")
+        log.info("Health service status set to NOT_SERVING")
+        self.server.stop(grace=5.0).wait(6.0)
+        log.info("Shutting down gRPC service")
+        if self.sidecar is not None:
+            self.sidecar.shutdown()
+            self.sidecar.server_close()
+
+
+def _bind_failure(sim: Sim, exc: BaseException) -> int:
+    log = sim.log
+    lines = traceback.format_exception_only(type(exc), exc)
+    log.error("gRPC startup failed, releasing scheduler resources\nTraceback (most recent call last):\n"
+              f'  File "{SITE}/smg_grpc_servicer/sglang/server.py", line 499, in serve_grpc\n'
+              "    server.add_insecure_port(listen_addr)\n"
+              f'  File "{SITE}/grpc/aio/_server.py", line 98, in add_insecure_port\n'
+              "    return _common.validate_port_binding_result(\n" + "".join(lines).rstrip())
+    log.info(f"kill_process_tree called: parent_pid={os.getpid()}, include_parent=False, pid={os.getpid()}")
+    sim.recorder.record("exit", returncode=1, reason="bind")
+    return 1
+
+
+def _warmup_crash(sim: Sim) -> NoReturn:
+    """The real scheduler on the servicer's warmup ids with a vocab they overflow."""
+    log = sim.log
+    log.info("Sending warmup request to gRPC server...")
+    log.error(
+        "Scheduler hit an exception: Traceback (most recent call last):\n"
+        f'  File "{SITE}/sglang/srt/managers/scheduler.py", line 6368, in run_scheduler_process\n'
+        "    scheduler.run_event_loop()\n"
+        f'  File "{SITE}/sglang/srt/layers/vocab_parallel_embedding.py", line 481, in _embed_local_shard\n'
+        "    output_parallel = self.quant_method.embedding(self, input_.long())\n"
+        f'  File "{SITE}/torch/nn/functional.py", line 2615, in embedding\n'
+        "    return torch.embedding(weight, input, padding_idx, scale_grad_by_freq, sparse)\n"
+        "IndexError: index out of range in self\n"
+        f"(sim: the servicer's warmup ids go up to {max(WARMUP_INPUT_IDS)}, the vocab has "
+        f"{sim.vocab.vocab_size} tokens; --skip-server-warmup avoids it)")
+    log.info("Received SIGQUIT from scheduler process. Scheduler failed, shutting down gRPC server.")
+    log.info("Note: Crash dumps are handled by the scheduler process, not the gRPC server.")
+    log.info(f"kill_process_tree called: parent_pid={os.getpid()}, include_parent=True, pid={os.getpid()}")
+    sim.recorder.record("exit", returncode=-9, reason="warmup_vocab")
+    kill_self()
+
+
+def serve(sim: Sim, warmup: float) -> GrpcSim | int:
+    """Bind the gRPC server (and its sidecar) and run the startup to readiness, as the servicer does; the
+    running servers, or the exit code of a failed bind."""
+    grpc = _m("grpc")
+    args = sim.plan.args
+    host, port = args["host"], args["port"]
+    log = sim.log
+    sidecar_port = args.get("smg_http_sidecar_port") or port + 1
+    sidecar: SidecarServer | None = None
+    try:
+        sidecar = SidecarServer((host, sidecar_port), sim)
+    except OSError as exc:
+        log.error(f"Failed to start HTTP sidecar server: {exc}. Continuing without metrics/profile endpoints.")
+    else:
+        threading.Thread(target=sidecar.serve_forever, kwargs={"poll_interval": 0.05}, name="sim-sidecar",
+                         daemon=True).start()
+        log.info(f"HTTP sidecar server started on http://{host}:{sidecar_port}")
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=10), options=[
+        ("grpc.max_send_message_length", 1024 * 1024 * 256),
+        ("grpc.max_receive_message_length", 1024 * 1024 * 256),
+        ("grpc.so_reuseport", 0),  # a port in use must fail the bind, as a real second server's would
+    ])
+    _m("grpc_health.v1.health_pb2_grpc").add_HealthServicer_to_server(_health_servicer(sim), server)
+    log.info("Standard gRPC health service initialized")
+    _m("smg_grpc_proto").sglang_scheduler_pb2_grpc.add_SglangSchedulerServicer_to_server(
+        _scheduler_servicer(sim), server)
+    log.info("gRPC scheduler servicer initialized")
+    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    try:
+        server.add_insecure_port(address)
+    except RuntimeError as exc:
+        if sidecar is not None:
+            sidecar.shutdown()
+            sidecar.server_close()
+        return _bind_failure(sim, exc)
+    server.start()
+    running = GrpcSim(sim, server, sidecar)
+    sim.grpc = running
+    sim.bound = True
+    log.info(f"gRPC server listening on {address}")
+    if sim.faults.hang:
+        while True:
+            time.sleep(3600)
+    if args["skip_server_warmup"]:
+        log.info("Skipping gRPC server warmup (skip_server_warmup=True)")
+    else:
+        time.sleep(warmup)
+        if not sim.plan.is_embedding and max(WARMUP_INPUT_IDS) >= sim.vocab.vocab_size:
+            _warmup_crash(sim)
+        log.info("Sending warmup request to gRPC server...")
+        log.info(f"Receive generation request: WARMUP_{time.time()}")
+        if sim.plan.is_embedding:
+            embedding(list(WARMUP_INPUT_IDS[:3]), sim.plan.hidden_size)
+        else:
+            sim.generate(list(WARMUP_INPUT_IDS), None, 8, [], False)
+        log.info("gRPC warmup request completed successfully")
+    log.info("Health service status set to SERVING")
+    sim.ready = True
+    return running

@@ -1,0 +1,671 @@
+"""The session pool: running workers and worker groups, keyed by their full configuration.
+
+Plain Python: no pytest here. Everything the pool holds is a :class:`WorkerGroup` (a single worker is a
+group of one): its members start together (concurrently; one member's failure stops the others at once),
+share one GPU lease (all GPUs at once, split among the members in order, so that two groups never each
+hold half of what the other needs), and are reused together by later tests of the same configuration after
+a health check of every member. A dead or frozen member makes the whole group be replaced. When a lease is
+needed for another configuration, idle groups are evicted least recently used first. A lease is given back
+only after its memory is released.
+
+Why one module of this size: the pool's promises (one lease per group, parallel member starts with one failure
+stopping the rest, reuse after health, eviction, launch ahead) all act on the same entries under one lock;
+launching one process is in :mod:`launcher`, leases in :mod:`gpus`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import threading
+import time
+from collections import OrderedDict, defaultdict
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from ..engine.specs import ModelSpec
+from ..errors import LaunchCancelled, LeaseImpossible, SglWorkerError, WorkerError
+from ..resources.processes import hostname
+from ..resources.retention import keeps
+from .kinds import KindChooser, MemberPlan, WorkerConfig, default_kind
+from .launcher import LaunchOptions, ModelInstance, ProgressCallback, mask_argv, spawn_worker
+from .records import ConfigStats, LaunchRecord
+
+if TYPE_CHECKING:
+    from ..engine.ledger import MemoryLedger
+    from ..resources.gpus import Lease, LeaseManager
+
+__all__ = ["WorkerConfig", "WorkerGroup", "WorkerPool"]
+
+_ids = itertools.count(1)
+
+
+class WorkerGroup:
+    """The running processes of one configuration: one worker, N regular workers, or a prefill/decode group.
+
+    ``workers`` is every member in launch order; ``prefill`` and ``decode`` the members of those roles; a
+    group is also a sequence of its members (``group[0]``, ``len(group)``, ``for w in group``)."""
+
+    def __init__(self, config: WorkerConfig, members: Sequence[ModelInstance], group_id: str) -> None:
+        self.config = config
+        self.members = list(members)
+        self.id = group_id
+
+    @property
+    def workers(self) -> list[ModelInstance]:
+        return list(self.members)
+
+    @property
+    def prefill(self) -> list[ModelInstance]:
+        return [m for m in self.members if m.role == "prefill"]
+
+    @property
+    def decode(self) -> list[ModelInstance]:
+        return [m for m in self.members if m.role == "decode"]
+
+    @property
+    def regular(self) -> list[ModelInstance]:
+        return [m for m in self.members if m.role == "worker"]
+
+    @property
+    def is_pd(self) -> bool:
+        return bool(self.prefill)
+
+    @property
+    def urls(self) -> list[str]:
+        return [m.url for m in self.members]
+
+    def is_alive(self) -> bool:
+        return all(m.is_alive() for m in self.members)
+
+    def __iter__(self) -> Iterator[ModelInstance]:
+        return iter(self.members)
+
+    def __len__(self) -> int:
+        return len(self.members)
+
+    def __getitem__(self, index: int) -> ModelInstance:
+        return self.members[index]
+
+    def __repr__(self) -> str:
+        return f"<WorkerGroup {self.config.label}: {', '.join(m.describe() for m in self.members)}>"
+
+
+@dataclass
+class _Ahead:
+    """A group being launched ahead of the test that needs it, in a thread of its own."""
+
+    config: WorkerConfig
+    cancel: threading.Event = field(default_factory=threading.Event)
+    thread: threading.Thread | None = None
+    error: BaseException | None = None
+
+
+@dataclass
+class _Entry:
+    group: WorkerGroup
+    lease: Lease | None
+    leased_at: float
+    records: list[LaunchRecord]
+    tainted: bool = False  # a test that used it failed: keep its logs
+    poolable: bool = True  # False for a fresh, unshared group
+    last_used: float = field(default_factory=time.monotonic)
+    launched_ahead: bool = False  # its first test is not a reuse
+
+    @property
+    def config(self) -> WorkerConfig:
+        return self.group.config
+
+
+def _gpu_of(lease: Lease | None, first: int = 0) -> tuple[int, int] | None:
+    """``(total, free)`` MiB of the lease's GPU ``first`` (a member's first GPU), else of its first GPU."""
+    if lease is None or not lease.gpus:
+        return None
+    gpu = lease.gpus[first] if first < len(lease.gpus) else lease.gpus[0]
+    return gpu.total_mib, gpu.free_mib
+
+
+def _member_args(plan: MemberPlan) -> tuple[str, ...]:
+    """A member's args after the spec's, as its engine gets them: the test's, its role's, then its kind's
+    (``--disaggregation-mode prefill|decode``). The kind's port values are placeholders (0): no figure of the
+    memory ledger reads a port."""
+    try:
+        kind_args = plan.kind.role_args(defaultdict(int))
+    except Exception:  # a plugin's kind that needs real ports: its mode is unknown to the ledger
+        kind_args = []
+    return (*plan.extra_args, *kind_args)
+
+
+def _member_ledger(config: WorkerConfig, plans: Sequence[MemberPlan], index: int,
+                   lease: Lease | None) -> MemoryLedger | None:
+    """The memory ledger of member ``index``: its own args, on its own first GPU of the group's lease."""
+    gpu = _gpu_of(lease, sum(plan.gpus(config.spec) for plan in plans[:index]))
+    if gpu is None:
+        return None
+    from ..engine.ledger import ledger_for_spec
+
+    return ledger_for_spec(config.spec, gpu[0], gpu_free_mib=gpu[1], extra_args=_member_args(plans[index]))
+
+
+def _attach_ledger(exc: SglWorkerError, config: WorkerConfig, plans: Sequence[MemberPlan], index: int,
+                   lease: Lease | None) -> None:
+    """Give a member's startup failure whose diagnosis is about memory the memory ledger of that member."""
+    diagnosis = getattr(exc, "diagnosis", None)
+    if diagnosis is None or not diagnosis.memory_related or not isinstance(exc, WorkerError):
+        return
+    ledger = _member_ledger(config, plans, index, lease)
+    if ledger is not None:
+        exc.ledger = ledger
+
+
+def _record_kv_tokens(members: Sequence[ModelInstance], config: WorkerConfig, plans: Sequence[MemberPlan],
+                      lease: Lease | None, stats: ConfigStats) -> None:
+    """Each member's actual ``KV Cache is allocated ... #tokens: N`` against the ledger's prediction for that
+    member (a prefill and a decode member of one group differ). The configuration has one figure: the first
+    member that disagrees with its prediction, else the first member; a disagreement already recorded stays."""
+    from ..engine.diagnosis import parse_kv_tokens
+
+    def differs(actual: int | None, predicted: int | None) -> bool:
+        return actual is not None and predicted is not None and actual != predicted
+
+    if differs(stats.kv_tokens_actual, stats.kv_tokens_predicted):
+        return
+    pairs: list[tuple[int, int | None]] = []
+    for index, member in enumerate(members):
+        actual = parse_kv_tokens(member.log_text(max_bytes=1024 * 1024))
+        if actual is not None:
+            ledger = _member_ledger(config, plans, index, lease)
+            pairs.append((actual, ledger.kv_tokens if ledger is not None else None))
+    if pairs:
+        stats.kv_tokens_actual, stats.kv_tokens_predicted = next((p for p in pairs if differs(*p)), pairs[0])
+
+
+def _split_env(lease: Lease | None, counts: Sequence[int]) -> list[dict[str, str]]:
+    """Each member's share of the group's lease, in order, as its ``CUDA_VISIBLE_DEVICES``."""
+    if lease is None:
+        return [{} for _ in counts]
+    env = lease.env()
+    if not lease.cuda_visible_devices:  # the cluster assigns the devices on the node (--sgl-cluster ray)
+        return [dict(env) for _ in counts]
+    devices = lease.cuda_visible_devices.split(",")
+    out, start = [], 0
+    for count in counts:
+        out.append({**env, "CUDA_VISIBLE_DEVICES": ",".join(devices[start:start + count])})
+        start += count
+    return out
+
+
+class WorkerPool:
+    """Hands out worker groups; reuses idle ones of the same configuration when ``reuse`` is on."""
+
+    def __init__(
+        self,
+        options: LaunchOptions,
+        *,
+        leases: LeaseManager | None = None,
+        lease_timeout: float = 1800.0,
+        reuse: bool = True,
+        log_policy: str = "failed",
+        on_progress: ProgressCallback | None = None,
+        on_progress_end: Callable[[], None] | None = None,
+        on_message: Callable[[str], None] | None = None,
+        worker_env: Callable[[ModelSpec, dict[str, str]], dict[str, str]] | None = None,
+        choose_kind: KindChooser | None = None,
+        release_wait: float = 60.0,
+        xdist_worker: str | None = None,
+        on_leased: Callable[[WorkerConfig], None] | None = None,
+    ) -> None:
+        self.options = options
+        #: called with the configuration once a test's own launch holds its lease, before its startup: the
+        #: session starts the next configurations ahead on the GPUs left free, alongside this startup
+        self.on_leased = on_leased
+        self.leases = leases
+        self.lease_timeout = lease_timeout
+        self.reuse = reuse
+        self.log_policy = log_policy
+        self.on_progress = on_progress
+        self.on_progress_end = on_progress_end
+        self.on_message = on_message or (lambda msg: None)
+        self.worker_env = worker_env
+        self.choose_kind = choose_kind or default_kind
+        self.release_wait = release_wait
+        self.xdist_worker = xdist_worker
+        self.stats: dict[str, ConfigStats] = {}
+        self.launches: list[LaunchRecord] = []
+        self._idle: OrderedDict[str, _Entry] = OrderedDict()  # group id -> entry, LRU first
+        self._busy: dict[str, _Entry] = {}
+        self._ahead: dict[WorkerConfig, _Ahead] = {}
+        #: guards the entries and the figures: a launch ahead registers its group from another thread
+        self._lock = threading.RLock()
+
+    # -- public -------------------------------------------------------------------------------------------
+    def stats_for(self, config: WorkerConfig) -> ConfigStats:
+        stats = self.stats.get(config.key)
+        if stats is None:
+            stats = self.stats[config.key] = ConfigStats(config.label, config.spec.model)
+        return stats
+
+    def acquire(self, config: WorkerConfig, *, holder: str, fresh: bool = False,
+                options: LaunchOptions | None = None) -> WorkerGroup:
+        """Healthy workers for ``config``: a pooled idle group if reuse is on and every member answers its
+        health check, else a new one. ``options`` replaces the pool's launch options for this group (which
+        is then never shared)."""
+        fresh = fresh or options is not None
+        stats = self.stats_for(config)
+        if not fresh:
+            self._join_ahead(config)
+        if self.reuse and not fresh:
+            for key, entry in list(self._idle.items()):
+                if entry.config != config:
+                    continue
+                with self._lock:
+                    if self._idle.pop(key, None) is None:
+                        continue
+                bad = next((m for m in entry.group if not m.responds()), None)
+                if bad is None:
+                    with self._lock:
+                        self._busy[key] = entry
+                        if entry.launched_ahead:
+                            entry.launched_ahead = False  # its first test: a launch, not a reuse
+                        else:
+                            stats.reuses += 1
+                    return entry.group
+                why = "died while idle in the pool" if not bad.is_alive() else (
+                    "does not answer its health check (frozen or wedged)")
+                # a dead member is counted as a death when its group is retired; a frozen one did not die
+                what = "it" if len(entry.group) == 1 else "its group"
+                self.on_message(bad.failure_message(f"{why}; replacing {what}", lines=10))
+                self._retire(entry, failed=True)
+        return self._launch(config, holder=holder, fresh=fresh, options=options or self.options)
+
+    def release(self, group: WorkerGroup, *, failed: bool = False) -> None:
+        """Give a group back after a test; it stays pooled when reuse is on and every member is alive."""
+        with self._lock:
+            entry = self._busy.pop(group.id, None)
+        if entry is None:
+            return
+        entry.tainted = entry.tainted or failed
+        entry.last_used = time.monotonic()
+        if self.reuse and entry.poolable and group.is_alive() and not self._others_wait():
+            with self._lock:
+                self._idle[group.id] = entry
+        else:
+            self._retire(entry, failed=entry.tainted)
+
+    def discard(self, group: WorkerGroup, *, failed: bool = True) -> None:
+        """Stop a group now (a member died, the test asked for fresh workers, or no later test needs it)."""
+        with self._lock:
+            entry = self._busy.pop(group.id, None) or self._idle.pop(group.id, None)
+        if entry is not None:
+            self._retire(entry, failed=failed or entry.tainted)
+
+    def served(self, group: WorkerGroup, nodeid: str, t_start: float | None, t_end: float | None,
+               outcome: str) -> None:
+        """Record that a test used ``group`` (for the run report's launch records)."""
+        entry = self._busy.get(group.id) or self._idle.get(group.id)
+        if entry is not None:
+            for record in entry.records:
+                record.served(nodeid, t_start, t_end, outcome)
+            if outcome in ("failed", "error", "interrupted"):
+                self.stats_for(entry.config).failed_tests += 1
+
+    def close(self) -> None:
+        """Stop every worker (those launched ahead too, used or not) and give back every lease."""
+        for ahead in list(self._ahead.values()):
+            ahead.cancel.set()
+        for ahead in list(self._ahead.values()):
+            if ahead.thread is not None:
+                ahead.thread.join(120)
+        self._ahead.clear()
+        for entry in list(self._busy.values()) + list(self._idle.values()):
+            with contextlib.suppress(Exception):
+                self._retire(entry, failed=entry.tainted)
+        self._busy.clear()
+        self._idle.clear()
+
+    # -- launching ahead ----------------------------------------------------------------------------------
+    def launch_ahead(self, config: WorkerConfig, *, holder: str) -> bool:
+        """Start ``config``'s group now, in the background, so that it is ready when its first test begins.
+        Only on GPUs that are free this moment and that no other process waits for (it never evicts, never
+        waits for a lease); at most one launch ahead per configuration. Returns whether it started. The test
+        that needs it gets it from :meth:`acquire` (which waits for it), or the failure it met, exactly as if
+        it had been launched then."""
+        with self._lock:
+            if config in self._ahead or any(e.config == config for e in [*self._idle.values(), *self._busy.values()]):
+                return False
+        lease = None
+        if self.leases is not None:
+            try:
+                if self.leases.others_waiting():
+                    return False
+                lease = self.leases.try_acquire(self._wanted(config), config.spec.memory_mib, holder=holder)
+            except (SglWorkerError, OSError, ValueError):
+                return False  # it can never fit, or the inventory cannot be read: the test will say so
+            if lease is None:
+                return False
+        ahead = _Ahead(config)
+
+        def run() -> None:
+            try:
+                group = self._launch(config, holder=holder, fresh=False, options=self.options, lease=lease,
+                                     quiet=True, cancel=ahead.cancel)
+            except BaseException as exc:  # handed to the test that needs it
+                ahead.error = exc
+                return
+            with self._lock:
+                entry = self._busy.pop(group.id)
+                entry.launched_ahead = True
+                self._idle[group.id] = entry
+
+        ahead.thread = threading.Thread(target=run, name=f"sglworker-ahead-{config.key}", daemon=True)
+        with self._lock:
+            self._ahead[config] = ahead
+        ahead.thread.start()
+        return True
+
+    def _join_ahead(self, config: WorkerConfig, *, raise_error: bool = True) -> None:
+        """Wait for a launch ahead of ``config`` to finish; raise what it met, as if launched now (unless
+        ``raise_error`` is false: a launch ahead called off for another test; the test that needs ``config``
+        then launches it itself and meets its failure then)."""
+        with self._lock:
+            ahead = self._ahead.pop(config, None)
+        if ahead is None or ahead.thread is None:
+            return
+        while ahead.thread.is_alive():
+            ahead.thread.join(0.1)
+        if raise_error and ahead.error is not None and not isinstance(ahead.error, LaunchCancelled):
+            raise ahead.error
+
+    def groups(self) -> list[WorkerGroup]:
+        return [e.group for e in list(self._busy.values()) + list(self._idle.values())]
+
+    def _others_wait(self) -> bool:
+        """Another process waits for a GPU: do not keep an idle group's lease (it queues behind us)."""
+        if self.leases is None:
+            return False
+        try:
+            waiting = self.leases.others_waiting()
+        except OSError:
+            return False
+        if waiting:
+            self.on_message("another process waits for a GPU lease: retiring the idle worker instead of pooling it")
+        return waiting
+
+    # -- launching ----------------------------------------------------------------------------------------
+    def _launch(self, config: WorkerConfig, *, holder: str, fresh: bool, options: LaunchOptions,
+                lease: Lease | None = None, quiet: bool = False,
+                cancel: threading.Event | None = None) -> WorkerGroup:
+        stats = self.stats_for(config)
+        plans = config.members(self.choose_kind)
+        counts = [plan.gpus(config.spec) for plan in plans]
+        group_id = f"{self.xdist_worker or 'main'}-{os.getpid()}-{next(_ids)}"
+        requested = time.time()
+        if lease is None:
+            lease, waited = self._lease_for(config, counts, holder)
+            stats.lease_wait_seconds += waited
+            if self.on_leased is not None and not quiet:
+                try:
+                    self.on_leased(config)
+                except BaseException:  # an interrupt: the lease must not outlive it
+                    if lease is not None:
+                        self._give_back(lease, [], time.monotonic(), stats)
+                    raise
+        leased_at = time.monotonic()
+        records = [self._record(config, plan, group_id if len(plans) > 1 else None, requested,
+                                time.time() if lease is not None else None) for plan in plans]
+        if lease is not None:
+            names = [g.name for g in lease.gpus]
+            start = 0
+            for record, count in zip(records, counts, strict=True):
+                record.gpu_names, start = names[start:start + count], start + count
+        for record in records:
+            record.t_started = time.time()  # refined by each member's own start time once it runs
+        try:
+            envs = [self._member_env(config, env) for env in _split_env(lease, counts)]
+            try:
+                members = self._start_members(config, plans, envs, options, records, quiet=quiet, cancel=cancel,
+                                              lease=lease)
+            finally:
+                if self.on_progress_end is not None and not quiet:
+                    self.on_progress_end()  # the status line goes before pytest writes the outcome
+        except LaunchCancelled:  # a launch ahead called off: neither a failure nor a launch
+            self._finish_records(records, outcome="cancelled")
+            if lease is not None:
+                self._give_back(lease, [], leased_at, stats)
+            self._stamp_released(records)
+            raise
+        except SglWorkerError as exc:
+            stats.failures += 1
+            log_path = getattr(exc, "log_path", None)
+            if log_path and keeps(self.log_policy, failed=True):
+                stats.failed_logs.append(str(log_path))
+            elif log_path:
+                with contextlib.suppress(OSError):
+                    os.unlink(log_path)
+            self._finish_records(records, outcome="startup_timeout" if type(exc).__name__ == "WorkerStartupTimeout"
+                                 else "startup_failed", failure=getattr(exc, "summary", str(exc)))
+            if lease is not None:
+                self._give_back(lease, [], leased_at, stats)
+            self._stamp_released(records)
+            raise
+        except BaseException:  # the lease must never outlive a failed launch (a hook, an interrupt)
+            self._finish_records(records, outcome="interrupted")
+            if lease is not None:
+                self._give_back(lease, [], leased_at, stats)
+            self._stamp_released(records)
+            raise
+        group = WorkerGroup(config, members, group_id)
+        # Registered at once, so that whatever happens next, close() stops it and gives the lease back.
+        with self._lock:
+            self._busy[group_id] = _Entry(group, lease, leased_at, records, poolable=not fresh)
+        stats.launches += 1
+        ready = [m.startup_seconds for m in members if m.startup_seconds is not None]
+        if ready:
+            stats.startup_seconds.append(max(ready))  # a group is ready when its slowest member is
+        with contextlib.suppress(Exception):  # bookkeeping for the report must never fail a test
+            _record_kv_tokens(members, config, plans, lease, stats)
+        return group
+
+    def _member_env(self, config: WorkerConfig, lease_env: dict[str, str]) -> dict[str, str]:
+        env = dict(config.env)
+        env.update(self.worker_env(config.spec, lease_env) if self.worker_env else lease_env)
+        return env
+
+    def _start_members(self, config: WorkerConfig, plans: Sequence[MemberPlan], envs: Sequence[dict[str, str]],
+                       options: LaunchOptions, records: Sequence[LaunchRecord], *, quiet: bool = False,
+                       cancel: threading.Event | None = None, lease: Lease | None = None) -> list[ModelInstance]:
+        """Start every member; a group is ready after its slowest member, not the sum of their startups. The
+        first member that fails stops the others at once and is the error raised. A lease that places its
+        members itself (``spawner``: a Ray placement group's bundles) starts member ``i`` in its part ``i``."""
+        def spawn(i: int, cancel: threading.Event | None) -> ModelInstance:
+            plan, env = plans[i], envs[i]
+            placed = getattr(lease, "spawner", None)
+            launch = placed(i) if placed is not None else spawn_worker
+            try:
+                return launch(config.spec, extra_args=plan.extra_args, env=env, options=options,
+                              on_progress=None if quiet else self.on_progress,
+                              gpus=env.get("CUDA_VISIBLE_DEVICES"), kind=plan.kind, index=plan.index,
+                              cancel=cancel)
+            except SglWorkerError as exc:  # a memory failure gets the ledger of this member's own args
+                with contextlib.suppress(Exception):
+                    _attach_ledger(exc, config, plans, i, lease)
+                raise
+
+        outer = cancel
+        if len(plans) == 1:
+            instance = spawn(0, outer)
+            self._take(records[0], instance)
+            return [instance]
+        cancel = threading.Event()
+        results: list[ModelInstance | BaseException | None] = [None] * len(plans)
+        failed_at: list[tuple[float, int]] = []
+
+        def run(i: int) -> None:
+            try:
+                results[i] = spawn(i, cancel)
+            except BaseException as exc:  # handed to the main thread
+                results[i] = exc
+                if not isinstance(exc, LaunchCancelled):
+                    failed_at.append((time.monotonic(), i))
+                cancel.set()
+
+        threads = [threading.Thread(target=run, args=(i,), name=f"sglworker-start-{i}", daemon=True)
+                   for i in range(len(plans))]
+        for thread in threads:
+            thread.start()
+        try:
+            for thread in threads:
+                while thread.is_alive():
+                    thread.join(0.1)
+                    if outer is not None and outer.is_set():
+                        cancel.set()  # a launch ahead called off at the session's end: every member stops
+        except BaseException:  # Ctrl-C: the members stop, then the interrupt goes on
+            cancel.set()
+            for thread in threads:
+                thread.join(60)
+            self._stop_started(results, records)
+            raise
+        for i, result in enumerate(results):
+            if isinstance(result, ModelInstance):
+                self._take(records[i], result)
+        if failed_at:
+            self._stop_started(results, records)
+            first = results[min(failed_at)[1]]
+            assert isinstance(first, BaseException)
+            raise first
+        return [r for r in results if isinstance(r, ModelInstance)]
+
+    def _stop_started(self, results: Sequence[ModelInstance | BaseException | None],
+                      records: Sequence[LaunchRecord]) -> None:
+        for i, result in enumerate(results):
+            if isinstance(result, ModelInstance):
+                with contextlib.suppress(Exception):
+                    result.stop()
+                self._take(records[i], result)
+
+    def _record(self, config: WorkerConfig, plan: MemberPlan, group_id: str | None, requested: float,
+                leased: float | None) -> LaunchRecord:
+        record = LaunchRecord(
+            id=f"{self.xdist_worker or 'main'}-{len(self.launches) + 1}", config=config.key, label=config.label,
+            model=config.spec.model, role=plan.role, group=group_id, xdist_worker=self.xdist_worker,
+            node=hostname(), t_lease_requested=requested, t_leased=leased)
+        self.launches.append(record)
+        return record
+
+    @staticmethod
+    def _take(record: LaunchRecord, instance: ModelInstance) -> None:
+        record.take_times(instance)
+        record.port, record.pid, record.log_path = instance.port, instance.pid, str(instance.log_path)
+        record.node = getattr(instance, "ray_node", "") or record.node  # a Ray actor's node, not this machine
+        record.argv = " ".join(mask_argv(instance.argv))
+        record.gpus = [int(g) for g in (instance.gpus or "").split(",") if g.strip().isdigit()]
+
+    @staticmethod
+    def _finish_records(records: Sequence[LaunchRecord], *, outcome: str, failure: str | None = None) -> None:
+        for record in records:
+            if record.outcome == "ok":
+                record.outcome = outcome
+                record.failure = failure
+
+    @staticmethod
+    def _stamp_released(records: Sequence[LaunchRecord]) -> None:
+        now = time.time()
+        for record in records:
+            record.t_released = record.t_released or now
+
+    def _wanted(self, config: WorkerConfig) -> Any:
+        """What a lease of ``config`` asks for: its GPU count, or each member's count for a lease manager that
+        places members itself (``per_member``: Ray's placement groups, one bundle per member)."""
+        counts = [plan.gpus(config.spec) for plan in config.members(self.choose_kind)]
+        return counts if getattr(self.leases, "per_member", False) else sum(counts)
+
+    def _lease_for(self, config: WorkerConfig, counts: Sequence[int], holder: str) -> tuple[Lease | None, float]:
+        if self.leases is None:
+            return None, 0.0
+        gpus = sum(counts)
+        wanted: Any = list(counts) if getattr(self.leases, "per_member", False) else gpus
+        memory = config.spec.memory_mib
+        start = time.monotonic()
+        # First without waiting; evict idle groups (LRU first) while that frees a lease; launches ahead of
+        # other configurations give way (called off: the test that needs its GPUs now comes first).
+        while True:
+            lease = self.leases.try_acquire(wanted, memory, holder=holder)
+            if lease is not None:
+                return lease, time.monotonic() - start  # time spent evicting idle workers counts too
+            with self._lock:
+                aheads = [a for a in self._ahead.values() if a.config != config]
+            if not self._idle and aheads:
+                for ahead in aheads:
+                    ahead.cancel.set()
+                for ahead in aheads:
+                    self._join_ahead(ahead.config, raise_error=False)  # its failure is not this test's
+                continue
+            with self._lock:
+                if not self._idle:
+                    break
+                _, victim = self._idle.popitem(last=False)
+            self.on_message(f"evicting idle {', '.join(m.describe() for m in victim.group)} to free its GPU "
+                            f"lease for {config.label}")
+            self._retire(victim, failed=victim.tainted)
+        self._check_not_self_blocked(config, gpus)
+        lease = self.leases.acquire(wanted, memory, holder=holder, timeout=self.lease_timeout,
+                                    on_wait=self.on_message)
+        return lease, time.monotonic() - start
+
+    def _check_not_self_blocked(self, config: WorkerConfig, gpus: int) -> None:
+        """Fail at once when the GPUs that are missing are held by workers this process itself uses right now
+        (two workers in one test on a 1-GPU inventory): waiting would last until the lease timeout."""
+        assert self.leases is not None
+        total = len(self.leases.inventory.static_gpus())
+        mine = [e for e in self._busy.values() if e.lease is not None]
+        held = sum(len(e.lease.gpus) for e in mine if e.lease is not None)
+        if mine and total - held < gpus:
+            users = "; ".join(f"{e.config.label} on GPU(s) {','.join(str(g.index) for g in e.lease.gpus)}"
+                              for e in mine if e.lease is not None)
+            raise LeaseImpossible(
+                f"{config.label} needs {gpus} GPU(s), but this process's own workers in use hold {held} of the "
+                f"{total} GPU(s) of {self.leases.inventory.describe()} ({users}): the lease could only come "
+                "after this test, so waiting would last until --sgl-lease-timeout; use fewer workers at once "
+                "or more GPUs")
+
+    # -- retiring -----------------------------------------------------------------------------------------
+    def _retire(self, entry: _Entry, *, failed: bool) -> None:
+        group = entry.group
+        stats = self.stats_for(entry.config)
+        dead = [m for m in group if not m.is_alive() and not m.stopped]
+        stopped = [m for m in group if m.stopped]
+        stats.deaths += len(dead)
+        stats.stops += len(stopped)
+        failed = failed or bool(dead)
+        try:
+            for member in group:
+                member.stop()
+                for warning in member.warnings:
+                    self.on_message(warning)
+                member.warnings.clear()
+        finally:
+            pids: list[int] = []
+            for member, record in zip(group, entry.records, strict=False):
+                pids += sorted(member.pids_seen)
+                if member in dead:
+                    record.outcome = "died"
+                elif member in stopped and record.outcome == "ok":
+                    record.outcome = "stopped"
+                self._take(record, member)
+                path = str(member.log_path)
+                kept = stats.failed_logs if failed else stats.kept_logs
+                if not keeps(self.log_policy, failed=failed):
+                    member.remove_log()
+                elif path not in kept:
+                    kept.append(path)
+            if entry.lease is not None:
+                self._give_back(entry.lease, pids, entry.leased_at, stats)
+            self._stamp_released(entry.records)
+
+    def _give_back(self, lease: Lease, pids: list[int], leased_at: float, stats: ConfigStats) -> None:
+        report = lease.release(worker_pids=pids, wait_timeout=self.release_wait)
+        stats.gpu_seconds += (time.monotonic() - leased_at) * max(1, len(lease.gpus))
+        if report is not None and not getattr(report, "memory_back", True):
+            self.on_message(str(report))

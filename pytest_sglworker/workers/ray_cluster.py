@@ -1,0 +1,791 @@
+"""``--sgl-cluster ray``: workers placed on a Ray cluster, Ray's scheduler in place of the file-lock GPU leases.
+
+Plain Python: no pytest here; ``ray`` is imported only in this mode (lazily, inside functions), so the plugin
+stays cheap in every other run.
+
+How it fits the pool
+--------------------
+- :class:`RayLeaseManager` stands where :class:`~pytest_sglworker.resources.gpus.LeaseManager` stands: a worker group's
+  lease is one Ray **placement group** with one bundle ``{"GPU": tp x dp}`` per member, reserved atomically
+  (two groups never each hold half of what the other needs, as with local leases). A cluster that is full
+  leaves the placement group pending; the wait has the local lease's timeout (``--sgl-lease-timeout``), its
+  progress messages and a :class:`~pytest_sglworker.errors.LeaseTimeout`; the pending group is then removed.
+  The inventory (collection-time skips) is the cluster's ``GPU`` resource.
+- Each member runs in a :class:`WorkerHost` actor scheduled into its bundle (``num_gpus`` = its share,
+  ``num_cpus=0``). The actor starts the engine on its node with the ``CUDA_VISIBLE_DEVICES`` Ray assigned, the
+  plugin's owner tag and a log file on the node, and runs the plugin's watchdog there
+  (:class:`~pytest_sglworker.resources.reaper.Watchdog`, its pipe held by the actor): when the actor dies by any means
+  (``ray.kill``, the driver pytest SIGKILLed, which makes Ray end its non-detached actors), the engine's whole
+  tree on that node is killed.
+- :class:`RayWorker` is the pytest side of such a worker: a
+  :class:`~pytest_sglworker.workers.launcher.ModelInstance` whose process handle (:class:`RemoteProcess`), port check,
+  log tail and teardown go through its actor. Releasing the lease stops the trees, kills the actors, removes
+  the placement group.
+
+Why one module of this size: the actor that runs on the node (:class:`WorkerHost`) and the pytest side that drives
+it (:class:`RemoteProcess`, ``RayWorker``, :meth:`RayLeaseManager.starter`) are the two ends of one protocol, the
+dicts that the actor's ``node``, ``start`` and ``stop`` return; and the lease manager, its leases and their workers
+share one connection to the cluster (the manager's ``ray``). Starting a process, tearing its tree down and reading
+its log are :mod:`launcher`'s and :mod:`processes`'s, called here, not copied; the local leases are in :mod:`gpus`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import threading
+import time
+import uuid
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
+
+from ..errors import InventoryUnavailable, LaunchError, LeaseImpossible, LeaseTimeout, SglWorkerError
+from ..resources.gpus import GpuInfo, Inventory, ReleaseReport
+from ..resources.processes import OWNER_ENV, SESSION_ID, hostname, owner_tag
+
+if TYPE_CHECKING:
+    from ..engine.specs import ModelSpec
+    from .kinds import WorkerKind
+    from .launcher import LaunchOptions, ModelInstance
+
+__all__ = [
+    "INSTALL_HINT",
+    "ClusterSpec",
+    "ClusterUnavailable",
+    "RayLease",
+    "RayLeaseManager",
+    "RemoteProcess",
+    "WorkerHost",
+    "parse_cluster",
+]
+
+INSTALL_HINT = "pip install 'pytest-sglworker[ray]'"
+#: placement groups the plugin makes are named ``<prefix><session>-<n>``: others' pending ones mean waiters
+PG_PREFIX = "sglworker-"
+#: Environment variables of the pytest process that reach the engine on the node (the rest of the engine's
+#: environment is the node's): the plugin's and the simulated engine's, sglang's, Hugging Face's, NCCL's.
+FORWARDED_PREFIXES = ("SGL", "HF_", "HUGGING", "NCCL_", "TRANSFORMERS_", "TOKENIZERS_")
+#: How long connecting to the cluster may take before it is called unreachable.
+CONNECT_TIMEOUT = 15.0
+#: A memory size for Ray's GPUs, which Ray does not know: the budget check, not the lease, judges memory.
+RAY_GPU_MIB = 80 * 1024
+#: How long a non-blocking attempt waits for a placement group that fitted the free GPUs when it was asked for.
+TRY_WAIT_SECONDS = 30.0
+_ids = iter(range(1, 1 << 62))
+_ids_lock = threading.Lock()
+
+
+class ClusterUnavailable(InventoryUnavailable):
+    """Ray is not installed, or the cluster cannot be reached: a usage error at collection."""
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """A parsed ``--sgl-cluster`` value: ``ray`` (``address="auto"``: ``RAY_ADDRESS`` or the local cluster),
+    ``ray://HOST:PORT`` (Ray Client) or ``ray:HOST:PORT`` (a GCS address, joined as a driver)."""
+
+    raw: str
+    address: str
+
+    def describe(self) -> str:
+        return f"Ray cluster {self.address}" if self.address != "auto" else "Ray cluster (address auto)"
+
+
+def parse_cluster(value: str) -> ClusterSpec | None:
+    """``--sgl-cluster``: ``off``/``local`` (None), ``ray``, ``ray://HOST:PORT``, ``ray:HOST:PORT``."""
+    text = value.strip()
+    if text.lower() in ("", "off", "local", "none"):
+        return None
+    if text == "ray":
+        return ClusterSpec(text, "auto")
+    for prefix, keep in (("ray://", True), ("ray:", False)):
+        if text.startswith(prefix):
+            rest = text[len(prefix):]
+            host, sep, port = rest.rpartition(":")
+            if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"{value!r}: give the cluster as {prefix}HOST:PORT (e.g. {prefix}127.0.0.1:"
+                                 f"{10001 if keep else 6379})")
+            return ClusterSpec(text, text if keep else rest)
+    raise ValueError(f"{value!r} is not a cluster; choose 'ray', 'ray://HOST:PORT', 'ray:HOST:PORT' or 'off'")
+
+
+def _import_ray() -> Any:
+    try:
+        import ray
+    except ImportError as exc:
+        raise ClusterUnavailable(f"Ray is needed for a Ray cluster but is not installed here ({exc}); install it "
+                                 f"with {INSTALL_HINT}") from None
+    return ray
+
+
+def _host_port(address: str) -> tuple[str, int] | None:
+    text = address[len("ray://"):] if address.startswith("ray://") else address
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit():
+        return None
+    return host.strip("[]"), int(port)
+
+
+def _probe(address: str, timeout: float) -> str | None:
+    """Why ``address`` cannot be reached (a refused or timed-out TCP connect), or None: a bounded check
+    before ``ray.init``, which would retry for a long time."""
+    target = _host_port(address)
+    if target is None:
+        return None
+    try:
+        with socket.create_connection(target, timeout=timeout):
+            return None
+    except OSError as exc:
+        return f"cannot connect to {target[0]}:{target[1]} ({exc.strerror or type(exc).__name__})"
+
+
+def forwarded_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    environ = os.environ if environ is None else environ
+    return {k: v for k, v in environ.items() if k.startswith(FORWARDED_PREFIXES) and k != OWNER_ENV}
+
+
+# ---------------------------------------------------------------------------------------------- the actor
+
+
+class WorkerHost:
+    """The Ray actor that hosts one worker process on its node (made a Ray actor with ``ray.remote``).
+
+    It runs the plugin's watchdog (keyed to this actor's own owner session), so that the worker's tree dies
+    with the actor whatever ends it."""
+
+    def __init__(self, session_id: str) -> None:
+        from ..resources.reaper import Watchdog
+
+        self.session_id = session_id
+        self.process: subprocess.Popen[bytes] | None = None
+        self.tag = ""
+        self.log_path: Path | None = None
+        self.pids_seen: set[int] = set()
+        self.watchdog = Watchdog(session_id)
+
+    def node(self) -> dict[str, Any]:
+        import ray
+
+        return {"hostname": hostname(), "ip": ray.util.get_node_ip_address(),  # type: ignore[no-untyped-call]
+                "gpus": [str(g) for g in ray.get_gpu_ids()], "pid": os.getpid()}
+
+    def start(self, argv: list[str], env: dict[str, str], log_path: str) -> dict[str, Any]:
+        """Start ``argv`` as the launcher's ``start_process`` does (own session, owner tag, log file, stdin
+        closed), on the GPUs Ray gave this actor."""
+        import ray
+
+        from .launcher import popen, secret_values, unused_log_path
+
+        if self.process is not None and self.process.poll() is None:
+            raise LaunchError("this Ray worker host already runs a worker")
+        gpus = ",".join(str(g) for g in ray.get_gpu_ids())
+        full_env = dict(os.environ)
+        full_env.update(env)
+        full_env["CUDA_VISIBLE_DEVICES"] = gpus
+        full_env["PYTHONUNBUFFERED"] = "1"
+        self.tag = owner_tag(self.session_id)
+        full_env[OWNER_ENV] = self.tag
+        path = Path(log_path)
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        path = unused_log_path(path)
+        started = time.time()
+        self.process = popen(argv, full_env, path)
+        self.log_path = path
+        self.pids_seen = {self.process.pid}
+        return {"pid": self.process.pid, "log_path": str(path), "tag": self.tag, "gpus": gpus,
+                "secrets": secret_values(full_env, argv), "started": started}
+
+    def poll(self) -> int | None:
+        return None if self.process is None else self.process.poll()
+
+    def signal(self, sig: int) -> None:
+        if self.process is not None:
+            with contextlib.suppress(ProcessLookupError):
+                self.process.send_signal(sig)
+
+    def _tree(self, sweep: bool = True) -> list[Any]:
+        from ..resources.processes import process_tree
+
+        assert self.process is not None
+        procs = process_tree(self.process.pid, self.tag, sweep=sweep)
+        self.pids_seen.update(p.pid for p in procs)
+        return procs
+
+    def owns_port(self, port: int) -> bool:
+        from ..resources.processes import listening_pids
+
+        return self.process is not None and bool(listening_pids(self._tree(sweep=False), port))
+
+    def log_tail(self, lines: int, max_bytes: int = 256 * 1024) -> str:
+        from .launcher import read_tail
+
+        return read_tail(self.log_path, lines, max_bytes=max_bytes) if self.log_path else ""
+
+    def log_text(self, max_bytes: int) -> str:
+        from .launcher import read_head
+
+        return read_head(self.log_path, max_bytes) if self.log_path else ""
+
+    def remove_log(self) -> None:
+        if self.log_path is not None:
+            with contextlib.suppress(OSError):
+                self.log_path.unlink()
+
+    def stop(self, term_timeout: float = 10.0, kill_timeout: float = 10.0) -> dict[str, Any]:
+        """Tear the worker's whole tree down (root first, then its session and its tag, then SIGKILL)."""
+        from ..resources.processes import terminate_tree
+
+        if self.process is None:
+            return {"killed": [], "pids": [], "returncode": None}
+        killed = terminate_tree(self.process, self._tree, term_timeout=term_timeout, kill_timeout=kill_timeout)
+        return {"killed": killed, "pids": sorted(self.pids_seen), "returncode": self.process.poll()}
+
+    def close(self) -> None:
+        """Stop the worker, then the watchdog (its pipe closed: it sweeps this actor's tag and exits)."""
+        with contextlib.suppress(Exception):
+            self.stop()
+        self.watchdog.close()
+
+
+# ---------------------------------------------------------------------------------------------- pytest side
+
+
+class RemoteProcess:
+    """A ``subprocess.Popen``-like handle on a worker process that lives in a :class:`WorkerHost` actor: what
+    the health wait and the pool need (``pid``, ``poll()``, ``returncode``, ``send_signal``). An actor that
+    died reads as an exit (``-SIGKILL``)."""
+
+    POLL_CACHE_SECONDS = 0.05
+
+    def __init__(self, actor: Any, pid: int, ray: Any) -> None:
+        self.actor = actor
+        self.pid = pid
+        self._ray = ray
+        self._code: int | None = None
+        self._asked = 0.0
+        self._lock = threading.Lock()
+
+    def poll(self) -> int | None:
+        with self._lock:
+            if self._code is not None:
+                return self._code
+            now = time.monotonic()
+            if now - self._asked < self.POLL_CACHE_SECONDS:
+                return None
+            self._asked = now
+            try:
+                self._code = self._ray.get(self.actor.poll.remote(), timeout=30)
+            except Exception:  # the actor (its node) is gone: so is the process
+                self._code = -signal.SIGKILL
+            return self._code
+
+    @property
+    def returncode(self) -> int | None:
+        return self.poll()
+
+    def send_signal(self, sig: int) -> None:
+        with contextlib.suppress(Exception):
+            self._ray.get(self.actor.signal.remote(int(sig)), timeout=30)
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            code = self.poll()
+            if code is not None:
+                return code
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired("<ray worker>", timeout or 0.0)
+            time.sleep(self.POLL_CACHE_SECONDS)
+
+    def forget(self, code: int | None) -> None:
+        with self._lock:
+            self._code = code if code is not None else -signal.SIGKILL
+
+
+def _worker_class() -> type[ModelInstance]:
+    """:class:`RayWorker`, made on first use (it subclasses the launcher's ``ModelInstance``)."""
+    global _RAY_WORKER
+    if _RAY_WORKER is None:
+        from .launcher import ModelInstance
+
+        @dataclass(kw_only=True)
+        class RayWorker(ModelInstance):
+            """A worker started by a :class:`WorkerHost` actor: its process handle, port check, log and
+            teardown go through the actor; its lease (the placement group) is the pool's."""
+
+            ray_node: str = ""
+            #: the actor process's node, as its hostname says (the log is local when it is this machine's)
+            log_local: bool = True
+            _ray: Any = field(default=None, repr=False)
+            _actor: Any = field(default=None, repr=False)
+
+            def describe(self) -> str:
+                return super().describe().replace(" on ", f" on Ray node {self.ray_node} at ", 1)
+
+            def owns_port(self) -> bool:
+                try:
+                    return bool(self._ray.get(self._actor.owns_port.remote(self.port), timeout=30))
+                except Exception:
+                    return False
+
+            def log_tail(self, lines: int = 40) -> str:
+                from .launcher import redact
+
+                if self.log_local and self.log_path.exists():
+                    return super().log_tail(lines)
+                try:
+                    text = str(self._ray.get(self._actor.log_tail.remote(lines), timeout=30))
+                except Exception as exc:
+                    text = f"<log on Ray node {self.ray_node} unreadable: {type(exc).__name__}>"
+                return redact(text, self.secrets)
+
+            def log_text(self, max_bytes: int = 4 * 1024 * 1024) -> str:
+                from .launcher import redact
+
+                if self.log_local and self.log_path.exists():
+                    return super().log_text(max_bytes)
+                try:
+                    return redact(str(self._ray.get(self._actor.log_text.remote(max_bytes), timeout=30)),
+                                  self.secrets)
+                except Exception:
+                    return ""
+
+            def remove_log(self) -> None:
+                super().remove_log()
+                with contextlib.suppress(Exception):
+                    self._ray.get(self._actor.remove_log.remote(), timeout=30)
+
+            def _tree(self, *, sweep: bool = True) -> list[Any]:
+                return []
+
+            def _terminate(self, term_timeout: float, kill_timeout: float) -> list[int]:
+                """The tree's teardown on its node, through the actor."""
+                killed: list[int] = []
+                try:
+                    result = self._ray.get(self._actor.stop.remote(term_timeout, kill_timeout),
+                                           timeout=term_timeout + 2 * kill_timeout + 30)
+                    killed = list(result["killed"])
+                    self.pids_seen.update(result["pids"])
+                    cast(RemoteProcess, self.process).forget(result["returncode"])
+                except Exception as exc:  # the actor is gone: its watchdog ended the tree
+                    self.warnings.append(f"the Ray actor of {self.describe()} was gone at teardown "
+                                         f"({type(exc).__name__}); its node's watchdog ends the worker's tree")
+                    cast(RemoteProcess, self.process).forget(None)
+                return killed
+
+            def _clear_ports(self) -> bool:
+                # Another node's listeners cannot be seen from here: its block is released as it is.
+                return not self.log_local or super()._clear_ports()
+
+        _RAY_WORKER = RayWorker
+    return _RAY_WORKER
+
+
+_RAY_WORKER: type[ModelInstance] | None = None
+
+
+def __getattr__(name: str) -> Any:  # ``ray_cluster.RayWorker`` without importing the launcher at import time
+    if name == "RayWorker":
+        return _worker_class()
+    raise AttributeError(name)
+
+
+class RayInventory(Inventory):
+    """The cluster's GPUs, as Ray counts them (``cluster_resources()["GPU"]``)."""
+
+    source = "ray"
+    namespace = "ray"
+
+    def __init__(self, manager: RayLeaseManager) -> None:
+        self._manager = manager
+
+    def snapshot(self) -> list[GpuInfo]:
+        total = int(self._manager.ray.cluster_resources().get("GPU", 0))
+        return [GpuInfo(index=i, uuid=f"GPU-ray-{i:012d}", name=f"ray-gpu-{i}", total_mib=RAY_GPU_MIB,
+                        free_mib=RAY_GPU_MIB) for i in range(total)]
+
+    def visible_devices_value(self, gpus: Sequence[GpuInfo]) -> str:
+        return ""  # Ray assigns CUDA_VISIBLE_DEVICES on the node
+
+    def describe(self) -> str:
+        return self._manager.describe()
+
+    def can_ever_fit(self, tp: int, memory_mib: int) -> str | None:
+        if tp < 1:
+            return f"tp={tp}: a lease needs at least one GPU"
+        total = len(self.static_gpus())
+        if tp > total:
+            return f"tp={tp} needs {tp} GPUs but the inventory has {total} ({self.describe()})"
+        largest = self._manager.largest_node_gpus()
+        if tp > largest:
+            return (f"tp={tp} needs {tp} GPUs on one node but the largest node of the {self.describe()} has "
+                    f"{largest}")
+        return None
+
+    def close(self) -> None:
+        self._manager.shutdown()
+
+
+class RayLease:
+    """A worker group's placement group: one bundle per member, held until :meth:`release`."""
+
+    def __init__(self, manager: RayLeaseManager, pg: Any, counts: Sequence[int], holder: str, name: str) -> None:
+        self._manager = manager
+        self.pg = pg
+        self.counts = list(counts)
+        self.holder = holder
+        self.name = name
+        self.memory_mib = 0
+        self.namespace = "ray"
+        self.acquired_at = time.time()
+        self.cuda_visible_devices = ""
+        total = sum(self.counts)
+        self.gpus = tuple(GpuInfo(index=i, uuid=f"GPU-ray-{name}-{i}", name=f"ray GPU {i + 1}/{total} of {name}",
+                                  total_mib=RAY_GPU_MIB, free_mib=RAY_GPU_MIB) for i in range(total))
+        self.actors: dict[int, Any] = {}
+        self._lock = threading.Lock()
+        self._report: ReleaseReport | None = None
+
+    @property
+    def indices(self) -> tuple[int, ...]:
+        return tuple(g.index for g in self.gpus)
+
+    @property
+    def released(self) -> bool:
+        return self._report is not None
+
+    def env(self) -> dict[str, str]:
+        return {}
+
+    def host(self, bundle: int) -> Any:
+        """The actor of bundle ``bundle`` (made on first use, scheduled into its bundle)."""
+        with self._lock:
+            if self._report is not None:
+                raise LaunchError(f"the Ray lease {self.name} was released")
+            actor = self.actors.get(bundle)
+            if actor is None:
+                actor = self.actors[bundle] = self._manager.make_host(self.pg, bundle, self.counts[bundle])
+            return actor
+
+    def spawner(self, bundle: int) -> Callable[..., ModelInstance]:
+        """A ``spawn_worker`` that starts a member in bundle ``bundle`` of this lease (the member's place in
+        the group, as the pool split the lease)."""
+        from .launcher import spawn_worker
+
+        def spawn(spec: ModelSpec, **kwargs: Any) -> ModelInstance:
+            return spawn_worker(spec, starter=self._manager.starter(self, bundle), **kwargs)
+
+        return spawn
+
+    def release(self, *, worker_pids: Collection[int] = (), wait_timeout: float = 60.0) -> ReleaseReport:
+        """Stop what still runs in the actors, kill them, remove the placement group. Idempotent."""
+        with self._lock:
+            if self._report is not None:
+                return self._report
+            self._report = ReleaseReport(gpus=self.indices, source="ray", memory_back=True, waited_s=0.0)
+            actors = list(self.actors.values())
+            self.actors.clear()
+        start = time.monotonic()
+        self._manager.end_actors(actors, timeout=wait_timeout)
+        self._manager.remove_pg(self.pg)
+        self._report = ReleaseReport(gpus=self.indices, source="ray", memory_back=True,
+                                     waited_s=time.monotonic() - start)
+        return self._report
+
+    def __repr__(self) -> str:
+        state = "released" if self.released else "held"
+        return f"<RayLease {self.name} bundles {self.counts} for {self.holder!r} ({state})>"
+
+
+class RayLeaseManager:
+    """GPU leases from a Ray cluster, with the :class:`~pytest_sglworker.resources.gpus.LeaseManager` surface the pool
+    and collection use (``try_acquire``, ``acquire``, ``others_waiting``, ``can_ever_fit``, ``inventory``,
+    ``lock_dir``: the local lock directory, still used for port blocks)."""
+
+    #: a lease is asked for with each member's GPU count (one bundle per member)
+    per_member = True
+
+    def __init__(self, cluster: ClusterSpec, lock_dir: Path, *, connect_timeout: float = CONNECT_TIMEOUT,
+                 notice_interval: float = 30.0, poll_interval: float = 0.2,
+                 on_message: Callable[[str], None] | None = None) -> None:
+        self.cluster = cluster
+        self.lock_dir = Path(lock_dir)
+        self.namespace = "ray"
+        self.notice_interval = notice_interval
+        self.poll_interval = poll_interval
+        self.on_message = on_message
+        self.notices: list[str] = []
+        self.ray = _import_ray()
+        self._connect(connect_timeout)
+        self.inventory = RayInventory(self)
+        self._host_class: Any = None
+        self._pgs: dict[str, Any] = {}
+        self._lock = threading.Lock()
+        self._address = self._cluster_address()
+
+    # -- connection ---------------------------------------------------------------------------------------
+    def _connect(self, timeout: float) -> None:
+        ray = self.ray
+        address = self.cluster.address
+        if address == "auto" and os.environ.get("RAY_ADDRESS"):
+            address = os.environ["RAY_ADDRESS"]
+        why = _probe(address, min(timeout, 5.0)) if address != "auto" else None
+        if why is not None:
+            raise ClusterUnavailable(f"{self.cluster.raw!r}: the Ray cluster is unreachable: {why}")
+        if ray.is_initialized():
+            return
+        done: dict[str, Any] = {}
+
+        def init() -> None:
+            import logging
+
+            try:
+                ray.init(address=address, namespace="pytest-sglworker", log_to_driver=False,
+                         logging_level=logging.ERROR, ignore_reinit_error=True)
+            except BaseException as exc:  # handed to the caller
+                done["error"] = exc
+            done["ok"] = True
+
+        thread = threading.Thread(target=init, name="sglworker-ray-init", daemon=True)
+        thread.start()
+        thread.join(timeout)
+        if "ok" not in done:
+            raise ClusterUnavailable(f"{self.cluster.raw!r}: no answer from the Ray cluster at "
+                                     f"{address} within {timeout:g} s")
+        if "error" in done:
+            error = done["error"]
+            first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            raise ClusterUnavailable(f"{self.cluster.raw!r}: cannot join the Ray cluster at {address}: "
+                                     f"{first}")
+
+    def _cluster_address(self) -> str:
+        with contextlib.suppress(Exception):
+            return str(self.ray.get_runtime_context().gcs_address)
+        return self.cluster.address
+
+    def describe(self) -> str:
+        try:
+            total = int(self.ray.cluster_resources().get("GPU", 0))
+            free = int(self.ray.available_resources().get("GPU", 0))
+        except Exception:
+            return f"Ray cluster at {self._address}"
+        return f"Ray cluster at {self._address}: {total} GPU(s), {free} free now"
+
+    def largest_node_gpus(self) -> int:
+        try:
+            return max((int(n.get("Resources", {}).get("GPU", 0)) for n in self.ray.nodes() if n.get("Alive")),
+                       default=0)
+        except Exception:
+            return len(self.inventory.static_gpus())
+
+    def shutdown(self) -> None:
+        with self._lock:
+            pgs = list(self._pgs.values())
+            self._pgs.clear()
+        for pg in pgs:
+            self.remove_pg(pg)
+        with contextlib.suppress(Exception):
+            if self.ray.is_initialized():
+                self.ray.shutdown()
+
+    # -- the lease surface --------------------------------------------------------------------------------
+    def can_ever_fit(self, tp: int, memory_mib: int) -> str | None:
+        return self.inventory.can_ever_fit(tp, memory_mib)
+
+    def try_acquire(self, gpus: int | Sequence[int], memory_mib: int, *, holder: str) -> RayLease | None:
+        counts = _counts(gpus)
+        reason = self.can_ever_fit(max(counts), memory_mib) or self.can_ever_fit(sum(counts), memory_mib)
+        if reason is not None:
+            raise LeaseImpossible(reason)
+        if not self._fits_now(counts):
+            return None  # no placement group made: one removed while Ray is placing it can leak its GPUs
+        pg, name = self._create_pg(counts)
+        if self._ready(pg, TRY_WAIT_SECONDS):  # it fitted a moment ago: only a race makes it wait
+            return RayLease(self, pg, counts, holder, name)
+        self.remove_pg(pg)
+        return None
+
+    def _fits_now(self, counts: Sequence[int]) -> bool:
+        """Whether the bundles fit the GPUs free on the cluster's nodes now (largest first, greedily)."""
+        try:
+            from ray._private import state
+
+            free = sorted((int(r.get("GPU", 0)) for r in state.available_resources_per_node().values()),  # type: ignore[no-untyped-call]
+                          reverse=True)
+        except Exception:
+            free = [int(self.ray.available_resources().get("GPU", 0))]
+        for count in sorted(counts, reverse=True):
+            free.sort(reverse=True)
+            if not free or free[0] < count:
+                return False
+            free[0] -= count
+        return True
+
+    def acquire(self, gpus: int | Sequence[int], memory_mib: int, *, holder: str, timeout: float,
+                poll_interval: float | None = None, on_wait: Callable[[str], None] | None = None) -> RayLease:
+        counts = _counts(gpus)
+        total = sum(counts)
+        reason = self.can_ever_fit(max(counts), memory_mib) or self.can_ever_fit(total, memory_mib)
+        if reason is not None:
+            raise LeaseImpossible(reason)
+        pg, name = self._create_pg(counts)
+        start = time.monotonic()
+        next_notice: float | None = None
+        try:
+            while True:
+                waited = time.monotonic() - start
+                if self._ready(pg, max(0.0, min(poll_interval or self.poll_interval, timeout - waited))):
+                    return RayLease(self, pg, counts, holder, name)
+                waited = time.monotonic() - start
+                if waited >= timeout:
+                    raise LeaseTimeout(f"no lease of {total} GPU(s) with {memory_mib} MiB free each for {holder!r} "
+                                       f"within {timeout:g} s ({self.describe()}): " + self._explain())
+                now = time.monotonic()
+                if on_wait is not None and (next_notice is None or now >= next_notice):
+                    on_wait(f"waiting for {total} GPU(s) with {memory_mib} MiB free each for {holder!r} "
+                            f"({waited:.0f} s of {timeout:g} s): " + self._explain())
+                    next_notice = now + self.notice_interval
+        except BaseException:
+            self.remove_pg(pg)
+            raise
+
+    def others_waiting(self) -> bool:
+        """Whether another session's placement group waits (pending) on the cluster."""
+        try:
+            table = self.ray.util.placement_group_table()
+        except Exception:
+            return False
+        mine = f"{PG_PREFIX}{SESSION_ID}-"
+        return any(str(info.get("name", "")).startswith(PG_PREFIX) and not str(info.get("name")).startswith(mine)
+                   and info.get("state") == "PENDING" for info in table.values())
+
+    def _explain(self) -> str:
+        try:
+            table = self.ray.util.placement_group_table()
+        except Exception:
+            return "the cluster's GPUs are in use"
+        held = [f"{info.get('name')} ({sum(int(b.get('GPU', 0)) for b in info.get('bundles', {}).values())} GPU(s))"
+                for info in table.values()
+                if info.get("state") == "CREATED" and str(info.get("name", "")).startswith(PG_PREFIX)]
+        return "leased by " + ", ".join(held) if held else "the cluster's GPUs are in use by other Ray work"
+
+    # -- placement groups and actors ----------------------------------------------------------------------
+    def _create_pg(self, counts: Sequence[int]) -> tuple[Any, str]:
+        from ray.util.placement_group import placement_group
+
+        with _ids_lock:
+            name = f"{PG_PREFIX}{SESSION_ID}-{next(_ids)}"
+        pg = placement_group([{"GPU": float(c)} for c in counts], strategy="PACK", name=name)
+        with self._lock:
+            self._pgs[name] = pg
+        return pg, name
+
+    def _ready(self, pg: Any, timeout: float) -> bool:
+        try:
+            return bool(pg.wait(timeout_seconds=max(timeout, 0.0)))
+        except Exception:
+            return False
+
+    def remove_pg(self, pg: Any) -> None:
+        from ray.util.placement_group import remove_placement_group
+
+        with self._lock:
+            for name, value in list(self._pgs.items()):
+                if value is pg:
+                    del self._pgs[name]
+        with contextlib.suppress(Exception):
+            remove_placement_group(pg)
+
+    def make_host(self, pg: Any, bundle: int, gpus: int) -> Any:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        if self._host_class is None:
+            self._host_class = self.ray.remote(WorkerHost)
+        session = f"{SESSION_ID}r{uuid.uuid4().hex[:8]}"  # its own owner session: the actor's watchdog ends only it
+        return self._host_class.options(
+            num_cpus=0, num_gpus=gpus, max_restarts=0, max_task_retries=0, max_concurrency=4,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg,
+                                                                 placement_group_bundle_index=bundle),
+            runtime_env={"env_vars": forwarded_env()},
+        ).remote(session)
+
+    def end_actors(self, actors: Sequence[Any], *, timeout: float) -> None:
+        refs = []
+        for actor in actors:
+            with contextlib.suppress(Exception):
+                refs.append(actor.close.remote())
+        if refs:
+            with contextlib.suppress(Exception):
+                self.ray.wait(refs, num_returns=len(refs), timeout=max(timeout, 1.0))
+        for actor in actors:
+            with contextlib.suppress(Exception):
+                self.ray.kill(actor, no_restart=True)
+
+    def starter(self, lease: RayLease, bundle: int) -> Callable[..., ModelInstance]:
+        """The launcher's ``_start`` for a member in ``bundle``: the argv built here, the process started by
+        the bundle's actor, bound to the node's address (loopback when the node is this machine)."""
+
+        def start(spec: ModelSpec, ports: Mapping[str, int], extra_args: Sequence[str],
+                  env: Mapping[str, str] | None, options: LaunchOptions, log_dir: Path, gpus: str | None,
+                  kind: WorkerKind, index: int) -> ModelInstance:
+            from ..engine.sglang_facts import LOOPBACK_HOST
+            from .launcher import build_argv, log_name
+
+            ray = self.ray
+            actor = lease.host(bundle)
+            try:
+                node = ray.get(actor.node.remote(), timeout=120)
+            except Exception as exc:
+                raise LaunchError(f"the Ray actor for {spec.name} (lease {lease.name}, bundle {bundle}) did not "
+                                  f"start: {_first_line(exc)}") from None
+            local = node["hostname"] == hostname()
+            host = LOOPBACK_HOST if local else str(node["ip"])
+            port = ports[kind.port_names[0]]
+            argv = build_argv(spec, port=port, nccl_port=ports.get("nccl"), launcher=options.launcher,
+                              extra_args=extra_args, allow_foreign_host=options.allow_foreign_host,
+                              role_args=kind.role_args(ports))
+            if not local:
+                argv[argv.index("--host") + 1] = host
+            child_env = {**forwarded_env(), **spec.env, **(env or {})}
+            child_env.pop("CUDA_VISIBLE_DEVICES", None)  # Ray's assignment, set on the node
+            try:
+                started = ray.get(actor.start.remote(argv, child_env, str(log_dir / log_name("sglang-worker", port))),
+                                  timeout=120)
+            except Exception as exc:
+                raise LaunchError(f"the Ray actor for {spec.name} could not start {shlex.join(argv[:3])} ...: "
+                                  f"{_first_line(exc)}") from None
+            cls = _worker_class()
+            process = RemoteProcess(actor, int(started["pid"]), ray)
+            return cls(spec=spec, host=host, port=port, tail_lines=options.tail_lines, kind=kind, index=index,
+                       ports=dict(ports), gpus=started["gpus"], argv=argv, log_path=Path(started["log_path"]),
+                       process=cast("subprocess.Popen[bytes]", process), owner_tag=started["tag"],
+                       secrets=list(started["secrets"]), times={"started": float(started["started"])},
+                       ray_node=f"{node['hostname']} ({node['ip']})", log_local=local, _ray=ray,
+                       _actor=actor)  # type: ignore[call-arg]
+
+        return start
+
+
+def _counts(gpus: int | Sequence[int]) -> list[int]:
+    counts = [gpus] if isinstance(gpus, int) else [int(g) for g in gpus]
+    if not counts or min(counts) < 1:
+        raise LeaseImpossible(f"a Ray lease needs at least one GPU per member, not {counts}")
+    return counts
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[-1] if text else type(exc).__name__
+
+
+def make_lease_manager(raw: str, lock_dir: Path, on_message: Callable[[str], None] | None = None) -> RayLeaseManager:
+    spec = parse_cluster(raw)
+    if spec is None:
+        raise SglWorkerError(f"--sgl-cluster {raw!r} names no cluster")
+    return RayLeaseManager(spec, lock_dir, on_message=on_message)

@@ -1,0 +1,342 @@
+"""The real sglang router (``sglang-router`` on PyPI, a Rust binary that runs on a CPU) in front of a worker
+group: launched, proven ready, reported and torn down like a worker.
+
+Plain Python, no pytest (the ``sgl_router`` fixture in ``plugin.py`` calls :func:`start_router`). The router:
+
+- binds 127.0.0.1 on a port reserved across processes, and its Prometheus endpoint on 127.0.0.1 on the
+  next port of the same block (the router's own defaults are 0.0.0.0:29000);
+- logs to ``sglang-router-<port>.log`` beside the workers' logs, and is tagged and torn down by
+  :mod:`processes` like every process the plugin starts;
+- is in regular mode over the group's workers, PD mode (``--pd-disaggregation --prefill URL BOOTSTRAP_PORT
+  --decode URL``) over a prefill/decode group, and ``--dp-aware`` when a worker has ``--dp-size`` > 1;
+- is ready when ``GET /health`` answers 200 and ``GET /workers`` lists every worker healthy
+  (:class:`RouterReadiness`); a router that exits or never gets ready fails at once with its log tail;
+- in front of gRPC workers (``grpc://`` URLs) gets ``TIKTOKEN_ENCODINGS_BASE`` (:func:`router_env`): the
+  router needs OpenAI's ``o200k_base.tiktoken`` to start its gRPC router, and finds the worker's tokenizer
+  through the worker's ``GetModelInfo``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shlex
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from ..engine.sglang_facts import LOOPBACK_HOST
+from ..errors import LaunchError, SglWorkerError, WorkerError, WorkerStartupError
+from ..resources.processes import hostname
+from .health import Probe, ProbeTimeout, Readiness, Watched, http_request, wait_until_ready
+from .kinds import data_parallel_size
+from .launcher import ManagedProcess, check_launcher, log_name, mask_argv, start_process
+from .records import ConfigStats, LaunchRecord
+
+if TYPE_CHECKING:
+    from ..plugin.options import Settings
+    from ..plugin.session import SglSession
+    from .pool import WorkerGroup
+
+__all__ = ["ROUTER_MODULE", "Router", "RouterReadiness", "RouterUnavailable", "router_argv", "start_router"]
+
+ROUTER_MODULE = "sglang_router.launch_router"
+INSTALL_HINT = "pip install 'pytest-sglworker[router]' (or: pip install sglang-router)"
+#: How long a router may take to report every worker healthy (it starts in about half a second).
+DEFAULT_ROUTER_TIMEOUT = 120.0
+#: Ports of a router's block: its HTTP port and its Prometheus port.
+ROUTER_PORTS = ("http", "prometheus")
+
+
+class RouterUnavailable(SglWorkerError):
+    """The router package is not installed (router tests are skipped with the install command)."""
+
+
+def default_router_launcher() -> list[str]:
+    return [sys.executable, "-m", ROUTER_MODULE]
+
+
+def router_argv(launcher: Sequence[str], *, port: int, prometheus_port: int, group: WorkerGroup,
+                policy: str | None, args: Sequence[str]) -> list[str]:
+    """The router's argv in front of ``group``: regular, PD or dp-aware mode, loopback only."""
+    argv = [*launcher, "--host", LOOPBACK_HOST, "--port", str(port),
+            "--prometheus-host", LOOPBACK_HOST, "--prometheus-port", str(prometheus_port)]
+    if group.is_pd:
+        argv.append("--pd-disaggregation")
+        for member in group.prefill:
+            argv += ["--prefill", member.url, str(member.bootstrap_port) if member.bootstrap_port else "none"]
+        for member in group.decode:
+            argv += ["--decode", member.url]
+    else:
+        argv += ["--worker-urls", *group.urls]
+    if any(data_parallel_size(m.spec, m.argv) > 1 for m in group):
+        argv.append("--dp-aware")
+    if policy:
+        argv += ["--policy", policy]
+    return [*argv, *args]
+
+
+def _expected(group: WorkerGroup) -> int:
+    """Workers the router lists when it has them all (a dp-aware router lists one per dp rank)."""
+    return sum(data_parallel_size(m.spec, m.argv) for m in group)
+
+
+def api_key_of(args: Sequence[str]) -> str | None:
+    """The ``--api-key`` given to the router (its worker API then needs it too), or None."""
+    key = None
+    for i, arg in enumerate(args):
+        if arg == "--api-key" and i + 1 < len(args):
+            key = args[i + 1]
+        elif arg.startswith("--api-key="):
+            key = arg.split("=", 1)[1]
+    return key
+
+
+def _auth(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+class RouterReadiness(Readiness):
+    """``GET /health`` 200, then ``GET /workers`` listing every worker of the group healthy."""
+
+    what = "router"
+    ready_word = "ready"
+
+    def __init__(self, group: WorkerGroup, api_key: str | None = None) -> None:
+        self.urls = group.urls
+        self.expected = _expected(group)
+        self.headers = _auth(api_key)
+
+    def probe(self, target: Watched, deadline: float, abort: Callable[[], bool]) -> Probe:
+        try:
+            health = http_request(target.host, target.port, "/health", deadline=deadline, abort=abort)
+            if health.status != 200:
+                return Probe(False, f"/health HTTP {health.status}")
+            listed = http_request(target.host, target.port, "/workers", deadline=deadline, abort=abort,
+                                  headers=self.headers)
+        except ConnectionRefusedError:
+            return Probe(False, "not listening yet", listening=False)
+        except ProbeTimeout:
+            return Probe(False, "no complete answer in time")
+        except OSError as exc:
+            return Probe(False, type(exc).__name__)
+        try:
+            workers = json.loads(listed.body)["workers"]
+        except (ValueError, KeyError, TypeError):
+            return Probe(False, f"/workers HTTP {listed.status}: not the router's worker list")
+        ours = [w for w in workers if isinstance(w, dict) and any(str(w.get("url", "")).startswith(u)
+                                                                    for u in self.urls)]
+        healthy = [w for w in ours if w.get("is_healthy")]
+        if len(healthy) < self.expected:
+            return Probe(False, f"{len(healthy)} of {self.expected} workers healthy")
+        if not target.owns_port():
+            return Probe(False, "answered by a process that is not this router (stale router on the port?)",
+                         stale=True)
+        return Probe(True, f"{len(healthy)} workers healthy")
+
+
+@dataclass(kw_only=True)
+class Router(ManagedProcess):
+    """A running router in front of a worker group. ``url``, ``client`` (an ``httpx.Client``), ``workers()``,
+    ``add_worker(url)``, ``remove_worker(url)``, ``log_tail()``."""
+
+    group: WorkerGroup
+    policy: str | None = None
+    record: LaunchRecord | None = field(default=None, repr=False)
+    removed: list[str] = field(default_factory=list)
+    #: the pool figures of the group's configuration (a removal counts as a deliberate stop there)
+    group_stats: ConfigStats | None = field(default=None, repr=False)
+    #: the router's ``--api-key``: its worker API methods send it; ``client`` does not (a test of the key
+    #: sends it itself, or ``headers=router.auth_headers``)
+    api_key: str | None = field(default=None, repr=False)
+
+    @property
+    def auth_headers(self) -> dict[str, str]:
+        return _auth(self.api_key)
+
+    @property
+    def role(self) -> str:
+        return "router"
+
+    @property
+    def spec(self) -> Any:
+        return self.group.config.spec
+
+    @property
+    def mode(self) -> str:
+        return "pd" if self.group.is_pd else "regular"
+
+    def describe(self) -> str:
+        policy = f" {self.policy}" if self.policy else ""
+        return (f"router ({self.mode}{policy}) over {self.group.config.label} on {self.host}:{self.port} "
+                f"(pid {self.pid})")
+
+    def fatal_in_log(self) -> bool:
+        text = self.log_tail(20)
+        return "Address already in use" in text or ("error: " in text.lower() and "usage:" in text.lower())
+
+    # -- the router's worker API --------------------------------------------------------------------------
+    def workers(self) -> list[dict[str, Any]]:
+        """The router's worker list (``GET /workers``)."""
+        resp = self.client.get("/workers", timeout=10.0, headers=self.auth_headers)
+        resp.raise_for_status()
+        return list(resp.json()["workers"])
+
+    def add_worker(self, url: str, **fields: Any) -> dict[str, Any]:
+        """``POST /workers``: add a worker at ``url``; returns the router's answer."""
+        resp = self.client.post("/workers", json={"url": url, **fields}, timeout=30.0, headers=self.auth_headers)
+        resp.raise_for_status()
+        return dict(resp.json()) if resp.content else {}
+
+    def remove_worker(self, url: str) -> None:
+        """``DELETE /workers/{id}`` of the worker at ``url`` (counted as a deliberate stop, not a death)."""
+        matches = [w for w in self.workers() if str(w.get("url", "")).rstrip("/") == url.rstrip("/")]
+        if not matches:
+            raise LookupError(f"the router lists no worker at {url}: {[w.get('url') for w in self.workers()]}")
+        for worker in matches:
+            resp = self.client.delete(f"/workers/{worker['id']}", timeout=30.0, headers=self.auth_headers)
+            resp.raise_for_status()
+        self.removed.append(url)
+        if self.group_stats is not None:
+            self.group_stats.stops += 1
+
+    def wait_for_workers(self, count: int, *, timeout: float = 30.0) -> list[dict[str, Any]]:
+        """Wait (bounded) until the router lists ``count`` healthy workers; returns them."""
+        deadline = time.monotonic() + timeout
+        while True:
+            healthy = [w for w in self.workers() if w.get("is_healthy")]
+            if len(healthy) == count:
+                return healthy
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"the router lists {len(healthy)} healthy workers, not {count}, after {timeout:g} s")
+            time.sleep(0.1)
+
+    # -- teardown -----------------------------------------------------------------------------------------
+    def close(self, session: SglSession, nodeid: str) -> None:
+        """Stop the router, give its ports back and finish its launch record."""
+        died = not self.is_alive() and not self.stopped
+        self.stop()
+        stats = _router_stats(session, self.group, self.policy)
+        if died:
+            stats.deaths += 1
+        if self.record is not None:
+            record = self.record
+            record.take_times(self)
+            record.t_released = time.time()
+            record.outcome = "died" if died else "ok"
+            record.served(nodeid, self.times.get("ready"), self.times.get("stop_requested"), "done")
+        from ..resources.retention import keeps
+
+        if not keeps(session.settings.log_policy, failed=died):
+            self.remove_log()
+        else:
+            (stats.failed_logs if died else stats.kept_logs).append(str(self.log_path))
+
+
+def _router_stats(session: SglSession, group: WorkerGroup, policy: str | None) -> ConfigStats:
+    pool = session.pool
+    key = f"router-{policy or 'default'}-{group.config.key}"
+    stats = pool.stats.get(key)
+    if stats is None:
+        stats = pool.stats[key] = ConfigStats(f"router ({policy or 'default policy'}) over {group.config.label}",
+                                              "sglang-router")
+    return stats
+
+
+def router_env(group: WorkerGroup, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """What the router's environment adds: in front of gRPC workers, ``TIKTOKEN_ENCODINGS_BASE`` naming the
+    installed ``o200k_base.tiktoken`` (``scripts/install-router-vocab.sh``) unless it is set already; the router
+    builds its Harmony encoder from it whenever it has a gRPC router, and downloads it otherwise."""
+    from .grpc_worker import ROUTER_VOCAB_ENV, router_vocab_dir
+
+    environ = os.environ if environ is None else environ
+    if environ.get(ROUTER_VOCAB_ENV) or not any(url.startswith("grpc://") for url in group.urls):
+        return {}
+    folder = router_vocab_dir(environ)
+    return {ROUTER_VOCAB_ENV: str(folder)} if folder is not None else {}
+
+
+def _vocab_hint(router: Router) -> str:
+    """The fix, when the router died building its Harmony encoder (no vocab file and no network)."""
+    if "Failed to load Harmony encoding" not in router.log_tail(200):
+        return ""
+    from .grpc_worker import ROUTER_VOCAB_ENV, ROUTER_VOCAB_HINT
+
+    return (f"the router's gRPC mode needs OpenAI's o200k_base.tiktoken (it downloads it when it can): run "
+            f"'{ROUTER_VOCAB_HINT}', or set {ROUTER_VOCAB_ENV} to a folder that holds it")
+
+
+def router_launcher(settings: Settings) -> list[str]:
+    """The router's launcher: ``--sgl-router-launcher``, else ``<python> -m sglang_router.launch_router`` when
+    the package is installed; :class:`RouterUnavailable` (a skip with the install command) otherwise."""
+    explicit = settings.router_launcher
+    if explicit:
+        return list(explicit)
+    if importlib.util.find_spec("sglang_router") is None:
+        raise RouterUnavailable(f"the sglang router is not installed for {sys.executable}: {INSTALL_HINT}")
+    return default_router_launcher()
+
+
+def start_router(session: SglSession, group: WorkerGroup, *, policy: str | None = None, args: Sequence[str] = (),
+                 startup_timeout: float | None = None, holder: str = "") -> Router:
+    """Launch the router in front of ``group`` and return it once it reports every worker healthy."""
+    from ..resources import state
+    from ..resources.ports import reserve_port_block
+
+    launcher = router_launcher(session.settings)
+    check_launcher(launcher)
+    s = session.settings
+    log_dir = state.ensure_private_dir(session.log_dir, what="log directory")
+    lock_dir = state.ensure_private_dir(s.lock_dir or state.default_lock_dir(), what="lock directory",
+                                        shared_ok=s.lock_dir is not None)
+    timeout = startup_timeout or min(s.startup_timeout, DEFAULT_ROUTER_TIMEOUT)
+    stats = _router_stats(session, group, policy)
+    pool = session.pool
+    for attempt in (1, 2, 3):
+        block = reserve_port_block(lock_dir, port_range=s.port_range, timeout=s.lease_timeout,
+                                   on_wait=session.pool.on_message)
+        ports = dict(zip(ROUTER_PORTS, block.ports, strict=False))
+        argv = router_argv(launcher, port=ports["http"], prometheus_port=ports["prometheus"], group=group,
+                           policy=policy, args=args)
+        record = LaunchRecord(id=f"{pool.xdist_worker or 'main'}-router-{len(pool.launches) + 1}",
+                              config=group.config.key, label=f"router over {group.config.label}", model="sglang-router",
+                              role="router", group=group.id, xdist_worker=pool.xdist_worker,
+                              t_lease_requested=time.time(), port=ports["http"], argv=" ".join(mask_argv(argv)))
+        pool.launches.append(record)
+        try:
+            started = start_process(argv, router_env(group), log_dir / log_name("sglang-router", ports["http"]))
+        except BaseException:
+            block.release()
+            record.outcome = "startup_failed"
+            raise
+        router = Router(host=LOOPBACK_HOST, port=ports["http"], ports=ports, port_block=block, group=group,
+                        policy=policy, record=record, tail_lines=s.tail_lines, group_stats=pool.stats_for(group.config),
+                        api_key=api_key_of(args), **started)
+        record.pid, record.log_path, record.node = router.pid, str(router.log_path), hostname()
+        try:
+            wait_until_ready(router, RouterReadiness(group, router.api_key), timeout=timeout, ready_line=None)
+        except WorkerError as exc:
+            router.stop()
+            exc.extra = "\n".join(filter(None, (exc.extra, _vocab_hint(router))))
+            record.take_times(router)
+            record.outcome, record.failure = "startup_failed", exc.summary
+            record.t_released = time.time()
+            stats.failures += 1
+            stats.failed_logs.append(str(router.log_path))
+            if isinstance(exc, WorkerStartupError) and "in use" in router.log_text() and attempt < 3:
+                continue  # the port was taken between reservation and bind: another block
+            raise
+        except BaseException:
+            router.stop()
+            raise
+        router.times["ready"] = time.time()
+        record.take_times(router)
+        stats.launches += 1
+        if router.startup_seconds is not None:
+            stats.startup_seconds.append(router.startup_seconds)
+        return router
+    raise LaunchError(f"the router could not bind a port in {s.port_range or 'the default range'}: "
+                      f"{shlex.join(mask_argv(argv))}")

@@ -1,0 +1,252 @@
+"""cpu_engine: the recipe for the real sglang on a CPU (spec, env, launcher, venv discovery) and the tiny
+model builder (``tiny_model.py``, run with the real engine's python)."""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from pytest_sglworker.engine import cpu_engine
+from pytest_sglworker.engine.budget import check_argv, check_spec
+from pytest_sglworker.engine.cpu_engine import (
+    CPU_ENGINE_ARGS,
+    CPU_ENGINE_ENV,
+    REAL_ENGINE_ENV_VAR,
+    REAL_ENGINE_MARKER,
+    TINY_MODEL_SCRIPT,
+    TinyModelError,
+    build_tiny_model,
+    cpu_engine_spec,
+    real_engine_launcher,
+    real_engine_missing_reason,
+    real_engine_python,
+)
+from pytest_sglworker.engine.specs import CI_WORKER_ARGS, ModelSpec, SpecRegistry
+from pytest_sglworker.errors import SglWorkerError
+
+
+def test_constants() -> None:
+    assert dict(CPU_ENGINE_ENV) == {"SGLANG_USE_CPU_ENGINE": "1"}
+    assert " ".join(CPU_ENGINE_ARGS) == (
+        "--device cpu --attention-backend torch_native --sampling-backend pytorch "
+        "--cuda-graph-backend-decode=disabled --max-total-tokens 1024"
+    )
+
+
+def test_spec_carries_the_budget_and_the_recipe() -> None:
+    spec = cpu_engine_spec("cpu-tiny", "/models/tiny")
+    assert isinstance(spec, ModelSpec)
+    assert spec.worker_args == (*CI_WORKER_ARGS, *CPU_ENGINE_ARGS)
+    assert check_spec(spec) == []
+    assert dict(spec.env) == {"SGLANG_USE_CPU_ENGINE": "1"}
+    assert spec.features == frozenset({"chat", "streaming"})
+    assert spec.model == "/models/tiny" and spec.tp == 1
+    assert 0 < spec.memory_gb <= 2
+    assert spec.resolve_model_path({}) == "/models/tiny"
+    SpecRegistry([spec])  # registers like any other spec
+
+
+def test_spec_extra_args_and_features() -> None:
+    spec = cpu_engine_spec("cpu-x", "/m", features=["chat"], extra_args=["--skip-server-warmup", "--random-seed", "1"])
+    assert spec.worker_args[-3:] == ("--skip-server-warmup", "--random-seed", "1")
+    assert spec.worker_args[: len(CI_WORKER_ARGS)] == CI_WORKER_ARGS
+    assert spec.features == frozenset({"chat"})
+    assert check_spec(spec) == []
+
+
+def test_budget_stays_mandatory_with_extra_args() -> None:
+    spec = cpu_engine_spec("cpu-greedy", "/m", extra_args=("--mem-fraction-static=0.9",))
+    problems = check_spec(spec)
+    assert [p.flag for p in problems] == ["--mem-fraction-static"]
+    assert check_argv((*spec.worker_args, "--cuda-graph-backend-prefill=breakable"))
+
+
+def test_launcher() -> None:
+    assert real_engine_launcher(Path("/v/bin/python")) == ["/v/bin/python", "-m", "sglang.launch_server"]
+    assert real_engine_launcher("/v/bin/python")[0] == "/v/bin/python"
+
+
+def _fake_venv(root: Path, *, marker: bool = True) -> Path:
+    (root / "bin").mkdir(parents=True)
+    python = root / "bin" / "python"
+    python.write_text("#!/bin/sh\n")
+    python.chmod(0o755)
+    if marker:
+        (root / REAL_ENGINE_MARKER).write_text("sglang=0.5.23\n")
+    return python
+
+
+def test_real_engine_python_explicit_and_env(tmp_path: Path) -> None:
+    python = _fake_venv(tmp_path / "venv")
+    assert real_engine_python(tmp_path / "venv", environ={}) == python
+    assert real_engine_python(str(tmp_path / "venv"), environ={}) == python
+    assert real_engine_python(environ={REAL_ENGINE_ENV_VAR: str(tmp_path / "venv")}) == python
+    # explicit beats the variable; a variable naming nothing finds nothing (no silent fallback)
+    assert real_engine_python(tmp_path / "venv", environ={REAL_ENGINE_ENV_VAR: "/nowhere"}) == python
+    assert real_engine_python(environ={REAL_ENGINE_ENV_VAR: str(tmp_path / "missing")}) is None
+    assert real_engine_python(tmp_path / "missing", environ={}) is None
+    reason = real_engine_missing_reason(environ={REAL_ENGINE_ENV_VAR: str(tmp_path / "missing")})
+    assert REAL_ENGINE_ENV_VAR in reason and "install-real-engine.sh" in reason
+    assert real_engine_missing_reason(tmp_path / "venv", environ={}) == ""
+
+
+def test_real_engine_python_keeps_the_venv_symlink(tmp_path: Path) -> None:
+    (tmp_path / "venv" / "bin").mkdir(parents=True)
+    (tmp_path / "venv" / "bin" / "python").symlink_to(sys.executable)
+    found = real_engine_python(tmp_path / "venv", environ={})
+    assert found == tmp_path / "venv" / "bin" / "python"  # not resolved to the base interpreter
+
+
+def test_real_engine_python_repo_root(tmp_path: Path) -> None:
+    python = _fake_venv(tmp_path / "repo" / ".cache" / "real-engine")
+    assert real_engine_python(tmp_path / "repo", environ={}) == python
+
+
+def test_real_engine_python_default_location(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    default = tmp_path / ".cache" / "real-engine"
+    monkeypatch.setattr(cpu_engine, "DEFAULT_REAL_ENGINE_DIR", default)
+    assert real_engine_python(environ={}) is None
+    assert "not installed" in real_engine_missing_reason(environ={})
+    python = _fake_venv(default, marker=False)
+    assert real_engine_python(environ={}) is None  # an unfinished install is not used
+    assert "unfinished" in real_engine_missing_reason(environ={})
+    (default / REAL_ENGINE_MARKER).write_text("sglang=0.5.23\n")
+    assert real_engine_python(environ={}) == python
+
+
+def test_default_location_is_in_the_repository() -> None:
+    repo = Path(__file__).resolve().parents[2]
+    assert repo / ".cache" / "real-engine" == cpu_engine.DEFAULT_REAL_ENGINE_DIR
+    assert (repo / "scripts" / "install-real-engine.sh").is_file()
+
+
+def test_install_script_and_marker_agree() -> None:
+    script = (Path(__file__).resolve().parents[2] / "scripts" / "install-real-engine.sh").read_text()
+    assert f"MARKER_NAME={REAL_ENGINE_MARKER}" in script
+    assert "set -euo pipefail" in script
+    subprocess.run(
+        ["bash", "-n", str(Path(__file__).resolve().parents[2] / "scripts" / "install-real-engine.sh")], check=True
+    )
+
+
+# --- the tiny model builder --------------------------------------------------------------------------------
+
+
+def test_tiny_model_script_is_standalone() -> None:
+    tree = ast.parse(TINY_MODEL_SCRIPT.read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            assert node.level == 0 and not (node.module or "").startswith("pytest_sglworker"), ast.dump(node)
+        elif isinstance(node, ast.Import):
+            assert not any(a.name.startswith("pytest_sglworker") for a in node.names)
+
+
+def test_tiny_model_usage_without_torch(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, str(TINY_MODEL_SCRIPT)], capture_output=True, text=True)
+    assert proc.returncode == 2 and "usage:" in proc.stderr
+
+
+def _script(path: Path, body: str) -> Path:
+    path.write_text("#!/bin/sh\n" + body)
+    path.chmod(0o755)
+    return path
+
+
+def test_build_tiny_model_failure_carries_the_output(tmp_path: Path) -> None:
+    python = _script(tmp_path / "python", "echo 'Traceback: no torch here'\nexit 3\n")
+    with pytest.raises(TinyModelError) as info:
+        build_tiny_model(python, tmp_path / "model")
+    assert isinstance(info.value, SglWorkerError)
+    assert "exit code 3" in str(info.value) and "no torch here" in str(info.value)
+    assert str(tmp_path / "model") in str(info.value)
+
+
+def test_build_tiny_model_success_without_config_is_a_failure(tmp_path: Path) -> None:
+    python = _script(tmp_path / "python", "exit 0\n")
+    with pytest.raises(TinyModelError, match="exit code 0"):
+        build_tiny_model(python, tmp_path / "model")
+
+
+def test_build_tiny_model_timeout(tmp_path: Path) -> None:
+    python = _script(tmp_path / "python", "echo started\nexec sleep 30\n")
+    start = time.monotonic()
+    with pytest.raises(TinyModelError, match="longer than 1 s"):
+        build_tiny_model(python, tmp_path / "model", timeout=1)
+    assert time.monotonic() - start < 15
+
+
+def test_build_tiny_model_missing_python(tmp_path: Path) -> None:
+    with pytest.raises(TinyModelError, match="cannot run"):
+        build_tiny_model(tmp_path / "nope", tmp_path / "model")
+
+
+def test_build_tiny_model_passes_arguments_without_a_shell(tmp_path: Path) -> None:
+    python = _script(
+        tmp_path / "python",
+        'printf "%s\\n" "$@" > "$(dirname "$0")/args"\nmkdir -p "$2"\necho "{}" > "$2/config.json"\n',
+    )
+    out = tmp_path / "a dir with spaces; $(x)"
+    assert build_tiny_model(python, out) == out
+    assert (tmp_path / "args").read_text().splitlines() == [str(TINY_MODEL_SCRIPT), str(out)]
+
+
+@pytest.fixture(scope="module")
+def real_python() -> Path:
+    python = real_engine_python()
+    if python is None:
+        pytest.skip(f"real-engine tests need the real sglang: {real_engine_missing_reason()}")
+    return python
+
+
+@pytest.fixture(scope="module")
+def tiny_model(real_python: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(real_python, tmp_path_factory.mktemp("tiny") / "model")
+
+
+def _digest(folder: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir()) if p.is_file()}
+
+
+@pytest.mark.real_engine
+def test_tiny_model_is_a_chatml_llama(tiny_model: Path) -> None:
+    config = json.loads((tiny_model / "config.json").read_text())
+    assert config["model_type"] == "llama" and config["architectures"] == ["LlamaForCausalLM"]
+    assert config["vocab_size"] == 512 and config["num_hidden_layers"] == 2
+    assert config["dtype"] == "bfloat16"
+    tokenizer = json.loads((tiny_model / "tokenizer.json").read_text())
+    specials = {t["content"]: t["id"] for t in tokenizer["added_tokens"]}
+    assert {"<|endoftext|>", "<|im_start|>", "<|im_end|>"} <= set(specials)
+    assert config["eos_token_id"] == specials["<|im_end|>"]
+    template = (tiny_model / "chat_template.jinja").read_text()
+    assert "<|im_start|>" in template and "add_generation_prompt" in template
+    assert (tiny_model / "model.safetensors").stat().st_size < 1_000_000
+    assert (tiny_model / ".sglworker-tiny-model").is_file()
+    assert not [p for p in tiny_model.parent.iterdir() if ".tmp-" in p.name]
+
+
+@pytest.mark.real_engine
+def test_tiny_model_is_idempotent(real_python: Path, tiny_model: Path) -> None:
+    before = {p.name: p.stat().st_mtime_ns for p in tiny_model.iterdir()}
+    start = time.monotonic()
+    assert build_tiny_model(real_python, tiny_model) == tiny_model
+    assert time.monotonic() - start < 5  # no torch import: the marker matched
+    assert {p.name: p.stat().st_mtime_ns for p in tiny_model.iterdir()} == before
+
+
+@pytest.mark.real_engine
+def test_tiny_model_is_deterministic_and_rebuilds_over_a_stale_marker(
+    real_python: Path, tiny_model: Path, tmp_path: Path
+) -> None:
+    stale = tmp_path / "stale"
+    stale.mkdir()
+    (stale / "config.json").write_text("{}")
+    (stale / ".sglworker-tiny-model").write_text("an older recipe\n")
+    build_tiny_model(real_python, stale)
+    assert _digest(stale) == _digest(tiny_model)  # same recipe, same bytes

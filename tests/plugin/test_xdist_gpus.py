@@ -1,0 +1,502 @@
+"""GPU budgeting across pytest-xdist, proven with real pytest sessions (issue 4).
+
+Every inner session runs the simulated engine with ``SGLSIM_RECORD`` pointing at one file: each simulated
+worker appends its ``start``/``ready``/``exit`` events there (pid, port, nccl_port, CUDA_VISIBLE_DEVICES,
+tp_size, time). :func:`lifetimes` turns the file into live intervals and :func:`assert_exclusive` checks
+that no GPU and no port was ever held by two live workers at once. A worker's recorded life lies inside its
+GPU lease and its port block (leased before the process starts, released after it is gone), so an overlap
+of recorded lives is a double booking.
+
+Every process started here is gone at the end of each test (the leftover check in tests/conftest.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import pytest
+
+from pytest_sglworker import LeaseTimeout
+from pytest_sglworker.resources.gpus import DeclaredInventory, HolderRecord, LeaseManager, _record_path, _write_record
+from pytest_sglworker.resources.processes import OWNER_ENV
+
+SIM = ("-p", "no:cacheprovider", "--sgl-engine", "sim")
+EXAMPLES = Path(__file__).resolve().parents[2] / "conftest_examples"
+
+
+# --------------------------------------------------------------------------------------------------------
+# The record of simulated worker lifetimes
+# --------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Life:
+    """One simulated worker, from its ``start`` event to its ``exit`` event (``end`` None: no exit seen)."""
+
+    pid: int
+    start: float
+    end: float | None
+    cuda_visible_devices: str | None
+    port: int
+    nccl_port: int
+    tp_size: int
+    fraction: float
+    exit_reason: str | None = None
+
+    @property
+    def gpus(self) -> tuple[str, ...]:
+        return tuple(e.strip() for e in (self.cuda_visible_devices or "").split(",") if e.strip())
+
+    def overlaps(self, other: Life) -> bool:
+        assert self.end is not None and other.end is not None
+        return self.start < other.end and other.start < self.end
+
+
+def lifetimes(record: Path) -> list[Life]:
+    """Every worker's life in ``record``, in start order (a reused pid starts a new life)."""
+    if not record.exists():
+        return []
+    lives: list[Life] = []
+    current: dict[int, Life] = {}
+    for line in record.read_text().splitlines():
+        event = json.loads(line)
+        pid = event["pid"]
+        if event["event"] == "start":
+            current[pid] = Life(pid, event["time"], None, event["cuda_visible_devices"], event["port"],
+                                event["nccl_port"], event["tp_size"], event["mem_fraction_static"])
+            lives.append(current[pid])
+        elif event["event"] == "exit" and pid in current:
+            current[pid].end = event["time"]
+            current[pid].exit_reason = event.get("reason")
+            del current[pid]
+    return sorted(lives, key=lambda life: life.start)
+
+
+def assert_exclusive(lives: Sequence[Life], *, gpu_count: int) -> None:
+    """Every worker had its own GPUs (CUDA_VISIBLE_DEVICES set, tp_size distinct indices of the inventory)
+    and ports; no GPU and no port was held by two live workers at once."""
+    assert lives, "no simulated worker was recorded"
+    for life in lives:
+        assert life.end is not None, f"worker pid {life.pid} has no exit event (killed hard and never timed?)"
+        assert life.cuda_visible_devices, f"worker pid {life.pid} started without CUDA_VISIBLE_DEVICES"
+        assert len(set(life.gpus)) == len(life.gpus) == life.tp_size, (
+            f"worker pid {life.pid} (tp {life.tp_size}) got CUDA_VISIBLE_DEVICES={life.cuda_visible_devices!r}")
+        assert all(g.isdigit() and int(g) < gpu_count for g in life.gpus), (
+            f"worker pid {life.pid} got GPUs {life.gpus} outside the inventory of {gpu_count}")
+        assert life.port != life.nccl_port
+    clashes = []
+    for i, a in enumerate(lives):
+        for b in lives[i + 1:]:
+            if not a.overlaps(b):
+                continue
+            shared_gpus = set(a.gpus) & set(b.gpus)
+            shared_ports = {a.port, a.nccl_port} & {b.port, b.nccl_port}
+            if shared_gpus or shared_ports:
+                clashes.append(f"pid {a.pid} [{a.start:.3f}, {a.end:.3f}] and pid {b.pid} [{b.start:.3f}, "
+                               f"{b.end:.3f}] shared GPUs {sorted(shared_gpus)} / ports {sorted(shared_ports)}")
+    assert not clashes, "double booking:\n" + "\n".join(clashes)
+
+
+def max_concurrency(lives: Sequence[Life]) -> int:
+    events = sorted([(life.start, 1) for life in lives] + [(life.end or float("inf"), -1) for life in lives])
+    live = peak = 0
+    for _, delta in events:
+        live += delta
+        peak = max(peak, live)
+    return peak
+
+
+@pytest.fixture
+def record(sim_env: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    path = tmp_path / "sim-record.jsonl"
+    monkeypatch.setenv("SGLSIM_RECORD", str(path))
+    return path
+
+
+def _run(pytester: pytest.Pytester, *args: str, timeout: float = 120) -> pytest.RunResult:
+    return pytester.runpytest_subprocess(*SIM, *args, timeout=timeout)
+
+
+def _outcome_line(result: pytest.RunResult) -> str:
+    return result.stdout.lines[-1] if result.stdout.lines else "<no output>"
+
+
+# --------------------------------------------------------------------------------------------------------
+# 1. no GPU and no port is ever shared, with as many and with more xdist workers than configurations
+# --------------------------------------------------------------------------------------------------------
+
+THREE_CONFIGS = """
+    import time
+    import pytest
+
+    SMALL = ["--mem-fraction-static", "0.5", "--max-total-tokens", "4096"]
+    TIGHT = ["--mem-fraction-static", "0.4", "--max-total-tokens", "2048"]
+
+    @pytest.mark.parametrize("i", range(4))
+    def test_default(sgl_worker, i):
+        assert sgl_worker.client.get("/health").status_code == 200
+        time.sleep(0.1)
+
+    @pytest.mark.sgl_worker(args=SMALL)
+    @pytest.mark.parametrize("i", range(4))
+    def test_small(sgl_worker, i):
+        assert sgl_worker.client.get("/health").status_code == 200
+        time.sleep(0.1)
+
+    @pytest.mark.sgl_worker(args=TIGHT, fresh=True)
+    @pytest.mark.parametrize("i", range(3))
+    def test_tight_fresh(sgl_worker, i):
+        assert sgl_worker.client.get("/health").status_code == 200
+        time.sleep(0.1)
+"""
+
+
+@pytest.mark.parametrize(("xdist_workers", "gpus", "dist"), [(2, 2, "load"), (4, 4, "load"), (2, 2, "loadscope")],
+                         ids=["n2-sim2", "n4-sim4", "n2-sim2-loadscope"])
+def test_xdist_workers_never_share_a_gpu_or_port(pytester: pytest.Pytester, record: Path, xdist_workers: int,
+                                                   gpus: int, dist: str) -> None:
+    pytester.makepyfile(THREE_CONFIGS)
+    result = _run(pytester, "-n", str(xdist_workers), "--dist", dist, "--sgl-gpus", f"sim:{gpus}",
+                  "--sgl-model", "qwen3-0.6b")
+    result.assert_outcomes(passed=11)
+    lives = lifetimes(record)
+    assert_exclusive(lives, gpu_count=gpus)
+    assert Counter(life.fraction for life in lives)[0.4] == 3  # every fresh test got its own worker
+    assert max_concurrency(lives) >= 2, "the xdist workers never ran workers side by side"
+    assert len({g for life in lives for g in life.gpus}) >= 2
+
+
+# --------------------------------------------------------------------------------------------------------
+# 2. more xdist workers than GPUs: they wait for a lease instead of failing
+# --------------------------------------------------------------------------------------------------------
+
+
+def test_xdist_workers_outnumbering_gpus_wait_for_a_lease(pytester: pytest.Pytester, record: Path,
+                                                          tmp_path: Path) -> None:
+    pytester.makepyfile("""
+        import time
+        import pytest
+
+        @pytest.mark.sgl_worker(fresh=True)
+        @pytest.mark.parametrize("i", range(6))
+        def test_hold(sgl_worker, i):
+            time.sleep(0.3)  # hold the only GPU a moment, so that the other xdist workers queue
+    """)
+    report = tmp_path / "report.json"
+    result = _run(pytester, "-n", "4", "--sgl-gpus", "sim:1", "--sgl-model", "qwen3-0.6b",
+                  "--sgl-report", str(report))
+    result.assert_outcomes(passed=6)
+    lives = lifetimes(record)
+    assert len(lives) == 6
+    assert_exclusive(lives, gpu_count=1)
+    assert max_concurrency(lives) == 1
+    workers = json.loads(report.read_text())["workers"]
+    assert sum(w["launches"] for w in workers.values()) == 6
+    assert sum(w["lease_wait_seconds"] for w in workers.values()) > 0, workers
+
+
+# --------------------------------------------------------------------------------------------------------
+# 3. and 4. tensor parallelism: two GPUs per tp=2 worker; tp=4 on two GPUs is skipped at collection
+# --------------------------------------------------------------------------------------------------------
+
+
+def test_tp2_worker_gets_two_distinct_adjacent_gpus(pytester: pytest.Pytester, record: Path) -> None:
+    pytester.makeconftest("""
+        from pytest_sglworker import ModelSpec
+
+        def pytest_sglworker_register_specs(registry):
+            registry.add(ModelSpec("tp2", "org/tp2", 4, tp=2))
+    """)
+    pytester.makepyfile("""
+        import time
+        import pytest
+
+        @pytest.mark.parametrize("i", range(2))
+        def test_shared(sgl_worker, i):
+            assert "--tp-size" in sgl_worker.argv
+            time.sleep(0.2)
+
+        @pytest.mark.sgl_worker(fresh=True)
+        @pytest.mark.parametrize("i", range(2))
+        def test_fresh(sgl_worker, i):
+            time.sleep(0.2)
+    """)
+    result = _run(pytester, "-n", "2", "--sgl-gpus", "sim:4", "--sgl-model", "tp2")
+    result.assert_outcomes(passed=4)
+    lives = lifetimes(record)
+    assert lives
+    assert all(life.tp_size == 2 for life in lives)
+    assert_exclusive(lives, gpu_count=4)
+    # adjacent, aligned pairs are preferred: with at most two leases out of four GPUs, always 0,1 or 2,3
+    assert {frozenset(life.gpus) for life in lives} <= {frozenset({"0", "1"}), frozenset({"2", "3"})}
+
+
+def test_tp_larger_than_the_inventory_is_skipped_at_collection(pytester: pytest.Pytester, record: Path) -> None:
+    pytester.makeconftest("""
+        from pytest_sglworker import ModelSpec
+
+        def pytest_sglworker_register_specs(registry):
+            registry.add(ModelSpec("tp4", "org/tp4", 4, tp=4))
+    """)
+    pytester.makepyfile("""
+        def test_needs_four(sgl_worker):
+            raise AssertionError("must never run")
+
+        def test_without_worker():
+            pass
+    """)
+    result = _run(pytester, "-n", "2", "--sgl-gpus", "sim:2", "--sgl-model", "tp4", "-rs")
+    result.assert_outcomes(passed=1, skipped=1)
+    result.stdout.fnmatch_lines(["*SKIPPED*tp4: tp=4 needs 4 GPUs but the inventory has 2*"])
+    assert lifetimes(record) == [], "a test that can never get its GPUs launched a worker"
+
+
+# --------------------------------------------------------------------------------------------------------
+# 5. an xdist worker killed while holding a worker: its lease is taken over, only once its engine is gone
+# --------------------------------------------------------------------------------------------------------
+
+
+class _DeathWatch:
+    """Waits for ``info`` (written by the dying test: the pid of its simulated worker), then notes the time
+    that worker is gone. It ignores SIGTERM, so it dies by SIGKILL and records no exit event of its own."""
+
+    def __init__(self, info: Path) -> None:
+        self.info = info
+        self.pid: int | None = None
+        self.gone_at: float | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        while not self._stop.is_set() and self.pid is None:
+            try:
+                self.pid = json.loads(self.info.read_text())["pid"]
+            except (OSError, ValueError):
+                time.sleep(0.02)
+        while not self._stop.is_set() and self.pid is not None:
+            try:
+                alive = psutil.Process(self.pid).status() != psutil.STATUS_ZOMBIE
+            except psutil.Error:
+                alive = False
+            if not alive:
+                self.gone_at = time.time()
+                return
+            time.sleep(0.02)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
+def test_killed_xdist_worker_lease_is_taken_over_after_its_engine_is_gone(
+    pytester: pytest.Pytester, record: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    info = tmp_path / "dying.json"
+    monkeypatch.setenv("DYING_INFO", str(info))
+    pytester.makepyfile("""
+        import json, os, time
+        import pytest
+
+        # First in the file, so that xdist hands it out first: the others queue for the only GPU meanwhile.
+        # The engine ignores SIGTERM, like a real one slow to shut down: it outlives its xdist worker.
+        @pytest.mark.sgl_worker(fresh=True, env={"SGLSIM_FAULT": "ignore_sigterm"})
+        def test_dies_holding_the_gpu(sgl_worker):
+            with open(os.environ["DYING_INFO"], "w") as fh:
+                json.dump({"pid": sgl_worker.pid}, fh)
+            time.sleep(0.5)
+            os._exit(1)  # the xdist worker dies hard, its lease and its engine still out
+
+        @pytest.mark.parametrize("i", range(4))
+        def test_later(sgl_spawn_worker, i):
+            deadline = time.monotonic() + 20  # ask for the GPU only once the dying test holds it: the
+            while not os.path.exists(os.environ["DYING_INFO"]) and time.monotonic() < deadline:
+                time.sleep(0.05)              # surviving xdist worker is then queued when the holder dies
+            worker = sgl_spawn_worker()
+            assert worker.client.get("/health").status_code == 200
+    """)
+    watch = _DeathWatch(info)
+    try:
+        result = _run(pytester, "-n", "2", "--sgl-gpus", "sim:1", "--sgl-model", "qwen3-0.6b")
+    finally:
+        watch.close()
+    result.assert_outcomes(passed=4, failed=1)
+    result.stdout.fnmatch_lines(["*replacing crashed worker*", "*crashed while running*test_dies_holding_the_gpu*"])
+    assert watch.pid is not None and watch.gone_at is not None, "the orphaned engine was never reaped"
+    lives = lifetimes(record)
+    orphan = next(life for life in lives if life.pid == watch.pid)
+    assert orphan.end is None  # SIGKILLed by the watchdog or the janitor (it ignores SIGTERM)
+    orphan.end = watch.gone_at
+    assert_exclusive(lives, gpu_count=1)
+    assert any(life.start > watch.gone_at for life in lives), "no later test got the GPU after the death"
+
+
+def _environ(pid: int) -> dict[str, str]:
+    try:
+        return psutil.Process(pid).environ()
+    except psutil.Error:
+        return {}
+
+
+def test_gpu_of_a_dead_holder_stays_busy_while_its_workers_run(tmp_path: Path) -> None:
+    """The unit behind the test above: an unlocked GPU whose dead holder left a worker running is not free."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])  # the holder: dead, and a zombie not reaped yet
+    deadline = time.monotonic() + 10
+    while psutil.Process(dead.pid).status() != psutil.STATUS_ZOMBIE and time.monotonic() < deadline:
+        time.sleep(0.01)
+    inventory = DeclaredInventory(1, 81920)
+    manager = LeaseManager(tmp_path, inventory, namespace=inventory.namespace)
+    _write_record(_record_path(tmp_path, inventory.namespace, 0), HolderRecord(
+        pid=dead.pid, hostname=socket.gethostname(), holder="tests/x.py::killed", since=time.time(),
+        uuid="GPU-sim-000000000000", memory_mib=4096, index=0, namespace=inventory.namespace, gpus=(0,)))
+    orphan = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                              env={**os.environ, OWNER_ENV: f"{dead.pid}-deadbeef:0123456789ab"})
+    try:
+        # Until its exec, the child shows the test's environment: wait until it carries the dead holder's tag.
+        deadline = time.monotonic() + 10
+        while OWNER_ENV not in _environ(orphan.pid) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert OWNER_ENV in _environ(orphan.pid)
+        assert manager.try_acquire(1, 1000, holder="me") is None
+        with pytest.raises(LeaseTimeout, match=rf"GPU 0 still used by worker process\(es\) {orphan.pid} of pid "
+                                            rf"{dead.pid}, which died"):
+            manager.acquire(1, 1000, holder="me", timeout=0.2, poll_interval=0.05)
+    finally:
+        orphan.kill()
+        orphan.wait()
+        dead.wait()
+    lease = manager.acquire(1, 1000, holder="me", timeout=5, poll_interval=0.05)
+    assert lease.indices == (0,)
+    lease.release()
+
+
+# --------------------------------------------------------------------------------------------------------
+# 6. two concurrent pytest sessions share the machine's GPUs and ports through the lock directory
+# --------------------------------------------------------------------------------------------------------
+
+# One worker at a time per test: a test that takes two workers one after the other (sgl_spawn_worker twice)
+# in each of two sessions on two GPUs deadlocks, each holding one lease and waiting for the other's, until
+# --sgl-lease-timeout.
+SESSION_TESTS = """
+    import time
+    import pytest
+
+    @pytest.mark.sgl_worker(fresh=True)
+    @pytest.mark.parametrize("i", range(3))
+    def test_fresh(sgl_worker, i):
+        time.sleep(0.5)
+"""
+
+
+@pytest.fixture
+def sessions() -> Iterator[list[subprocess.Popen[bytes]]]:
+    procs: list[subprocess.Popen[bytes]] = []
+    yield procs
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def test_two_concurrent_sessions_share_gpus_through_the_lock_dir(
+    pytester: pytest.Pytester, record: Path, sim_env: dict[str, str], sessions: list[subprocess.Popen[bytes]]
+) -> None:
+    pytester.makepyfile(test_a=SESSION_TESTS, test_b=SESSION_TESTS)
+    outputs = []
+    for name in ("a", "b"):
+        out = pytester.path / f"session-{name}.out"
+        outputs.append(out)
+        with open(out, "wb") as fh:
+            sessions.append(subprocess.Popen(
+                [sys.executable, "-m", "pytest", f"test_{name}.py", *SIM, "--sgl-gpus", "sim:2",
+                 "--sgl-model", "qwen3-0.6b", "--basetemp", str(pytester.path / f"basetemp-{name}")],
+                cwd=pytester.path, stdout=fh, stderr=subprocess.STDOUT))
+    codes = [proc.wait(timeout=120) for proc in sessions]
+    texts = [out.read_text() for out in outputs]
+    assert codes == [0, 0], "\n\n".join(texts)
+    assert all("3 passed" in text for text in texts), "\n\n".join(texts)
+    lives = lifetimes(record)
+    assert len(lives) == 6
+    assert_exclusive(lives, gpu_count=2)
+    assert max_concurrency(lives) == 2, "the two sessions never held workers at the same time"
+
+
+# --------------------------------------------------------------------------------------------------------
+# 7. --dist loadgroup: each worker configuration is launched once in the whole run
+# --------------------------------------------------------------------------------------------------------
+
+
+def test_loadgroup_launches_each_configuration_once(pytester: pytest.Pytester, record: Path,
+                                                    tmp_path: Path) -> None:
+    pytester.makepyfile("""
+        import pytest
+
+        A = ["--mem-fraction-static", "0.5"]
+        B = ["--mem-fraction-static", "0.4"]
+
+        # interleaved on purpose: the grouping, not the file order, keeps a configuration together
+        @pytest.mark.parametrize("i", range(3))
+        def test_default(sgl_worker, i):
+            pass
+
+        @pytest.mark.sgl_worker(args=A)
+        @pytest.mark.parametrize("i", range(3))
+        def test_a(sgl_worker, i):
+            pass
+
+        @pytest.mark.sgl_worker(args=B)
+        @pytest.mark.parametrize("i", range(3))
+        def test_b(sgl_worker, i):
+            pass
+    """)
+    report = tmp_path / "report.json"
+    result = _run(pytester, "-n", "2", "--dist", "loadgroup", "--sgl-gpus", "sim:4", "--sgl-model", "qwen3-0.6b",
+                  "--sgl-report", str(report), "-v")
+    result.assert_outcomes(passed=9)
+    result.stdout.re_match_lines([r".*PASSED .*test_default.*@sgl-qwen3-0\.6b\s*$"])  # groups end in any order
+    result.stdout.fnmatch_lines(["*PASSED*test_a*@sgl-qwen3-0.6b-*"])
+    lives = lifetimes(record)
+    assert Counter(life.fraction for life in lives) == {0.6: 1, 0.5: 1, 0.4: 1}
+    assert_exclusive(lives, gpu_count=4)
+    workers = json.loads(report.read_text())["workers"]
+    assert sorted((w["launches"], w["reuses"]) for w in workers.values()) == [(1, 2)] * 3, workers
+
+
+# --------------------------------------------------------------------------------------------------------
+# The example suites, so that they never rot
+# --------------------------------------------------------------------------------------------------------
+
+
+def test_example_xdist_sharding(pytester: pytest.Pytester, record: Path, tmp_path: Path) -> None:
+    shutil.copytree(EXAMPLES / "xdist_sharding", pytester.path / "xdist_sharding")
+    report = tmp_path / "report.json"
+    result = _run(pytester, "xdist_sharding", "-n", "2", "--dist", "loadgroup", "--sgl-gpus", "sim:4",
+                  "--sgl-model", "qwen3-0.6b", "--sgl-report", str(report))
+    result.assert_outcomes(passed=8)
+    workers = json.loads(report.read_text())["workers"]
+    assert len(workers) == 3 and all(w["launches"] == 1 for w in workers.values()), workers
+    assert_exclusive(lifetimes(record), gpu_count=4)
+
+
+def test_example_other_repo_gpu_tests(pytester: pytest.Pytester, record: Path) -> None:
+    shutil.copytree(EXAMPLES / "other_repo_gpu_tests", pytester.path / "other_repo_gpu_tests")
+    result = _run(pytester, "other_repo_gpu_tests", "--sgl-model", "gateway-qwen3")
+    result.assert_outcomes(passed=5)
+    assert_exclusive(lifetimes(record), gpu_count=8)

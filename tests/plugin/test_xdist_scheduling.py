@@ -1,0 +1,526 @@
+"""The xdist scheduler that knows worker configurations (issue #16, ``--sgl-dist``).
+
+Two tiers: the planner (plain logic) in a discrete-event model of xdist workers, which checks the bounds over
+many shapes in milliseconds; then real pytest sessions under ``-n 4`` against the simulated engine, which check
+that xdist, the plugin's workers and the scheduler agree: launches, stealing, GPU exclusivity (every
+simulated worker's ``CUDA_VISIBLE_DEVICES`` from ``SGLSIM_RECORD``), every test once, a crashed xdist worker,
+and the switch (auto, an explicit ``--dist``, ``off``, ``-n 0``, ``-p no:xdist``).
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import re
+import types
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pytest_sglworker.plugin.xdist_scheduling import (
+    MAP_SCHEMA,
+    Planner,
+    Unit,
+    explicit_dist,
+    parse_dist_option,
+    read_collection_map,
+    unit_from_suffix,
+)
+
+SIM = ("-p", "no:cacheprovider", "--sgl-engine", "sim")
+
+# --------------------------------------------------------------------------------------------------------
+# The option and the explicit --dist
+# --------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("value", "expected"), [
+    ("auto", ("auto", 4)), ("on", ("on", 4)), ("OFF", ("off", 4)), ("on,steal=8", ("on", 8)),
+    ("auto, steal=off", ("auto", None)), ("auto,steal=1", ("auto", 1)),
+])
+def test_parse_dist_option(value: str, expected: tuple[str, int | None]) -> None:
+    assert parse_dist_option(value) == expected
+
+
+@pytest.mark.parametrize(("value", "fragment"), [
+    ("sideways", "is not 'auto', 'on' or 'off'"), ("on,steal=0", "must be 1 or more"),
+    ("on,steal=x", "is not an integer or 'off'"), ("on,window=3", "unknown setting 'window=3'"),
+    ("on,steal", "unknown setting"),
+])
+def test_parse_dist_option_refuses(value: str, fragment: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(fragment)):
+        parse_dist_option(value)
+
+
+def _config(args: Sequence[str], addopts: Sequence[str] = ()) -> Any:
+    return types.SimpleNamespace(invocation_params=types.SimpleNamespace(args=tuple(args)),
+                                 getini=lambda name: list(addopts) if name == "addopts" else None)
+
+
+@pytest.mark.parametrize(("args", "addopts", "env", "expected"), [
+    (["-n", "4"], [], "", None),
+    (["-n", "4", "--dist", "load"], [], "", "load"),
+    (["-n", "4", "--dist=loadgroup"], [], "", "loadgroup"),
+    (["-n", "4", "-d"], [], "", "load"),
+    (["-n", "4"], ["--dist", "loadscope"], "", "loadscope"),
+    (["-n", "4"], [], "--dist worksteal", "worksteal"),
+    (["-n", "4", "--dist", "load"], ["--dist", "loadscope"], "", "load"),  # the command line comes last
+    (["-n", "4", "--", "--dist"], [], "", None),
+    (["-k", "dist", "tests/"], [], "", None),
+])
+def test_explicit_dist(monkeypatch: pytest.MonkeyPatch, args: list[str], addopts: list[str], env: str,
+                       expected: str | None) -> None:
+    monkeypatch.setenv("PYTEST_ADDOPTS", env)
+    assert explicit_dist(_config(args, addopts)) == expected
+
+
+def test_units_from_the_loadgroup_suffix_and_the_map(tmp_path: Path) -> None:
+    assert unit_from_suffix("t.py::test[a]@sgl-a-1234") == Unit("a-1234", 1)
+    assert unit_from_suffix("t.py::test[x@y]") is None  # an '@' inside a parameter id is not a group
+    assert unit_from_suffix("t.py::test@mine") == Unit("xdist_group:mine", 0, stealable=False)
+    path = tmp_path / "gw0.json"
+    path.write_text(json.dumps({"schema": MAP_SCHEMA, "gpus": 4, "tests": {
+        "t.py::a": ["a", 2, True], "t.py::bad": ["a", "2", True], "t.py::g": ["xdist_group:g", 0, False]}}))
+    found = read_collection_map(path)
+    assert found is not None and found.gpus == 4
+    assert found.tests == {"t.py::a": Unit("a", 2), "t.py::g": Unit("xdist_group:g", 0, False)}
+    for bad in ("not json", json.dumps({"schema": "other", "tests": {}}), json.dumps([1])):
+        path.write_text(bad)
+        assert read_collection_map(path) is None
+    assert read_collection_map(tmp_path / "missing.json") is None
+
+
+# --------------------------------------------------------------------------------------------------------
+# The planner in a model of xdist: a node runs its first pending test only once it knows the next one (or
+# has been told to shut down); a test of a configuration the node has not launched yet costs a startup.
+# --------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Model:
+    launches: int = 0
+    wall: float = 0.0
+    ran: list[int] = field(default_factory=list)
+    crashed: list[int] = field(default_factory=list)
+    spans: dict[tuple[int, str], list[float]] = field(default_factory=dict)  # (node, key) -> [start, end]
+    max_pending: int = 0
+
+    def max_copies(self, key: str | None = None) -> int:
+        """The most nodes that ran ``key`` (any configuration: None) at once."""
+        edges = sorted(e for (_, k), (a, b) in self.spans.items() if key in (None, k) for e in ((b, -1), (a, 1)))
+        live = peak = 0
+        for _, delta in edges:
+            live += delta
+            peak = max(peak, live)
+        return peak
+
+
+def simulate(units: Sequence[Unit | None], *, nodes: int = 4, gpus: int | None = 4, startup: float = 1.0,
+             test: float | Sequence[float] = 0.1, steal_min: int | None = 4, crash_at: int | None = None,
+             replace: bool = True) -> Model:
+    planner = Planner(units, gpus_total=gpus, steal_min=steal_min, workers=nodes)
+    durations = [test] * len(units) if isinstance(test, (int, float)) else list(test)
+    model = Model()
+    queue: dict[int, list[int]] = {}
+    down: set[int] = set()
+    launched: dict[int, set[str]] = {}
+    busy: set[int] = set()
+    events: list[tuple[float, int, int, float]] = []
+    clock = 0.0
+    next_id = 0
+
+    def add() -> None:
+        nonlocal next_id
+        queue[next_id], launched[next_id] = [], set()
+        planner.add_node(next_id)
+        next_id += 1
+
+    def apply(actions: Any) -> None:
+        for node, indices in actions.sends:
+            assert node not in down, "tests sent to a node after its shutdown"
+            queue[node].extend(indices)
+        down.update(actions.shutdowns)
+
+    for _ in range(nodes):
+        add()
+    apply(planner.fill_all())
+    while True:
+        for node, pending in queue.items():
+            if node in busy or not pending or (len(pending) < 2 and node not in down):
+                continue
+            index = pending[0]
+            unit = units[index]
+            cost = durations[index]
+            if unit is not None and unit.key not in launched[node]:
+                launched[node].add(unit.key)
+                model.launches += 1
+                cost += startup
+            if unit is not None:
+                span = model.spans.setdefault((node, unit.key), [clock, clock])
+                span[1] = clock + cost
+            busy.add(node)
+            heapq.heappush(events, (clock + cost, node, index, cost))
+        model.max_pending = max([model.max_pending, *(len(p) for p in queue.values())])
+        if not events:
+            break
+        clock, node, index, cost = heapq.heappop(events)
+        busy.discard(node)
+        if index == crash_at:
+            crash_at = None
+            model.crashed.append(index)
+            del queue[node]
+            crashed, actions = planner.remove_node(node)
+            assert crashed == index
+            apply(actions)
+            if replace:
+                add()
+                apply(planner.fill_all())
+            continue
+        assert queue[node][0] == index
+        queue[node].pop(0)
+        model.ran.append(index)
+        apply(planner.complete(node, index, cost))
+        if not queue[node] and node in down:
+            del queue[node]
+            apply(planner.remove_node(node)[1])
+    model.wall = clock
+    assert planner.left() == 0, f"{planner.left()} tests never handed out"
+    return model
+
+
+def suite(*sizes: int, gpus: int = 1) -> list[Unit | None]:
+    return [Unit(f"c{i}", gpus) for i, size in enumerate(sizes) for _ in range(size)]
+
+
+def loadgroup_wall(sizes: Sequence[int], nodes: int, startup: float, test: float) -> float:
+    """xdist's loadgroup: one node per configuration, largest first, the next one to the first node free."""
+    free = [0.0] * nodes
+    for size in sorted(sizes, reverse=True):
+        free.sort()
+        free[0] += startup + size * test
+    return max(free)
+
+
+def test_model_affinity_six_configurations_launch_each_once() -> None:
+    units = suite(10, 10, 10, 10, 10, 10)
+    model = simulate(units, startup=1.0, test=0.02)
+    assert sorted(model.ran) == list(range(60))
+    assert model.launches == 6  # fast tests never outweigh a startup: no copies
+    assert model.wall <= loadgroup_wall([10] * 6, 4, 1.0, 0.02) + 0.2
+
+
+def test_model_two_large_configurations_are_stolen_within_the_bounds() -> None:
+    units = suite(30, 30)
+    model = simulate(units, startup=1.0, test=0.2)
+    assert sorted(model.ran) == list(range(60))
+    assert model.max_copies("c0") == model.max_copies("c1") == 2
+    assert model.launches <= 2 + 4 - 1
+    assert model.wall < 0.7 * loadgroup_wall([30, 30], 4, 1.0, 0.2)
+
+
+@pytest.mark.parametrize("gpus", [1, 2, 3])
+def test_model_copies_never_exceed_the_gpus(gpus: int) -> None:
+    units = suite(30, 30)
+    model = simulate(units, gpus=gpus, startup=1.0, test=0.2)
+    assert sorted(model.ran) == list(range(60))
+    assert model.max_copies() <= gpus  # all configurations together
+    assert model.launches <= 2 + 4 - 1
+
+
+def test_model_tp2_configurations_count_their_gpus() -> None:
+    units = suite(30, 30, gpus=2)
+    model = simulate(units, gpus=4, startup=1.0, test=0.2)
+    assert model.max_copies("c0") == model.max_copies("c1") == 1  # 2 x tp2 fill the 4 GPUs
+    assert model.launches == 2
+
+
+def test_model_the_bound_holds_over_many_shapes() -> None:
+    shapes = [(1,), (3, 40), (50,), (5, 5, 60), (100, 2, 2, 2), (7,) * 9, (30, 30, 30), (200, 1)]
+    for sizes in shapes:
+        for nodes in (2, 4, 8):
+            for test in (0.01, 0.3):
+                units = suite(*sizes)
+                model = simulate(units, nodes=nodes, gpus=nodes, startup=1.0, test=test)
+                assert sorted(model.ran) == list(range(len(units))), (sizes, nodes, test)
+                assert model.launches <= len(sizes) + nodes - 1, (sizes, nodes, test, model.launches)
+                assert model.max_pending <= 3
+
+
+def test_model_measured_startup_stops_late_copies() -> None:
+    # 200 fast tests: the K rule alone would copy it at once, the measurements (startup 5 s against 10 ms a
+    # test) say that the copy never pays back once the first test has told them
+    units = suite(200, 1)
+    planner = Planner(units, gpus_total=4, steal_min=4, workers=4)
+    planner.add_node("a")
+    planner.fill_all()
+    planner.complete("a", 0, 5.01)
+    for index in (1, 2, 3):
+        planner.complete("a", index, 0.01)
+    planner.add_node("late")
+    actions = planner.fill_all()
+    assert planner.startup_seconds("c0") == pytest.approx(5.0)
+    assert not planner.worth_a_copy("c0", len(planner.queues["c0"]), 1)
+    assert [(n, i) for n, i in actions.sends if n == "late"] == [("late", [200])]  # only c1, no copy of c0
+
+
+def test_model_stealing_off_and_unkeyed_tests() -> None:
+    units: list[Unit | None] = [*suite(20), *([None] * 10)]
+    model = simulate(units, steal_min=None, startup=1.0, test=0.2)
+    assert model.launches == 1 and sorted(model.ran) == list(range(30))
+    pinned = [Unit("xdist_group:g", 0, stealable=False)] * 20
+    model = simulate(pinned, startup=0.0, test=0.2)
+    assert len({n for (n, _) in model.spans}) == 1  # a user's own xdist_group stays on one node
+
+
+def test_planner_sends_nothing_to_a_node_xdist_shut_down() -> None:
+    planner = Planner(suite(10, 10), gpus_total=4, steal_min=4, workers=2)
+    planner.add_node("a")
+    planner.add_node("b")
+    planner.fill_all()
+    planner.mark_down("b")
+    sent = [n for n, _ in planner.complete("b", planner.nodes["b"].pending[0]).sends]
+    assert "b" not in sent
+
+
+def test_model_crashed_node_pending_tests_run_elsewhere() -> None:
+    units = suite(12, 12)
+    model = simulate(units, startup=1.0, test=0.2, crash_at=3)
+    assert model.crashed == [3]
+    assert sorted([*model.ran, *model.crashed]) == list(range(24))
+    model = simulate(units, startup=1.0, test=0.2, crash_at=3, replace=False)
+    assert sorted([*model.ran, *model.crashed]) == list(range(24))
+
+
+# --------------------------------------------------------------------------------------------------------
+# Real sessions under xdist
+# --------------------------------------------------------------------------------------------------------
+
+def _six_config_files(pytester: pytest.Pytester) -> None:
+    pytester.makeconftest("""
+        import pytest
+        from pytest_sglworker import CI_WORKER_ARGS, ModelSpec
+
+        def pytest_sglworker_register_specs(registry):
+            for name in ("a", "b"):
+                registry.add(ModelSpec(name, f"org/{name}", 4, worker_args=CI_WORKER_ARGS))
+    """)
+    body = ["import pytest", ""]
+    for n, args in enumerate(([], ["--max-total-tokens", "4096"],
+                              ["--mem-fraction-static", "0.5", "--max-running-requests", "8"])):
+        body += [f"@pytest.mark.sgl_worker(args={args!r})", "@pytest.mark.parametrize('i', range(3))",
+                 f"def test_set{n}(sgl_worker, i):", "    assert sgl_worker.client.get('/health').status_code == 200",
+                 ""]
+    pytester.makepyfile(test_six="\n".join(body))
+
+
+@dataclass
+class Life:
+    start: float
+    end: float | None
+    gpus: tuple[str, ...]
+
+
+def lives(record: Path) -> list[Life]:
+    found: dict[int, Life] = {}
+    out: list[Life] = []
+    if not record.exists():
+        return out
+    for line in record.read_text().splitlines():
+        event = json.loads(line)
+        if event["event"] == "start":
+            devices = tuple(d for d in (event["cuda_visible_devices"] or "").split(",") if d)
+            found[event["pid"]] = life = Life(event["time"], None, devices)
+            out.append(life)
+        elif event["event"] == "exit" and event["pid"] in found:
+            found.pop(event["pid"]).end = event["time"]
+    return out
+
+
+def assert_no_overcommit(record: Path, gpus: int) -> list[Life]:
+    found = lives(record)
+    assert found, "no simulated worker recorded"
+    for life in found:
+        assert life.end is not None and life.gpus, life
+        assert all(int(g) < gpus for g in life.gpus), life
+    for i, a in enumerate(found):
+        for b in found[i + 1:]:
+            assert a.end is not None and b.end is not None
+            if a.start < b.end and b.start < a.end:
+                assert not set(a.gpus) & set(b.gpus), f"two live workers on GPU(s) {set(a.gpus) & set(b.gpus)}"
+    return found
+
+
+def peak(found: Sequence[Life]) -> int:
+    edges = sorted(e for life in found for e in ((life.start, 1), (life.end or 0.0, -1)))
+    live = best = 0
+    for _, delta in edges:
+        live += delta
+        best = max(best, live)
+    return best
+
+
+def launches(report: Path) -> dict[str, int]:
+    return {k: w["launches"] for k, w in json.loads(report.read_text())["workers"].items()}
+
+
+def ran_once(result: pytest.RunResult, count: int) -> None:
+    """Every test ran exactly once (xdist's -v lines: ``[gwN] [ NN%] PASSED <node id>``)."""
+    ids = re.findall(r"\[gw\d+\] \[\s*\d+%\] (?:PASSED|FAILED|ERROR|SKIPPED) (\S+)", result.stdout.str())
+    counts = Counter(i.split("@", 1)[0] for i in ids)
+    assert len(counts) == count and set(counts.values()) == {1}, counts
+
+
+@pytest.fixture
+def record(sim_env: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    path = tmp_path / "sim-record.jsonl"
+    monkeypatch.setenv("SGLSIM_RECORD", str(path))
+    monkeypatch.delenv("PYTEST_ADDOPTS", raising=False)
+    return path
+
+
+@pytest.mark.parametrize("dist", [(), ("--sgl-dist", "on", "--dist", "loadgroup")], ids=["auto", "on-over-loadgroup"])
+def test_affinity_six_configurations(pytester: pytest.Pytester, record: Path, tmp_path: Path,
+                                     dist: tuple[str, ...]) -> None:
+    _six_config_files(pytester)
+    report = tmp_path / "report.json"
+    result = pytester.runpytest_subprocess(*SIM, "-n", "4", "-v", "--sgl-gpus", "sim:4", "--sgl-model", "a,b",
+                                           "--sgl-report", str(report), *dist, timeout=120)
+    result.assert_outcomes(passed=18)
+    ran_once(result, 18)
+    out = result.stdout.str()
+    assert "sglworker: xdist tests scheduled by worker configuration" in out
+    assert "sglworker: xdist scheduled 18 tests by worker configuration: 6 configuration(s) on 4" in out
+    counts = launches(report)
+    assert len(counts) == 6
+    assert sum(counts.values()) <= 6 + 4 - 1, counts
+    assert_no_overcommit(record, 4)
+
+
+TWO_LARGE = """
+    import time
+    import pytest
+
+    @pytest.mark.parametrize("i", range(16))
+    def test_large(sgl_worker, i):
+        assert sgl_worker.client.get("/health").status_code == 200
+        time.sleep(0.15)
+"""
+
+
+@pytest.mark.parametrize("gpus", [4, 3])
+def test_stealing_two_large_configurations(pytester: pytest.Pytester, record: Path, tmp_path: Path,
+                                           gpus: int) -> None:
+    pytester.makepyfile(TWO_LARGE)
+    report = tmp_path / "report.json"
+    result = pytester.runpytest_subprocess(*SIM, "-n", "4", "-v", "--sgl-gpus", f"sim:{gpus}", "--sgl-model",
+                                           "qwen3-0.6b,llama-1b", "--sgl-report", str(report), timeout=120)
+    result.assert_outcomes(passed=32)
+    ran_once(result, 32)
+    counts = launches(report)
+    found = assert_no_overcommit(record, gpus)
+    assert peak(found) <= gpus
+    assert sum(counts.values()) <= 2 + 4 - 1, counts
+    if gpus == 4:
+        assert counts == {"qwen3-0.6b": 2, "llama-1b": 2}, counts  # both copied at once: the GPUs are free
+    else:  # one copy fits in the third GPU at first; another only once an xdist worker leaves and frees one
+        assert max(counts.values()) == 2, counts
+    assert re.search(r"\d launch\(es\) planned, [12] of them extra copies by work stealing", result.stdout.str())
+
+
+@pytest.mark.parametrize(("args", "addopts", "line"), [
+    (("--dist", "load"), "", "sglworker: xdist's --dist load hands out the tests, as given"),
+    ((), "--dist loadgroup", "sglworker: xdist's --dist loadgroup hands out the tests, as given"),
+    (("--sgl-dist", "off"), "", "sglworker: xdist's own --dist load hands out the tests (--sgl-dist off)"),
+], ids=["dist-load", "addopts-loadgroup", "off"])
+def test_an_explicit_dist_is_respected(pytester: pytest.Pytester, record: Path, monkeypatch: pytest.MonkeyPatch,
+                                       args: tuple[str, ...], addopts: str, line: str) -> None:
+    pytester.makepyfile("""
+        import pytest
+
+        @pytest.mark.parametrize("i", range(4))
+        def test_w(sgl_worker, i):
+            pass
+    """)
+    monkeypatch.setenv("PYTEST_ADDOPTS", addopts)
+    result = pytester.runpytest_subprocess(*SIM, "-n", "2", "--sgl-gpus", "sim:2", "--sgl-model", "qwen3-0.6b",
+                                           *args, timeout=90)
+    result.assert_outcomes(passed=4)
+    out = result.stdout.str()
+    assert line in out
+    assert "xdist scheduled" not in out and "scheduled by worker configuration" not in out
+
+
+@pytest.mark.parametrize("args", [("-p", "no:xdist"), ("-n", "0")], ids=["no-xdist", "n0"])
+def test_without_distribution_nothing_changes(pytester: pytest.Pytester, record: Path, args: tuple[str, ...]) -> None:
+    pytester.makepyfile("""
+        def test_w(sgl_worker):
+            pass
+
+        def test_plain():
+            pass
+    """)
+    result = pytester.runpytest_subprocess(*SIM, *args, "--sgl-gpus", "sim:1", "--sgl-model", "qwen3-0.6b",
+                                           "--sgl-dist", "on", timeout=60)
+    result.assert_outcomes(passed=2)
+    assert "xdist" not in "\n".join(line for line in result.stdout.lines if line.startswith("sglworker:"))
+
+
+def test_a_run_without_worker_tests_is_xdist_load(pytester: pytest.Pytester, record: Path) -> None:
+    pytester.makepyfile("""
+        import pytest
+
+        @pytest.mark.parametrize("i", range(12))
+        def test_plain(i):
+            pass
+    """)
+    result = pytester.runpytest_subprocess(*SIM, "-n", "2", "-v", "--sgl-model", "qwen3-0.6b", timeout=60)
+    result.assert_outcomes(passed=12)
+    ran_once(result, 12)
+    assert "no collected test needs a pooled worker: xdist's load scheduling handed them out" in result.stdout.str()
+
+
+def test_a_crashed_xdist_worker_is_replaced_and_its_tests_rescheduled(pytester: pytest.Pytester, record: Path,
+                                                                      tmp_path: Path) -> None:
+    pytester.makepyfile("""
+        import os, time
+        import pytest
+
+        @pytest.mark.parametrize("i", range(8))
+        def test_w(sgl_worker, i):
+            time.sleep(0.05)
+            if i == 1 and sgl_worker.spec.name == "qwen3-0.6b":
+                os._exit(1)  # the xdist worker dies, with tests of its configuration still queued on it
+    """)
+    report = tmp_path / "report.json"
+    result = pytester.runpytest_subprocess(*SIM, "-n", "2", "-v", "--sgl-gpus", "sim:2", "--sgl-model",
+                                           "qwen3-0.6b,llama-1b", "--sgl-report", str(report), timeout=120)
+    result.assert_outcomes(passed=15, failed=1)
+    ran_once(result, 16)
+    out = result.stdout.str()
+    assert "replacing crashed worker" in out
+    assert re.search(r"worker 'gw\d' crashed while running '.*test_w\[qwen3-0.6b-1\]'", out)
+    assert_no_overcommit(record, 2)
+
+
+def test_maxfail_stops_the_run_cleanly(pytester: pytest.Pytester, record: Path) -> None:
+    pytester.makepyfile("""
+        import time
+        import pytest
+
+        @pytest.mark.parametrize("i", range(8))
+        def test_w(sgl_worker, i):
+            time.sleep(0.05)
+            assert not (i == 2 and sgl_worker.spec.name == "llama-1b")
+    """)
+    result = pytester.runpytest_subprocess(*SIM, "-n", "2", "-x", "--sgl-gpus", "sim:2", "--sgl-model",
+                                           "qwen3-0.6b,llama-1b", timeout=90)
+    out = result.stdout.str() + result.stderr.str()
+    # xdist ends a -x run by raising its Interrupted, whatever the scheduler: exit status 2, as under --dist load
+    assert result.ret in (pytest.ExitCode.TESTS_FAILED, pytest.ExitCode.INTERRUPTED), out
+    assert "INTERNALERROR" not in out and "Traceback" not in out, out
+    assert "stopping after 1 failures" in out
+    assert result.parseoutcomes().get("failed") == 1

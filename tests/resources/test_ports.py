@@ -1,0 +1,419 @@
+"""Unit tests of pytest_sglworker.resources.ports: range parsing, the default range, block reservation within one
+process and across processes, ports in use, exhaustion."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from pytest_sglworker.errors import PortUnavailable
+from pytest_sglworker.resources.ports import PortBlock, default_port_range, parse_port_range, reserve_port_block
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_range(blocks: int, size: int = 4) -> tuple[int, int]:
+    """An aligned range of ``blocks`` blocks whose ports are all bindable now (below the ephemeral range)."""
+    rng = random.Random()
+    for _ in range(200):
+        low = rng.randrange(20000, 32000 - blocks * size, size)
+        high = low + blocks * size - 1
+        if all(_bindable(p) for p in range(low, high + 1)):
+            return low, high
+    pytest.skip("no free port range found on this machine")
+
+
+# --------------------------------------------------------------------------------------------------
+# parsing and the default range
+
+
+def test_parse_port_range() -> None:
+    assert parse_port_range("20000-30000") == (20000, 30000)
+    assert parse_port_range(" 40000 - 40003 ") == (40000, 40003)
+    assert parse_port_range("5-5") == (5, 5)
+
+
+@pytest.mark.parametrize(
+    ("value", "why"),
+    [
+        ("20000", "no '-'"),
+        ("a-b", "whole numbers"),
+        ("20000-", "whole numbers"),
+        ("30000-20000", "LOW 30000 is above HIGH 20000"),
+        ("0-100", "between 1 and 65535"),
+        ("60000-70000", "between 1 and 65535"),
+    ],
+)
+def test_parse_port_range_errors(value: str, why: str) -> None:
+    with pytest.raises(ValueError) as info:
+        parse_port_range(value)
+    message = str(info.value)
+    assert repr(value) in message and why in message and "LOW-HIGH" in message
+
+
+@pytest.mark.parametrize(
+    ("content", "expected"),
+    [
+        ("32768\t60999\n", (20000, 32767)),
+        ("40000 60999", (20000, 39999)),
+        ("15000 60999", (61000, 65535)),  # too little room below: above the ephemeral range
+        ("1024 65535", (20000, 29999)),  # no room anywhere: the documented fallback
+        ("garbage", (20000, 32767)),
+    ],
+)
+def test_default_port_range(tmp_path: Path, content: str, expected: tuple[int, int]) -> None:
+    path = tmp_path / "ip_local_port_range"
+    path.write_text(content)
+    assert default_port_range(path) == expected
+
+
+def test_default_port_range_without_proc(tmp_path: Path) -> None:
+    assert default_port_range(tmp_path / "missing") == (20000, 32767)
+
+
+def test_default_port_range_of_this_machine_is_below_ephemeral() -> None:
+    low, high = default_port_range()
+    assert 1024 <= low <= high <= 65535
+    path = Path("/proc/sys/net/ipv4/ip_local_port_range")
+    if path.exists():
+        eph_low, eph_high = (int(x) for x in path.read_text().split())
+        assert high < eph_low or low > eph_high or (low, high) == (20000, 29999)
+
+
+# --------------------------------------------------------------------------------------------------
+# reservation in one process
+
+
+def test_block_layout_and_release(tmp_path: Path) -> None:
+    low, high = free_range(1, 4)
+    block = reserve_port_block(tmp_path, port_range=(low, high))
+    assert isinstance(block, PortBlock)
+    assert block.ports == (low, low + 1, low + 2, low + 3)
+    assert (block.port, block.nccl_port, block.spare) == (low, low + 1, (low + 2, low + 3))
+    assert block.lock_path == tmp_path / f"port-{low}.lock"
+    assert block.host == "127.0.0.1"
+    assert "held" in repr(block)
+    assert all(_bindable(p) for p in block.ports)  # verified free, and nothing left bound
+    block.release()
+    block.release()  # idempotent
+    assert block.released and "released" in repr(block)
+    with reserve_port_block(tmp_path, port_range=(low, high)) as again:
+        assert again.ports == block.ports
+    assert again.released
+
+
+def test_reservations_never_overlap_and_exhaust(tmp_path: Path) -> None:
+    low, high = free_range(5, 4)
+    # an unaligned tail (high + 2) never forms a block of its own
+    blocks = [reserve_port_block(tmp_path, size=4, port_range=(low, high + 2)) for _ in range(5)]
+    ports = [p for b in blocks for p in b.ports]
+    assert len(set(ports)) == 20
+    assert sorted(b.port for b in blocks) == [low + 4 * k for k in range(5)]
+    with pytest.raises(PortUnavailable) as info:
+        reserve_port_block(tmp_path, size=4, port_range=(low, high + 2))
+    message = str(info.value)
+    assert f"no free block of 4 ports in {low}-{high + 2} on 127.0.0.1" in message
+    assert "5 of 5 block(s) reserved by other workers" in message
+    blocks[2].release()
+    with reserve_port_block(tmp_path, size=4, port_range=(low, high + 2)) as freed:
+        assert freed.ports == blocks[2].ports
+    for block in blocks:
+        block.release()
+
+
+def test_port_in_use_is_skipped(tmp_path: Path) -> None:
+    low, high = free_range(2, 4)
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as squatter:
+        squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        squatter.bind(("127.0.0.1", low + 2))  # someone else's listener in the first block
+        squatter.listen(1)
+        block = reserve_port_block(tmp_path, port_range=(low, high))
+        assert block.ports == (low + 4, low + 5, low + 6, low + 7)
+        with pytest.raises(PortUnavailable) as info:
+            reserve_port_block(tmp_path, port_range=(low, high))
+        message = str(info.value)
+        assert (
+            "1 of 2 block(s) reserved" in message
+            and f"1 with a port already in use (e.g. {low + 2})" in message
+        )
+        assert not (tmp_path / f"port-{low}.lock").exists() or _lock_is_free(tmp_path / f"port-{low}.lock")
+    block.release()
+
+
+def _lock_is_free(path: Path) -> bool:
+    from filelock import FileLock, Timeout
+
+    lock = FileLock(path)
+    try:
+        lock.acquire(blocking=False)
+    except Timeout:
+        return False
+    lock.release()
+    return True
+
+
+def test_bad_arguments(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="at least 2 ports"):
+        reserve_port_block(tmp_path, size=1, port_range=(20000, 20010))
+    with pytest.raises(ValueError, match="less than one block of 4"):
+        reserve_port_block(tmp_path, port_range=(20000, 20002))
+    with pytest.raises(ValueError, match="LOW 20010 is above HIGH 20000"):
+        reserve_port_block(tmp_path, port_range=(20010, 20000))
+
+
+# --------------------------------------------------------------------------------------------------
+# across processes
+
+HOLDER_SCRIPT = textwrap.dedent(
+    """
+    import sys
+    from pathlib import Path
+    from pytest_sglworker.resources.ports import reserve_port_block
+    low, high = int(sys.argv[2]), int(sys.argv[3])
+    block = reserve_port_block(Path(sys.argv[1]), port_range=(low, high))
+    print(" ".join(map(str, block.ports)), flush=True)
+    sys.stdin.readline()
+    """
+)
+
+
+@pytest.fixture
+def holder_procs() -> Iterator[list[subprocess.Popen[str]]]:
+    procs: list[subprocess.Popen[str]] = []
+    yield procs
+    for proc in procs:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+        for stream in (proc.stdin, proc.stdout):
+            if stream is not None:
+                stream.close()
+
+
+def _hold_block(
+    procs: list[subprocess.Popen[str]], lock_dir: Path, low: int, high: int
+) -> tuple[subprocess.Popen[str], tuple[int, ...]]:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HOLDER_SCRIPT, str(lock_dir), str(low), str(high)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)),
+        cwd=REPO_ROOT,
+    )
+    procs.append(proc)
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    return proc, tuple(int(p) for p in line.split())
+
+
+def test_reservations_do_not_overlap_across_processes(
+    tmp_path: Path, holder_procs: list[subprocess.Popen[str]]
+) -> None:
+    low, high = free_range(3, 4)
+    _, first = _hold_block(holder_procs, tmp_path, low, high)
+    proc, second = _hold_block(holder_procs, tmp_path, low, high)
+    assert len(first) == 4 and len(second) == 4 and not set(first) & set(second)
+    mine = reserve_port_block(tmp_path, port_range=(low, high))
+    assert not set(mine.ports) & (set(first) | set(second))
+    with pytest.raises(PortUnavailable, match="3 of 3 block"):
+        reserve_port_block(tmp_path, port_range=(low, high))
+    os.kill(proc.pid, signal.SIGKILL)  # a dead holder's block is free again
+    proc.wait(timeout=10)
+    with reserve_port_block(tmp_path, port_range=(low, high)) as reclaimed:
+        assert reclaimed.ports == second
+    mine.release()
+
+
+def test_forgotten_block_stays_reserved(tmp_path: Path) -> None:
+    import gc
+
+    from pytest_sglworker.resources import ports
+
+    low, high = free_range(1, 4)
+    reserve_port_block(tmp_path, port_range=(low, high))  # no reference kept
+    gc.collect()
+    with pytest.raises(PortUnavailable):
+        reserve_port_block(tmp_path, port_range=(low, high))
+    for block in [b for b in ports._HELD_BLOCKS if b.port == low]:
+        block.release()
+    reserve_port_block(tmp_path, port_range=(low, high)).release()
+
+
+# --------------------------------------------------------------------------------------------------
+# waiting for a block (issue #12, item 9): port blocks queue the way GPU leases do
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += max(seconds, 0.001)
+
+
+def test_no_wait_by_default_and_the_message_says_why(tmp_path: Path) -> None:
+    low, high = free_range(1, 4)
+    held = reserve_port_block(tmp_path, port_range=(low, high))
+    notices: list[str] = []
+    with pytest.raises(PortUnavailable) as info:
+        reserve_port_block(tmp_path, port_range=(low, high), on_wait=notices.append)
+    assert notices == [] and " within " not in str(info.value)
+    held.release()
+
+
+def test_wait_times_out_with_notices_in_the_lease_style(tmp_path: Path) -> None:
+    low, high = free_range(1, 4)
+    held = reserve_port_block(tmp_path, port_range=(low, high))
+    clock = FakeClock()
+    notices: list[str] = []
+    with pytest.raises(PortUnavailable) as info:
+        reserve_port_block(tmp_path, port_range=(low, high), timeout=65, poll_interval=1, on_wait=notices.append,
+                           clock=clock, sleep=clock.sleep)
+    assert str(info.value) == (
+        f"no free block of 4 ports in {low}-{high} on 127.0.0.1 within 65 s: 1 of 1 block(s) reserved by other "
+        f"workers (lock files port-*.lock in {tmp_path}), 0 with a port already in use; choose a wider or another "
+        "port range")
+    assert [n.split(" (", 1)[1].split(")", 1)[0] for n in notices] == ["0 s of 65 s", "30 s of 65 s", "60 s of 65 s"]
+    assert notices[0].startswith(f"waiting for a free block of 4 ports in {low}-{high} on 127.0.0.1 (0 s of 65 s): "
+                                 "1 of 1 block(s) reserved by other workers")
+    assert not list(tmp_path.glob("waiting-*"))  # the flag goes with the wait
+    held.release()
+
+
+WAITER_SCRIPT = textwrap.dedent(
+    """
+    import sys
+    from pathlib import Path
+    from pytest_sglworker.resources.ports import reserve_port_block
+    low, high = int(sys.argv[2]), int(sys.argv[3])
+    block = reserve_port_block(Path(sys.argv[1]), port_range=(low, high), timeout=30, poll_interval=0.05,
+                               on_wait=lambda text: print("WAIT", text, flush=True))
+    print("GOT", block.port, flush=True)
+    block.release()
+    """
+)
+
+
+def test_a_waiter_gets_the_block_when_the_holder_gives_it_back_and_holders_see_it_wait(
+    tmp_path: Path, holder_procs: list[subprocess.Popen[str]]
+) -> None:
+    from pytest_sglworker.resources.gpus import DeclaredInventory, LeaseManager
+    from pytest_sglworker.resources.ports import others_waiting_for_ports
+
+    low, high = free_range(1, 4)
+    held = reserve_port_block(tmp_path, port_range=(low, high))
+    waiter = subprocess.Popen([sys.executable, "-c", WAITER_SCRIPT, str(tmp_path), str(low), str(high)],
+                              stdout=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)),
+                              cwd=REPO_ROOT)
+    holder_procs.append(waiter)
+    assert waiter.stdout is not None
+    line = waiter.stdout.readline()
+    assert line.startswith(f"WAIT waiting for a free block of 4 ports in {low}-{high}"), line
+    # Holders of idle pooled workers see the waiter (through the GPU lease manager too) and give back.
+    assert others_waiting_for_ports(tmp_path)
+    assert LeaseManager(tmp_path, DeclaredInventory(1, 1024), namespace="sim-1x1").others_waiting()
+    held.release()
+    assert waiter.stdout.readline().strip() == f"GOT {low}"
+    assert waiter.wait(timeout=20) == 0
+    assert not others_waiting_for_ports(tmp_path) and not list(tmp_path.glob("waiting-*"))
+
+
+def test_bad_timeout(tmp_path: Path) -> None:
+    for bad in (-1.0, float("nan")):
+        with pytest.raises(ValueError, match="the port wait timeout must be 0 or more seconds"):
+            reserve_port_block(tmp_path, port_range=(20000, 20003), timeout=bad)
+
+
+# --------------------------------------------------------------------------------------------------
+# quarantine (issue #12, item 6): a block a foreign process still listens on after teardown is never handed
+# out again by this process
+
+
+@pytest.fixture
+def clean_quarantine() -> Iterator[None]:
+    from pytest_sglworker.resources import ports
+
+    saved = dict(ports._QUARANTINED)
+    yield
+    ports._QUARANTINED.clear()
+    ports._QUARANTINED.update(saved)
+    for lock in ports._QUARANTINE_LOCKS:
+        lock.release(force=True)
+    ports._QUARANTINE_LOCKS.clear()
+
+
+def test_quarantined_block_is_skipped_and_listed(tmp_path: Path, clean_quarantine: None) -> None:
+    from pytest_sglworker.resources.ports import quarantine_port_block, quarantined_port_blocks
+
+    low, high = free_range(2, 4)
+    first = reserve_port_block(tmp_path, port_range=(low, low + 3))
+    first.release()
+    quarantine_port_block(first.port, reason="pid 4242 (not ours) listens on it")
+    quarantine_port_block(first.port, reason="a later reason is not kept")
+    assert quarantined_port_blocks() == {low: "pid 4242 (not ours) listens on it"}
+    for _ in range(5):  # whatever the start block, the quarantined one is never handed out
+        with reserve_port_block(tmp_path, port_range=(low, high)) as block:
+            assert block.port == low + 4
+    with pytest.raises(PortUnavailable) as info:
+        reserve_port_block(tmp_path, port_range=(low, low + 3))
+    assert "1 quarantined by this process (a process that is not ours kept listening there after a teardown)" \
+        in str(info.value)
+
+
+def test_quarantining_a_held_block_keeps_its_lock_until_exit(
+    tmp_path: Path, clean_quarantine: None, holder_procs: list[subprocess.Popen[str]]
+) -> None:
+    from pytest_sglworker.resources.ports import quarantine_port_block
+
+    low, high = free_range(1, 4)
+    block = reserve_port_block(tmp_path, port_range=(low, high))
+    quarantine_port_block(block, reason="escaped listener")
+    assert block.released  # for its worker, the block is given back ...
+    block.release()  # ... idempotently
+    assert not _lock_is_free(tmp_path / f"port-{low}.lock")  # ... but no other process gets it while we live
+    probe = subprocess.run(
+        [sys.executable, "-c", HOLDER_SCRIPT, str(tmp_path), str(low), str(high)], input="", capture_output=True,
+        text=True, env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)), cwd=REPO_ROOT, timeout=60)
+    assert probe.returncode != 0 and "1 of 1 block(s) reserved by other workers" in probe.stderr
+
+
+def test_quarantine_refuses_a_bad_base() -> None:
+    from pytest_sglworker.resources.ports import quarantine_port_block
+
+    for bad in (0, 70000, True, "20000"):
+        with pytest.raises(ValueError, match="base port lies between 1 and 65535"):
+            quarantine_port_block(bad, reason="x")  # type: ignore[arg-type]
+
+
+def test_a_lock_path_that_is_a_directory_skips_that_block_and_says_so(tmp_path: Path) -> None:
+    low, high = free_range(2, 4)
+    (tmp_path / f"port-{low}.lock").mkdir()
+    for _ in range(3):
+        with reserve_port_block(tmp_path, port_range=(low, high)) as block:
+            assert block.port == low + 4
+    with pytest.raises(PortUnavailable) as info:
+        reserve_port_block(tmp_path, port_range=(low, low + 3))
+    assert f"1 with an unusable lock file (port-{low}.lock is a directory)" in str(info.value)
+    assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []

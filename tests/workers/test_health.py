@@ -1,0 +1,248 @@
+"""Unit tests of :mod:`pytest_sglworker.workers.health`: whole-request deadlines against hostile servers on loopback,
+and the wait loop's promises (process exit, fatal log line, deadline, ready line, cancel) against a fake
+target."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from pytest_sglworker.errors import LaunchCancelled, WorkerError, WorkerStartupError, WorkerStartupTimeout
+from pytest_sglworker.workers.health import (
+    HttpHealth,
+    Probe,
+    ProbeTimeout,
+    Readiness,
+    http_request,
+    wait_until_ready,
+)
+
+
+class _Server:
+    """A loopback TCP server whose every connection is handled by ``handler(conn)`` in a thread."""
+
+    def __init__(self, handler) -> None:  # type: ignore[no-untyped-def]
+        self.sock = socket.socket()
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.port = self.sock.getsockname()[1]
+        self.handler = handler
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        self.sock.settimeout(0.1)
+        while not self.stop.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                continue
+            threading.Thread(target=self._handle, args=(conn,), daemon=True).start()
+
+    def _handle(self, conn: socket.socket) -> None:
+        with conn:
+            try:
+                conn.recv(65536)
+                self.handler(conn, self.stop)
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        self.stop.set()
+        self.sock.close()
+        self.thread.join(5)
+
+
+@pytest.fixture
+def serve() -> Iterator:  # type: ignore[type-arg]
+    servers: list[_Server] = []
+
+    def start(handler):  # type: ignore[no-untyped-def]
+        server = _Server(handler)
+        servers.append(server)
+        return server
+
+    yield start
+    for server in servers:
+        server.close()
+
+
+def _trickle_headers(conn: socket.socket, stop: threading.Event) -> None:
+    conn.sendall(b"HTTP/1.1 200 OK\r\n")
+    while not stop.wait(0.2):
+        conn.sendall(b"X-Trickle: 1\r\n")
+
+
+def _trickle_body(conn: socket.socket, stop: threading.Event) -> None:
+    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 1000000\r\n\r\n")
+    while not stop.wait(0.2):
+        conn.sendall(b"x")
+
+
+@pytest.mark.parametrize("handler", [_trickle_headers, _trickle_body], ids=["headers", "body"])
+def test_a_trickling_answer_cannot_outlive_the_deadline(serve, handler) -> None:  # type: ignore[no-untyped-def]
+    server = serve(handler)
+    start = time.monotonic()
+    with pytest.raises(ProbeTimeout):
+        http_request("127.0.0.1", server.port, "/health", deadline=time.monotonic() + 1.0)
+    assert time.monotonic() - start < 2.0  # the whole request, not each read, is bounded
+
+
+def test_abort_ends_a_request_at_once(serve) -> None:  # type: ignore[no-untyped-def]
+    server = serve(_trickle_body)
+    give_up = time.monotonic() + 0.3
+    start = time.monotonic()
+    with pytest.raises(ProbeTimeout):
+        http_request("127.0.0.1", server.port, "/", deadline=time.monotonic() + 30,
+                     abort=lambda: time.monotonic() > give_up)
+    assert time.monotonic() - start < 2.0
+
+
+def test_complete_answers_content_length_chunked_and_close(serve) -> None:  # type: ignore[no-untyped-def]
+    def fixed(conn: socket.socket, stop: threading.Event) -> None:
+        conn.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 5\r\n\r\nbusy!")
+
+    def chunked(conn: socket.socket, stop: threading.Event) -> None:
+        conn.sendall(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n4\r\nwiki\r\n5\r\npedia\r\n0\r\n\r\n")
+
+    def closes(conn: socket.socket, stop: threading.Event) -> None:
+        conn.sendall(b"HTTP/1.0 200 OK\r\n\r\nuntil close")
+
+    for handler, status, body in ((fixed, 503, b"busy!"), (chunked, 200, b"wikipedia"), (closes, 200, b"until close")):
+        resp = http_request("127.0.0.1", serve(handler).port, "/x", deadline=time.monotonic() + 5)
+        assert (resp.status, resp.body) == (status, body)
+
+
+def test_refused_is_not_listening() -> None:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    target = _Target(port=port)
+    probe = HttpHealth().probe(target, time.monotonic() + 1, lambda: False)
+    assert probe == Probe(False, "not listening yet", listening=False)
+
+
+# ---------------------------------------------------------------------------------------------- the wait
+
+
+@dataclass
+class _Target:
+    """A fake :class:`~pytest_sglworker.workers.health.Watched`: a real child process and a log file."""
+
+    port: int = 1
+    host: str = "127.0.0.1"
+    log_path: Path = Path("/nonexistent")
+    started_at: float = field(default_factory=time.monotonic)
+    ready_at: float | None = None
+    proc: subprocess.Popen[bytes] | None = None
+    fatal: bool = False
+    owns: bool = True
+
+    @property
+    def process(self) -> subprocess.Popen[bytes]:
+        assert self.proc is not None
+        return self.proc
+
+    def owns_port(self) -> bool:
+        return self.owns
+
+    def fatal_in_log(self) -> bool:
+        return self.fatal
+
+    def failure(self, kind: type[WorkerError], event: str, *, alive: bool = False) -> WorkerError:
+        return kind(worker="fake", event=event)
+
+
+class _Scripted(Readiness):
+    """Not ready until ``ready_at`` (monotonic), counting its probes."""
+
+    def __init__(self, ready_at: float = float("inf")) -> None:
+        self.ready_at = ready_at
+        self.probes: list[float] = []
+
+    def probe(self, target, deadline, abort):  # type: ignore[no-untyped-def]
+        self.probes.append(time.monotonic())
+        if time.monotonic() >= self.ready_at:
+            return Probe(True, "ok")
+        return Probe(False, "HTTP 503")
+
+
+@pytest.fixture
+def child(tmp_path: Path) -> Iterator[_Target]:
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    target = _Target(proc=proc, log_path=tmp_path / "log")
+    target.log_path.write_text("")
+    yield target
+    proc.kill()
+    proc.wait()
+
+
+def test_exit_fails_at_once(tmp_path: Path) -> None:
+    proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    proc.wait()
+    target = _Target(proc=proc, log_path=tmp_path / "log")
+    with pytest.raises(WorkerStartupError, match="exited during startup with code 3"):
+        wait_until_ready(target, _Scripted(), timeout=300)
+
+
+def test_deadline_holds_and_says_the_last_answer(child: _Target) -> None:
+    start = time.monotonic()
+    with pytest.raises(WorkerStartupTimeout,
+                       match=r"did not become healthy within 0.5 s \(last health answer: HTTP 503\)"):
+        wait_until_ready(child, _Scripted(), timeout=0.5)
+    assert time.monotonic() - start < 1.5
+
+
+def test_fatal_log_line_fails_after_the_grace(child: _Target, monkeypatch: pytest.MonkeyPatch) -> None:
+    import pytest_sglworker.workers.health as health
+
+    monkeypatch.setattr(health, "FATAL_GRACE_SECONDS", 0.3)
+    child.log_path.write_text("Traceback (most recent call last):\nOSError: [Errno 98] Address already in use\n")
+    child.fatal = True
+    with pytest.raises(WorkerStartupError, match="logged a fatal error during startup and did not exit"):
+        wait_until_ready(child, _Scripted(), timeout=60)
+
+
+def test_the_ready_line_triggers_an_immediate_probe(child: _Target) -> None:
+    ready = _Scripted(ready_at=time.monotonic() + 0.5)
+
+    def write_ready_line() -> None:
+        time.sleep(0.5)
+        with open(child.log_path, "a") as fh:
+            fh.write("[2026-12-02 10:00:00] The server is fired up and ready to roll!\n")
+
+    writer = threading.Thread(target=write_ready_line)
+    writer.start()
+    wait_until_ready(child, ready, timeout=30)
+    writer.join()
+    assert child.ready_at is not None
+    # after the ready line, the next probe did not wait for the 0.1 s pause after a "not ready" answer
+    assert child.ready_at - ready.ready_at < 0.05, child.ready_at - ready.ready_at
+
+
+def test_cancel_ends_the_wait(child: _Target) -> None:
+    cancel = threading.Event()
+    threading.Timer(0.2, cancel.set).start()
+    with pytest.raises(LaunchCancelled):
+        wait_until_ready(child, _Scripted(), timeout=60, cancel=cancel)
+
+
+def test_a_stale_server_is_never_ready(serve, child: _Target) -> None:  # type: ignore[no-untyped-def]
+    def ok(conn: socket.socket, stop: threading.Event) -> None:
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+
+    child.port = serve(ok).port
+    child.owns = False
+    with pytest.raises(WorkerStartupTimeout, match="stale server on the port"):
+        wait_until_ready(child, HttpHealth(), timeout=0.5)

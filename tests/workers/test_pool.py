@@ -1,0 +1,184 @@
+"""Unit tests of :class:`pytest_sglworker.workers.pool.WorkerPool` without pytest sessions: the pool driven directly,
+over real simulated engines and real file-locked leases of a declared inventory in a private directory."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from pytest_sglworker import ModelSpec
+from pytest_sglworker.errors import LaunchError, LeaseImpossible, WorkerStartupError
+from pytest_sglworker.resources.gpus import DeclaredInventory, LeaseManager
+from pytest_sglworker.workers.kinds import GroupShape, WorkerConfig
+from pytest_sglworker.workers.launcher import LaunchOptions, sim_launcher
+from pytest_sglworker.workers.pool import WorkerPool
+
+QWEN = ModelSpec("qwen3-0.6b", "Qwen/Qwen3-0.6B", 4)
+
+
+@pytest.fixture
+def make_pool(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator:  # type: ignore[type-arg]
+    monkeypatch.setenv("SGLSIM_STARTUP_SECONDS", "0.2")
+    pools: list[WorkerPool] = []
+
+    def make(gpus: int = 2, **kwargs) -> WorkerPool:  # type: ignore[no-untyped-def]
+        lock_dir = tmp_path / "locks"
+        leases = LeaseManager(lock_dir, DeclaredInventory(gpus, 80 * 1024), namespace=f"sim-{gpus}x80")
+        options = LaunchOptions(launcher=tuple(sim_launcher()), log_dir=tmp_path / "logs", lock_dir=lock_dir,
+                                startup_timeout=60)
+        messages: list[str] = []
+        pool = WorkerPool(options, leases=leases, lease_timeout=5, on_message=messages.append, release_wait=5,
+                          **kwargs)
+        pool.messages = messages  # type: ignore[attr-defined]
+        pools.append(pool)
+        return pool
+
+    yield make
+    for pool in pools:
+        pool.close()
+
+
+def test_reuse_by_configuration_and_fresh_groups(make_pool) -> None:  # type: ignore[no-untyped-def]
+    pool = make_pool()
+    config = WorkerConfig.of(QWEN)
+    first = pool.acquire(config, holder="t1")
+    pool.release(first)
+    again = pool.acquire(config, holder="t2")
+    assert again is first and again[0].is_alive()
+    pool.release(again)
+    other = pool.acquire(WorkerConfig.of(QWEN, ["--max-total-tokens", "512"]), holder="t3")
+    assert other is not first
+    fresh = pool.acquire(config, holder="t4", fresh=True)
+    assert fresh is not first  # fresh: never the pooled one, never pooled after
+    pool.release(fresh)
+    assert fresh not in pool.groups() and not fresh[0].is_alive()
+    stats = pool.stats[config.key]
+    assert (stats.launches, stats.reuses) == (2, 1)
+
+
+def test_idle_groups_are_evicted_lru_for_a_lease(make_pool) -> None:  # type: ignore[no-untyped-def]
+    pool = make_pool(gpus=2)
+    a = pool.acquire(WorkerConfig.of(QWEN, ["--max-total-tokens", "256"]), holder="a")
+    b = pool.acquire(WorkerConfig.of(QWEN, ["--max-total-tokens", "512"]), holder="b")
+    pool.release(a)
+    pool.release(b)
+    c = pool.acquire(WorkerConfig.of(QWEN, ["--max-total-tokens", "1024"]), holder="c")
+    assert not a[0].is_alive() and b[0].is_alive()  # the least recently used went first
+    assert any("evicting idle worker qwen3-0.6b" in m for m in pool.messages)
+    assert c[0].gpus == a[0].gpus
+
+
+def test_dead_and_frozen_idle_workers_are_replaced(make_pool) -> None:  # type: ignore[no-untyped-def]
+    pool = make_pool()
+    config = WorkerConfig.of(QWEN)
+    group = pool.acquire(config, holder="t1")
+    pool.release(group)
+    os.kill(group[0].pid, signal.SIGKILL)
+    group[0].process.wait(10)
+    replacement = pool.acquire(config, holder="t2")
+    assert replacement is not group and replacement[0].is_alive()
+    assert any("died while idle in the pool; replacing it" in m for m in pool.messages)
+    pool.release(replacement)
+    os.kill(replacement[0].pid, signal.SIGSTOP)
+    start = time.monotonic()
+    third = pool.acquire(config, holder="t3")
+    assert third is not replacement and not replacement[0].is_alive()
+    assert any("does not answer its health check (frozen or wedged)" in m for m in pool.messages)
+    assert time.monotonic() - start < 15  # the frozen one was told to continue and stopped, not waited on
+    assert pool.stats[config.key].deaths == 1  # the killed one; the frozen one was replaced, not dead
+
+
+def test_a_group_leases_all_its_gpus_at_once_and_splits_them(make_pool) -> None:  # type: ignore[no-untyped-def]
+    pool = make_pool(gpus=4)
+    config = WorkerConfig.of(QWEN, group=GroupShape(prefill=1, decode=1))
+    group = pool.acquire(config, holder="pd")
+    assert [m.role for m in group] == ["prefill", "decode"]
+    assert [m.gpus for m in group] == ["0", "1"]
+    assert group.prefill[0].bootstrap_port is not None
+    held = pool.leases.holders()
+    assert sorted(held) == [0, 1] and {r.holder for r in held.values()} == {"pd"}
+    records = [r for r in pool.launches if r.group == group.id]
+    assert [r.role for r in records] == ["prefill", "decode"] and all(r.t_ready for r in records)
+
+
+def test_a_failing_member_fails_the_group_and_frees_everything(make_pool) -> None:  # type: ignore[no-untyped-def]
+    pool = make_pool(gpus=2)
+    config = WorkerConfig.of(QWEN, ["--chunked-prefill-size", "nope"], group=GroupShape(count=2))
+    with pytest.raises(WorkerStartupError, match="exited during startup with code 2"):
+        pool.acquire(config, holder="bad")
+    assert pool.groups() == [] and pool.leases.holders() == {}
+    assert pool.stats[config.key].failures == 1
+    assert {r.outcome for r in pool.launches} == {"startup_failed"}
+
+
+def test_a_request_its_own_workers_block_fails_at_once(make_pool) -> None:  # type: ignore[no-untyped-def]
+    pool = make_pool(gpus=1)
+    pool.acquire(WorkerConfig.of(QWEN), holder="first")
+    start = time.monotonic()
+    with pytest.raises(LeaseImpossible, match="this process's own workers in use hold 1 of the 1 GPU"):
+        pool.acquire(WorkerConfig.of(QWEN), holder="second", fresh=True)
+    assert time.monotonic() - start < 3  # not the 5 s lease timeout
+
+
+def test_deliberate_stops_and_deaths_are_told_apart(make_pool) -> None:  # type: ignore[no-untyped-def]
+    pool = make_pool(gpus=2)
+    config = WorkerConfig.of(QWEN, group=GroupShape(count=2))
+    group = pool.acquire(config, holder="t")
+    group[0].stop()
+    os.kill(group[1].pid, signal.SIGKILL)
+    group[1].process.wait(10)
+    pool.discard(group)
+    stats = pool.stats[config.key]
+    assert (stats.stops, stats.deaths) == (1, 1)
+    assert sorted(r.outcome for r in pool.launches) == ["died", "stopped"]
+
+
+def test_a_failing_member_gets_the_memory_ledger_of_its_own_args(make_pool) -> None:  # type: ignore[no-untyped-def]
+    """A decode member whose own args leave no memory for the KV pool: the ledger attached to its failure is
+    the decode side's (its mode, its role's fraction), not that of the group's shared args."""
+    pool = make_pool(gpus=2)
+    config = WorkerConfig.of(QWEN, group=GroupShape(prefill=1, decode=1, role_args=(
+        ("decode", ("--mem-fraction-static", "0.005")),)))
+    with pytest.raises(WorkerStartupError) as info:
+        pool.acquire(config, holder="pd")
+    ledger = info.value.ledger
+    assert ledger is not None
+    assert (ledger.mode, ledger.mem_fraction_static) == ("decode", 0.005)
+    assert ledger.kv_tokens == 0
+    assert pool.groups() == [] and pool.leases.holders() == {}
+
+
+def test_a_failed_launch_ahead_called_off_is_not_the_failure_of_the_test_that_called_it_off(
+        make_pool, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    """On one GPU a launch ahead of B holds the lease and then fails (here: its worker_env hook raises once it is
+    called off). The test that needs the GPU now calls it off and gets its own worker; B's failure is met by the
+    test that needs B, when it launches B itself."""
+    aheads: list = []  # type: ignore[type-arg]
+
+    def worker_env(spec: ModelSpec, lease_env: dict[str, str]) -> dict[str, str]:
+        if threading.current_thread().name.startswith("sglworker-ahead"):
+            deadline = time.monotonic() + 10
+            while not aheads and time.monotonic() < deadline:  # the test has not picked it up yet
+                time.sleep(0.01)
+            aheads[0].cancel.wait(10)  # holds the lease until called off
+            raise LaunchError("B's launch ahead broke")
+        if os.environ.get("B_BROKEN") == "1":
+            raise LaunchError("B is broken")
+        return lease_env
+
+    pool = make_pool(gpus=1, worker_env=worker_env)
+    a, b = WorkerConfig.of(QWEN, ["--max-total-tokens", "256"]), WorkerConfig.of(QWEN, ["--max-total-tokens", "512"])
+    assert pool.launch_ahead(b, holder="ahead")
+    aheads.append(pool._ahead[b])
+    group = pool.acquire(a, holder="needs the GPU now")  # called B off: not B's failure
+    assert group[0].is_alive()
+    pool.release(group)
+    monkeypatch.setenv("B_BROKEN", "1")
+    with pytest.raises(LaunchError, match="B is broken"):
+        pool.acquire(b, holder="needs B")

@@ -1,0 +1,470 @@
+"""``--sgl-cluster ray`` (issue 13, the Ray part), proven on a CPU with one local Ray cluster per module.
+
+The cluster (``ray start --head --block --num-gpus 4 --num-cpus 4``, a private temp dir, a free port) is
+started once for the module, without the per-test leftover mark (it outlives single tests), and stopped at the
+end, checked gone. Every inner session runs the simulated engine on it; the engine records its lifetimes and
+its ``CUDA_VISIBLE_DEVICES`` (``SGLSIM_RECORD``), so that a GPU held by two live workers at once shows as a
+double booking, as in tests/plugin/test_xdist_gpus.py. The actors and the engines they start carry the test's
+leftover mark (the plugin forwards ``SGL*`` variables to them), so the leftover check of tests/conftest.py
+covers them too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+from test_xdist_gpus import assert_exclusive, lifetimes, max_concurrency
+
+pytestmark = [pytest.mark.ray, pytest.mark.xdist_group("ray")]  # one local cluster at a time
+
+ray = pytest.importorskip("ray", reason="Ray is not installed: pip install 'pytest-sglworker[ray]'")
+
+SIM = ("-p", "no:cacheprovider", "--sgl-engine", "sim", "--sgl-model", "qwen3-0.6b", "--sgl-cluster", "ray")
+CLUSTER_MARK = "SGLWORKER_RAY_TEST_CLUSTER"
+GPUS = 4
+#: the Ray Client server's port of the module's cluster
+CLIENT_PORT = [0]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _cluster_processes(mark: str) -> list[psutil.Process]:
+    found = []
+    for proc in psutil.process_iter(["pid"]):
+        try:
+            if proc.environ().get(CLUSTER_MARK) == mark and proc.status() != psutil.STATUS_ZOMBIE:
+                found.append(proc)
+        except (psutil.Error, OSError):
+            continue
+    return found
+
+
+@pytest.fixture(scope="module")
+def ray_address() -> Iterator[str]:
+    """One local Ray cluster for the module; its GCS address."""
+    port, client_port = _free_port(), _free_port()
+    CLIENT_PORT[0] = client_port
+    temp = tempfile.mkdtemp(prefix="sglray-", dir="/tmp")  # short: Ray's socket paths have a length limit
+    mark = uuid.uuid4().hex
+    env = {k: v for k, v in os.environ.items() if k not in ("SGLWORKER_TEST_MARK", "RAY_ADDRESS")}
+    env[CLUSTER_MARK] = mark
+    ray_bin = shutil.which("ray", path=os.path.dirname(sys.executable)) or "ray"
+    head = subprocess.Popen(
+        [ray_bin, "start", "--head", "--block", f"--num-gpus={GPUS}", f"--num-cpus={GPUS}", f"--port={port}",
+         "--disable-usage-stats", "--include-dashboard=false", f"--temp-dir={temp}",
+         "--node-ip-address=127.0.0.1", f"--ray-client-server-port={client_port}"],
+        env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+        start_new_session=True)
+    address = f"127.0.0.1:{port}"
+    try:
+        probe = ("import ray, sys; ray.init(address=sys.argv[1], log_to_driver=False); "
+                 f"assert ray.cluster_resources().get('GPU') == {GPUS}")
+        deadline = time.monotonic() + 90
+        while True:
+            assert head.poll() is None, "ray start --head exited"
+            ok = subprocess.run([sys.executable, "-c", probe, address], env=env, capture_output=True,
+                                timeout=60).returncode == 0
+            if ok:
+                break
+            assert time.monotonic() < deadline, "the local Ray cluster did not come up within 90 s"
+            time.sleep(0.5)
+        yield address
+        # Nothing of the plugin's is left on the cluster: every GPU is back, no placement group of ours lives.
+        check = ("import ray, sys, time; ray.init(address=sys.argv[1], log_to_driver=False)\n"
+                 "deadline = time.monotonic() + 20\n"
+                 "while True:\n"
+                 "    live = [i['name'] for i in ray.util.placement_group_table().values()\n"
+                 "            if i['state'] != 'REMOVED' and i['name'].startswith('sglworker-')]\n"
+                 "    free = ray.available_resources().get('GPU', 0)\n"
+                 f"    if (free == {GPUS} and not live) or time.monotonic() > deadline: break\n"
+                 "    time.sleep(0.5)\n"
+                 "print(free, live)\n")
+        out = subprocess.run([sys.executable, "-c", check, address], env=env, capture_output=True, text=True,
+                             timeout=60).stdout.strip().splitlines()
+        assert out and out[-1] == f"{float(GPUS)} []", f"left on the Ray cluster (free GPUs, placement groups): {out}"
+    finally:
+        with_pids = _cluster_processes(mark)
+        with contextlib.suppress(OSError, psutil.Error):
+            os.killpg(head.pid, signal.SIGTERM)  # ray start --block stops the cluster's processes
+        deadline = time.monotonic() + 10
+        while _cluster_processes(mark) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        for proc in _cluster_processes(mark):  # what did not stop in time: by PID, only this cluster's
+            with contextlib.suppress(OSError, psutil.Error):
+                proc.kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            head.wait(10)
+        deadline = time.monotonic() + 10
+        while _cluster_processes(mark) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        left = _cluster_processes(mark)
+        shutil.rmtree(temp, ignore_errors=True)
+        assert not left, f"Ray processes left after the cluster's stop: {[p.pid for p in left]} of {len(with_pids)}"
+
+
+@pytest.fixture
+def on_ray(ray_address: str, sim_env: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The inner sessions' environment: the cluster's address, and the simulated engine's record file."""
+    monkeypatch.setenv("RAY_ADDRESS", ray_address)
+    record = tmp_path / "sim-record.jsonl"
+    monkeypatch.setenv("SGLSIM_RECORD", str(record))
+    return record
+
+
+def _run(pytester: pytest.Pytester, *args: str, timeout: float = 120) -> pytest.RunResult:
+    return pytester.runpytest_subprocess(*SIM, *args, timeout=timeout)
+
+
+TWO_CONFIGS = """
+    import time
+    import pytest
+
+    SMALL = ["--mem-fraction-static", "0.5", "--max-total-tokens", "4096"]
+
+    @pytest.mark.parametrize("i", range(3))
+    def test_default(sgl_worker, i):
+        assert sgl_worker.client.get("/health").status_code == 200
+        assert sgl_worker.url.startswith("http://127.0.0.1:")
+        time.sleep(0.1)
+
+    @pytest.mark.sgl_worker(args=SMALL)
+    @pytest.mark.parametrize("i", range(3))
+    def test_small(sgl_worker, i):
+        assert sgl_worker.client.get("/health").status_code == 200
+        time.sleep(0.1)
+
+    @pytest.mark.sgl_worker(fresh=True)
+    @pytest.mark.parametrize("i", range(2))
+    def test_fresh(sgl_worker, i):
+        assert "Ray node" in sgl_worker.describe()
+"""
+
+
+def test_workers_run_as_ray_actors_with_ray_gpus(pytester: pytest.Pytester, on_ray: Path, tmp_path: Path) -> None:
+    pytester.makepyfile(TWO_CONFIGS)
+    report = tmp_path / "report.json"
+    result = _run(pytester, "-p", "no:xdist", "--sgl-report", str(report))
+    result.assert_outcomes(passed=8)
+    lives = lifetimes(on_ray)
+    assert_exclusive(lives, gpu_count=GPUS)
+    assert len(lives) == 4  # default and small reused, two fresh ones
+    assert report.exists()
+
+
+def test_ray_client_address(pytester: pytest.Pytester, on_ray: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--sgl-cluster ray://HOST:PORT`` joins through the Ray Client server."""
+    monkeypatch.delenv("RAY_ADDRESS")
+    pytester.makepyfile("""
+        import pytest
+
+        @pytest.mark.parametrize("i", range(2))
+        def test_default(sgl_worker, i):
+            assert sgl_worker.client.get("/health").status_code == 200
+            assert "Ray node" in sgl_worker.describe()
+    """)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:xdist", "--sgl-engine", "sim",
+                                           "--sgl-model", "qwen3-0.6b",
+                                           "--sgl-cluster", f"ray://127.0.0.1:{CLIENT_PORT[0]}", timeout=120)
+    result.assert_outcomes(passed=2)
+    lives = lifetimes(on_ray)
+    assert len(lives) == 1
+    assert_exclusive(lives, gpu_count=GPUS)
+
+
+def test_xdist_sessions_never_share_a_ray_gpu(pytester: pytest.Pytester, on_ray: Path) -> None:
+    """Two xdist workers, each a Ray driver, with tp=2 workers on 4 GPUs and more configurations than fit."""
+    pytester.makeconftest("""
+        from pytest_sglworker import ModelSpec
+
+        def pytest_sglworker_register_specs(registry):
+            registry.add(ModelSpec("tp2", "org/tp2", 4, tp=2))
+    """)
+    pytester.makepyfile("""
+        import time
+        import pytest
+
+        @pytest.mark.sgl_worker(fresh=True)
+        @pytest.mark.parametrize("i", range(6))
+        def test_hold(sgl_worker, i):
+            time.sleep(0.3)
+    """)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--sgl-engine", "sim", "--sgl-cluster", "ray",
+                                           "--sgl-model", "tp2", "-n", "2", timeout=180)
+    result.assert_outcomes(passed=6)
+    lives = lifetimes(on_ray)
+    assert len(lives) == 6
+    assert_exclusive(lives, gpu_count=GPUS)
+    assert max_concurrency(lives) >= 2, "the two xdist workers never ran workers side by side"
+
+
+def test_a_group_is_placed_at_once(pytester: pytest.Pytester, on_ray: Path) -> None:
+    pytester.makepyfile("""
+        import pytest
+
+        @pytest.mark.sgl_workers(count=2)
+        @pytest.mark.parametrize("i", range(2))
+        def test_group(sgl_workers, i):
+            assert len(sgl_workers) == 2
+            assert len(set(w.url for w in sgl_workers)) == 2
+            assert len({w.gpus for w in sgl_workers}) == 2, [w.gpus for w in sgl_workers]
+            for w in sgl_workers:
+                assert w.client.get("/health").status_code == 200
+    """)
+    result = _run(pytester, "-p", "no:xdist")
+    result.assert_outcomes(passed=2)
+    lives = lifetimes(on_ray)
+    assert len(lives) == 2  # one group, reused by the second test
+    assert_exclusive(lives, gpu_count=GPUS)
+
+
+def test_startup_failure_reports_the_log_tail(pytester: pytest.Pytester, on_ray: Path) -> None:
+    pytester.makepyfile("""
+        import pytest
+
+        @pytest.mark.sgl_worker(env={"SGLSIM_FAULT": "crash_oom"})
+        def test_crash(sgl_worker):
+            raise AssertionError("must not run")
+    """)
+    result = _run(pytester, "-p", "no:xdist")
+    result.assert_outcomes(errors=1)
+    out = result.stdout.str()
+    assert "exited during startup" in out, out
+    assert "out of memory" in out.lower(), out  # the tail of the log written on the node
+    assert "Ray node" in out
+
+
+def test_a_cluster_too_small_skips_at_collection(pytester: pytest.Pytester, on_ray: Path) -> None:
+    pytester.makeconftest("""
+        from pytest_sglworker import ModelSpec
+
+        def pytest_sglworker_register_specs(registry):
+            registry.add(ModelSpec("tp8", "org/tp8", 4, tp=8))
+    """)
+    pytester.makepyfile("""
+        def test_needs_eight(sgl_worker):
+            raise AssertionError("must never run")
+
+        def test_without_worker():
+            pass
+    """)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:xdist", "--sgl-engine", "sim",
+                                           "--sgl-cluster", "ray", "--sgl-model", "tp8", "-rs", timeout=120)
+    result.assert_outcomes(passed=1, skipped=1)
+    result.stdout.fnmatch_lines(["*SKIPPED*tp8: tp=8 needs 8 GPUs but the inventory has 4 (Ray cluster at*"])
+    assert lifetimes(on_ray) == []
+
+
+def test_missing_ray_is_a_usage_error(pytester: pytest.Pytester, sim_env: dict[str, str]) -> None:
+    shim = pytester.path / "shim" / "ray"
+    shim.mkdir(parents=True)
+    (shim / "__init__.py").write_text("raise ImportError('No module named ray (test shim)')\n")
+    pytester.makepyfile("def test_x(sgl_worker): pass")
+    env_path = os.pathsep.join([str(shim.parent), os.environ.get("PYTHONPATH", "")])
+    os.environ["PYTHONPATH"] = env_path
+    try:
+        result = _run(pytester, "-p", "no:xdist", timeout=60)
+    finally:
+        os.environ["PYTHONPATH"] = env_path.split(os.pathsep, 1)[1]
+    assert result.ret == pytest.ExitCode.USAGE_ERROR, result.stdout.str()
+    result.stderr.fnmatch_lines(["ERROR: --sgl-cluster: Ray is needed*not installed*"
+                                 "pip install 'pytest-sglworker[[]ray]'"])
+
+
+def test_an_unreachable_cluster_is_a_usage_error_fast(pytester: pytest.Pytester, sim_env: dict[str, str]) -> None:
+    pytester.makepyfile("def test_x(sgl_worker): pass")
+    start = time.monotonic()
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:xdist", "--sgl-engine", "sim",
+                                           "--sgl-model", "qwen3-0.6b", "--sgl-cluster", "ray://127.0.0.1:1",
+                                           timeout=60)
+    assert time.monotonic() - start < 30
+    assert result.ret == pytest.ExitCode.USAGE_ERROR, result.stdout.str()
+    result.stderr.fnmatch_lines(["ERROR: --sgl-cluster: 'ray://127.0.0.1:1': the Ray cluster is unreachable: "
+                                  "cannot connect to 127.0.0.1:1*"])
+
+
+def test_a_bad_cluster_value_is_a_usage_error(pytester: pytest.Pytester, sim_env: dict[str, str]) -> None:
+    pytester.makepyfile("def test_x(sgl_worker): pass")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:xdist", "--sgl-engine", "sim",
+                                           "--sgl-model", "qwen3-0.6b", "--sgl-cluster", "ray://nohost", timeout=60)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*--sgl-cluster: invalid value 'ray://nohost'*give the cluster as ray://HOST:PORT*"])
+
+
+def test_a_sigkilled_pytest_leaves_no_actor_and_no_worker(pytester: pytest.Pytester, on_ray: Path,
+                                                          tmp_path: Path) -> None:
+    up = tmp_path / "up"
+    pytester.makepyfile(f"""
+        import time
+
+        def test_hang(sgl_worker):
+            open({str(up)!r}, "w").write(str(sgl_worker.pid))
+            time.sleep(600)
+    """)
+    mark = os.environ["SGLWORKER_TEST_MARK"]
+    inner = subprocess.Popen([sys.executable, "-m", "pytest", *SIM, "-p", "no:xdist", str(pytester.path)],
+                             cwd=pytester.path, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 90
+        while not up.exists():
+            assert inner.poll() is None, "the inner pytest ended before its worker was up"
+            assert time.monotonic() < deadline, "the worker did not come up within 90 s"
+            time.sleep(0.1)
+        worker_pid = int(up.read_text())
+        assert psutil.pid_exists(worker_pid)
+        ours = [p for p in psutil.process_iter() if _has_mark(p, mark) and p.pid != inner.pid]
+        assert any(p.pid == worker_pid for p in ours)
+        assert len(ours) >= 2, "no actor process carries the test's mark"  # the actor, its watchdog, the engine
+        inner.send_signal(signal.SIGKILL)
+        inner.wait(10)
+        deadline = time.monotonic() + 60
+        while True:
+            left = [p.pid for p in psutil.process_iter() if _has_mark(p, mark) and p.pid != os.getpid()]
+            if not left:
+                break
+            assert time.monotonic() < deadline, f"left after the SIGKILL of pytest: {left}"
+            time.sleep(0.2)
+    finally:
+        if inner.poll() is None:
+            inner.kill()
+            inner.wait(10)
+    lives = lifetimes(on_ray)
+    assert len(lives) == 1
+
+
+def _has_mark(proc: psutil.Process, mark: str) -> bool:
+    try:
+        return proc.environ().get("SGLWORKER_TEST_MARK") == mark and proc.status() != psutil.STATUS_ZOMBIE
+    except (psutil.Error, OSError):
+        return False
+
+
+HOLDER = """
+import sys, ray
+from ray.util.placement_group import placement_group
+ray.init(address=sys.argv[1], log_to_driver=False)
+pg = placement_group([{"GPU": 4.0}], name="outside-holder")
+assert pg.wait(timeout_seconds=60)
+print("held", flush=True)
+sys.stdin.readline()
+table = ray.util.placement_group_table()
+pending = [i["name"] for i in table.values() if i["state"] == "PENDING" and i["name"].startswith("sglworker-")]
+print("pending", len(pending), flush=True)
+"""
+
+
+def test_a_full_cluster_waits_then_times_out_as_local_leases_do(pytester: pytest.Pytester, on_ray: Path,
+                                                                 ray_address: str) -> None:
+    """Every GPU held by other Ray work: the lease waits --sgl-lease-timeout, says what it waits for, fails
+    with the local lease's message, and leaves no pending placement group behind."""
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, ray_address], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdin is not None
+        assert holder.stdout.readline().strip() == "held"
+        pytester.makepyfile("def test_x(sgl_worker): pass")
+        result = _run(pytester, "-p", "no:xdist", "--sgl-lease-timeout", "3", timeout=60)
+        result.assert_outcomes(errors=1)
+        out = result.stdout.str()
+        assert "no lease of 1 GPU(s) with" in out and "within 3 s (Ray cluster at" in out, out
+        assert "0 free now" in out and "in use by other Ray work" in out, out
+        holder.stdin.write("\n")
+        holder.stdin.flush()
+        assert holder.stdout.readline().split() == ["pending", "0"]
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+        holder.wait(30)
+    assert lifetimes(on_ray) == []
+
+
+@pytest.mark.real_engine
+@pytest.mark.slow  # one more real engine startup (about 2 min on 2 CPUs): -m real_engine or -m slow selects it
+def test_the_real_cpu_engine_runs_as_a_ray_actor(pytester: pytest.Pytester, on_ray: Path,
+                                                 tmp_path_factory: pytest.TempPathFactory,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    import shlex
+
+    from pytest_sglworker.engine.cpu_engine import (
+        build_tiny_model,
+        real_engine_launcher,
+        real_engine_missing_reason,
+        real_engine_python,
+    )
+
+    python = real_engine_python()
+    if python is None:
+        pytest.skip(real_engine_missing_reason())
+    model = build_tiny_model(python, tmp_path_factory.mktemp("ray-real") / "tiny-model")
+    pytester.makeconftest(f"""
+        from pytest_sglworker.engine.cpu_engine import cpu_engine_spec
+
+        def pytest_sglworker_register_specs(registry):
+            registry.add(cpu_engine_spec("tiny-cpu", {str(model)!r}))
+    """)
+    pytester.makepyfile("""
+        def test_generate(sgl_worker):
+            assert "Ray node" in sgl_worker.describe()
+            assert "The server is fired up and ready to roll!" in sgl_worker.log_text()
+            resp = sgl_worker.client.post("/generate", json={"text": "Hello",
+                                          "sampling_params": {"max_new_tokens": 4, "temperature": 0,
+                                                              "ignore_eos": True}})
+            assert resp.status_code == 200, resp.text
+            assert len(resp.json()["output_ids"]) == 4
+    """)
+    for key in ("SGLWORKER_ENGINE", "SGLWORKER_LAUNCHER", "SGLWORKER_GPUS", "SGLWORKER_MODELS"):
+        monkeypatch.delenv(key, raising=False)
+    result = pytester.runpytest_subprocess(
+        "-p", "no:cacheprovider", "-p", "no:xdist", "--sgl-model", "tiny-cpu", "--sgl-cluster", "ray",
+        "--sgl-launcher", shlex.join(real_engine_launcher(python)), "--sgl-startup-timeout", "300", timeout=600)
+    result.assert_outcomes(passed=1)
+
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "conftest_examples"
+
+
+def test_example_xdist_sharding_unchanged_on_ray(pytester: pytest.Pytester, on_ray: Path, tmp_path: Path) -> None:
+    """The example suite as it is, under -n 2, on the Ray cluster instead of local leases."""
+    shutil.copytree(EXAMPLES / "xdist_sharding", pytester.path / "xdist_sharding")
+    report = tmp_path / "report.json"
+    result = _run(pytester, "xdist_sharding", "-n", "2", "--dist", "loadgroup", "--sgl-report", str(report),
+                  timeout=180)
+    result.assert_outcomes(passed=8)
+    workers = json.loads(report.read_text())["workers"]
+    assert len(workers) == 3 and all(w["launches"] == 1 for w in workers.values()), workers
+    assert_exclusive(lifetimes(on_ray), gpu_count=GPUS)
+
+
+def test_example_other_repo_gpu_tests_unchanged_on_ray(pytester: pytest.Pytester, on_ray: Path) -> None:
+    shutil.copytree(EXAMPLES / "other_repo_gpu_tests", pytester.path / "other_repo_gpu_tests")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--sgl-engine", "sim", "--sgl-cluster", "ray",
+                                           "other_repo_gpu_tests", "--sgl-model", "gateway-qwen3", timeout=180)
+    result.assert_outcomes(passed=5)
+    assert_exclusive(lifetimes(on_ray), gpu_count=GPUS)
+
+
+def test_a_gpu_selection_with_a_cluster_is_a_usage_error(pytester: pytest.Pytester, sim_env: dict[str, str]) -> None:
+    pytester.makepyfile("def test_x(sgl_worker): pass")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:xdist", "--sgl-engine", "sim",
+                                           "--sgl-model", "qwen3-0.6b", "--sgl-gpus", "sim:2",
+                                           "--sgl-cluster", "ray", timeout=60)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*--sgl-gpus and --sgl-cluster exclude each other*"])
