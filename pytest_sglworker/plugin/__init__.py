@@ -215,7 +215,7 @@ def _give_back(request: pytest.FixtureRequest, pool: WorkerPool, group: WorkerGr
         pool.discard(group, failed=failed or bool(dead))
         if dead and not failed and fail_on_death:
             from ..errors import WorkerDied
-            from ..workers.launcher import signal_name
+            from ..resources.processes import signal_name
 
             member = dead[0]
             _fail_with(member.failure(WorkerDied, f"exited with {signal_name(member.returncode)} during the test",

@@ -21,7 +21,7 @@ from .markers import MarkerError, WorkerMarker, WorkersMarker, opt_out_reason, r
 from .session import CONFIG_KEY, ITEM_ERROR_KEY, WORKER_FIXTURES, is_xdist_worker, item_spec
 
 if TYPE_CHECKING:
-    from ..workers.kinds import WorkerConfig
+    from ..workers.kinds import KindChooser, WorkerConfig
     from .session import SglSession
 
 
@@ -249,8 +249,6 @@ def skip_without_grpc(session: SglSession, items: list[pytest.Item]) -> None:
     """Without the gRPC packages, the tests of gRPC workers (``--grpc-mode``): skipped with the install command
     when a test's args ask for it, a usage error (on an xdist worker: each test's error) when a selected spec's
     worker_args do."""
-    from ..workers.grpc_worker import grpc_refusal
-
     verdicts: dict[WorkerConfig, tuple[str, str] | None] = {}
     for item in items:
         worker_config = item.stash.get(CONFIG_KEY, None)
@@ -267,6 +265,24 @@ def skip_without_grpc(session: SglSession, items: list[pytest.Item]) -> None:
             item.stash[ITEM_ERROR_KEY] = verdict[1]
         else:
             raise pytest.UsageError(verdict[1])
+
+
+def grpc_refusal(config: WorkerConfig, choose: KindChooser | None = None) -> tuple[str, str] | None:
+    """What a session does with a configuration that has gRPC workers when this Python lacks the gRPC
+    packages: ``("usage", message)`` when the spec's own worker_args run ``--grpc-mode`` (the run selected that
+    spec: a usage error before anything starts), ``("skip", reason)`` when only a test's args do; None when no
+    member is a gRPC worker or the packages are there."""
+    from ..engine.grpc_facts import grpc_missing_reason, wants_grpc
+    from ..workers.grpc_worker import GrpcWorker
+
+    if not any(isinstance(member.kind, GrpcWorker) for member in config.members(choose)):
+        return None
+    reason = grpc_missing_reason()
+    if not reason:
+        return None
+    if wants_grpc(config.spec.worker_args):
+        return "usage", f"model spec {config.spec.name!r} runs --grpc-mode (its worker_args): {reason}"
+    return "skip", reason
 
 
 def poolable(item: pytest.Item) -> bool:

@@ -196,7 +196,7 @@ def worker_section(instance: ModelInstance, tail: int) -> tuple[str, str]:
         return f"{title} (attached)", f"{instance.describe()} {state} now\n{instance.log_tail(tail)}"
     if instance.is_alive() or instance.stopped:
         return title, f"log: {instance.log_path}\nlast {tail} lines:\n{instance.log_tail(tail)}"
-    from ..workers.launcher import signal_name
+    from ..resources.processes import signal_name
 
     return (f"{title} exited with {signal_name(instance.returncode)} during the test",
             instance.failure_message("exited during the test", lines=tail))

@@ -82,6 +82,18 @@ def tag_session_pid(tag: str) -> int | None:
     return int(head) if head.isdigit() else None
 
 
+def signal_name(returncode: int | None) -> str:
+    """``"code -9 (SIGKILL)"`` / ``"code 1"``."""
+    if returncode is None:
+        return "no exit code"
+    if returncode < 0:
+        try:
+            return f"code {returncode} ({signal.Signals(-returncode).name})"
+        except ValueError:
+            return f"code {returncode}"
+    return f"code {returncode}"
+
+
 def hostname() -> str:
     import socket
 

@@ -35,7 +35,7 @@ from collections.abc import Iterator
 from concurrent import futures
 from typing import Any, NoReturn
 
-from ..workers.grpc_worker import INSTALL_HINT, SCHEDULER_SERVICE, grpc_missing_reason
+from ..engine.grpc_facts import INSTALL_HINT, SCHEDULER_SERVICE, grpc_missing_reason
 from .core import CONTROL_PATH, ENV_FAULT
 from .http_server import SITE, VERSION, Handler, Sim, SimHTTPServer, kill_self
 from .tokens import Generation, embedding, logprobs

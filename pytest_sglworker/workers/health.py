@@ -25,8 +25,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+# What a failure or a log line needs is imported with this module, never inside the wait: a Ctrl-C that lands in
+# a module's dataclass creation (an exec of generated code) makes CPython 3.11 end the process with SIGINT at exit
+# even after pytest handled the interrupt, so the run would exit -2 instead of 2.
+from ..engine.diagnosis import looks_like_error
 from ..engine.sglang_facts import HEALTH_PATH, READY_LINE, READY_PATH
 from ..errors import LaunchCancelled, WorkerError, WorkerStartupError, WorkerStartupTimeout
+from ..resources.processes import signal_name
 
 if TYPE_CHECKING:
     import subprocess
@@ -275,12 +280,10 @@ class _LogWatch:
         self.offset += len(new)
         text = self.carry + new
         self.carry = text[-256:]
-        if self.fatal_since is None:
-            from ..engine.diagnosis import looks_like_error
-
-            # Diagnosing reads the whole log: only when the new text may hold an error.
-            if looks_like_error(new.decode("utf-8", errors="replace")) and target.fatal_in_log():
-                self.fatal_since = time.monotonic()
+        # Diagnosing reads the whole log: only when the new text may hold an error.
+        if (self.fatal_since is None and looks_like_error(new.decode("utf-8", errors="replace"))
+                and target.fatal_in_log()):
+            self.fatal_since = time.monotonic()
         if self.ready_line is not None and not self.ready_seen and self.ready_line in text:
             self.ready_seen = True
             return True
@@ -310,10 +313,6 @@ def wait_until_ready(
     whatever the process does on the wire; both carry the diagnosis and the log tail. The log line
     ``ready_line`` makes the next probe happen at once (the probe stays the truth). ``cancel``, set by another
     thread, ends the wait with :class:`LaunchCancelled` (a member of the same group failed)."""
-    # What a failure or a log line needs is imported before the wait, not inside it: a Ctrl-C that lands in a
-    # module's dataclass creation (an exec of generated code) makes CPython 3.11 end the process with SIGINT
-    # at exit even after pytest handled the interrupt, so the run would exit -2 instead of 2.
-    from . import launcher  # noqa: F401
 
     readiness = readiness or HttpHealth()
     deadline = target.started_at + timeout
@@ -333,8 +332,6 @@ def wait_until_ready(
         now = time.monotonic()
         elapsed = now - target.started_at
         if code is not None:
-            from .launcher import signal_name
-
             raise target.failure(WorkerStartupError,
                                  f"exited during startup with {signal_name(code)} after {elapsed:.1f} s")
         watch.poll(target)

@@ -151,7 +151,8 @@ def default_kind(role: str, args: Sequence[str]) -> WorkerKind:
         return PrefillWorker()
     if role == "decode":
         return DecodeWorker()
-    from .grpc_worker import GrpcWorker, wants_grpc
+    from ..engine.grpc_facts import wants_grpc
+    from .grpc_worker import GrpcWorker
 
     if wants_grpc(args):
         return GrpcWorker()

@@ -52,6 +52,7 @@ from ..resources.processes import (
     listening_pids,
     owner_tag,
     process_tree,
+    signal_name,
     socket_inodes,
     terminate_tree,
 )
@@ -140,18 +141,6 @@ def build_argv(
     argv += list(extra_args)
     argv += list(role_args)
     return argv
-
-
-def signal_name(returncode: int | None) -> str:
-    """``"code -9 (SIGKILL)"`` / ``"code 1"``."""
-    if returncode is None:
-        return "no exit code"
-    if returncode < 0:
-        try:
-            return f"code {returncode} ({signal.Signals(-returncode).name})"
-        except ValueError:
-            return f"code {returncode}"
-    return f"code {returncode}"
 
 
 def read_tail(path: Path | str, lines: int = DEFAULT_TAIL_LINES, *, max_bytes: int = 256 * 1024) -> str:

@@ -250,7 +250,7 @@ def router_env(group: WorkerGroup, environ: Mapping[str, str] | None = None) -> 
     """What the router's environment adds: in front of gRPC workers, ``TIKTOKEN_ENCODINGS_BASE`` naming the
     installed ``o200k_base.tiktoken`` (``scripts/install-router-vocab.sh``) unless it is set already; the router
     builds its Harmony encoder from it whenever it has a gRPC router, and downloads it otherwise."""
-    from .grpc_worker import ROUTER_VOCAB_ENV, router_vocab_dir
+    from ..engine.grpc_facts import ROUTER_VOCAB_ENV, router_vocab_dir
 
     environ = os.environ if environ is None else environ
     if environ.get(ROUTER_VOCAB_ENV) or not any(url.startswith("grpc://") for url in group.urls):
@@ -263,7 +263,7 @@ def _vocab_hint(router: Router) -> str:
     """The fix, when the router died building its Harmony encoder (no vocab file and no network)."""
     if "Failed to load Harmony encoding" not in router.log_tail(200):
         return ""
-    from .grpc_worker import ROUTER_VOCAB_ENV, ROUTER_VOCAB_HINT
+    from ..engine.grpc_facts import ROUTER_VOCAB_ENV, ROUTER_VOCAB_HINT
 
     return (f"the router's gRPC mode needs OpenAI's o200k_base.tiktoken (it downloads it when it can): run "
             f"'{ROUTER_VOCAB_HINT}', or set {ROUTER_VOCAB_ENV} to a folder that holds it")

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import pytest
 
-from pytest_sglworker.sim import main as simmod
 from pytest_sglworker.engine.budget import flag_values
 from pytest_sglworker.engine.ledger import GPU_CARDS, predict_memory
 from pytest_sglworker.engine.sglang_facts import (
@@ -21,6 +20,7 @@ from pytest_sglworker.engine.sglang_facts import (
     human_readable_int,
     prefill_capture_sizes,
 )
+from pytest_sglworker.sim import main as simmod
 from pytest_sglworker.workers.launcher import foreign_hosts, mask_argv, secret_values
 
 QWEN = MODEL_DIMS["Qwen/Qwen3-0.6B"]

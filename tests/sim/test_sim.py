@@ -20,9 +20,9 @@ import httpx
 import psutil
 import pytest
 
-from pytest_sglworker.sim import main as simmod
 from pytest_sglworker.engine.ledger import predict_memory
 from pytest_sglworker.engine.sglang_facts import MODEL_DIMS, flag_table
+from pytest_sglworker.sim import main as simmod
 
 MODEL = "Qwen/Qwen3-0.6B"
 QWEN = MODEL_DIMS[MODEL]

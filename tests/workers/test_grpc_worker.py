@@ -23,18 +23,16 @@ from typing import Any
 import psutil
 import pytest
 
-from pytest_sglworker.engine.specs import CI_WORKER_ARGS, ModelSpec
-from pytest_sglworker.workers.grpc_worker import (
+from pytest_sglworker.engine.grpc_facts import (
     INSTALL_HINT,
     ROUTER_VOCAB_HINT,
-    GrpcHealth,
-    GrpcUnavailable,
-    GrpcWorker,
     grpc_missing_reason,
     missing_grpc_packages,
     router_vocab_dir,
     wants_grpc,
 )
+from pytest_sglworker.engine.specs import CI_WORKER_ARGS, ModelSpec
+from pytest_sglworker.workers.grpc_worker import GrpcHealth, GrpcUnavailable, GrpcWorker
 from pytest_sglworker.workers.kinds import HttpWorker, WorkerConfig, default_kind
 
 needs_grpc = pytest.mark.skipif(bool(missing_grpc_packages()), reason=f"the gRPC packages are missing: {INSTALL_HINT}")
@@ -193,7 +191,6 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pytest_sglworker.workers.grpc_worker import SCHEDULER_SERVICE, GrpcWorker
 
 
 def http_status(port, path):
