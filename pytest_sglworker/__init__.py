@@ -21,25 +21,23 @@ from .engine.specs import (
 from .errors import (
     BudgetViolation,
     InventoryUnavailable,
-    LaunchError,
     LeaseImpossible,
     LeaseTimeout,
     PortUnavailable,
     SglWorkerError,
     SpecError,
-    WorkerDied,
-    WorkerError,
-    WorkerStartupError,
-    WorkerStartupTimeout,
 )
+from .workers.errors import LaunchError, WorkerDied, WorkerError, WorkerStartupError, WorkerStartupTimeout
 
 if TYPE_CHECKING:
     from .engine.diagnosis import Diagnosis, diagnose
     from .engine.ledger import MemoryLedger, predict_memory
+    from .workers.config import GroupShape, WorkerConfig
     from .workers.grpc_worker import GrpcHealth, GrpcWorker
-    from .workers.kinds import DecodeWorker, GroupShape, HttpWorker, PrefillWorker, WorkerConfig, WorkerKind
-    from .workers.launcher import LaunchOptions, ManagedProcess, ModelInstance, running_worker, spawn_worker
+    from .workers.kinds import DecodeWorker, HttpWorker, PrefillWorker, WorkerKind
+    from .workers.launcher import LaunchOptions, ModelInstance, running_worker, spawn_worker
     from .workers.pool import WorkerGroup, WorkerPool
+    from .workers.process import ManagedProcess
     from .workers.router import Router
 
 __version__ = "0.1.0"
@@ -49,15 +47,15 @@ _LAZY = {
     "ModelInstance": "workers.launcher",
     "spawn_worker": "workers.launcher",
     "running_worker": "workers.launcher",
-    "ManagedProcess": "workers.launcher",
-    "WorkerConfig": "workers.kinds",
+    "ManagedProcess": "workers.process",
+    "WorkerConfig": "workers.config",
     "WorkerKind": "workers.kinds",
     "HttpWorker": "workers.kinds",
     "PrefillWorker": "workers.kinds",
     "DecodeWorker": "workers.kinds",
     "GrpcWorker": "workers.grpc_worker",
     "GrpcHealth": "workers.grpc_worker",
-    "GroupShape": "workers.kinds",
+    "GroupShape": "workers.config",
     "WorkerGroup": "workers.pool",
     "WorkerPool": "workers.pool",
     "Router": "workers.router",

@@ -29,7 +29,7 @@ from .session import (
 )
 
 if TYPE_CHECKING:
-    from ..workers.kinds import WorkerConfig
+    from ..workers.config import WorkerConfig
     from ..workers.launcher import LaunchOptions, ModelInstance
     from ..workers.pool import WorkerGroup, WorkerPool
     from ..workers.router import Router
@@ -106,7 +106,7 @@ def _holder(request: pytest.FixtureRequest) -> str:
 def _fail_with(exc: BaseException) -> None:
     """Fail the test with the error's text; a worker failure's first line (the one pytest's short summary
     shows, ``-rA``) is its one-line diagnosis."""
-    from ..errors import WorkerError
+    from ..workers.errors import WorkerError
 
     text = str(exc)
     if isinstance(exc, WorkerError) and exc.worker:
@@ -214,8 +214,8 @@ def _give_back(request: pytest.FixtureRequest, pool: WorkerPool, group: WorkerGr
     if dead or not group.is_alive():
         pool.discard(group, failed=failed or bool(dead))
         if dead and not failed and fail_on_death:
-            from ..errors import WorkerDied
             from ..resources.processes import signal_name
+            from ..workers.errors import WorkerDied
 
             member = dead[0]
             _fail_with(member.failure(WorkerDied, f"exited with {signal_name(member.returncode)} during the test",
@@ -318,7 +318,7 @@ class SpawnWorker:
         Raises :class:`~pytest_sglworker.BudgetViolation` when ``args`` loosen the budget without
         ``budget_opt_out``, :class:`~pytest_sglworker.SpecError` for an unknown model; a worker that fails to
         start fails the test with its diagnosis."""
-        from ..workers.kinds import WorkerConfig
+        from ..workers.config import WorkerConfig
 
         spec = self._resolve(model)
         if isinstance(args, str):

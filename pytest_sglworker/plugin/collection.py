@@ -21,7 +21,7 @@ from .markers import MarkerError, WorkerMarker, WorkersMarker, opt_out_reason, r
 from .session import CONFIG_KEY, ITEM_ERROR_KEY, WORKER_FIXTURES, is_xdist_worker, item_spec
 
 if TYPE_CHECKING:
-    from ..workers.kinds import KindChooser, WorkerConfig
+    from ..workers.config import KindChooser, WorkerConfig
     from .session import SglSession
 
 

@@ -32,7 +32,8 @@ from .options import Settings
 
 if TYPE_CHECKING:
     from ..resources.gpus import LeaseManager
-    from ..workers.kinds import GroupShape, WorkerConfig, WorkerKind
+    from ..workers.config import GroupShape, WorkerConfig
+    from ..workers.kinds import WorkerKind
     from ..workers.pool import WorkerPool
 
 STATE_KEY = pytest.StashKey["SglSession"]()
@@ -180,7 +181,7 @@ class SglSession:
 
     # -- worker configurations ----------------------------------------------------------------------------
     def choose_kind(self, role: str, args: Any) -> WorkerKind:
-        from ..workers.kinds import default_kind
+        from ..workers.config import default_kind
 
         chosen = self.config.hook.pytest_sglworker_worker_kind(role=role, args=tuple(args))
         return chosen if chosen is not None else default_kind(role, args)
@@ -190,7 +191,7 @@ class SglSession:
         budget checked for every member. Raises :class:`MarkerError` for a bad marker and
         :class:`BudgetViolation` for args that loosen the budget without an opt-out; callers decide how each
         fails (a usage error at collection, an error of the test otherwise)."""
-        from ..workers.kinds import GroupShape, WorkerConfig
+        from ..workers.config import GroupShape, WorkerConfig
 
         reason = opt_out_reason(node)
         group: GroupShape | None = None

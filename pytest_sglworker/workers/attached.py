@@ -27,7 +27,8 @@ from urllib.parse import urlsplit
 
 from ..engine.budget import MAX_FRACTION, BudgetProblem
 from ..engine.sglang_facts import HEALTH_PATH, SERVER_INFO_PATHS
-from ..errors import SglWorkerError, WorkerError
+from ..errors import SglWorkerError
+from .errors import WorkerError
 
 if TYPE_CHECKING:
     import httpx

@@ -23,7 +23,7 @@ from ..engine.grpc_facts import (
     grpc_module,
     proto,
 )
-from ..errors import LaunchError
+from .errors import LaunchError
 from .health import Probe, Readiness, Watched
 from .kinds import WorkerKind
 

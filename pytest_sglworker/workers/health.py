@@ -30,8 +30,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 # even after pytest handled the interrupt, so the run would exit -2 instead of 2.
 from ..engine.diagnosis import looks_like_error
 from ..engine.sglang_facts import HEALTH_PATH, READY_LINE, READY_PATH
-from ..errors import LaunchCancelled, WorkerError, WorkerStartupError, WorkerStartupTimeout
 from ..resources.processes import signal_name
+from .errors import LaunchCancelled, WorkerError, WorkerStartupError, WorkerStartupTimeout
 
 if TYPE_CHECKING:
     import subprocess

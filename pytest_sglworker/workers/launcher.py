@@ -27,9 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import shlex
-import signal
 import subprocess
 import sys
 import threading
@@ -37,41 +35,21 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 from ..engine.engine_args import python_module
-from ..engine.sglang_facts import LAUNCH_MODULE, LOOPBACK_HOST, LOOPBACK_NAMES, SECRET_FLAG, flag_table
+from ..engine.sglang_facts import LAUNCH_MODULE, LOOPBACK_HOST, LOOPBACK_NAMES, flag_table
 from ..engine.specs import ModelSpec
-from ..errors import LaunchCancelled, LaunchError, WorkerDied, WorkerError, WorkerStartupError
-from ..resources.processes import (
-    OWNER_ENV,
-    end_process,
-    held_socket_inodes,
-    listeners,
-    listening_inodes,
-    listening_pids,
-    owner_tag,
-    process_tree,
-    signal_name,
-    socket_inodes,
-    terminate_tree,
-)
+from ..resources.processes import signal_name
+from .config import default_kind
+from .errors import LaunchCancelled, LaunchError, WorkerDied, WorkerStartupError
 from .health import ProgressCallback as ProgressCallback
 from .health import wait_until_ready
-from .kinds import HttpWorker, WorkerKind, default_kind
+from .kinds import HttpWorker, WorkerKind
+from .process import DEFAULT_TAIL_LINES, ManagedProcess, log_name, start_process
 
 if TYPE_CHECKING:
-    import httpx
-    import psutil
-    from typing_extensions import Self
-
     from ..engine.diagnosis import Diagnosis
-    from ..resources.ports import PortBlock
-
-#: Environment variables whose values never appear in a message, report or JSON the plugin writes.
-SECRET_ENV_PATTERN = re.compile(r"TOKEN|SECRET|PASSWORD|PASSWD|API_?KEY|CREDENTIAL|AUTH", re.IGNORECASE)
-DEFAULT_TAIL_LINES = 40
-E = TypeVar("E", bound=WorkerError)
 
 
 def default_launcher() -> list[str]:
@@ -143,321 +121,6 @@ def build_argv(
     return argv
 
 
-def read_tail(path: Path | str, lines: int = DEFAULT_TAIL_LINES, *, max_bytes: int = 256 * 1024) -> str:
-    """The last ``lines`` lines of a file, reading at most ``max_bytes`` from its end."""
-    try:
-        with open(path, "rb") as fh:
-            fh.seek(0, os.SEEK_END)
-            size = fh.tell()
-            fh.seek(max(0, size - max_bytes))
-            data = fh.read()
-    except OSError as exc:
-        return f"<log unreadable: {exc.strerror}>"
-    text = data.decode("utf-8", errors="replace")
-    return "\n".join(text.splitlines()[-lines:]) if lines > 0 else ""
-
-
-def read_head(path: Path | str, max_bytes: int = 4 * 1024 * 1024) -> str:
-    try:
-        with open(path, "rb") as fh:
-            return fh.read(max_bytes).decode("utf-8", errors="replace")
-    except OSError:
-        return ""
-
-
-#: The secret word must stand as a whole word of the name (HF_TOKEN, OPENAI_API_KEY, AWS_SECRET_ACCESS_KEY), so
-#: that TOKENIZERS_PARALLELISM=false does not turn every "false" of a log into "***".
-_SECRET_NAME_WORD = re.compile(r"(?:^|_)(?:TOKEN|SECRET|PASSWORD|PASSWD|API_?KEY|CREDENTIALS?|AUTH)(?:_|$)",
-                               re.IGNORECASE)
-_NOT_SECRET_VALUES = frozenset({"true", "false", "none", "null", "auto"})
-MASK = "***"
-
-
-def _secret_positions(argv: Sequence[str]) -> list[tuple[int, bool]]:
-    """``(index, inline)`` of every secret value in ``argv``: the values of sglang's secret flags (resolved
-    with their abbreviations, ``--api-k``), and of other programs' ``--api-key``-like options (a router's)."""
-    table = flag_table()
-    found: list[tuple[int, bool]] = []
-    for i, arg in enumerate(argv):
-        if not arg.startswith("--"):
-            continue
-        name, eq, _ = arg.partition("=")
-        try:
-            flag = table.resolve(name)
-        except ValueError:  # ambiguous: not a flag sglang would take
-            flag = None
-        secret = flag.secret if flag is not None else SECRET_FLAG.fullmatch(name) is not None
-        if secret:
-            if eq:
-                found.append((i, True))
-            elif i + 1 < len(argv):
-                found.append((i + 1, False))
-    return found
-
-
-def mask_argv(argv: Sequence[str]) -> list[str]:
-    """``argv`` with the value of every secret flag replaced by ``***``, whatever its length."""
-    out = list(argv)
-    for i, inline in _secret_positions(argv):
-        out[i] = out[i].partition("=")[0] + "=" + MASK if inline else MASK
-    return out
-
-
-def _secret_name(name: str) -> bool:
-    return bool(SECRET_ENV_PATTERN.search(name) and _SECRET_NAME_WORD.search(name))
-
-
-def mask_env(env: Mapping[str, str]) -> dict[str, str]:
-    """``env`` with the value of every secret-looking variable (``HF_TOKEN``, ``OPENAI_API_KEY``) masked."""
-    return {k: MASK if _secret_name(k) and v.lower() not in _NOT_SECRET_VALUES else v for k, v in env.items()}
-
-
-def secret_values(env: Mapping[str, str], argv: Sequence[str] = ()) -> list[str]:
-    """Values to redact from free text (log tails, messages): secret-looking env vars and secret flag values,
-    4+ characters (a shorter one would mangle unrelated text; argvs are masked structurally by
-    :func:`mask_argv` instead)."""
-    values = [v for k, v in env.items() if _secret_name(k) and len(v) >= 4 and v.lower() not in _NOT_SECRET_VALUES]
-    for i, inline in _secret_positions(argv):
-        value = argv[i].partition("=")[2] if inline else argv[i]
-        if len(value) >= 4:
-            values.append(value)
-    return sorted(set(values), key=len, reverse=True)
-
-
-def redact(text: str, secrets: Sequence[str]) -> str:
-    for value in secrets:
-        text = text.replace(value, "***")
-    return text
-
-
-def log_name(prefix: str, port: int) -> str:
-    """``<prefix>-<port>.log``: one log file per port (``sglang-worker-20004.log``)."""
-    return f"{prefix}-{port}.log"
-
-
-def unused_log_path(path: Path) -> Path:
-    """``path``, or ``<stem>-<n>.log`` when a log is already there (a kept failure): an existing log is never
-    renamed or overwritten, so the path a report names stays right."""
-    candidate = path
-    n = 2
-    while candidate.exists():
-        candidate = path.with_name(f"{path.stem}-{n}{path.suffix}")
-        n += 1
-    return candidate
-
-
-@dataclass(kw_only=True)
-class ManagedProcess:
-    """A process the plugin started and owns (a worker or a router): its argv, its log file, its tree, its
-    teardown. Use as a context manager, or call :meth:`stop`."""
-
-    argv: list[str]
-    host: str
-    port: int
-    log_path: Path
-    process: subprocess.Popen[bytes]
-    owner_tag: str
-    secrets: list[str] = field(default_factory=list, repr=False)
-    started_at: float = field(default_factory=time.monotonic)
-    ready_at: float | None = None
-    #: how long the readiness probe that found it ready took (a slow health endpoint stays slow)
-    ready_probe_seconds: float = 0.0
-    port_block: PortBlock | None = field(default=None, repr=False)
-    pids_seen: set[int] = field(default_factory=set)
-    #: log lines a failure report quotes
-    tail_lines: int = DEFAULT_TAIL_LINES
-    #: every port pinned for it, by name (``http``, ``nccl``, ``bootstrap``, ``prometheus``, ...)
-    ports: dict[str, int] = field(default_factory=dict)
-    #: wall-clock times of its life, for the run report's launch records
-    times: dict[str, float] = field(default_factory=dict, repr=False)
-    #: what its teardown found worth saying (an escaped listener killed, a port block quarantined)
-    warnings: list[str] = field(default_factory=list, repr=False)
-    #: inodes of the socket(s) it listened on when it became ready (a process holding one is ours)
-    listen_inodes: set[int] = field(default_factory=set, repr=False)
-    _client: httpx.Client | None = field(default=None, repr=False)
-    _stopped: bool = field(default=False, repr=False)
-    _exit_expected: bool = field(default=False, repr=False)
-
-    # -- identity -----------------------------------------------------------------------------------------
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
-
-    @property
-    def pid(self) -> int:
-        return self.process.pid
-
-    @property
-    def returncode(self) -> int | None:
-        return self.process.poll()
-
-    @property
-    def startup_seconds(self) -> float | None:
-        return None if self.ready_at is None else self.ready_at - self.started_at
-
-    @property
-    def stopped(self) -> bool:
-        """Stopped on purpose (:meth:`stop`, :meth:`kill`, or an exit announced by :meth:`expect_exit`), as
-        opposed to an exit of its own (a death)."""
-        return self._stopped or (self._exit_expected and self.process.poll() is not None)
-
-    def expect_exit(self) -> None:
-        """Say that this process will exit on its own during the test (a crash fault the test switched on,
-        e.g. the simulated engine's ``die_after``): its exit is then a deliberate stop, not a death that fails
-        the test; teardown still ends the whole tree."""
-        self._exit_expected = True
-
-    def describe(self) -> str:
-        return f"process on {self.host}:{self.port} (pid {self.pid})"
-
-    def __str__(self) -> str:
-        return self.describe()
-
-    # -- state --------------------------------------------------------------------------------------------
-    def is_alive(self) -> bool:
-        return self.process.poll() is None
-
-    def owns_port(self) -> bool:
-        """Whether a process of this tree listens on its port (a stale server's answer is not ours); the
-        listening sockets are remembered, so that a process that later holds one is known to be ours. The
-        kernel names the port's listeners (:func:`processes.listening_inodes`); the root's fds are looked at
-        first (sglang's HTTP server and the simulated engine listen in the root), the rest of the tree only
-        when the root holds none of them."""
-        inodes = listening_inodes(self.port)
-        if inodes is not None:
-            held = held_socket_inodes(self.pid, inodes)
-            if not held and inodes:
-                for proc in self._tree(sweep=False):
-                    if proc.pid != self.pid:
-                        held |= held_socket_inodes(proc.pid, inodes)
-            self.listen_inodes |= held
-            return bool(held)
-        pids = listening_pids(self._tree(sweep=False), self.port)  # no /proc (not Linux): psutil
-        for pid in pids:
-            self.listen_inodes |= socket_inodes(pid, self.port)
-        return bool(pids)
-
-    def fatal_in_log(self) -> bool:
-        """Whether the log of this running process shows an error after which it will never serve."""
-        return False
-
-    def log_tail(self, lines: int = DEFAULT_TAIL_LINES) -> str:
-        """The last lines of the log (secrets redacted)."""
-        return redact(read_tail(self.log_path, lines), self.secrets)
-
-    def log_text(self, max_bytes: int = 4 * 1024 * 1024) -> str:
-        return redact(read_head(self.log_path, max_bytes), self.secrets)
-
-    def diagnosis(self, *, alive: bool = False) -> Diagnosis | None:
-        """What went wrong, read off the log (None where no diagnosis applies)."""
-        return None
-
-    def failure(self, kind: type[E], event: str, *, lines: int | None = None, extra: str = "",
-                alive: bool = False) -> E:
-        """An error of ``kind`` about this process: ``event`` with the diagnosis of its log (``alive``: of a
-        running process), the argv, the log path and the last ``lines`` lines (default: :attr:`tail_lines`)."""
-        lines = self.tail_lines if lines is None else lines
-        try:
-            diagnosis = self.diagnosis(alive=alive)
-        except Exception:  # a diagnosis must never hide the log
-            diagnosis = None
-        return kind(worker=self.describe(), event=event, diagnosis=diagnosis, extra=extra,
-                    argv=redact(shlex.join(mask_argv(self.argv)), self.secrets), log_path=str(self.log_path),
-                    tail=self.log_tail(lines), tail_lines=lines)
-
-    def failure_message(self, what: str, *, lines: int | None = None, extra: str = "") -> str:
-        """``<process> <what>`` + diagnosis + log path + the last ``lines`` lines."""
-        return str(self.failure(WorkerError, what, lines=lines, extra=extra))
-
-    @property
-    def client(self) -> httpx.Client:
-        """An ``httpx.Client`` bound to :attr:`url` (created on first use, closed by :meth:`stop`)."""
-        if self._client is None:
-            import httpx
-
-            self._client = httpx.Client(base_url=self.url, timeout=httpx.Timeout(60.0, connect=5.0))
-        return self._client
-
-    # -- tree ---------------------------------------------------------------------------------------------
-    def _tree(self, *, sweep: bool = True) -> list[psutil.Process]:
-        """The processes of this tree (see :func:`processes.process_tree`); every pid seen is remembered, for
-        the GPU lease's memory-release wait."""
-        procs = process_tree(self.pid, self.owner_tag, sweep=sweep)
-        self.pids_seen.update(p.pid for p in procs)
-        return procs
-
-    def remember_tree(self) -> None:
-        """Remember the pids of the tree as it is now (the root's at least, even when it has exited)."""
-        import psutil
-
-        self.pids_seen.add(self.pid)
-        with contextlib.suppress(psutil.Error, OSError):
-            self._tree(sweep=False)
-
-    def kill(self, sig: int = signal.SIGKILL) -> None:
-        """Send ``sig`` to the root process on purpose (a test simulating a crash): the exit that follows
-        is a deliberate stop, not a death; teardown still ends the whole tree."""
-        self.times.setdefault("stop_requested", time.time())
-        self._stopped = True
-        with contextlib.suppress(ProcessLookupError):
-            self.process.send_signal(sig)
-
-    def stop(self, *, term_timeout: float = 10.0, kill_timeout: float = 10.0) -> list[int]:
-        """Tear the whole process tree down; returns the PIDs that needed SIGKILL. Idempotent."""
-        if self._client is not None:
-            with contextlib.suppress(Exception):
-                self._client.close()
-            self._client = None
-        if self._stopped and self.port_block is None and self.times.get("stopped"):
-            return []
-        self.times.setdefault("stop_requested", time.time())
-        self._stopped = True
-        killed = self._terminate(term_timeout, kill_timeout)
-        self.times["stopped"] = time.time()
-        if self.port_block is not None:
-            if self._clear_ports():
-                self.port_block.release()
-            self.port_block = None
-        return killed
-
-    def _terminate(self, term_timeout: float, kill_timeout: float) -> list[int]:
-        """End the whole process tree (:func:`processes.terminate_tree`); the PIDs that needed SIGKILL."""
-        return terminate_tree(self.process, self._tree, term_timeout=term_timeout, kill_timeout=kill_timeout)
-
-    def _clear_ports(self) -> bool:
-        """After teardown nothing may listen on this process's ports. A listener that provably descends from it
-        (a pid its tree had) or holds its own listening socket is killed; another one is left alone and the
-        port block is quarantined for the session (never handed out again). True when the block is clear."""
-        from ..resources.ports import quarantine_port_block
-
-        assert self.port_block is not None
-        clear = True
-        for pid, ports in listeners(self.port_block.ports).items():
-            ours = pid in self.pids_seen or bool(self.listen_inodes & socket_inodes(pid))
-            where = ", ".join(map(str, ports))
-            if ours and end_process(pid):
-                self.warnings.append(f"killed pid {pid}, which escaped the teardown of {self.describe()} and still "
-                                     f"listened on port {where}")
-                continue
-            clear = False
-            quarantine_port_block(self.port_block, reason=f"pid {pid} still listens on {where} after teardown")
-            self.warnings.append(f"pid {pid} still listens on port {where} after the teardown of {self.describe()} "
-                                 f"and is not provably ours: left alone, its port block "
-                                 f"{self.port_block.ports[0]}-{self.port_block.ports[-1]} quarantined for this session")
-        return clear
-
-    def remove_log(self) -> None:
-        """Delete the log (the retention policy keeps only the logs of failed runs)."""
-        with contextlib.suppress(OSError):
-            self.log_path.unlink()
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-
 @dataclass(kw_only=True)
 class ModelInstance(ManagedProcess):
     """A running sglang worker (a member of a worker group has a role other than ``worker``)."""
@@ -522,10 +185,6 @@ class ModelInstance(ManagedProcess):
         return diagnose(self.log_text(), None if alive else self.returncode)
 
 
-def _indent(text: str, prefix: str = "    ") -> str:
-    return "\n".join(prefix + line for line in text.splitlines()) or prefix + "<empty log>"
-
-
 #: Below this much free space (or with no free inode) in the log directory a launch fails at once: an engine
 #: that cannot write its log dies or hangs with nothing to show.
 MIN_LOG_FREE_BYTES = 1024 * 1024
@@ -588,36 +247,6 @@ def check_launcher(launcher: Sequence[str], env: Mapping[str, str] | None = None
     message = _LAUNCHER_CHECKS[key]
     if message is not None:
         raise LaunchError(message)
-
-
-def _private_file(path: str, flags: int) -> int:
-    """Opener for worker logs: 0600 whatever the umask (the engine logs its arguments, --api-key included)."""
-    return os.open(path, flags, 0o600)
-
-
-def popen(argv: list[str], env: dict[str, str], log_path: Path) -> subprocess.Popen[bytes]:
-    """Start ``argv`` in a session of its own, stdin closed, stdout and stderr appended to ``log_path`` (a
-    private file, whose handle the parent closes at once); a missing or unusable log or launcher is a
-    :class:`LaunchError`."""
-    try:
-        log = open(log_path, "ab", buffering=0, opener=_private_file)
-    except OSError as exc:
-        raise LaunchError(f"cannot write the worker log {log_path}: {exc.strerror}; choose a writable --sgl-log-dir",
-                          log_path=str(log_path)) from None
-    try:
-        return subprocess.Popen(
-            argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
-            start_new_session=True, close_fds=True,
-        )
-    except FileNotFoundError:
-        raise LaunchError(
-            f"launcher {argv[0]!r} not found; install sglang, or set --sgl-launcher / SGLWORKER_LAUNCHER, "
-            "or use --sgl-engine sim", log_path=str(log_path),
-        ) from None
-    except PermissionError:
-        raise LaunchError(f"launcher {argv[0]!r} is not executable", log_path=str(log_path)) from None
-    finally:
-        log.close()
 
 
 @dataclass(frozen=True)
@@ -745,22 +374,6 @@ def _start(
         spec=spec, host=LOOPBACK_HOST, port=port, tail_lines=options.tail_lines, kind=kind, index=index,
         ports=dict(ports), gpus=gpus, **started,
     )
-
-
-def start_process(argv: list[str], env: Mapping[str, str], log_path: Path) -> dict[str, Any]:
-    """Start ``argv`` the way every process of the plugin starts: in a session of its own, tagged with a new
-    owner tag, stdout and stderr into ``log_path`` (never a pipe), stdin closed. ``env`` is added to this
-    process's environment. Returns the :class:`ManagedProcess` fields it fills."""
-    tag = owner_tag()
-    full_env = dict(os.environ)
-    full_env.update(env)
-    full_env["PYTHONUNBUFFERED"] = "1"
-    full_env[OWNER_ENV] = tag
-    log_path = unused_log_path(log_path)
-    started = time.time()
-    process = popen(argv, full_env, log_path)
-    return {"argv": argv, "log_path": log_path, "process": process, "owner_tag": tag,
-            "secrets": secret_values(full_env, argv), "times": {"started": started}}
 
 
 @contextlib.contextmanager

@@ -25,12 +25,14 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ..engine.redaction import mask_argv
 from ..engine.specs import ModelSpec
-from ..errors import LaunchCancelled, LeaseImpossible, SglWorkerError, WorkerError
+from ..errors import LeaseImpossible, SglWorkerError
 from ..resources.processes import hostname
 from ..resources.retention import keeps
-from .kinds import KindChooser, MemberPlan, WorkerConfig, default_kind
-from .launcher import LaunchOptions, ModelInstance, ProgressCallback, mask_argv, spawn_worker
+from .config import KindChooser, MemberPlan, WorkerConfig, default_kind
+from .errors import LaunchCancelled, WorkerError
+from .launcher import LaunchOptions, ModelInstance, ProgressCallback, spawn_worker
 from .records import ConfigStats, LaunchRecord
 
 if TYPE_CHECKING:

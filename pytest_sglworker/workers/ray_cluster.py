@@ -45,9 +45,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
-from ..errors import InventoryUnavailable, LaunchError, LeaseImpossible, LeaseTimeout, SglWorkerError
+from ..errors import InventoryUnavailable, LeaseImpossible, LeaseTimeout, SglWorkerError
 from ..resources.gpus import GpuInfo, Inventory, ReleaseReport
 from ..resources.processes import OWNER_ENV, SESSION_ID, hostname, owner_tag
+from .errors import LaunchError
 
 if TYPE_CHECKING:
     from ..engine.specs import ModelSpec
@@ -180,7 +181,8 @@ class WorkerHost:
         closed), on the GPUs Ray gave this actor."""
         import ray
 
-        from .launcher import popen, secret_values, unused_log_path
+        from ..engine.redaction import secret_values
+        from .process import popen, unused_log_path
 
         if self.process is not None and self.process.poll() is None:
             raise LaunchError("this Ray worker host already runs a worker")
@@ -223,12 +225,12 @@ class WorkerHost:
         return self.process is not None and bool(listening_pids(self._tree(sweep=False), port))
 
     def log_tail(self, lines: int, max_bytes: int = 256 * 1024) -> str:
-        from .launcher import read_tail
+        from .process import read_tail
 
         return read_tail(self.log_path, lines, max_bytes=max_bytes) if self.log_path else ""
 
     def log_text(self, max_bytes: int) -> str:
-        from .launcher import read_head
+        from .process import read_head
 
         return read_head(self.log_path, max_bytes) if self.log_path else ""
 
@@ -335,7 +337,7 @@ def _worker_class() -> type[ModelInstance]:
                     return False
 
             def log_tail(self, lines: int = 40) -> str:
-                from .launcher import redact
+                from ..engine.redaction import redact
 
                 if self.log_local and self.log_path.exists():
                     return super().log_tail(lines)
@@ -346,7 +348,7 @@ def _worker_class() -> type[ModelInstance]:
                 return redact(text, self.secrets)
 
             def log_text(self, max_bytes: int = 4 * 1024 * 1024) -> str:
-                from .launcher import redact
+                from ..engine.redaction import redact
 
                 if self.log_local and self.log_path.exists():
                     return super().log_text(max_bytes)
@@ -735,7 +737,8 @@ class RayLeaseManager:
                   env: Mapping[str, str] | None, options: LaunchOptions, log_dir: Path, gpus: str | None,
                   kind: WorkerKind, index: int) -> ModelInstance:
             from ..engine.sglang_facts import LOOPBACK_HOST
-            from .launcher import build_argv, log_name
+            from .launcher import build_argv
+            from .process import log_name
 
             ray = self.ray
             actor = lease.host(bundle)

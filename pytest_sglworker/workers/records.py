@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .launcher import ManagedProcess
+    from .process import ManagedProcess
 
 __all__ = ["SCHEMA", "ConfigStats", "LaunchRecord", "merge_launches", "merge_stats", "write_json"]
 

@@ -28,12 +28,15 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ..engine.redaction import mask_argv
 from ..engine.sglang_facts import LOOPBACK_HOST
-from ..errors import LaunchError, SglWorkerError, WorkerError, WorkerStartupError
+from ..errors import SglWorkerError
 from ..resources.processes import hostname
+from .errors import LaunchError, WorkerError, WorkerStartupError
 from .health import Probe, ProbeTimeout, Readiness, Watched, http_request, wait_until_ready
 from .kinds import data_parallel_size
-from .launcher import ManagedProcess, check_launcher, log_name, mask_argv, start_process
+from .launcher import check_launcher
+from .process import ManagedProcess, log_name, start_process
 from .records import ConfigStats, LaunchRecord
 
 if TYPE_CHECKING:

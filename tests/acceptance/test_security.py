@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from pytest_sglworker.engine.redaction import secret_values
 from pytest_sglworker.resources.state import UnsafeDirectory, ensure_private_dir
-from pytest_sglworker.workers.launcher import secret_values
 
 SIM = ["--sgl-engine", "sim", "--sgl-model", "qwen3-0.6b", "--sgl-gpus", "sim:1", "-p", "no:cacheprovider"]
 NOBODY = 65534

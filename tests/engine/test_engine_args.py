@@ -309,7 +309,7 @@ def test_python_module(argv: list[str], expected: str | None) -> None:
 def test_the_launcher_check_reads_the_module_the_same_way() -> None:
     """check_launcher finds the module with python_module: ``-mMOD`` and interpreter options included, and
     a ``-m`` that belongs to a script is not the launcher's."""
-    from pytest_sglworker.errors import LaunchError
+    from pytest_sglworker.workers.errors import LaunchError
     from pytest_sglworker.workers.launcher import check_launcher
 
     missing = "no_such_module_for_sglworker"

@@ -11,6 +11,7 @@ import pytest
 
 from pytest_sglworker.engine.budget import flag_values
 from pytest_sglworker.engine.ledger import GPU_CARDS, predict_memory
+from pytest_sglworker.engine.redaction import mask_argv, secret_values
 from pytest_sglworker.engine.sglang_facts import (
     MODEL_DIMS,
     AmbiguousFlag,
@@ -21,7 +22,7 @@ from pytest_sglworker.engine.sglang_facts import (
     prefill_capture_sizes,
 )
 from pytest_sglworker.sim import main as simmod
-from pytest_sglworker.workers.launcher import foreign_hosts, mask_argv, secret_values
+from pytest_sglworker.workers.launcher import foreign_hosts
 
 QWEN = MODEL_DIMS["Qwen/Qwen3-0.6B"]
 

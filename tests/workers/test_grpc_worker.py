@@ -32,8 +32,9 @@ from pytest_sglworker.engine.grpc_facts import (
     wants_grpc,
 )
 from pytest_sglworker.engine.specs import CI_WORKER_ARGS, ModelSpec
+from pytest_sglworker.workers.config import WorkerConfig, default_kind
 from pytest_sglworker.workers.grpc_worker import GrpcHealth, GrpcUnavailable, GrpcWorker
-from pytest_sglworker.workers.kinds import HttpWorker, WorkerConfig, default_kind
+from pytest_sglworker.workers.kinds import HttpWorker
 
 needs_grpc = pytest.mark.skipif(bool(missing_grpc_packages()), reason=f"the gRPC packages are missing: {INSTALL_HINT}")
 needs_router = pytest.mark.skipif(
@@ -191,6 +192,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from pytest_sglworker.engine.grpc_facts import SCHEDULER_SERVICE
+from pytest_sglworker.workers.grpc_worker import GrpcWorker
 
 
 def http_status(port, path):

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from pytest_sglworker.errors import LaunchCancelled, WorkerError, WorkerStartupError, WorkerStartupTimeout
+from pytest_sglworker.workers.errors import LaunchCancelled, WorkerError, WorkerStartupError, WorkerStartupTimeout
 from pytest_sglworker.workers.health import (
     HttpHealth,
     Probe,

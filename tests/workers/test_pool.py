@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 
 from pytest_sglworker import ModelSpec
-from pytest_sglworker.errors import LaunchError, LeaseImpossible, WorkerStartupError
+from pytest_sglworker.errors import LeaseImpossible
 from pytest_sglworker.resources.gpus import DeclaredInventory, LeaseManager
-from pytest_sglworker.workers.kinds import GroupShape, WorkerConfig
+from pytest_sglworker.workers.config import GroupShape, WorkerConfig
+from pytest_sglworker.workers.errors import LaunchError, WorkerStartupError
 from pytest_sglworker.workers.launcher import LaunchOptions, sim_launcher
 from pytest_sglworker.workers.pool import WorkerPool
 

@@ -17,8 +17,8 @@ import psutil
 import pytest
 from inner_helpers import emit, holder_info, read_events, wait_for
 
-from pytest_sglworker.errors import WorkerDied
 from pytest_sglworker.resources.gpus import LeaseManager, load_inventory, parse_gpus_option
+from pytest_sglworker.workers.errors import WorkerDied
 
 
 @pytest.mark.parametrize(("spec", "mode"), [("hold-30g", "free"), ("hold-30g", "exit"), ("hold-big", "exit")],
