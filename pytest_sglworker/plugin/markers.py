@@ -1,4 +1,4 @@
-"""The plugin's markers as typed, validated objects (a pytest-facing module, split from ``plugin.py``).
+"""The plugin's markers as typed, validated objects.
 
 ``@pytest.mark.sgl_worker(...)``, ``@pytest.mark.sgl_workers(...)``, ``@pytest.mark.sgl_router(...)``,
 ``@pytest.mark.sgl_requires(...)`` and ``@pytest.mark.sgl_budget_opt_out(reason=...)``: each maps onto a
@@ -202,3 +202,16 @@ def required_features(node: Any) -> set[str]:
                                       "@pytest.mark.sgl_requires('streaming', 'chat')")
                 features.add(name)
     return features
+
+
+def poolable(item: Any) -> bool:
+    """Whether a test's workers come from the pool (not ``fresh=True``, not its own launch options)."""
+    try:
+        worker = WorkerMarker.from_mark(item.get_closest_marker("sgl_worker"))
+        group = WorkersMarker.from_mark(item.get_closest_marker("sgl_workers"))
+    except MarkerError:
+        return False
+    if "sgl_worker" in getattr(item, "fixturenames", ()):
+        return not (worker.fresh or worker.startup_timeout is not None or worker.allow_foreign_host is not None)
+    return not (group.fresh or group.startup_timeout is not None)
+

@@ -158,9 +158,39 @@ def _gpus(value: str) -> str:
     return value
 
 
-def _dist(value: str) -> tuple[str, int | None]:
-    from .xdist_scheduling import parse_dist_option
+#: ``--sgl-dist`` modes, and the fewest tests a copy of a configuration must take over to be worth a startup
+DIST_MODES = ("auto", "on", "off")
+DEFAULT_STEAL_MIN = 4
 
+
+def parse_dist_option(value: str) -> tuple[str, int | None]:
+    """``auto|on|off[,steal=K|off]`` -> ``(mode, K)``; ``K`` is None when stealing is off."""
+    parts = [p.strip().lower() for p in value.split(",")]
+    mode, rest = parts[0], parts[1:]
+    if mode not in DIST_MODES:
+        raise ValueError(f"{value!r} is not 'auto', 'on' or 'off' (optionally followed by ',steal=K' or "
+                         "',steal=off')")
+    steal: int | None = DEFAULT_STEAL_MIN
+    for part in rest:
+        name, _, raw = part.partition("=")
+        if name.strip() != "steal" or not raw.strip():
+            raise ValueError(f"{value!r}: unknown setting {part!r}; the only one is 'steal=K' or 'steal=off'")
+        raw = raw.strip()
+        if raw == "off":
+            steal = None
+            continue
+        try:
+            steal = int(raw)
+        except ValueError:
+            raise ValueError(f"{value!r}: steal={raw!r} is not an integer or 'off'") from None
+        if steal < 1:
+            raise ValueError(f"{value!r}: steal={raw} must be 1 or more (or 'off')")
+    return mode, steal
+
+
+
+
+def _dist(value: str) -> tuple[str, int | None]:
     return parse_dist_option(value)
 
 
@@ -171,7 +201,7 @@ def _shard(value: str) -> Any:
 
 
 def _cluster(value: str) -> Any:
-    from ..workers.ray_cluster import parse_cluster
+    from ..workers.sources.ray import parse_cluster
 
     return parse_cluster(value)
 
@@ -335,7 +365,7 @@ def resolve_settings(config: pytest.Config) -> Settings:
     if not raw_urls:
         sources["worker-url"] = "default"
     else:
-        from ..workers.attached import (
+        from ..workers.sources.attached import (
             parse_worker_urls,  # only when given: a run without attached workers never imports it
         )
 

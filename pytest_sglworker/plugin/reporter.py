@@ -1,205 +1,26 @@
-"""What the plugin shows a person (a pytest-facing module, split from ``plugin.py``): the report header, live
-status and message lines, the failure sections of tests that used workers, the terminal summary and the
-``--sgl-list-models`` registry. Registered as a plugin object of its own, beside the session object.
+"""What the plugin shows a person around the run: the report header, the terminal summary of the workers, and the
+``--sgl-list-models`` registry. Registered as a plugin object of its own, beside the session object; the lines
+written during the run are :mod:`.terminal`'s, the failure sections of a test :mod:`.run_hooks`'.
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
 import sys
-import threading
-import time
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from ..engine import budget
 from ..errors import SglWorkerError
-from .session import is_xdist_worker, xdist_worker_id
+from .keys import is_xdist_worker
 
 if TYPE_CHECKING:
     from ..engine.specs import SpecRegistry
-    from ..workers.launcher import ModelInstance
     from .options import Settings
     from .session import SglSession
 
-#: A worker that is healthy sooner than this shows no status line at all.
-STATUS_AFTER_SECONDS = 2.0
-#: Off a terminal (and for xdist workers' progress) a status line is repeated at most this often.
-PLAIN_INTERVAL_SECONDS = 30.0
-_last_plain_line: dict[str, float] = {}
-_status_shown: list[bool] = [False]
-_lock = threading.Lock()
-
-
-def _uncaptured(config: pytest.Config) -> contextlib.AbstractContextManager[object]:
-    """Write to the real terminal even while a test's output is captured (as live logging does)."""
-    capman = config.pluginmanager.get_plugin("capturemanager")
-    return capman.global_and_fixture_disabled() if capman is not None else contextlib.nullcontext()
-
-
-def message(session: SglSession, text: str, *, always: bool = False) -> None:
-    """A ``[sglworker] ...`` line, kept for the session's record too. ``always``: a ``sglworker: ...`` line
-    that shows whatever the verbosity (the report's path)."""
-    session.messages.append(text)
-    config = session.config
-    tr = config.pluginmanager.get_plugin("terminalreporter")
-    if tr is None or (config.get_verbosity() < 0 and not always):
-        return
-    with _lock, _uncaptured(config):
-        _clear(tr)
-        tr.ensure_newline()
-        tr.write_line(f"sglworker: {text}" if always else f"[sglworker] {text}", red=text.startswith("ERROR"))
-
-
-def status_text(instance: ModelInstance, elapsed: float) -> str:
-    """``[sglworker] 12 s loading weights: worker qwen3-0.6b on 127.0.0.1:20004 (pid 42, GPUs 0)``: the phase
-    and the time first, where a narrow terminal still shows them."""
-    from ..engine.diagnosis import startup_phase_from_file
-
-    phase = startup_phase_from_file(instance.log_path) or "starting"
-    return f"[sglworker] {elapsed:.0f} s {phase}: {instance.describe()}"
-
-
-def progress(session: SglSession, instance: ModelInstance, elapsed: float) -> None:
-    """The live status line of a worker that takes a while to start: in place on a terminal, a line now and
-    then elsewhere, and, from an xdist worker, through the controller. It never fails a launch."""
-    if elapsed < STATUS_AFTER_SECONDS:
-        return
-    try:
-        text = status_text(instance, elapsed)
-        relay = _relay_path(session.config)
-        if relay is not None:
-            worker = xdist_worker_id(session.config) or "?"
-            _append(relay, {"worker": worker, "key": str(instance.port), "text": text})
-            return
-        _show(session.config, str(instance.port), text)
-    except Exception as exc:  # a status line must never fail a launch
-        session.messages.append(f"status line failed: {exc!r}")
-
-
-def progress_end(session: SglSession) -> None:
-    """The wait is over: clear the status line before pytest writes the test's outcome."""
-    try:
-        relay = _relay_path(session.config)
-        if relay is not None:
-            worker = xdist_worker_id(session.config) or "?"
-            _append(relay, {"worker": worker, "done": True})
-            return
-        tr = session.config.pluginmanager.get_plugin("terminalreporter")
-        if tr is not None:
-            with _lock, _uncaptured(session.config):
-                _clear(tr)
-    except Exception as exc:
-        session.messages.append(f"status line failed: {exc!r}")
-
-
-def _width(tr: Any) -> int:
-    return max(20, int(getattr(getattr(tr, "_tw", None), "fullwidth", 80)) - 1)
-
-
-def _clear(tr: Any) -> None:
-    if _status_shown[0]:
-        tr.write("\r" + " " * _width(tr) + "\r")
-        _status_shown[0] = False
-
-
-def _show(config: pytest.Config, key: str, text: str) -> None:
-    tr = config.pluginmanager.get_plugin("terminalreporter")
-    if tr is None or config.get_verbosity() < 0:
-        return
-    with _lock, _uncaptured(config):
-        if getattr(tr, "isatty", False):
-            width = _width(tr)
-            tr.write("\r" + (text if len(text) <= width else text[: width - 1] + "…").ljust(width))
-            _status_shown[0] = True
-        elif time.monotonic() - _last_plain_line.get(key, 0.0) >= PLAIN_INTERVAL_SECONDS:
-            _last_plain_line[key] = time.monotonic()
-            tr.ensure_newline()
-            tr.write_line(text)
-
-
-# -- xdist: the workers' status lines, shown by the controller -------------------------------------------
-
-def _relay_path(config: pytest.Config) -> Path | None:
-    workerinput = getattr(config, "workerinput", None)
-    path = workerinput.get("sglworker_progress") if isinstance(workerinput, dict) else None
-    return Path(path) if path else None
-
-
-def _append(path: Path, entry: dict[str, Any]) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-    try:
-        os.write(fd, (json.dumps(entry) + "\n").encode())
-    finally:
-        os.close(fd)
-
-
-class ProgressRelay:
-    """On the xdist controller: follows the file the workers append their status lines to, and shows each
-    worker's latest (``[gw1] ...``) every few seconds while it waits, as the controller's own lines."""
-
-    def __init__(self, session: SglSession, path: Path) -> None:
-        self.session = session
-        self.path = path
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, name="sglworker-progress", daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        offset = 0
-        while not self.stop.wait(0.5):
-            try:
-                with open(self.path, "rb") as fh:
-                    fh.seek(offset)
-                    data = fh.read()
-            except OSError:
-                continue
-            end = data.rfind(b"\n") + 1
-            offset += end
-            for line in data[:end].splitlines():
-                try:
-                    entry = json.loads(line)
-                except ValueError:
-                    continue
-                if entry.get("done") or "text" not in entry:
-                    continue
-                key = f"{entry.get('worker')}:{entry.get('key')}"
-                text = entry["text"].replace("[sglworker] ", f"[sglworker] [{entry.get('worker')}] ", 1)
-                config = self.session.config
-                tr = config.pluginmanager.get_plugin("terminalreporter")
-                if tr is None or config.get_verbosity() < 0:
-                    continue
-                with _lock:
-                    if time.monotonic() - _last_plain_line.get(key, 0.0) >= PLAIN_INTERVAL_SECONDS / 6:
-                        _last_plain_line[key] = time.monotonic()
-                        tr.ensure_newline()
-                        tr.write_line(text)
-
-    def close(self) -> None:
-        self.stop.set()
-        self.thread.join(5)
-        with contextlib.suppress(OSError):
-            self.path.unlink()
-
-
-def worker_section(instance: ModelInstance, tail: int) -> tuple[str, str]:
-    """The report section a failed test gets for each worker it used: its log path and tail, or, for a
-    worker that died during the test, the full failure (diagnosis included)."""
-    role = "" if instance.role == "worker" else f" {instance.role}"
-    title = f"sglang worker {instance.spec.name}{role} {instance.host}:{instance.port}"
-    if getattr(instance, "attached", False):
-        state = "answers its health check" if instance.responds() else "does NOT answer its health check"
-        return f"{title} (attached)", f"{instance.describe()} {state} now\n{instance.log_tail(tail)}"
-    if instance.is_alive() or instance.stopped:
-        return title, f"log: {instance.log_path}\nlast {tail} lines:\n{instance.log_tail(tail)}"
-    from ..resources.processes import signal_name
-
-    return (f"{title} exited with {signal_name(instance.returncode)} during the test",
-            instance.failure_message("exited during the test", lines=tail))
+__all__ = ["SglReporter", "render_registry"]
 
 
 class SglReporter:
@@ -229,9 +50,9 @@ class SglReporter:
     def pytest_terminal_summary(self, terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
         if is_xdist_worker(config):
             return
-        # Nothing is imported for a run that launched no worker: the figures come only from a started pool
+        # Nothing is imported for a run that launched no worker: the figures come only from a started source
         # or from xdist workers that launched some.
-        if self.session.pool_if_started is None and not self.session.worker_stats:
+        if self.session.source_if_started is None and not self.session.worker_stats:
             return
         stats = self.session.collected_stats()
         if not stats or config.get_verbosity() < -1:

@@ -1,14 +1,15 @@
-"""The plugin's session object: one per pytest process, registered as a plugin whose hooks are its methods
-(the way pytest-xdist registers its ``DSession``). A pytest-facing module, split from ``plugin.py``.
+"""The plugin's session object: one per pytest process, registered as a plugin whose hooks are its methods (the way
+pytest-xdist registers its ``DSession``).
 
-It holds the session's registry, settings, pool, GPU leases, watchdog and attached workers: parametrization
-over the selected models, per-test worker configurations (:meth:`SglSession.resolve_config`, the one place
-every entry point resolves one), launching ahead, the failure report sections, and the run report at the
-end. The collection-time checks are in :mod:`collection`, the xdist hooks in :mod:`xdist_hooks`.
+It holds the session's registry, settings, worker source, run records, watchdog and terminal: parametrization over
+the selected models, per-test worker configurations (:meth:`SglSession.resolve_config`, the one place every entry
+point resolves one), the choice of the worker source (:func:`make_source`), launching ahead, sglang's own flag
+check, the signals that interrupt a run, and the run report at the end. Collection-time work is
+:mod:`.collection`, the per-test hooks :mod:`.run_hooks`, the xdist hooks :mod:`.xdist_hooks`, options
+:mod:`.options`, markers :mod:`.markers`, output :mod:`.terminal` and :mod:`.reporter`, the fixtures
+:mod:`.fixtures`; this module imports none of them but the first and the lowest.
 
-Why one module of this size: it is the one object that holds a pytest process's state (registry, settings, pool,
-leases, watchdog, attached workers) and the hooks that read it; collection-time work is in :mod:`collection`, xdist
-hooks in :mod:`xdist_hooks`, options in :mod:`options`, markers in :mod:`markers`, output in :mod:`reporter`.
+Why one module of this size: it is the one object that holds a pytest process's state and the hooks that read it.
 """
 
 from __future__ import annotations
@@ -17,70 +18,76 @@ import contextlib
 import os
 import signal
 import sys
-from collections.abc import Generator, Mapping
+import time
+from collections.abc import Mapping
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from ..engine import budget
 from ..engine.specs import ModelSpec, SpecRegistry, set_active_registry
 from ..errors import SglWorkerError, SpecError
-from .markers import MarkerError, WorkerMarker, WorkersMarker, opt_out_reason, required_features
+from ..workers.records import RunRecords
+from .keys import CONFIG_KEY, NEXT_KEY, is_xdist_worker, xdist_worker_id
+from .markers import MarkerError, WorkerMarker, WorkersMarker, opt_out_reason, poolable, required_features
 from .options import Settings
+from .terminal import Terminal
 
 if TYPE_CHECKING:
-    from ..resources.gpus import LeaseManager
     from ..workers.config import GroupShape, WorkerConfig
     from ..workers.kinds import WorkerKind
-    from ..workers.pool import WorkerPool
+    from ..workers.launcher import LaunchOptions
+    from ..workers.router import RouterOptions
+    from ..workers.sources.base import WorkerSource
 
-STATE_KEY = pytest.StashKey["SglSession"]()
-#: the processes a test used (workers and routers): their logs go into the test's failure report
-WORKERS_KEY = pytest.StashKey[list[Any]]()
-ITEM_ERROR_KEY = pytest.StashKey[str]()
-CONFIG_KEY = pytest.StashKey["WorkerConfig"]()
-REPORTS_KEY = pytest.StashKey[dict[str, pytest.TestReport]]()
-NEXT_KEY = pytest.StashKey["pytest.Item | None"]()
+__all__ = ["OPT_OUT_FIX", "STATE_KEY", "SglSession", "make_source", "state_of"]
 
-#: The fixtures that launch workers, and the marker each one reads.
-WORKER_FIXTURES = ("sgl_worker", "sgl_workers", "sgl_router")
 OPT_OUT_FIX = ("drop the args that loosen the budget, or add "
                "@pytest.mark.sgl_budget_opt_out(reason='why this test needs it')")
 
 
-#: every fixture of the plugin (plugin.py)
-PLUGIN_FIXTURES = frozenset({"sgl_model", "sgl_registry", "sgl_spawn_worker", *WORKER_FIXTURES})
-
-
-def uses_plugin(item: pytest.Item) -> bool:
-    """Whether a test asks for one of the plugin's fixtures; its markers mean nothing without one."""
-    return not PLUGIN_FIXTURES.isdisjoint(getattr(item, "fixturenames", ()))
-
-
-def is_xdist_worker(config: pytest.Config) -> bool:
-    """Whether this process is an xdist worker (it cannot stop the session: per-test errors instead)."""
-    return getattr(config, "workerinput", None) is not None
-
-
-def xdist_worker_id(config: pytest.Config) -> str | None:
-    workerinput = getattr(config, "workerinput", None)
-    return str(workerinput.get("workerid")) if isinstance(workerinput, dict) else None
+#: the session object of this pytest process
+STATE_KEY = pytest.StashKey["SglSession"]()
 
 
 def state_of(config: pytest.Config) -> SglSession:
     return config.stash[STATE_KEY]
 
 
-def item_spec(item: pytest.Item) -> ModelSpec | None:
-    callspec = getattr(item, "callspec", None)
-    spec = callspec.params.get("sgl_model") if callspec is not None else None
-    return spec if isinstance(spec, ModelSpec) else None
-
-
 def _plugin_name(plugin: object) -> str:
     return getattr(plugin, "__file__", None) or getattr(plugin, "__name__", None) or repr(plugin)
+
+
+def make_source(session: SglSession) -> WorkerSource:
+    """The worker source the settings select: attached workers (``--sgl-worker-url``) for the specs they serve, in
+    front of a Ray cluster (``--sgl-cluster ray``) or this machine's file-locked leases (the default). A new source
+    is one line here and the option that selects it."""
+    from ..workers.sources.local import LocalSource, PoolHooks, PoolSettings
+
+    s = session.settings
+    terminal = session.terminal
+    settings = PoolSettings(launch=session.launch_options(), lock_dir=session.lock_dir(),
+                            lease_timeout=s.lease_timeout, reuse=s.reuse, log_policy=s.log_policy,
+                            tail_lines=s.tail_lines, gpus=s.gpus, environ=dict(os.environ), cluster=s.cluster)
+    hooks = PoolHooks(on_message=terminal.message, on_progress=terminal.progress,
+                      on_progress_end=terminal.progress_end, worker_env=session.worker_env,
+                      choose_kind=session.choose_kind, on_leased=session.on_leased,
+                      xdist_worker=xdist_worker_id(session.config))
+    source: WorkerSource
+    if s.cluster is not None:
+        from ..workers.sources.ray import RaySource
+
+        source = RaySource(settings, session.records, hooks)
+    else:
+        source = LocalSource(settings, session.records, hooks)
+    if s.worker_urls:
+        from ..workers.sources.attached import AttachedSource
+
+        source = AttachedSource(s.worker_urls, source, session.records,
+                                option=s.sources.get("worker-url", "--sgl-worker-url"), tail_lines=s.tail_lines)
+    return source
 
 
 class SglSession:
@@ -91,34 +98,34 @@ class SglSession:
         self.settings = settings
         self.registry = SpecRegistry.with_builtins()
         self.registered_from: set[int] = set()
-        self._pool: WorkerPool | None = None
+        self.terminal = Terminal(config)
+        #: this process's figures and launch records (the pool's, the routers', the attached workers')
+        self.records = RunRecords(xdist_worker_id(config) or "main")
+        self._source: WorkerSource | None = None
         self._watchdog: Any = None
-        self._leases: LeaseManager | None = None
         self.flag_check: str = "not needed (no worker test collected)"
-        self.messages: list[str] = []
         self.worker_stats: list[dict[str, Any]] = []  # from xdist workers
         self.worker_launches: list[list[dict[str, Any]]] = []  # from xdist workers
         #: node ids of the last test of each worker configuration: its workers are retired after it
         self.last_users: set[str] = set()
         self.interrupted_by: int | None = None
         self._log_dir: Path | None = None
-        self._queue: list[pytest.Item] = []
-        self._queue_index: dict[str, int] = {}
+        #: the collected tests in run order (collection sets them; launch ahead reads what comes next)
+        self.queue: list[pytest.Item] = []
+        self.queue_index: dict[str, int] = {}
         #: the test whose fixtures are being set up (its launch triggers the launches ahead)
         self.setting_up: pytest.Item | None = None
-        self._run_hooks: RunHooks | None = None
         self._session_dir: Any = None
         self._previous_handlers: dict[int, Any] = {}
-        #: spec name -> its attached workers (--sgl-worker-url), or the error that makes them unusable
-        self._attached: dict[str, Any] = {}
         #: node id -> [seconds of setup + call + teardown, its configuration's key]: the report's "tests"
         self.test_times: dict[str, list[Any]] = {}
         self.shard_note: str | None = None
-        #: the costs of --sgl-shard-report and the notes on reading them (collection.shard_costs), once read
-        self.shard_costs: tuple[Any, list[str]] | None = None
-        import time
-
+        self._shard_costs: tuple[Any, list[str]] | None = None
         self.started_at = time.time()
+
+    @property
+    def messages(self) -> list[str]:
+        return self.terminal.messages
 
     # -- registry -----------------------------------------------------------------------------------------
     def register_from(self, plugin: object) -> None:
@@ -206,140 +213,66 @@ class SglSession:
         subject += "".join(f", {role}_args={list(a)!r}" for role, a in (group.role_args if group else ())) + ")"
         return WorkerConfig.resolve(spec, args, env, opt_out=reason, group=group, subject=subject, fix=OPT_OUT_FIX)
 
-    # -- attached workers (--sgl-worker-url, attached.py) -------------------------------------------------
-    def attached_workers(self, spec: ModelSpec) -> list[Any] | None:
-        """The attached workers of ``spec`` (probed once), None when it has none; AttachedWorkerError when
-        they are down or serve another model (remembered: the next test does not wait for it again)."""
-        targets = self.settings.worker_urls.get(spec.name)
-        if not targets:
-            return None
-        if spec.name not in self._attached:
-            from ..workers.attached import AttachedWorkerError, attach
-
-            source = self.settings.sources.get("worker-url", "--sgl-worker-url")
-            try:
-                tail = self.settings.tail_lines
-                self._attached[spec.name] = [attach(t, spec, source=source, index=i, tail_lines=tail)
-                                             for i, t in enumerate(targets)]
-            except AttachedWorkerError as exc:
-                self._attached[spec.name] = exc
-        found = self._attached[spec.name]
-        if isinstance(found, BaseException):
-            raise found
-        return list(found)
-
-    def attached_refusal(self, item: Any, config: WorkerConfig) -> tuple[str, str] | None:
-        """Why ``item`` cannot run on its spec's attached workers: ``("skip", reason)`` for a shape they cannot
-        take, ``("error", message)`` for a budget they break without an opt-out; None when it can."""
-        workers = self.attached_workers(config.spec) or []
-        where = ", ".join(w.url for w in workers)
-        name = config.spec.name
-        if config.extra_args or config.env or (config.group is not None and any(a for _, a in config.group.role_args)):
-            return "skip", (f"{name} is attached ({where}): it runs as it was started, and this test's extra args or "
-                            f"env need a launched worker (drop --sgl-worker-url {name}=... to run it)")
-        if config.group is not None and config.group.is_pd:
-            return "skip", f"{name} is attached ({where}): this test needs a prefill/decode group"
-        wanted = config.group.count if config.group is not None else 1
-        if wanted > len(workers):
-            return "skip", (f"{name} is attached ({where}): this test needs {wanted} workers, {len(workers)} "
-                            f"attached (give --sgl-worker-url {name}=URL once per worker)")
-        problems = [p for w in workers[:wanted] for p in w.problems]
-        if problems and not opt_out_reason(item):
-            subject = "; ".join(f"attached worker {w.url}" for w in workers[:wanted] if w.problems)
-            return "error", budget.describe_violation(
-                f"{subject} ({name}, {self.settings.sources.get('worker-url', '--sgl-worker-url')})", problems,
-                fix="restart it with CI_WORKER_ARGS (--mem-fraction-static 0.6 --cuda-graph-backend-prefill "
-                    "disabled), or mark the test @pytest.mark.sgl_budget_opt_out(reason='why')")
-        return None
-
-    # -- workers ------------------------------------------------------------------------------------------
+    # -- the worker source -------------------------------------------------------------------------------
     @property
-    def pool(self) -> WorkerPool:
-        if self._pool is None:
-            self._pool = self._make_pool()
-        return self._pool
+    def source(self) -> WorkerSource:
+        """Where this session's workers come from (made on first use, with the watchdog that guarantees that
+        nothing the plugin starts outlives the session)."""
+        if self._source is None:
+            self.start_watchdog()
+            self._source = make_source(self)
+        return self._source
 
     @property
-    def pool_if_started(self) -> WorkerPool | None:
-        return self._pool
+    def source_if_started(self) -> WorkerSource | None:
+        return self._source
 
-    def _make_pool(self) -> WorkerPool:
+    def start_watchdog(self) -> None:
+        """Before the first process starts: clean up after dead sessions, and start this session's watchdog
+        (it ends every process of the session if this pytest dies without its teardown)."""
+        if self._watchdog is not None:
+            return
         from ..resources.reaper import Watchdog, reap_dead_sessions
+        from ..resources.state import default_log_dir
+
+        lock_dir = self.lock_dir()
+        reaped = reap_dead_sessions(self.settings.log_dir or default_log_dir(), lock_dir=lock_dir)
+        if reaped:
+            self.terminal.message(f"cleaned up after earlier sessions: {reaped}")
+        self._watchdog = Watchdog(lock_dir=lock_dir)
+
+    def launch_options(self) -> LaunchOptions:
         from ..workers.launcher import LaunchOptions
-        from ..workers.pool import WorkerPool
-        from .reporter import message, progress, progress_end
 
         s = self.settings
-        try:
-            leases: Any = self.lease_manager()
-        except SglWorkerError as exc:
-            from ..errors import InventoryUnavailable
-
-            if not (isinstance(exc, InventoryUnavailable) and s.worker_urls):
-                raise
-            # Attached workers (and a router in front of them) need no GPU: the pool serves them, and any launch
-            # it is asked for fails with the inventory's error.
-            leases = _NoInventory(exc, self._lock_dir())
-        reaped = reap_dead_sessions(s.log_dir or _default_log_dir(), lock_dir=leases.lock_dir)
-        if reaped:
-            message(self, f"cleaned up after earlier sessions: {reaped}")
-        self._watchdog = Watchdog(lock_dir=leases.lock_dir)
-        options = LaunchOptions(
+        return LaunchOptions(
             launcher=self.launcher(), log_dir=self.log_dir, lock_dir=s.lock_dir, startup_timeout=s.startup_timeout,
             port_range=s.port_range, tail_lines=s.tail_lines, port_wait_timeout=s.lease_timeout,
-            on_port_wait=lambda text: message(self, text),
-        )
-        return WorkerPool(
-            options, leases=leases, lease_timeout=s.lease_timeout, reuse=s.reuse,
-            log_policy=s.log_policy, on_progress=lambda instance, elapsed: progress(self, instance, elapsed),
-            on_progress_end=lambda: progress_end(self),
-            on_message=lambda text: message(self, text), worker_env=self._worker_env,
-            choose_kind=self.choose_kind, xdist_worker=xdist_worker_id(self.config),
-            on_leased=self._on_leased,
+            on_port_wait=self.terminal.message,
         )
 
-    def _worker_env(self, spec: ModelSpec, lease_env: dict[str, str]) -> dict[str, str]:
-        lease_env = {**self._declared_gpu_env(), **lease_env}
+    def router_options(self) -> RouterOptions:
+        from ..workers.router import RouterOptions
+
+        s = self.settings
+        return RouterOptions(log_dir=self.log_dir, launcher=s.router_launcher, lock_dir=s.lock_dir,
+                             port_range=s.port_range, port_wait_timeout=s.lease_timeout,
+                             startup_timeout=s.startup_timeout, tail_lines=s.tail_lines, log_policy=s.log_policy,
+                             on_message=self.terminal.message)
+
+    def worker_env(self, spec: ModelSpec, lease_env: dict[str, str]) -> dict[str, str]:
+        """A worker's environment from its lease, as the ``pytest_sglworker_worker_env`` hook changes it."""
         result = self.config.hook.pytest_sglworker_worker_env(spec=spec, lease_env=dict(lease_env))
         return dict(lease_env) if result is None else dict(result)
 
-    def _declared_gpu_env(self) -> dict[str, str]:
-        """For declared GPUs (``--sgl-gpus sim:NxGiB``): the card size and the free memory the ledger predicts
-        with, for the simulated engine, so its KV pool and log lines are those of that card (the run report's
-        predicted and actual KV figures then agree). A real engine ignores them."""
-        from ..resources.gpus import DeclaredInventory
+    def on_leased(self, config: WorkerConfig) -> None:
+        """A test's own launch holds its lease and starts now: the next configurations start alongside it on
+        the GPUs left free, instead of one startup later."""
+        item = self.setting_up
+        if item is not None:
+            self.launch_ahead(item)
 
-        inventory = getattr(self._leases, "inventory", None)
-        if not isinstance(inventory, DeclaredInventory):
-            return {}
-        from ..sim.core import ENV_GPU_FREE, ENV_GPU_MEM
-
-        return {ENV_GPU_MEM: f"{inventory.total_mib / 1024:g}", ENV_GPU_FREE: str(inventory.total_mib)}
-
-    def lease_manager(self) -> LeaseManager:
-        """The session's GPU lease manager (one inventory, one lock directory). Raises InventoryUnavailable
-        when the inventory cannot be read, ValueError when --sgl-gpus names GPUs that are not visible, and
-        UnsafeDirectory for a lock directory that cannot be used."""
-        if self._leases is None and self.settings.cluster is not None:
-            from ..workers.ray_cluster import RayLeaseManager
-            from .reporter import message
-
-            # Ray's scheduler leases the GPUs; the local lock directory still holds the port blocks.
-            self._leases = cast("LeaseManager", RayLeaseManager(self.settings.cluster, self._lock_dir(),
-                                                                on_message=lambda text: message(self, text)))
-        if self._leases is None:
-            from ..resources.gpus import LeaseManager, load_inventory, parse_gpus_option
-
-            selection = parse_gpus_option(self.settings.gpus or "")
-            inventory = load_inventory(selection, os.environ)
-            lock_dir = self._lock_dir()
-            from .reporter import message
-
-            self._leases = LeaseManager(lock_dir, inventory, namespace=selection.namespace,
-                                        on_message=lambda text: message(self, text))
-        return self._leases
-
-    def _lock_dir(self) -> Path:
+    def lock_dir(self) -> Path:
         from ..resources import state
 
         return state.ensure_private_dir(self.settings.lock_dir or state.default_lock_dir(), what="lock directory",
@@ -358,8 +291,9 @@ class SglSession:
                 self._log_dir = Path(workerinput["sglworker_log_dir"])
             else:
                 from ..resources.retention import make_session_dir
+                from ..resources.state import default_log_dir
 
-                self._session_dir = make_session_dir(_default_log_dir(), self.settings.log_retention_count)
+                self._session_dir = make_session_dir(default_log_dir(), self.settings.log_retention_count)
                 self._log_dir = self._session_dir.path
         return self._log_dir
 
@@ -413,22 +347,21 @@ class SglSession:
         return problems
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.close()
-        if self._watchdog is not None:
-            from ..resources.processes import sweep_session
-            from .reporter import message
+        try:
+            if self._source is not None:
+                self._source.close()
+        finally:
+            if self._watchdog is not None:
+                from ..resources.processes import sweep_session
 
-            swept = sweep_session()
-            if swept:
-                message(self, f"killed {len(swept)} worker process(es) left after teardown: {swept}")
-            self._watchdog.close()
-            self._watchdog = None
-        if self._leases is not None:
-            self._leases.inventory.close()  # NVML shutdown; a declared inventory has nothing to free
-        if self._session_dir is not None:
-            self._session_dir.release()
-            self._session_dir = None
+                swept = sweep_session()
+                if swept:
+                    self.terminal.message(f"killed {len(swept)} worker process(es) left after teardown: {swept}")
+                self._watchdog.close()
+                self._watchdog = None
+            if self._session_dir is not None:
+                self._session_dir.release()
+                self._session_dir = None
 
     # -- signals: a CI cancel (SIGTERM, SIGHUP) is an orderly interrupt ------------------------------------
     def install_signal_handlers(self) -> None:
@@ -454,6 +387,56 @@ class SglSession:
                 signal.signal(signum, handler)
         self._previous_handlers.clear()
 
+    def launch_ahead(self, item: pytest.Item, nextitem: pytest.Item | None = None) -> None:
+        """Start the workers of the next configurations the queue needs after ``item`` (``--sgl-launch-ahead``:
+        how many beyond the current test's) on free GPUs, so that they are ready when their first test begins.
+        Considered when a test's own launch has its lease, when its workers are in place, and after its
+        teardown, where ``nextitem`` is the current test: its configuration is wanted first, then as many
+        beyond it. Configurations already pooled or launching count without a new launch. An xdist worker
+        knows its queue only one test ahead."""
+        count = self.settings.launch_ahead
+        source = self._source
+        if count <= 0 or source is None or not self.settings.reuse:
+            return
+
+        if nextitem is None:
+            current, queue = item.stash.get(CONFIG_KEY, None), self._upcoming(item)
+        else:
+            current, queue, count = None, [nextitem, *self._upcoming(nextitem)], count + 1
+        wanted: list[WorkerConfig] = []
+        for upcoming in queue:
+            config = upcoming.stash.get(CONFIG_KEY, None)
+            if config is None or config == current or config in wanted or not poolable(upcoming):
+                continue
+            wanted.append(config)
+            if len(wanted) >= count:
+                break
+        for config in wanted:
+            try:
+                source.launch_ahead(config, holder=f"launch ahead for {self.config.rootpath.name} (pid {os.getpid()})")
+            except Exception as exc:  # launching ahead is an optimisation: it never fails a test
+                self.terminal.messages.append(f"launch ahead of {config.label} failed to start: {exc!r}")
+
+    def _upcoming(self, item: pytest.Item) -> list[pytest.Item]:
+        if self.queue and not is_xdist_worker(self.config):
+            at = self.queue_index.get(item.nodeid)
+            if at is not None:
+                return self.queue[at + 1:]
+        nextitem = item.stash.get(NEXT_KEY, None)
+        return [nextitem] if nextitem is not None else []
+
+    def shard_costs(self) -> tuple[Any, list[str]]:
+        """The costs of --sgl-shard-report (None: balance by test count) and notes for the header, read once; a
+        file that is no run report is a usage error naming it."""
+        if self._shard_costs is None:
+            from .sharding import load_costs
+
+            try:
+                self._shard_costs = load_costs(self.settings.shard_report)
+            except ValueError as exc:
+                raise pytest.UsageError(f"{self.settings.sources.get('shard-report')}: {exc}") from None
+        return self._shard_costs
+
     # ======================================================================================================
     # hooks
     # ======================================================================================================
@@ -476,9 +459,7 @@ class SglSession:
                 f"attached but not selected by {self.settings.sources.get('model')} ({', '.join(sorted(names))}); "
                 "add them to the selection, or drop --sgl-model to run exactly the attached specs")
         if self.settings.shard is not None:
-            from .collection import shard_costs
-
-            shard_costs(self)  # a bad report file stops the session here, before any worker starts
+            self.shard_costs()  # a bad report file stops the session here, before any worker starts
         if selected and not is_xdist_worker(session.config):
             # Before any GPU time is spent; a run that selects no model launches nothing and checks nothing.
             # Every registered spec, like the budget check: one batch, cached per sglang install.
@@ -507,74 +488,6 @@ class SglSession:
             params.append(pytest.param(spec, id=spec.name, marks=marks))
         metafunc.parametrize("sgl_model", params)
 
-    @pytest.hookimpl(trylast=True)  # after -k/-m/--deselect: deselected tests are neither checked nor counted
-    def pytest_collection_modifyitems(self, session: pytest.Session, config: pytest.Config,
-                                      items: list[pytest.Item]) -> None:
-        s = self.settings
-        if not (s.shard or s.worker_urls or any(uses_plugin(item) for item in items)):
-            # A run that asks for no worker: nothing to order or launch; the specs registered by conftests found
-            # during collection are still checked.
-            problems = self.spec_problems()
-            if problems and not is_xdist_worker(config):
-                raise pytest.UsageError("\n".join(problems.values()))
-            return
-        from .collection import modify_items
-
-        modify_items(self, config, items)
-        self.enable_run_hooks()
-
-    def enable_run_hooks(self) -> None:
-        """Register the per-test hooks (:class:`RunHooks`) once."""
-        if self._run_hooks is None:
-            self._run_hooks = RunHooks(self)
-            self.config.pluginmanager.register(self._run_hooks, "sglworker-run")
-
-    def _on_leased(self, config: WorkerConfig) -> None:
-        """A test's own launch holds its lease and starts now: the next configurations start alongside it on
-        the GPUs left free, instead of one startup later."""
-        item = self.setting_up
-        if item is not None:
-            self.launch_ahead(item)
-
-    def launch_ahead(self, item: pytest.Item, nextitem: pytest.Item | None = None) -> None:
-        """Start the workers of the next configurations the queue needs after ``item`` (``--sgl-launch-ahead``:
-        how many beyond the current test's) on free GPUs, so that they are ready when their first test begins.
-        Considered when a test's own launch has its lease, when its workers are in place, and after its
-        teardown, where ``nextitem`` is the current test: its configuration is wanted first, then as many
-        beyond it. Configurations already pooled or launching count without a new launch. An xdist worker
-        knows its queue only one test ahead."""
-        count = self.settings.launch_ahead
-        pool = self._pool
-        if count <= 0 or pool is None or not self.settings.reuse:
-            return
-        from .collection import poolable
-
-        if nextitem is None:
-            current, queue = item.stash.get(CONFIG_KEY, None), self._upcoming(item)
-        else:
-            current, queue, count = None, [nextitem, *self._upcoming(nextitem)], count + 1
-        wanted: list[WorkerConfig] = []
-        for upcoming in queue:
-            config = upcoming.stash.get(CONFIG_KEY, None)
-            if config is None or config == current or config in wanted or not poolable(upcoming):
-                continue
-            wanted.append(config)
-            if len(wanted) >= count:
-                break
-        for config in wanted:
-            try:
-                pool.launch_ahead(config, holder=f"launch ahead for {self.config.rootpath.name} (pid {os.getpid()})")
-            except Exception as exc:  # launching ahead is an optimisation: it never fails a test
-                self.messages.append(f"launch ahead of {config.label} failed to start: {exc!r}")
-
-    def _upcoming(self, item: pytest.Item) -> list[pytest.Item]:
-        if self._queue and not is_xdist_worker(self.config):
-            at = self._queue_index.get(item.nodeid)
-            if at is not None:
-                return self._queue[at + 1:]
-        nextitem = item.stash.get(NEXT_KEY, None)
-        return [nextitem] if nextitem is not None else []
-
     def pytest_report_collectionfinish(self, config: pytest.Config) -> str | None:
         return self.shard_note
 
@@ -585,9 +498,9 @@ class SglSession:
         if self.interrupted_by is not None:
             session.exitstatus = 128 + self.interrupted_by
         workeroutput = getattr(session.config, "workeroutput", None)
-        if workeroutput is not None and self._pool is not None:
-            workeroutput["sglworker_stats"] = {k: v.as_dict() for k, v in self._pool.stats.items()}
-            workeroutput["sglworker_launches"] = [r.as_dict() for r in self._pool.launches]
+        if workeroutput is not None and self._source is not None:
+            workeroutput["sglworker_stats"] = self.records.stats_dicts()
+            workeroutput["sglworker_launches"] = self.records.launch_dicts()
         if not is_xdist_worker(session.config):
             self.write_artifacts(int(session.exitstatus))
 
@@ -598,26 +511,18 @@ class SglSession:
 
     # -- the run report -----------------------------------------------------------------------------------
     def collected_stats(self) -> dict[str, Any]:
-        from ..workers.records import merge_stats
+        from .run_report import merge_stats
 
-        sources = list(self.worker_stats)
-        if self._pool is not None:
-            sources.append({k: v.as_dict() for k, v in self._pool.stats.items()})
-        return merge_stats(sources)
+        return merge_stats([*self.worker_stats, self.records.stats_dicts()])
 
     def collected_launches(self) -> list[dict[str, Any]]:
-        from ..workers.records import merge_launches
+        from .run_report import merge_launches
 
-        sources = list(self.worker_launches)
-        if self._pool is not None:
-            sources.append([r.as_dict() for r in self._pool.launches])
-        return merge_launches(sources)
+        return merge_launches([*self.worker_launches, self.records.launch_dicts()])
 
     def run_report(self, exitstatus: int) -> dict[str, Any]:
         """The run report as one dict (the ``--sgl-report`` JSON; the timeline and the trace are drawn from it)."""
-        import time
-
-        from ..workers.records import SCHEMA
+        from .run_report import SCHEMA
 
         return {"schema": SCHEMA, "engine": self.settings.engine, "models": list(self.settings.models),
                 "exitstatus": exitstatus,
@@ -631,7 +536,7 @@ class SglSession:
     def write_artifacts(self, exitstatus: int) -> None:
         """``--sgl-report``, ``--sgl-timeline`` and ``--sgl-trace``, each written atomically; a failure to
         write one is an error line, never a traceback that would hide pytest's own summary."""
-        from .reporter import message
+        from .run_report import write_artifact
 
         s = self.settings
         wanted = {name: path for name, path in (("report", s.report), ("timeline", s.timeline), ("trace", s.trace))
@@ -641,118 +546,10 @@ class SglSession:
         report = self.run_report(exitstatus)
         for name, path in wanted.items():
             try:
-                if name == "report":
-                    from ..workers.records import write_json
-
-                    write_json(path, report)
-                elif name == "timeline":
-                    from .timeline import write_html
-
-                    write_html(path, report)
-                else:
-                    from .timeline import write_trace
-
-                    write_trace(path, report)
+                write_artifact(name, path, report)
             except (OSError, ValueError) as exc:
                 detail = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-                message(self, f"ERROR: cannot write the run {name} to {path} "
-                              f"({s.sources.get(name, '--sgl-' + name)}): {detail}", always=True)
+                self.terminal.message(f"ERROR: cannot write the run {name} to {path} "
+                                      f"({s.sources.get(name, '--sgl-' + name)}): {detail}", always=True)
             else:
-                message(self, f"run {name} written to {path}", always=True)
-
-
-class _NoInventory:
-    """The pool's leases when there is no GPU inventory but attached workers need no GPU: asking for a lease
-    raises the inventory's error."""
-
-    def __init__(self, error: SglWorkerError, lock_dir: Path) -> None:
-        self.error = error
-        self.lock_dir = lock_dir
-
-    def try_acquire(self, *args: Any, **kwargs: Any) -> Any:
-        raise self.error
-
-    acquire = try_acquire
-
-    def others_waiting(self) -> bool:
-        return False
-
-
-def _default_log_dir() -> Any:
-    from ..resources.state import default_log_dir
-
-    return default_log_dir()
-
-
-class RunHooks:
-    """The per-test hooks: a test's worker failure sections, its launch ahead, its time for the run report.
-    Registered (:meth:`SglSession.enable_run_hooks`) only in runs that use the plugin's fixtures or write a run
-    report, so that a run that never asks for a worker pays no hook call per test."""
-
-    def __init__(self, session: SglSession) -> None:
-        self.session = session
-
-    @pytest.hookimpl(tryfirst=True)
-    def pytest_runtest_protocol(self, item: pytest.Item, nextitem: pytest.Item | None) -> None:
-        item.stash[NEXT_KEY] = nextitem
-
-    @pytest.hookimpl(tryfirst=True)
-    def pytest_runtest_call(self, item: pytest.Item) -> None:
-        """With this test's own workers in place (after its setup), start the next configurations ahead."""
-        self.session.launch_ahead(item)
-
-    @pytest.hookimpl(trylast=True)
-    def pytest_runtest_teardown(self, item: pytest.Item, nextitem: pytest.Item | None) -> None:
-        """After this test's fixtures are torn down its workers are pooled again, or retired when it was the
-        last test of their configuration: a GPU may just have come free. Seen from the next test, whose
-        configuration comes first (it is about to be needed), then the ones after it."""
-        if nextitem is not None:
-            self.session.launch_ahead(item, nextitem=nextitem)
-
-    def pytest_runtest_setup(self, item: pytest.Item) -> None:
-        error = item.stash.get(ITEM_ERROR_KEY, None)
-        if error is not None:
-            pytest.fail(error, pytrace=False)
-
-    @pytest.hookimpl(wrapper=True, specname="pytest_runtest_setup")
-    def pytest_runtest_setup_tracked(self, item: pytest.Item) -> Generator[None, None, None]:
-        """Which test's fixtures are being set up: its own launch starts the launches ahead."""
-        self.session.setting_up = item
-        try:
-            return (yield)
-        finally:
-            self.session.setting_up = None
-
-    @pytest.hookimpl(wrapper=True)
-    def pytest_runtest_makereport(
-        self, item: pytest.Item, call: pytest.CallInfo[None]
-    ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
-        report = yield
-        item.stash.setdefault(REPORTS_KEY, {})[report.when] = report
-        if CONFIG_KEY in item.stash:  # carried to the xdist controller with the report
-            report.sglworker_config = item.stash[CONFIG_KEY].key  # type: ignore[attr-defined]
-        workers = item.stash.get(WORKERS_KEY, None)
-        if workers and report.failed:
-            from .reporter import worker_section
-
-            junit = bool(getattr(self.session.config.option, "xmlpath", None))
-            for instance in workers:
-                title, body = worker_section(instance, self.session.settings.tail_lines)
-                report.sections.append((title, body))
-                # CI systems read junitxml, which takes properties and captured output from the teardown report:
-                # the log path as a property, the tail in the test's system-err (not shown twice in the terminal)
-                prop = (f"sglworker_log_{instance.role}_{instance.port}", str(instance.log_path))
-                if instance.log_path is not None and prop not in item.user_properties:
-                    item.user_properties.append(prop)
-                if junit:
-                    item.add_report_section(report.when, "stderr", f"{title}\n{body}\n")
-        return report
-
-    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
-        """Each test's time (setup, which includes waiting for its workers, call and teardown) and its worker
-        configuration, for the run report: what --sgl-shard-report balances shards by."""
-        if is_xdist_worker(self.session.config):
-            return
-        entry = self.session.test_times.setdefault(report.nodeid, [0.0, None])
-        entry[0] += report.duration
-        entry[1] = entry[1] or getattr(report, "sglworker_config", None)
+                self.terminal.message(f"run {name} written to {path}", always=True)

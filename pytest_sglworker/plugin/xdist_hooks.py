@@ -1,7 +1,7 @@
-"""The plugin's pytest-xdist hooks: a pytest-facing module split from ``session.py``, registered only when
-pytest-xdist is present. It marks tests with ``xdist_group`` for ``--dist loadgroup``, sends the controller's
-log directory and status-line relay to the xdist workers, merges their report figures, and plugs in the
-scheduler of :mod:`xdist_scheduling`.
+"""The plugin's pytest-xdist hooks, registered only when pytest-xdist is present. It marks tests with
+``xdist_group`` for ``--dist loadgroup``, sends the controller's log directory and status-line relay to the xdist
+workers, merges their report figures, and plugs in the scheduler of :mod:`.xdist_scheduling` (imported only when
+xdist distributes tests: it is a large module).
 """
 
 from __future__ import annotations
@@ -13,24 +13,14 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from ..errors import BudgetViolation
+from .keys import WORKER_FIXTURES, distributing, is_xdist_worker, item_spec
 from .markers import MarkerError
-from .session import WORKER_FIXTURES, is_xdist_worker, item_spec
+from .terminal import ProgressRelay
 
 if TYPE_CHECKING:
     from .session import SglSession
 
 WORKER_FIXTURE_SET = frozenset(WORKER_FIXTURES)
-
-
-def distributing(config: pytest.Config) -> bool:
-    """Whether this process is an xdist controller that distributes tests (``-n N``/``--tx``)."""
-    if is_xdist_worker(config):
-        return False
-    try:
-        return (config.getoption("dist") not in (None, "no") and bool(config.getoption("tx"))
-                and not config.getoption("collectonly"))
-    except ValueError:  # pytest-xdist's options are not registered
-        return False
 
 
 class XdistHooks:
@@ -83,9 +73,7 @@ class XdistHooks:
         controller (a file it follows) so that a long startup on an xdist worker shows in the terminal."""
         node.workerinput["sglworker_log_dir"] = str(self.session.log_dir)
         if self.relay is None:
-            from .reporter import ProgressRelay
-
-            self.relay = ProgressRelay(self.session, self.session.log_dir / f".progress-{os.getpid()}.jsonl")
+            self.relay = ProgressRelay(self.session.terminal, self.session.log_dir / f".progress-{os.getpid()}.jsonl")
         node.workerinput["sglworker_progress"] = str(self.relay.path)
 
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
@@ -102,36 +90,36 @@ class XdistHooks:
 
     # -- scheduling by worker configuration (--sgl-dist, xdist_scheduling.py) ------------------------------
     def pytest_xdist_make_scheduler(self, config: pytest.Config, log: Any) -> Any:
-        from .xdist_scheduling import make_scheduler
+        from . import xdist_scheduling
 
-        return make_scheduler(self.session, config, log)
+        return xdist_scheduling.make_scheduler(self.session, config, log)
 
     @pytest.hookimpl(specname="pytest_configure_node")
     def pytest_configure_node_scheduling(self, node: Any) -> None:
         """The xdist workers write which configuration each test needs where the scheduler reads it."""
-        from .xdist_scheduling import configure_node
+        from . import xdist_scheduling
 
-        configure_node(self.session, node)
+        xdist_scheduling.configure_node(self.session, node)
 
     @pytest.hookimpl(tryfirst=True)  # before xdist's worker sends the collection to the controller
     def pytest_collection_finish(self, session: pytest.Session) -> None:
         if is_xdist_worker(session.config):
-            from .xdist_scheduling import write_collection_map
+            from . import xdist_scheduling
 
-            write_collection_map(self.session, session.items)
+            xdist_scheduling.write_collection_map(self.session, session.items)
 
     def pytest_report_header(self, config: pytest.Config) -> str | None:
         if not distributing(config):
             return None
-        from .xdist_scheduling import header_line
+        from . import xdist_scheduling
 
-        return header_line(self.session)
+        return xdist_scheduling.header_line(self.session)
 
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
         if not distributing(terminalreporter.config):
             return  # no scheduler of ours ran
-        from .xdist_scheduling import summary_line
+        from . import xdist_scheduling
 
-        line = summary_line(self.session)
+        line = xdist_scheduling.summary_line(self.session)
         if line is not None and terminalreporter.config.get_verbosity() >= -1:
             terminalreporter.write_line(line)

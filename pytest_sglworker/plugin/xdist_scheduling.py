@@ -26,7 +26,7 @@ xdist's own ``LoadScheduling``, unchanged.
 
 Why one module of this size: xdist's scheduler protocol (``add_node``, ``schedule``, ``mark_test_complete``,
 ``remove_node``) and the planner it calls share one model of units, nodes and their queues; the xdist hooks that
-install it are in :mod:`xdist_hooks`.
+install it are in :mod:`.xdist_hooks`; ``--sgl-dist`` itself is parsed in :mod:`.options`.
 """
 
 from __future__ import annotations
@@ -43,14 +43,13 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from .xdist_hooks import distributing
+from .keys import CONFIG_KEY, ITEM_ERROR_KEY, distributing, xdist_worker_id
+from .markers import MarkerError, WorkerMarker, WorkersMarker
 
 if TYPE_CHECKING:
     from .options import Settings
     from .session import SglSession
 
-MODES = ("auto", "on", "off")
-DEFAULT_STEAL_MIN = 4
 #: tests a node holds at once (the one it runs, the next one xdist needs to know, one more in flight)
 WINDOW = 3
 MAP_INPUT = "sglworker_collection_map"
@@ -58,34 +57,6 @@ MAP_SCHEMA = "pytest-sglworker/xdist-collection/v1"
 #: ``--dist`` modes that this scheduler replaces under ``--sgl-dist on`` (``each`` runs every test everywhere)
 REPLACEABLE = ("load", "loadscope", "loadfile", "loadgroup", "worksteal")
 _STATE = pytest.StashKey[dict[str, Any]]()
-
-
-# ---------------------------------------------------------------------------------------------- the option
-
-
-def parse_dist_option(value: str) -> tuple[str, int | None]:
-    """``auto|on|off[,steal=K|off]`` -> ``(mode, K)``; ``K`` is None when stealing is off."""
-    parts = [p.strip().lower() for p in value.split(",")]
-    mode, rest = parts[0], parts[1:]
-    if mode not in MODES:
-        raise ValueError(f"{value!r} is not 'auto', 'on' or 'off' (optionally followed by ',steal=K' or "
-                         "',steal=off')")
-    steal: int | None = DEFAULT_STEAL_MIN
-    for part in rest:
-        name, _, raw = part.partition("=")
-        if name.strip() != "steal" or not raw.strip():
-            raise ValueError(f"{value!r}: unknown setting {part!r}; the only one is 'steal=K' or 'steal=off'")
-        raw = raw.strip()
-        if raw == "off":
-            steal = None
-            continue
-        try:
-            steal = int(raw)
-        except ValueError:
-            raise ValueError(f"{value!r}: steal={raw!r} is not an integer or 'off'") from None
-        if steal < 1:
-            raise ValueError(f"{value!r}: steal={raw} must be 1 or more (or 'off')")
-    return mode, steal
 
 
 def explicit_dist(config: pytest.Config) -> str | None:
@@ -420,9 +391,6 @@ class Planner:
 
 def unit_of(session: SglSession, item: pytest.Item) -> Unit | None:
     """What ``item`` needs from the pool (None: nothing pooled: no worker, a skip, an error, fresh workers)."""
-    from .markers import MarkerError, WorkerMarker, WorkersMarker
-    from .session import CONFIG_KEY, ITEM_ERROR_KEY
-
     config = item.stash.get(CONFIG_KEY, None)
     skipped = item.get_closest_marker("skip") is not None or ITEM_ERROR_KEY in item.stash
     groups = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default"))
@@ -450,8 +418,6 @@ def unit_of(session: SglSession, item: pytest.Item) -> Unit | None:
 
 def write_collection_map(session: SglSession, items: Sequence[pytest.Item]) -> None:
     """On an xdist worker: which unit each collected node id needs, for the controller's scheduler."""
-    from .session import xdist_worker_id
-
     workerinput = getattr(session.config, "workerinput", None)
     if not isinstance(workerinput, dict) or not workerinput.get(MAP_INPUT):
         return
@@ -467,7 +433,7 @@ def write_collection_map(session: SglSession, items: Sequence[pytest.Item]) -> N
     gpus: int | None = None
     if tests:
         try:
-            gpus = len(session.lease_manager().inventory.static_gpus())
+            gpus = session.source.gpu_count()
         except Exception:  # no inventory: the workers skip or fail those tests; nothing to budget
             gpus = None
     if not directory.is_dir():

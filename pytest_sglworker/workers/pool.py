@@ -21,7 +21,7 @@ import os
 import threading
 import time
 from collections import OrderedDict, defaultdict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -32,67 +32,17 @@ from ..resources.processes import hostname
 from ..resources.retention import keeps
 from .config import KindChooser, MemberPlan, WorkerConfig, default_kind
 from .errors import LaunchCancelled, WorkerError
+from .group import WorkerGroup
 from .launcher import LaunchOptions, ModelInstance, ProgressCallback, spawn_worker
-from .records import ConfigStats, LaunchRecord
+from .records import ConfigStats, LaunchRecord, RunRecords
 
 if TYPE_CHECKING:
     from ..engine.ledger import MemoryLedger
     from ..resources.gpus import Lease, LeaseManager
 
-__all__ = ["WorkerConfig", "WorkerGroup", "WorkerPool"]
+__all__ = ["WorkerGroup", "WorkerPool"]
 
 _ids = itertools.count(1)
-
-
-class WorkerGroup:
-    """The running processes of one configuration: one worker, N regular workers, or a prefill/decode group.
-
-    ``workers`` is every member in launch order; ``prefill`` and ``decode`` the members of those roles; a
-    group is also a sequence of its members (``group[0]``, ``len(group)``, ``for w in group``)."""
-
-    def __init__(self, config: WorkerConfig, members: Sequence[ModelInstance], group_id: str) -> None:
-        self.config = config
-        self.members = list(members)
-        self.id = group_id
-
-    @property
-    def workers(self) -> list[ModelInstance]:
-        return list(self.members)
-
-    @property
-    def prefill(self) -> list[ModelInstance]:
-        return [m for m in self.members if m.role == "prefill"]
-
-    @property
-    def decode(self) -> list[ModelInstance]:
-        return [m for m in self.members if m.role == "decode"]
-
-    @property
-    def regular(self) -> list[ModelInstance]:
-        return [m for m in self.members if m.role == "worker"]
-
-    @property
-    def is_pd(self) -> bool:
-        return bool(self.prefill)
-
-    @property
-    def urls(self) -> list[str]:
-        return [m.url for m in self.members]
-
-    def is_alive(self) -> bool:
-        return all(m.is_alive() for m in self.members)
-
-    def __iter__(self) -> Iterator[ModelInstance]:
-        return iter(self.members)
-
-    def __len__(self) -> int:
-        return len(self.members)
-
-    def __getitem__(self, index: int) -> ModelInstance:
-        return self.members[index]
-
-    def __repr__(self) -> str:
-        return f"<WorkerGroup {self.config.label}: {', '.join(m.describe() for m in self.members)}>"
 
 
 @dataclass
@@ -218,6 +168,7 @@ class WorkerPool:
         release_wait: float = 60.0,
         xdist_worker: str | None = None,
         on_leased: Callable[[WorkerConfig], None] | None = None,
+        records: RunRecords | None = None,
     ) -> None:
         self.options = options
         #: called with the configuration once a test's own launch holds its lease, before its startup: the
@@ -234,8 +185,8 @@ class WorkerPool:
         self.choose_kind = choose_kind or default_kind
         self.release_wait = release_wait
         self.xdist_worker = xdist_worker
-        self.stats: dict[str, ConfigStats] = {}
-        self.launches: list[LaunchRecord] = []
+        #: the run's figures and launch records (shared with the routers and attached workers of the session)
+        self.records = records or RunRecords(xdist_worker or "main")
         self._idle: OrderedDict[str, _Entry] = OrderedDict()  # group id -> entry, LRU first
         self._busy: dict[str, _Entry] = {}
         self._ahead: dict[WorkerConfig, _Ahead] = {}
@@ -243,11 +194,16 @@ class WorkerPool:
         self._lock = threading.RLock()
 
     # -- public -------------------------------------------------------------------------------------------
+    @property
+    def stats(self) -> dict[str, ConfigStats]:
+        return self.records.stats
+
+    @property
+    def launches(self) -> list[LaunchRecord]:
+        return self.records.launches
+
     def stats_for(self, config: WorkerConfig) -> ConfigStats:
-        stats = self.stats.get(config.key)
-        if stats is None:
-            stats = self.stats[config.key] = ConfigStats(config.label, config.spec.model)
-        return stats
+        return self.records.stats_for(config.key, config.label, config.spec.model)
 
     def acquire(self, config: WorkerConfig, *, holder: str, fresh: bool = False,
                 options: LaunchOptions | None = None) -> WorkerGroup:
@@ -549,12 +505,9 @@ class WorkerPool:
 
     def _record(self, config: WorkerConfig, plan: MemberPlan, group_id: str | None, requested: float,
                 leased: float | None) -> LaunchRecord:
-        record = LaunchRecord(
-            id=f"{self.xdist_worker or 'main'}-{len(self.launches) + 1}", config=config.key, label=config.label,
-            model=config.spec.model, role=plan.role, group=group_id, xdist_worker=self.xdist_worker,
-            node=hostname(), t_lease_requested=requested, t_leased=leased)
-        self.launches.append(record)
-        return record
+        return self.records.new_launch(
+            config=config.key, label=config.label, model=config.spec.model, role=plan.role, group=group_id,
+            xdist_worker=self.xdist_worker, node=hostname(), t_lease_requested=requested, t_leased=leased)
 
     @staticmethod
     def _take(record: LaunchRecord, instance: ModelInstance) -> None:

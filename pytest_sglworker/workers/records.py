@@ -1,26 +1,23 @@
-"""The run report: what happened to each worker configuration, and one record per launched process.
+"""What happened to the workers of a run: figures per worker configuration (:class:`ConfigStats`) and one record
+per launched process (:class:`LaunchRecord`), kept together in :class:`RunRecords`.
 
-Plain Python, no pytest. The pool fills :class:`ConfigStats` and :class:`LaunchRecord` s; under xdist each
-worker sends its own as plain dicts (``as_dict``) and the controller merges them (:func:`merge_stats`,
-:func:`merge_launches`). :func:`write_json` writes the JSON of ``--sgl-report`` (schema in the README);
-the timeline and the trace are drawn from the same launch records.
+Plain Python, no pytest. The pool, the routers and the attached workers write into one :class:`RunRecords` per
+pytest process (launches ahead write from their own threads: it is guarded by a lock); the pytest-facing layer
+turns them into the run report, the timeline and the trace (:mod:`pytest_sglworker.plugin.run_report`).
 """
 
 from __future__ import annotations
 
-import json
 import statistics
-from collections.abc import Mapping, Sequence
+import threading
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .process import ManagedProcess
 
-__all__ = ["SCHEMA", "ConfigStats", "LaunchRecord", "merge_launches", "merge_stats", "write_json"]
-
-SCHEMA = "pytest-sglworker/report/v1"
+__all__ = ["ConfigStats", "LaunchRecord", "RunRecords", "TestSpan"]
 
 
 @dataclass
@@ -104,19 +101,6 @@ class ConfigStats:
         self.kv_tokens_actual = self.kv_tokens_actual or other.kv_tokens_actual
 
 
-def merge_stats(sources: Sequence[Mapping[str, Mapping[str, Any]]]) -> dict[str, ConfigStats]:
-    """Merge the ``as_dict`` figures of several processes, by configuration key."""
-    merged: dict[str, ConfigStats] = {}
-    for source in sources:
-        for key, data in source.items():
-            stats = ConfigStats.from_dict(data)
-            if key in merged:
-                merged[key].merge(stats)
-            else:
-                merged[key] = stats
-    return merged
-
-
 @dataclass
 class TestSpan:
     nodeid: str
@@ -172,16 +156,40 @@ class LaunchRecord:
         return asdict(self)
 
 
-def merge_launches(sources: Sequence[Sequence[Mapping[str, Any]]]) -> list[dict[str, Any]]:
-    """All processes' launch records, ordered by start."""
-    launches = [dict(r) for source in sources for r in source]
-    return sorted(launches, key=lambda r: (r.get("t_lease_requested") or r.get("t_started") or 0.0, r["id"]))
+class RunRecords:
+    """The figures and launch records of one pytest process: the pool, the routers and the attached workers write
+    here. ``origin`` names the process in launch ids (the xdist worker's id, or ``main``). Guarded by a lock:
+    a launch ahead registers its records from its own thread."""
 
+    def __init__(self, origin: str = "main") -> None:
+        self.origin = origin
+        self.stats: dict[str, ConfigStats] = {}
+        self.launches: list[LaunchRecord] = []
+        self._lock = threading.Lock()
 
-def write_json(path: Path, report: Mapping[str, Any]) -> None:
-    """``--sgl-report PATH``: the run report as JSON (schema in the README), written atomically (a failed
-    write leaves the previous file, never a partial one), mode 0644."""
-    from ..resources.state import atomic_write
+    def stats_for(self, key: str, label: str, model: str) -> ConfigStats:
+        """The figures of configuration ``key`` (made on first use with ``label`` and ``model``)."""
+        with self._lock:
+            stats = self.stats.get(key)
+            if stats is None:
+                stats = self.stats[key] = ConfigStats(label, model)
+            return stats
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write(path, json.dumps(report, indent=2, sort_keys=True) + "\n")
+    def new_launch(self, *, kind: str = "", **fields: Any) -> LaunchRecord:
+        """A new launch record with the next id of this process (``<origin>-<n>``, ``<origin>-router-<n>``)."""
+        with self._lock:
+            prefix = f"{self.origin}-{kind}-" if kind else f"{self.origin}-"
+            record = LaunchRecord(id=f"{prefix}{len(self.launches) + 1}", xdist_worker=fields.pop(
+                "xdist_worker", None if self.origin == "main" else self.origin), **fields)
+            self.launches.append(record)
+            return record
+
+    def stats_dicts(self) -> dict[str, dict[str, Any]]:
+        """Every configuration's figures as JSON-able dicts (what an xdist worker sends its controller)."""
+        with self._lock:
+            return {key: stats.as_dict() for key, stats in self.stats.items()}
+
+    def launch_dicts(self) -> list[dict[str, Any]]:
+        with self._lock:
+            return [record.as_dict() for record in self.launches]
+

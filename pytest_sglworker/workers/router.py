@@ -1,12 +1,13 @@
 """The real sglang router (``sglang-router`` on PyPI, a Rust binary that runs on a CPU) in front of a worker
 group: launched, proven ready, reported and torn down like a worker.
 
-Plain Python, no pytest (the ``sgl_router`` fixture in ``plugin.py`` calls :func:`start_router`). The router:
+Plain Python, no pytest (the ``sgl_router`` fixture calls :func:`start_router` with the session's
+:class:`RouterOptions` and run records). The router:
 
 - binds 127.0.0.1 on a port reserved across processes, and its Prometheus endpoint on 127.0.0.1 on the
   next port of the same block (the router's own defaults are 0.0.0.0:29000);
 - logs to ``sglang-router-<port>.log`` beside the workers' logs, and is tagged and torn down by
-  :mod:`processes` like every process the plugin starts;
+  :mod:`pytest_sglworker.resources.processes` like every process the plugin starts;
 - is in regular mode over the group's workers, PD mode (``--pd-disaggregation --prefill URL BOOTSTRAP_PORT
   --decode URL``) over a prefill/decode group, and ``--dp-aware`` when a worker has ``--dp-size`` > 1;
 - is ready when ``GET /health`` answers 200 and ``GET /workers`` lists every worker healthy
@@ -26,6 +27,7 @@ import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..engine.redaction import mask_argv
@@ -37,14 +39,13 @@ from .health import Probe, ProbeTimeout, Readiness, Watched, http_request, wait_
 from .kinds import data_parallel_size
 from .launcher import check_launcher
 from .process import ManagedProcess, log_name, start_process
-from .records import ConfigStats, LaunchRecord
+from .records import ConfigStats, LaunchRecord, RunRecords
 
 if TYPE_CHECKING:
-    from ..plugin.options import Settings
-    from ..plugin.session import SglSession
     from .pool import WorkerGroup
 
-__all__ = ["ROUTER_MODULE", "Router", "RouterReadiness", "RouterUnavailable", "router_argv", "start_router"]
+__all__ = ["ROUTER_MODULE", "Router", "RouterOptions", "RouterReadiness", "RouterUnavailable", "router_argv",
+           "start_router"]
 
 ROUTER_MODULE = "sglang_router.launch_router"
 INSTALL_HINT = "pip install 'pytest-sglworker[router]' (or: pip install sglang-router)"
@@ -56,6 +57,25 @@ ROUTER_PORTS = ("http", "prometheus")
 
 class RouterUnavailable(SglWorkerError):
     """The router package is not installed (router tests are skipped with the install command)."""
+
+
+@dataclass(frozen=True)
+class RouterOptions:
+    """How the session launches routers: everything that is not the group or the test's router marker."""
+
+    log_dir: Path
+    #: ``--sgl-router-launcher``; None: ``<python> -m sglang_router.launch_router`` when it is installed
+    launcher: tuple[str, ...] | None = None
+    lock_dir: Path | None = None
+    port_range: tuple[int, int] | None = None
+    #: how long to wait for a free port block when every block is held
+    port_wait_timeout: float = 0.0
+    #: the workers' startup timeout; a router gets at most :data:`DEFAULT_ROUTER_TIMEOUT` of it
+    startup_timeout: float = DEFAULT_ROUTER_TIMEOUT
+    tail_lines: int = 40
+    #: which router logs to keep (:func:`pytest_sglworker.resources.retention.keeps`)
+    log_policy: str = "failed"
+    on_message: Callable[[str], None] | None = field(default=None, compare=False)
 
 
 def default_router_launcher() -> list[str]:
@@ -152,6 +172,9 @@ class Router(ManagedProcess):
     removed: list[str] = field(default_factory=list)
     #: the pool figures of the group's configuration (a removal counts as a deliberate stop there)
     group_stats: ConfigStats | None = field(default=None, repr=False)
+    #: the router's own figures, and the log policy its teardown follows
+    stats: ConfigStats | None = field(default=None, repr=False)
+    log_policy: str = field(default="failed", repr=False)
     #: the router's ``--api-key``: its worker API methods send it; ``client`` does not (a test of the key
     #: sends it itself, or ``headers=router.auth_headers``)
     api_key: str | None = field(default=None, repr=False)
@@ -218,11 +241,11 @@ class Router(ManagedProcess):
             time.sleep(0.1)
 
     # -- teardown -----------------------------------------------------------------------------------------
-    def close(self, session: SglSession, nodeid: str) -> None:
+    def close(self, nodeid: str) -> None:
         """Stop the router, give its ports back and finish its launch record."""
         died = not self.is_alive() and not self.stopped
         self.stop()
-        stats = _router_stats(session, self.group, self.policy)
+        stats = self.stats or ConfigStats(self.describe(), "sglang-router")
         if died:
             stats.deaths += 1
         if self.record is not None:
@@ -233,20 +256,15 @@ class Router(ManagedProcess):
             record.served(nodeid, self.times.get("ready"), self.times.get("stop_requested"), "done")
         from ..resources.retention import keeps
 
-        if not keeps(session.settings.log_policy, failed=died):
+        if not keeps(self.log_policy, failed=died):
             self.remove_log()
         else:
             (stats.failed_logs if died else stats.kept_logs).append(str(self.log_path))
 
 
-def _router_stats(session: SglSession, group: WorkerGroup, policy: str | None) -> ConfigStats:
-    pool = session.pool
-    key = f"router-{policy or 'default'}-{group.config.key}"
-    stats = pool.stats.get(key)
-    if stats is None:
-        stats = pool.stats[key] = ConfigStats(f"router ({policy or 'default policy'}) over {group.config.label}",
-                                              "sglang-router")
-    return stats
+def _router_stats(records: RunRecords, group: WorkerGroup, policy: str | None) -> ConfigStats:
+    return records.stats_for(f"router-{policy or 'default'}-{group.config.key}",
+                             f"router ({policy or 'default policy'}) over {group.config.label}", "sglang-router")
 
 
 def router_env(group: WorkerGroup, environ: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -272,10 +290,10 @@ def _vocab_hint(router: Router) -> str:
             f"'{ROUTER_VOCAB_HINT}', or set {ROUTER_VOCAB_ENV} to a folder that holds it")
 
 
-def router_launcher(settings: Settings) -> list[str]:
-    """The router's launcher: ``--sgl-router-launcher``, else ``<python> -m sglang_router.launch_router`` when
-    the package is installed; :class:`RouterUnavailable` (a skip with the install command) otherwise."""
-    explicit = settings.router_launcher
+def router_launcher(explicit: Sequence[str] | None = None) -> list[str]:
+    """The router's launcher: ``explicit`` (``--sgl-router-launcher``), else ``<python> -m
+    sglang_router.launch_router`` when the package is installed; :class:`RouterUnavailable` (a skip with the
+    install command) otherwise."""
     if explicit:
         return list(explicit)
     if importlib.util.find_spec("sglang_router") is None:
@@ -283,41 +301,39 @@ def router_launcher(settings: Settings) -> list[str]:
     return default_router_launcher()
 
 
-def start_router(session: SglSession, group: WorkerGroup, *, policy: str | None = None, args: Sequence[str] = (),
-                 startup_timeout: float | None = None, holder: str = "") -> Router:
-    """Launch the router in front of ``group`` and return it once it reports every worker healthy."""
+def start_router(group: WorkerGroup, options: RouterOptions, records: RunRecords, *, policy: str | None = None,
+                 args: Sequence[str] = (), startup_timeout: float | None = None, holder: str = "") -> Router:
+    """Launch the router in front of ``group`` and return it once it reports every worker healthy; its figures
+    and launch record go into ``records``."""
     from ..resources import state
     from ..resources.ports import reserve_port_block
 
-    launcher = router_launcher(session.settings)
+    launcher = router_launcher(options.launcher)
     check_launcher(launcher)
-    s = session.settings
-    log_dir = state.ensure_private_dir(session.log_dir, what="log directory")
-    lock_dir = state.ensure_private_dir(s.lock_dir or state.default_lock_dir(), what="lock directory",
-                                        shared_ok=s.lock_dir is not None)
-    timeout = startup_timeout or min(s.startup_timeout, DEFAULT_ROUTER_TIMEOUT)
-    stats = _router_stats(session, group, policy)
-    pool = session.pool
+    log_dir = state.ensure_private_dir(options.log_dir, what="log directory")
+    lock_dir = state.ensure_private_dir(options.lock_dir or state.default_lock_dir(), what="lock directory",
+                                        shared_ok=options.lock_dir is not None)
+    timeout = startup_timeout or min(options.startup_timeout, DEFAULT_ROUTER_TIMEOUT)
+    stats = _router_stats(records, group, policy)
     for attempt in (1, 2, 3):
-        block = reserve_port_block(lock_dir, port_range=s.port_range, timeout=s.lease_timeout,
-                                   on_wait=session.pool.on_message)
+        block = reserve_port_block(lock_dir, port_range=options.port_range, timeout=options.port_wait_timeout,
+                                   on_wait=options.on_message)
         ports = dict(zip(ROUTER_PORTS, block.ports, strict=False))
         argv = router_argv(launcher, port=ports["http"], prometheus_port=ports["prometheus"], group=group,
                            policy=policy, args=args)
-        record = LaunchRecord(id=f"{pool.xdist_worker or 'main'}-router-{len(pool.launches) + 1}",
-                              config=group.config.key, label=f"router over {group.config.label}", model="sglang-router",
-                              role="router", group=group.id, xdist_worker=pool.xdist_worker,
-                              t_lease_requested=time.time(), port=ports["http"], argv=" ".join(mask_argv(argv)))
-        pool.launches.append(record)
+        record = records.new_launch(kind="router", config=group.config.key, label=f"router over {group.config.label}",
+                                    model="sglang-router", role="router", group=group.id,
+                                    t_lease_requested=time.time(), port=ports["http"], argv=" ".join(mask_argv(argv)))
         try:
             started = start_process(argv, router_env(group), log_dir / log_name("sglang-router", ports["http"]))
         except BaseException:
             block.release()
             record.outcome = "startup_failed"
             raise
+        group_stats = records.stats_for(group.config.key, group.config.label, group.config.spec.model)
         router = Router(host=LOOPBACK_HOST, port=ports["http"], ports=ports, port_block=block, group=group,
-                        policy=policy, record=record, tail_lines=s.tail_lines, group_stats=pool.stats_for(group.config),
-                        api_key=api_key_of(args), **started)
+                        policy=policy, record=record, tail_lines=options.tail_lines, group_stats=group_stats,
+                        stats=stats, log_policy=options.log_policy, api_key=api_key_of(args), **started)
         record.pid, record.log_path, record.node = router.pid, str(router.log_path), hostname()
         try:
             wait_until_ready(router, RouterReadiness(group, router.api_key), timeout=timeout, ready_line=None)
@@ -341,5 +357,5 @@ def start_router(session: SglSession, group: WorkerGroup, *, policy: str | None 
         if router.startup_seconds is not None:
             stats.startup_seconds.append(router.startup_seconds)
         return router
-    raise LaunchError(f"the router could not bind a port in {s.port_range or 'the default range'}: "
+    raise LaunchError(f"the router could not bind a port in {options.port_range or 'the default range'}: "
                       f"{shlex.join(mask_argv(argv))}")

@@ -21,12 +21,12 @@ from typing import Any
 
 import pytest
 
+from pytest_sglworker.plugin.options import parse_dist_option
 from pytest_sglworker.plugin.xdist_scheduling import (
     MAP_SCHEMA,
     Planner,
     Unit,
     explicit_dist,
-    parse_dist_option,
     read_collection_map,
     unit_from_suffix,
 )

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from pytest_sglworker import CI_WORKER_ARGS, ModelSpec
-from pytest_sglworker.workers.attached import budget_problems, parse_worker_url, parse_worker_urls
 from pytest_sglworker.workers.launcher import LaunchOptions, ModelInstance, sim_launcher, spawn_worker
+from pytest_sglworker.workers.sources.attached import budget_problems, parse_worker_url, parse_worker_urls
 
 QWEN = ModelSpec(name="qwen3-0.6b", model="Qwen/Qwen3-0.6B", memory_gb=16, worker_args=CI_WORKER_ARGS)
 BASE = ["-p", "no:cacheprovider", "--sgl-engine", "real"]
@@ -79,7 +79,7 @@ def test_tests_run_against_the_attached_worker_which_outlives_the_session(
             assert sgl_workers.urls == ["{deployment.url}"]
 
         def test_never_stopped(sgl_worker):
-            from pytest_sglworker.workers.attached import AttachedWorkerError
+            from pytest_sglworker.workers.sources.attached import AttachedWorkerError
             with pytest.raises(AttachedWorkerError, match="never stops a worker it did not start"):
                 sgl_worker.stop()
             assert "no log" in sgl_worker.log_tail()

@@ -1,5 +1,6 @@
 """Attached workers: a spec's tests run against an sglang worker that is already running
-(``--sgl-worker-url NAME=URL``), instead of one the plugin launches.
+(``--sgl-worker-url NAME=URL``), instead of one the plugin launches. :class:`AttachedSource` is the worker source
+of this mode: the attached specs' tests get their workers; every other spec goes to the source it wraps.
 
 Plain Python, no pytest. An attached worker is never leased, never stopped and never restarted by the
 plugin. Before the first test uses it the plugin proves three things, each with a whole-request deadline:
@@ -22,20 +23,25 @@ import re
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 from urllib.parse import urlsplit
 
-from ..engine.budget import MAX_FRACTION, BudgetProblem
-from ..engine.sglang_facts import HEALTH_PATH, SERVER_INFO_PATHS
-from ..errors import SglWorkerError
-from .errors import WorkerError
+from ...engine.budget import MAX_FRACTION, BudgetProblem, describe_violation
+from ...engine.sglang_facts import HEALTH_PATH, SERVER_INFO_PATHS
+from ...errors import SglWorkerError
+from ..errors import WorkerError
+from ..group import WorkerGroup
+from .base import GroupRequest, GroupUse, Refusal, SourceRefusal, WorkerSource
 
 if TYPE_CHECKING:
     import httpx
 
-    from ..engine.specs import ModelSpec
+    from ...engine.specs import ModelSpec
+    from ..config import WorkerConfig
+    from ..launcher import ModelInstance
+    from ..records import RunRecords
 
-__all__ = ["AttachedWorker", "AttachedWorkerError", "WorkerUrl", "attach", "parse_worker_urls"]
+__all__ = ["AttachedSource", "AttachedWorker", "AttachedWorkerError", "WorkerUrl", "attach", "parse_worker_urls"]
 
 #: seconds for each of the checks made before the first test (health, server info)
 PROBE_TIMEOUT = 10.0
@@ -102,7 +108,7 @@ def parse_worker_urls(values: Sequence[str]) -> dict[str, tuple[WorkerUrl, ...]]
 
 
 def _get(target: WorkerUrl, path: str, timeout: float) -> tuple[int, bytes]:
-    from .health import http_request
+    from ..health import http_request
 
     response = http_request(target.host, target.port, path, deadline=time.monotonic() + timeout, tls=target.tls)
     return response.status, response.body
@@ -282,3 +288,116 @@ def attach(target: WorkerUrl, spec: ModelSpec, *, source: str = "--sgl-worker-ur
                                   f"{spec.model!r}; attach it under the spec of its model, or attach the right "
                                   "worker")
     return AttachedWorker(target, spec, info, budget_problems(info), index=index, tail_lines=tail_lines)
+
+
+#: the budget check's fix for an attached worker that breaks it
+_RESTART_FIX = ("restart it with CI_WORKER_ARGS (--mem-fraction-static 0.6 --cuda-graph-backend-prefill disabled), "
+                "or mark the test @pytest.mark.sgl_budget_opt_out(reason='why')")
+
+
+class AttachedSource:
+    """The attached workers of ``--sgl-worker-url`` for the specs they serve (probed once, on first use); every
+    other spec, and every launch a test asks for itself (``sgl_spawn_worker``), goes to ``launching``."""
+
+    name = "attached"
+
+    def __init__(self, targets: Mapping[str, Sequence[WorkerUrl]], launching: WorkerSource, records: RunRecords, *,
+                 option: str = "--sgl-worker-url", tail_lines: int = 40) -> None:
+        self.targets = {name: tuple(urls) for name, urls in targets.items()}
+        self.launching = launching
+        self.records = records
+        self.option = option
+        self.tail_lines = tail_lines
+        #: spec name -> its attached workers, or the error that makes them unusable (said once)
+        self._attached: dict[str, list[AttachedWorker] | AttachedWorkerError] = {}
+
+    def describe(self) -> str:
+        attached = ", ".join(str(url) for urls in self.targets.values() for url in urls)
+        return f"attached workers (never launched, leased or stopped): {attached}; others: {self.launching.describe()}"
+
+    def serves(self, spec: ModelSpec) -> bool:
+        return spec.name in self.targets
+
+    def workers(self, spec: ModelSpec) -> list[AttachedWorker]:
+        """The attached workers of ``spec``, proven up and serving its model on first use; the
+        :class:`AttachedWorkerError` when they are not (remembered: the next test does not wait for it again)."""
+        if spec.name not in self._attached:
+            try:
+                self._attached[spec.name] = [attach(t, spec, source=self.option, index=i, tail_lines=self.tail_lines)
+                                             for i, t in enumerate(self.targets[spec.name])]
+            except AttachedWorkerError as exc:
+                self._attached[spec.name] = exc
+        found = self._attached[spec.name]
+        if isinstance(found, AttachedWorkerError):
+            raise found
+        return list(found)
+
+    def refusal(self, config: WorkerConfig, *, opt_out: bool) -> Refusal | None:
+        """Why a test cannot run on its spec's attached workers: a skip for a shape they cannot take (extra args
+        or env, a prefill/decode group, more workers than attached), an error for a budget they break without
+        an opt-out. Raises :class:`AttachedWorkerError` when they are down or serve another model."""
+        if not self.serves(config.spec):
+            return self.launching.refusal(config, opt_out=opt_out)
+        workers = self.workers(config.spec)
+        where = ", ".join(w.url for w in workers)
+        name = config.spec.name
+        if config.extra_args or config.env or (config.group is not None and any(a for _, a in config.group.role_args)):
+            return Refusal("skip", f"{name} is attached ({where}): it runs as it was started, and this test's extra "
+                                   f"args or env need a launched worker (drop --sgl-worker-url {name}=... to run it)")
+        if config.group is not None and config.group.is_pd:
+            return Refusal("skip", f"{name} is attached ({where}): this test needs a prefill/decode group")
+        wanted = config.group.count if config.group is not None else 1
+        if wanted > len(workers):
+            return Refusal("skip", f"{name} is attached ({where}): this test needs {wanted} workers, {len(workers)} "
+                                   f"attached (give --sgl-worker-url {name}=URL once per worker)")
+        problems = [p for w in workers[:wanted] for p in w.problems]
+        if problems and not opt_out:
+            subject = "; ".join(f"attached worker {w.url}" for w in workers[:wanted] if w.problems)
+            return Refusal("error", describe_violation(f"{subject} ({name}, {self.option})", problems,
+                                                       fix=_RESTART_FIX))
+        return None
+
+    def acquire(self, request: GroupRequest) -> WorkerGroup:
+        config = request.config
+        if request.launch or not self.serves(config.spec):
+            return self.launching.acquire(request)
+        refusal = self.refusal(config, opt_out=request.budget_opt_out)
+        if refusal is not None:
+            raise SourceRefusal(refusal)
+        wanted = config.group.count if config.group is not None else 1
+        # An attached worker offers the surface of a launched one (url, client, responds, log_tail, ...).
+        members = cast("list[ModelInstance]", self.workers(config.spec)[:wanted])
+        group = WorkerGroup(config, members, f"attached-{config.key}")
+        stats = self.records.stats_for(config.key, config.label, config.spec.model)
+        if "(attached" not in stats.label:
+            stats.label += f" (attached: {', '.join(w.url for w in group)})"
+        stats.reuses += 1
+        return group
+
+    def give_back(self, group: WorkerGroup, use: GroupUse) -> SglWorkerError | None:
+        """An attached worker that stops answering during a passing test fails it: the next tests would fail on
+        it too, with less to go on."""
+        if not group.id.startswith("attached-"):
+            return self.launching.give_back(group, use)
+        if use.failed or use.outcome == "skipped":
+            return None
+        silent = [m for m in group if not m.responds()]
+        if silent:
+            return SglWorkerError(f"{silent[0].describe()} stopped answering its health check during the test")
+        return None
+
+    def launch_ahead(self, config: WorkerConfig, *, holder: str) -> bool:
+        return False if self.serves(config.spec) else self.launching.launch_ahead(config, holder=holder)
+
+    def gpu_count(self) -> int | None:
+        return self.launching.gpu_count()
+
+    def close(self) -> None:
+        try:
+            for found in self._attached.values():
+                if isinstance(found, list):
+                    for worker in found:
+                        worker.close()
+        finally:
+            self.launching.close()
+

@@ -1,10 +1,13 @@
-"""``--sgl-cluster ray``: workers placed on a Ray cluster, Ray's scheduler in place of the file-lock GPU leases.
+"""``--sgl-cluster ray``: workers placed on a Ray cluster, Ray's scheduler in place of the file-lock GPU leases
+(:class:`RaySource`, the worker source of this mode).
 
 Plain Python: no pytest here; ``ray`` is imported only in this mode (lazily, inside functions), so the plugin
 stays cheap in every other run.
 
 How it fits the pool
 --------------------
+- :class:`RaySource` is a :class:`~pytest_sglworker.workers.sources.local.PoolSource` whose lease manager is a
+  :class:`RayLeaseManager`: the pool, its reuse, its launch records and its teardown are the local source's.
 - :class:`RayLeaseManager` stands where :class:`~pytest_sglworker.resources.gpus.LeaseManager` stands: a worker group's
   lease is one Ray **placement group** with one bundle ``{"GPU": tp x dp}`` per member, reserved atomically
   (two groups never each hold half of what the other needs, as with local leases). A cluster that is full
@@ -26,7 +29,8 @@ Why one module of this size: the actor that runs on the node (:class:`WorkerHost
 it (:class:`RemoteProcess`, ``RayWorker``, :meth:`RayLeaseManager.starter`) are the two ends of one protocol, the
 dicts that the actor's ``node``, ``start`` and ``stop`` return; and the lease manager, its leases and their workers
 share one connection to the cluster (the manager's ``ray``). Starting a process, tearing its tree down and reading
-its log are :mod:`launcher`'s and :mod:`processes`'s, called here, not copied; the local leases are in :mod:`gpus`.
+its log are the launcher's and the process module's, called here, not copied; the local leases are in
+:mod:`pytest_sglworker.resources.gpus`.
 """
 
 from __future__ import annotations
@@ -45,15 +49,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
-from ..errors import InventoryUnavailable, LeaseImpossible, LeaseTimeout, SglWorkerError
-from ..resources.gpus import GpuInfo, Inventory, ReleaseReport
-from ..resources.processes import OWNER_ENV, SESSION_ID, hostname, owner_tag
-from .errors import LaunchError
+from ...errors import InventoryUnavailable, LeaseImpossible, LeaseTimeout
+from ...resources.gpus import GpuInfo, Inventory, ReleaseReport
+from ...resources.processes import OWNER_ENV, SESSION_ID, hostname, owner_tag
+from ..errors import LaunchError
+from .local import PoolSource
 
 if TYPE_CHECKING:
-    from ..engine.specs import ModelSpec
-    from .kinds import WorkerKind
-    from .launcher import LaunchOptions, ModelInstance
+    from ...engine.specs import ModelSpec
+    from ..kinds import WorkerKind
+    from ..launcher import LaunchOptions, ModelInstance
 
 __all__ = [
     "INSTALL_HINT",
@@ -61,6 +66,7 @@ __all__ = [
     "ClusterUnavailable",
     "RayLease",
     "RayLeaseManager",
+    "RaySource",
     "RemoteProcess",
     "WorkerHost",
     "parse_cluster",
@@ -161,7 +167,7 @@ class WorkerHost:
     with the actor whatever ends it."""
 
     def __init__(self, session_id: str) -> None:
-        from ..resources.reaper import Watchdog
+        from ...resources.reaper import Watchdog
 
         self.session_id = session_id
         self.process: subprocess.Popen[bytes] | None = None
@@ -181,8 +187,8 @@ class WorkerHost:
         closed), on the GPUs Ray gave this actor."""
         import ray
 
-        from ..engine.redaction import secret_values
-        from .process import popen, unused_log_path
+        from ...engine.redaction import secret_values
+        from ..process import popen, unused_log_path
 
         if self.process is not None and self.process.poll() is None:
             raise LaunchError("this Ray worker host already runs a worker")
@@ -212,7 +218,7 @@ class WorkerHost:
                 self.process.send_signal(sig)
 
     def _tree(self, sweep: bool = True) -> list[Any]:
-        from ..resources.processes import process_tree
+        from ...resources.processes import process_tree
 
         assert self.process is not None
         procs = process_tree(self.process.pid, self.tag, sweep=sweep)
@@ -220,17 +226,17 @@ class WorkerHost:
         return procs
 
     def owns_port(self, port: int) -> bool:
-        from ..resources.processes import listening_pids
+        from ...resources.processes import listening_pids
 
         return self.process is not None and bool(listening_pids(self._tree(sweep=False), port))
 
     def log_tail(self, lines: int, max_bytes: int = 256 * 1024) -> str:
-        from .process import read_tail
+        from ..process import read_tail
 
         return read_tail(self.log_path, lines, max_bytes=max_bytes) if self.log_path else ""
 
     def log_text(self, max_bytes: int) -> str:
-        from .process import read_head
+        from ..process import read_head
 
         return read_head(self.log_path, max_bytes) if self.log_path else ""
 
@@ -241,7 +247,7 @@ class WorkerHost:
 
     def stop(self, term_timeout: float = 10.0, kill_timeout: float = 10.0) -> dict[str, Any]:
         """Tear the worker's whole tree down (root first, then its session and its tag, then SIGKILL)."""
-        from ..resources.processes import terminate_tree
+        from ...resources.processes import terminate_tree
 
         if self.process is None:
             return {"killed": [], "pids": [], "returncode": None}
@@ -314,7 +320,7 @@ def _worker_class() -> type[ModelInstance]:
     """:class:`RayWorker`, made on first use (it subclasses the launcher's ``ModelInstance``)."""
     global _RAY_WORKER
     if _RAY_WORKER is None:
-        from .launcher import ModelInstance
+        from ..launcher import ModelInstance
 
         @dataclass(kw_only=True)
         class RayWorker(ModelInstance):
@@ -337,7 +343,7 @@ def _worker_class() -> type[ModelInstance]:
                     return False
 
             def log_tail(self, lines: int = 40) -> str:
-                from ..engine.redaction import redact
+                from ...engine.redaction import redact
 
                 if self.log_local and self.log_path.exists():
                     return super().log_tail(lines)
@@ -348,7 +354,7 @@ def _worker_class() -> type[ModelInstance]:
                 return redact(text, self.secrets)
 
             def log_text(self, max_bytes: int = 4 * 1024 * 1024) -> str:
-                from ..engine.redaction import redact
+                from ...engine.redaction import redact
 
                 if self.log_local and self.log_path.exists():
                     return super().log_text(max_bytes)
@@ -478,7 +484,7 @@ class RayLease:
     def spawner(self, bundle: int) -> Callable[..., ModelInstance]:
         """A ``spawn_worker`` that starts a member in bundle ``bundle`` of this lease (the member's place in
         the group, as the pool split the lease)."""
-        from .launcher import spawn_worker
+        from ..launcher import spawn_worker
 
         def spawn(spec: ModelSpec, **kwargs: Any) -> ModelInstance:
             return spawn_worker(spec, starter=self._manager.starter(self, bundle), **kwargs)
@@ -736,9 +742,9 @@ class RayLeaseManager:
         def start(spec: ModelSpec, ports: Mapping[str, int], extra_args: Sequence[str],
                   env: Mapping[str, str] | None, options: LaunchOptions, log_dir: Path, gpus: str | None,
                   kind: WorkerKind, index: int) -> ModelInstance:
-            from ..engine.sglang_facts import LOOPBACK_HOST
-            from .launcher import build_argv
-            from .process import log_name
+            from ...engine.sglang_facts import LOOPBACK_HOST
+            from ..launcher import build_argv
+            from ..process import log_name
 
             ray = self.ray
             actor = lease.host(bundle)
@@ -787,8 +793,15 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[-1] if text else type(exc).__name__
 
 
-def make_lease_manager(raw: str, lock_dir: Path, on_message: Callable[[str], None] | None = None) -> RayLeaseManager:
-    spec = parse_cluster(raw)
-    if spec is None:
-        raise SglWorkerError(f"--sgl-cluster {raw!r} names no cluster")
-    return RayLeaseManager(spec, lock_dir, on_message=on_message)
+class RaySource(PoolSource):
+    """Workers on a Ray cluster (``--sgl-cluster ray``): a worker group's lease is a placement group, each member
+    is started by an actor in its bundle; the local lock directory still holds the port blocks."""
+
+    name = "ray"
+
+    def make_leases(self) -> RayLeaseManager:
+        return RayLeaseManager(self.settings.cluster, self.settings.lock_dir, on_message=self.hooks.on_message)
+
+    def describe(self) -> str:
+        return str(self.settings.cluster.describe())
+

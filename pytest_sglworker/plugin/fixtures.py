@@ -1,0 +1,262 @@
+"""The plugin's fixtures: ``sgl_model``, ``sgl_registry``, ``sgl_worker``, ``sgl_workers``, ``sgl_router`` and
+``sgl_spawn_worker``.
+
+One road from a fixture to its workers, whatever the source: the test's marker is read, its configuration resolved
+(at collection, or now for a test collection did not see), a :class:`~pytest_sglworker.workers.sources.base.
+GroupRequest` goes to the session's worker source, and after the test a
+:class:`~pytest_sglworker.workers.sources.base.GroupUse` gives the group back; what the source says failed (a
+member that died during the test) fails the test there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING
+
+import pytest
+
+from ..engine.specs import ModelSpec, SpecRegistry
+from ..errors import InventoryUnavailable, SglWorkerError
+from ..workers.errors import WorkerError
+from ..workers.sources.base import GroupRequest, GroupUse, SourceRefusal
+from .keys import CONFIG_KEY, REPORTS_KEY, WORKERS_KEY, item_spec
+from .markers import RouterMarker, WorkerMarker, WorkersMarker, opt_out_reason
+from .session import SglSession, state_of
+
+if TYPE_CHECKING:
+    from ..workers.config import WorkerConfig
+    from ..workers.group import WorkerGroup
+    from ..workers.launcher import LaunchOptions, ModelInstance
+    from ..workers.router import Router
+
+__all__ = ["SpawnWorker", "sgl_model", "sgl_registry", "sgl_router", "sgl_spawn_worker", "sgl_worker",
+           "sgl_workers"]
+
+
+@pytest.fixture
+def sgl_model(request: pytest.FixtureRequest) -> ModelSpec:
+    """The model spec of this test: parametrized over ``--sgl-model`` (ids are the spec names)."""
+    raise pytest.UsageError("sgl_model is parametrized by pytest-sglworker; it cannot be requested here")
+
+
+@pytest.fixture(scope="session")
+def sgl_registry(pytestconfig: pytest.Config) -> SpecRegistry:
+    """The session's model registry (built-ins + specs registered by conftests)."""
+    return state_of(pytestconfig).registry
+
+
+def _holder(request: pytest.FixtureRequest) -> str:
+    return f"{request.node.nodeid} (pid {os.getpid()})"
+
+
+def _fail_with(exc: BaseException) -> None:
+    """Fail the test with the error's text; a worker failure's first line (the one pytest's short summary
+    shows, ``-rA``) is its one-line diagnosis."""
+    text = str(exc)
+    if isinstance(exc, WorkerError) and exc.worker:
+        text = f"{exc.summary}\n{text}"
+    # "from None": called inside "except SglWorkerError", the failure would otherwise chain that error as
+    # its context, and pytest prints a chain even with pytrace=False: the whole message twice.
+    raise pytest.fail.Exception(text, pytrace=False) from None
+
+
+def _config_for(request: pytest.FixtureRequest, spec: ModelSpec, fixture: str) -> WorkerConfig:
+    """The configuration resolved at collection, or, for a test collection did not see (a fixture requested
+    with ``request.getfixturevalue``), resolved now: a bad marker or budget then fails this test."""
+    session = state_of(request.config)
+    item: pytest.Item = request.node
+    config = item.stash.get(CONFIG_KEY, None)
+    if config is not None and (fixture == "sgl_worker") == (config.group is None):
+        return config
+    try:
+        return session.resolve_config(request.node, spec, fixture)
+    except (SglWorkerError, ValueError) as exc:
+        _fail_with(exc)
+        raise
+
+
+def _options(session: SglSession, startup_timeout: float | None,
+             allow_foreign_host: str | None) -> LaunchOptions | None:
+    """A test's own launch options (its workers are then never shared), or None for the session's."""
+    if startup_timeout is None and allow_foreign_host is None:
+        return None
+    base = session.launch_options()
+    return dataclasses.replace(base, startup_timeout=startup_timeout or base.startup_timeout,
+                               allow_foreign_host=allow_foreign_host is not None)
+
+
+def _acquire(request: pytest.FixtureRequest, group_request: GroupRequest) -> WorkerGroup:
+    """The group from the session's worker source, its members remembered for the test's failure report."""
+    session = state_of(request.config)
+    try:
+        group = session.source.acquire(group_request)
+    except SourceRefusal as exc:
+        if exc.refusal.action == "skip":
+            pytest.skip(exc.refusal.reason)
+        _fail_with(exc)
+        raise
+    except InventoryUnavailable as exc:
+        pytest.skip(f"no GPU inventory: {exc}")
+    except SglWorkerError as exc:
+        _fail_with(exc)
+        raise
+    request.node.stash.setdefault(WORKERS_KEY, []).extend(group)
+    return group
+
+
+def _give_back(request: pytest.FixtureRequest, group: WorkerGroup, *, check_deaths: bool = True) -> None:
+    """After the test: the group goes back to the source with how the test went; what the source says failed
+    (a member died during a passing test) fails the test here."""
+    session = state_of(request.config)
+    call = request.node.stash.get(REPORTS_KEY, {}).get("call")
+    # No call report: the test was interrupted (Ctrl-C, pytest.exit) and this teardown runs at session end;
+    # keep the logs, and do not raise from here (a failure raised at session finish crashes pytest).
+    use = GroupUse(request.node.nodeid, "interrupted" if call is None else call.outcome,
+                   getattr(call, "start", None), getattr(call, "stop", None),
+                   last_use=request.node.nodeid in session.last_users, check_deaths=check_deaths)
+    failure = session.source.give_back(group, use)
+    if failure is not None:
+        _fail_with(failure)
+
+
+@contextlib.contextmanager
+def _test_group(request: pytest.FixtureRequest, spec: ModelSpec, fixture: str) -> Iterator[WorkerGroup]:
+    """The group of ``fixture`` (``sgl_worker`` or ``sgl_workers``) for this test, from the session's worker
+    source, given back after it."""
+    try:
+        marker = (WorkerMarker if fixture == "sgl_worker" else WorkersMarker).from_mark(
+            request.node.get_closest_marker(fixture))
+    except ValueError as exc:
+        _fail_with(exc)
+        raise
+    config = _config_for(request, spec, fixture)
+    foreign = marker.allow_foreign_host if isinstance(marker, WorkerMarker) else None
+    session = state_of(request.config)
+    try:
+        opt_out = opt_out_reason(request.node) is not None
+    except ValueError as exc:
+        _fail_with(exc)
+        raise
+    group = _acquire(request, GroupRequest(config, _holder(request), fresh=marker.fresh,
+                                           options=_options(session, marker.startup_timeout, foreign),
+                                           budget_opt_out=opt_out))
+    yield group
+    _give_back(request, group)
+
+
+@pytest.fixture
+def sgl_worker(request: pytest.FixtureRequest, sgl_model: ModelSpec) -> Iterator[ModelInstance]:
+    """A healthy sglang worker for the current ``sgl_model``, with extra args from
+    ``@pytest.mark.sgl_worker(args=[...], env={...})``. Drawn from the session pool (reused by later tests
+    of the same configuration unless ``fresh=True``)."""
+    with _test_group(request, sgl_model, "sgl_worker") as group:
+        yield group[0]
+
+
+@pytest.fixture
+def sgl_workers(request: pytest.FixtureRequest, sgl_model: ModelSpec) -> Iterator[WorkerGroup]:
+    """The worker group of ``@pytest.mark.sgl_workers(count=N)`` or ``(prefill=P, decode=D)`` for the current
+    ``sgl_model``: ``.workers``, ``.prefill``, ``.decode``; each member has ``.role``, ``.url``,
+    ``.bootstrap_port`` (prefill) and ``log_tail()``. Started in parallel; pooled and reused by later tests
+    of the same configuration unless ``fresh=True``. Without the marker: one regular worker."""
+    with _test_group(request, sgl_model, "sgl_workers") as group:
+        yield group
+
+
+@pytest.fixture
+def sgl_router(request: pytest.FixtureRequest, sgl_workers: WorkerGroup) -> Iterator[Router]:
+    """The real sglang router (``sglang-router``) in front of this test's ``sgl_workers``: regular mode over
+    ``.workers``, PD mode over ``.prefill``/``.decode``, ``--dp-aware`` when the workers have dp. Configured
+    by ``@pytest.mark.sgl_router(policy=..., args=[...])``; started fresh for each test, ready when it reports
+    every worker healthy, torn down after it."""
+    from ..workers.router import RouterUnavailable, start_router
+
+    session = state_of(request.config)
+    try:
+        marker = RouterMarker.from_mark(request.node.get_closest_marker("sgl_router"))
+    except ValueError as exc:
+        _fail_with(exc)
+        raise
+    session.start_watchdog()
+    try:
+        router = start_router(sgl_workers, session.router_options(), session.records, policy=marker.policy,
+                              args=marker.args, startup_timeout=marker.startup_timeout, holder=_holder(request))
+    except RouterUnavailable as exc:
+        pytest.skip(str(exc))
+    except SglWorkerError as exc:
+        _fail_with(exc)
+        raise
+    request.node.stash.setdefault(WORKERS_KEY, []).append(router)
+    try:
+        yield router
+    finally:
+        router.close(request.node.nodeid)
+
+
+class SpawnWorker:
+    """The ``sgl_spawn_worker`` factory: ``sgl_spawn_worker("qwen3-0.6b", args=[...], env={...})``."""
+
+    def __init__(self, session: SglSession, request: pytest.FixtureRequest) -> None:
+        self._session = session
+        self._request = request
+        self.instances: list[ModelInstance] = []
+        self._groups: list[WorkerGroup] = []
+
+    def __call__(
+        self,
+        model: str | ModelSpec | None = None,
+        *,
+        args: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
+        budget_opt_out: str | None = None,
+    ) -> ModelInstance:
+        """Start a fresh worker of ``model`` (default: this test's ``sgl_model``, else the first selected).
+        Raises :class:`~pytest_sglworker.BudgetViolation` when ``args`` loosen the budget without
+        ``budget_opt_out``, :class:`~pytest_sglworker.SpecError` for an unknown model; a worker that fails to
+        start fails the test with its diagnosis."""
+        from ..workers.config import WorkerConfig
+
+        spec = self._resolve(model)
+        if isinstance(args, str):
+            raise TypeError(f"sgl_spawn_worker(args=...) must be a list of arguments, not the string {args!r}")
+        config = WorkerConfig.resolve(
+            spec, args, env, opt_out=budget_opt_out,
+            subject=f"sgl_spawn_worker({spec.name!r}, args={list(args)!r}) in {self._request.node.nodeid}",
+            fix="drop the args that loosen the budget, or pass budget_opt_out='why this test needs it'")
+        if args:
+            rejected = self._session.check_flags({f"sgl_spawn_worker({spec.name!r}) in {self._request.node.nodeid}":
+                                                  (spec, tuple(args))})
+            if rejected:
+                pytest.fail("\n".join(rejected.values()), pytrace=False)
+        group = _acquire(self._request, GroupRequest(config, _holder(self._request), fresh=True, launch=True))
+        self._groups.append(group)
+        self.instances.append(group[0])
+        return group[0]
+
+    def _resolve(self, model: str | ModelSpec | None) -> ModelSpec:
+        if isinstance(model, ModelSpec):
+            return model
+        if model is None:
+            spec = item_spec(self._request.node)
+            if spec is not None:
+                return spec
+            selected = self._session.selected_specs()
+            if not selected:
+                pytest.skip("no sglang model selected: run with --sgl-model NAME, or pass a model name")
+            return selected[0]
+        return self._session.registry.get(model)
+
+    def close(self) -> None:
+        for group in self._groups:
+            _give_back(self._request, group, check_deaths=False)
+
+
+@pytest.fixture
+def sgl_spawn_worker(request: pytest.FixtureRequest) -> Iterator[SpawnWorker]:
+    """A factory for fresh, unshared workers with extra args and env, torn down at the end of the test."""
+    factory = SpawnWorker(state_of(request.config), request)
+    yield factory
+    factory.close()

@@ -1,0 +1,116 @@
+"""The per-test hooks: a test's worker failure sections, its launch ahead, its time for the run report.
+
+:class:`RunHooks` is registered (:func:`enable_run_hooks`) only in runs that use the plugin's fixtures or write a
+run report, so that a run that never asks for a worker pays no hook call per test.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from typing import TYPE_CHECKING
+
+import pytest
+
+from ..resources.processes import signal_name
+from .keys import CONFIG_KEY, ITEM_ERROR_KEY, NEXT_KEY, REPORTS_KEY, WORKERS_KEY, is_xdist_worker
+
+if TYPE_CHECKING:
+    from ..workers.launcher import ModelInstance
+    from .session import SglSession
+
+__all__ = ["RUN_HOOKS_NAME", "RunHooks", "enable_run_hooks", "worker_section"]
+
+RUN_HOOKS_NAME = "sglworker-run"
+
+
+def enable_run_hooks(session: SglSession) -> None:
+    """Register the per-test hooks (:class:`RunHooks`) once."""
+    manager = session.config.pluginmanager
+    if manager.get_plugin(RUN_HOOKS_NAME) is None:
+        manager.register(RunHooks(session), RUN_HOOKS_NAME)
+
+
+def worker_section(instance: ModelInstance, tail: int) -> tuple[str, str]:
+    """The report section a failed test gets for each worker it used: its log path and tail, or, for a
+    worker that died during the test, the full failure (diagnosis included)."""
+    role = "" if instance.role == "worker" else f" {instance.role}"
+    title = f"sglang worker {instance.spec.name}{role} {instance.host}:{instance.port}"
+    if getattr(instance, "attached", False):
+        state = "answers its health check" if instance.responds() else "does NOT answer its health check"
+        return f"{title} (attached)", f"{instance.describe()} {state} now\n{instance.log_tail(tail)}"
+    if instance.is_alive() or instance.stopped:
+        return title, f"log: {instance.log_path}\nlast {tail} lines:\n{instance.log_tail(tail)}"
+    return (f"{title} exited with {signal_name(instance.returncode)} during the test",
+            instance.failure_message("exited during the test", lines=tail))
+
+
+class RunHooks:
+    """The per-test hooks: a test's worker failure sections, its launch ahead, its time for the run report.
+    Registered (:meth:`SglSession.enable_run_hooks`) only in runs that use the plugin's fixtures or write a run
+    report, so that a run that never asks for a worker pays no hook call per test."""
+
+    def __init__(self, session: SglSession) -> None:
+        self.session = session
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_protocol(self, item: pytest.Item, nextitem: pytest.Item | None) -> None:
+        item.stash[NEXT_KEY] = nextitem
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_call(self, item: pytest.Item) -> None:
+        """With this test's own workers in place (after its setup), start the next configurations ahead."""
+        self.session.launch_ahead(item)
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_runtest_teardown(self, item: pytest.Item, nextitem: pytest.Item | None) -> None:
+        """After this test's fixtures are torn down its workers are pooled again, or retired when it was the
+        last test of their configuration: a GPU may just have come free. Seen from the next test, whose
+        configuration comes first (it is about to be needed), then the ones after it."""
+        if nextitem is not None:
+            self.session.launch_ahead(item, nextitem=nextitem)
+
+    def pytest_runtest_setup(self, item: pytest.Item) -> None:
+        error = item.stash.get(ITEM_ERROR_KEY, None)
+        if error is not None:
+            pytest.fail(error, pytrace=False)
+
+    @pytest.hookimpl(wrapper=True, specname="pytest_runtest_setup")
+    def pytest_runtest_setup_tracked(self, item: pytest.Item) -> Generator[None, None, None]:
+        """Which test's fixtures are being set up: its own launch starts the launches ahead."""
+        self.session.setting_up = item
+        try:
+            return (yield)
+        finally:
+            self.session.setting_up = None
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_makereport(
+        self, item: pytest.Item, call: pytest.CallInfo[None]
+    ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+        report = yield
+        item.stash.setdefault(REPORTS_KEY, {})[report.when] = report
+        if CONFIG_KEY in item.stash:  # carried to the xdist controller with the report
+            report.sglworker_config = item.stash[CONFIG_KEY].key  # type: ignore[attr-defined]
+        workers = item.stash.get(WORKERS_KEY, None)
+        if workers and report.failed:
+            junit = bool(getattr(self.session.config.option, "xmlpath", None))
+            for instance in workers:
+                title, body = worker_section(instance, self.session.settings.tail_lines)
+                report.sections.append((title, body))
+                # CI systems read junitxml, which takes properties and captured output from the teardown report:
+                # the log path as a property, the tail in the test's system-err (not shown twice in the terminal)
+                prop = (f"sglworker_log_{instance.role}_{instance.port}", str(instance.log_path))
+                if instance.log_path is not None and prop not in item.user_properties:
+                    item.user_properties.append(prop)
+                if junit:
+                    item.add_report_section(report.when, "stderr", f"{title}\n{body}\n")
+        return report
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        """Each test's time (setup, which includes waiting for its workers, call and teardown) and its worker
+        configuration, for the run report: what --sgl-shard-report balances shards by."""
+        if is_xdist_worker(self.session.config):
+            return
+        entry = self.session.test_times.setdefault(report.nodeid, [0.0, None])
+        entry[0] += report.duration
+        entry[1] = entry[1] or getattr(report, "sglworker_config", None)

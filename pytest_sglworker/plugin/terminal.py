@@ -1,0 +1,190 @@
+"""What the plugin writes to the terminal while a run goes on: ``[sglworker] ...`` message lines, and the live status
+line of a worker that takes a while to start (in place on a terminal, a line now and then elsewhere, and, from an
+xdist worker, through a file the controller follows: :class:`ProgressRelay`).
+
+Every line goes through one :class:`Terminal` per pytest process, under one lock, so that two threads never
+interleave their writes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import threading
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+from .keys import xdist_worker_id
+
+if TYPE_CHECKING:
+    from ..workers.launcher import ModelInstance
+
+__all__ = ["PLAIN_INTERVAL_SECONDS", "STATUS_AFTER_SECONDS", "ProgressRelay", "Terminal", "status_text"]
+
+#: A worker that is healthy sooner than this shows no status line at all.
+STATUS_AFTER_SECONDS = 2.0
+#: Off a terminal (and for xdist workers' progress) a status line is repeated at most this often.
+PLAIN_INTERVAL_SECONDS = 30.0
+
+
+def status_text(instance: ModelInstance, elapsed: float) -> str:
+    """``[sglworker] 12 s loading weights: worker qwen3-0.6b on 127.0.0.1:20004 (pid 42, GPUs 0)``: the phase
+    and the time first, where a narrow terminal still shows them."""
+    from ..engine.diagnosis import startup_phase_from_file
+
+    phase = startup_phase_from_file(instance.log_path) or "starting"
+    return f"[sglworker] {elapsed:.0f} s {phase}: {instance.describe()}"
+
+
+class Terminal:
+    """The plugin's lines on this process's terminal, and the record of every message of the session."""
+
+    def __init__(self, config: pytest.Config) -> None:
+        self.config = config
+        #: every message of the session, in order (the run's record, written or not)
+        self.messages: list[str] = []
+        self._lock = threading.Lock()
+        self._last_plain_line: dict[str, float] = {}
+        self._status_shown = False
+
+    def _reporter(self) -> Any:
+        return self.config.pluginmanager.get_plugin("terminalreporter")
+
+    def _uncaptured(self) -> contextlib.AbstractContextManager[object]:
+        """Write to the real terminal even while a test's output is captured (as live logging does)."""
+        capman = self.config.pluginmanager.get_plugin("capturemanager")
+        return capman.global_and_fixture_disabled() if capman is not None else contextlib.nullcontext()
+
+    def message(self, text: str, *, always: bool = False) -> None:
+        """A ``[sglworker] ...`` line, kept for the session's record too. ``always``: a ``sglworker: ...`` line
+        that shows whatever the verbosity (the report's path)."""
+        self.messages.append(text)
+        tr = self._reporter()
+        if tr is None or (self.config.get_verbosity() < 0 and not always):
+            return
+        with self._lock, self._uncaptured():
+            self._clear(tr)
+            tr.ensure_newline()
+            tr.write_line(f"sglworker: {text}" if always else f"[sglworker] {text}", red=text.startswith("ERROR"))
+
+    def progress(self, instance: ModelInstance, elapsed: float) -> None:
+        """The live status line of a worker that takes a while to start. It never fails a launch."""
+        if elapsed < STATUS_AFTER_SECONDS:
+            return
+        try:
+            text = status_text(instance, elapsed)
+            relay = _relay_path(self.config)
+            if relay is not None:
+                _append(relay, {"worker": xdist_worker_id(self.config) or "?", "key": str(instance.port),
+                                "text": text})
+                return
+            self._show(str(instance.port), text)
+        except Exception as exc:  # a status line must never fail a launch
+            self.messages.append(f"status line failed: {exc!r}")
+
+    def progress_end(self) -> None:
+        """The wait is over: clear the status line before pytest writes the test's outcome."""
+        try:
+            relay = _relay_path(self.config)
+            if relay is not None:
+                _append(relay, {"worker": xdist_worker_id(self.config) or "?", "done": True})
+                return
+            tr = self._reporter()
+            if tr is not None:
+                with self._lock, self._uncaptured():
+                    self._clear(tr)
+        except Exception as exc:
+            self.messages.append(f"status line failed: {exc!r}")
+
+    def relayed(self, key: str, text: str) -> None:
+        """A status line an xdist worker relayed (:class:`ProgressRelay`): a plain line, at most every few
+        seconds per worker and port."""
+        tr = self._reporter()
+        if tr is None or self.config.get_verbosity() < 0:
+            return
+        with self._lock:
+            if time.monotonic() - self._last_plain_line.get(key, 0.0) >= PLAIN_INTERVAL_SECONDS / 6:
+                self._last_plain_line[key] = time.monotonic()
+                tr.ensure_newline()
+                tr.write_line(text)
+
+    def _width(self, tr: Any) -> int:
+        return max(20, int(getattr(getattr(tr, "_tw", None), "fullwidth", 80)) - 1)
+
+    def _clear(self, tr: Any) -> None:
+        if self._status_shown:
+            tr.write("\r" + " " * self._width(tr) + "\r")
+            self._status_shown = False
+
+    def _show(self, key: str, text: str) -> None:
+        tr = self._reporter()
+        if tr is None or self.config.get_verbosity() < 0:
+            return
+        with self._lock, self._uncaptured():
+            if getattr(tr, "isatty", False):
+                width = self._width(tr)
+                tr.write("\r" + (text if len(text) <= width else text[: width - 1] + "…").ljust(width))
+                self._status_shown = True
+            elif time.monotonic() - self._last_plain_line.get(key, 0.0) >= PLAIN_INTERVAL_SECONDS:
+                self._last_plain_line[key] = time.monotonic()
+                tr.ensure_newline()
+                tr.write_line(text)
+
+
+# -- xdist: the workers' status lines, shown by the controller -------------------------------------------
+
+def _relay_path(config: pytest.Config) -> Path | None:
+    workerinput = getattr(config, "workerinput", None)
+    path = workerinput.get("sglworker_progress") if isinstance(workerinput, dict) else None
+    return Path(path) if path else None
+
+
+def _append(path: Path, entry: dict[str, Any]) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    try:
+        os.write(fd, (json.dumps(entry) + "\n").encode())
+    finally:
+        os.close(fd)
+
+
+class ProgressRelay:
+    """On the xdist controller: follows the file the workers append their status lines to, and shows each
+    worker's latest (``[gw1] ...``) every few seconds while it waits, as the controller's own lines."""
+
+    def __init__(self, terminal: Terminal, path: Path) -> None:
+        self.terminal = terminal
+        self.path = path
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="sglworker-progress", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        offset = 0
+        while not self.stop.wait(0.5):
+            try:
+                with open(self.path, "rb") as fh:
+                    fh.seek(offset)
+                    data = fh.read()
+            except OSError:
+                continue
+            end = data.rfind(b"\n") + 1
+            offset += end
+            for line in data[:end].splitlines():
+                try:
+                    entry = json.loads(line)
+                except ValueError:
+                    continue
+                if entry.get("done") or "text" not in entry:
+                    continue
+                text = entry["text"].replace("[sglworker] ", f"[sglworker] [{entry.get('worker')}] ", 1)
+                self.terminal.relayed(f"{entry.get('worker')}:{entry.get('key')}", text)
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(5)
+        with contextlib.suppress(OSError):
+            self.path.unlink()

@@ -1,0 +1,200 @@
+"""Launched workers, pooled: :class:`PoolSource` (the worker-source protocol over a
+:class:`~pytest_sglworker.workers.pool.WorkerPool`) and :class:`LocalSource`, whose GPUs are file-locked leases of
+this machine's inventory (NVML, or a declared ``sim:N`` inventory).
+
+Plain Python, no pytest. The pool is made on first use: a run that never asks for a launched worker never reads
+the GPU inventory.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ...engine.specs import ModelSpec
+from ...resources.processes import signal_name
+from ..config import KindChooser, WorkerConfig, default_kind
+from ..errors import WorkerDied
+from ..launcher import LaunchOptions, ProgressCallback
+from ..pool import WorkerPool
+from ..records import RunRecords
+from .base import GroupRequest, GroupUse, Refusal
+
+if TYPE_CHECKING:
+    from ..group import WorkerGroup
+
+__all__ = ["LocalSource", "PoolHooks", "PoolSettings", "PoolSource"]
+
+
+@dataclass(frozen=True)
+class PoolSettings:
+    """How a pool source launches and leases: the session's settings, resolved on the main thread."""
+
+    launch: LaunchOptions
+    lock_dir: Path
+    lease_timeout: float = 1800.0
+    reuse: bool = True
+    log_policy: str = "failed"
+    tail_lines: int = 40
+    #: ``--sgl-gpus`` (local leases): indices, UUIDs, or a declared ``sim:N`` inventory; None: every NVML GPU
+    gpus: str | None = None
+    #: the environment the NVML inventory reads (``CUDA_VISIBLE_DEVICES``), snapshotted on the main thread
+    environ: Mapping[str, str] = field(default_factory=dict)
+    #: ``--sgl-cluster`` (a Ray cluster's spec)
+    cluster: Any = None
+
+
+@dataclass(frozen=True)
+class PoolHooks:
+    """What a pool source tells the session, and asks of it: plain callables, no pytest objects."""
+
+    on_message: Callable[[str], None] | None = None
+    on_progress: ProgressCallback | None = None
+    on_progress_end: Callable[[], None] | None = None
+    #: ``(spec, lease_env) -> env``: the worker's environment from its lease (a plugin hook may change it)
+    worker_env: Callable[[ModelSpec, dict[str, str]], dict[str, str]] | None = None
+    choose_kind: KindChooser = default_kind
+    #: a test's own launch holds its lease: the session may start the next configurations alongside it
+    on_leased: Callable[[WorkerConfig], None] | None = None
+    xdist_worker: str | None = None
+
+
+class PoolSource:
+    """Launched workers in a pool, reused between tests of one configuration; subclasses say where the GPU leases
+    come from (:meth:`make_leases`) and may add to each worker's environment (:meth:`lease_env`)."""
+
+    #: the source's name, for messages
+    name = "pool"
+
+    def __init__(self, settings: PoolSettings, records: RunRecords, hooks: PoolHooks | None = None) -> None:
+        self.settings = settings
+        self.records = records
+        self.hooks = hooks or PoolHooks()
+        self._leases: Any = None
+        self._pool: WorkerPool | None = None
+
+    # -- what subclasses say ------------------------------------------------------------------------------
+    def make_leases(self) -> Any:
+        """The lease manager (the surface of :class:`~pytest_sglworker.resources.gpus.LeaseManager`)."""
+        raise NotImplementedError
+
+    def lease_env(self) -> dict[str, str]:
+        """What every worker's environment gets from where its GPUs come from (before its lease's own)."""
+        return {}
+
+    def describe(self) -> str:
+        raise NotImplementedError
+
+    # -- the pool -----------------------------------------------------------------------------------------
+    @property
+    def leases(self) -> Any:
+        """The lease manager, made once; raises the inventory's errors (see :meth:`WorkerSource.refusal`)."""
+        if self._leases is None:
+            self._leases = self.make_leases()
+        return self._leases
+
+    @property
+    def pool(self) -> WorkerPool:
+        if self._pool is None:
+            leases = self.leases
+            hooks = self.hooks
+            self._pool = WorkerPool(
+                self.settings.launch, leases=leases, lease_timeout=self.settings.lease_timeout,
+                reuse=self.settings.reuse, log_policy=self.settings.log_policy, on_progress=hooks.on_progress,
+                on_progress_end=hooks.on_progress_end, on_message=hooks.on_message, worker_env=self._worker_env,
+                choose_kind=hooks.choose_kind, xdist_worker=hooks.xdist_worker, on_leased=hooks.on_leased,
+                records=self.records)
+        return self._pool
+
+    @property
+    def pool_if_started(self) -> WorkerPool | None:
+        return self._pool
+
+    def _worker_env(self, spec: ModelSpec, lease_env: dict[str, str]) -> dict[str, str]:
+        env = {**self.lease_env(), **lease_env}
+        return self.hooks.worker_env(spec, env) if self.hooks.worker_env is not None else env
+
+    # -- the protocol -------------------------------------------------------------------------------------
+    def refusal(self, config: WorkerConfig, *, opt_out: bool) -> Refusal | None:
+        gpus = config.gpus_needed(self.hooks.choose_kind)
+        why = self.leases.can_ever_fit(gpus, config.spec.memory_mib)
+        if not why:
+            return None
+        if config.group is not None:
+            why = f"the group {config.group.describe()} leases {gpus} GPU(s) at once: {why}"
+        elif gpus != config.spec.tp:
+            why = f"the worker leases {gpus} GPU(s) at once (tp x data-parallel replicas): {why}"
+        return Refusal("skip", f"{config.spec.name}: {why}")
+
+    def acquire(self, request: GroupRequest) -> WorkerGroup:
+        return self.pool.acquire(request.config, holder=request.holder, fresh=request.fresh or request.launch,
+                                 options=request.options)
+
+    def give_back(self, group: WorkerGroup, use: GroupUse) -> WorkerDied | None:
+        """Record the test on the group's launch records, then pool the group again, or retire it (unshared,
+        no later test needs it, or a member died). A member that died during a passing test is the error."""
+        pool = self.pool
+        pool.served(group, use.nodeid, use.t_start, use.t_end, use.outcome)
+        dead = [m for m in group if not m.is_alive() and not m.stopped]
+        if dead or not group.is_alive():
+            pool.discard(group, failed=use.failed or bool(dead))
+            if dead and not use.failed and use.check_deaths:
+                member = dead[0]
+                return member.failure(WorkerDied, f"exited with {signal_name(member.returncode)} during the test",
+                                      lines=self.settings.tail_lines)
+        elif use.last_use:
+            pool.discard(group, failed=use.failed)  # no later test needs this configuration
+        else:
+            pool.release(group, failed=use.failed)  # a fresh group is retired there too
+        return None
+
+    def launch_ahead(self, config: WorkerConfig, *, holder: str) -> bool:
+        if self._pool is None or not self.settings.reuse:
+            return False  # nothing launched yet: the first test's own launch comes first
+        return self._pool.launch_ahead(config, holder=holder)
+
+    def gpu_count(self) -> int | None:
+        return len(self.leases.inventory.static_gpus())
+
+    def close(self) -> None:
+        try:
+            if self._pool is not None:
+                self._pool.close()
+        finally:
+            if self._leases is not None:
+                self._leases.inventory.close()  # NVML shutdown, the Ray connection; a declared inventory: nothing
+
+
+class LocalSource(PoolSource):
+    """Workers launched on this machine; GPUs leased with file locks in the lock directory, from the NVML
+    inventory (``--sgl-gpus`` selects GPUs) or a declared one (``--sgl-gpus sim:N``)."""
+
+    name = "local"
+
+    def make_leases(self) -> Any:
+        from ...resources.gpus import LeaseManager, load_inventory, parse_gpus_option
+
+        selection = parse_gpus_option(self.settings.gpus or "")
+        inventory = load_inventory(selection, self.settings.environ or os.environ)
+        return LeaseManager(self.settings.lock_dir, inventory, namespace=selection.namespace,
+                            on_message=self.hooks.on_message)
+
+    def lease_env(self) -> dict[str, str]:
+        """For declared GPUs (``--sgl-gpus sim:NxGiB``): the card size and the free memory the ledger predicts
+        with, for the simulated engine, so that its KV pool and log lines are those of that card (the run
+        report's predicted and actual KV figures then agree). A real engine ignores them."""
+        from ...resources.gpus import DeclaredInventory
+        from ...sim import ENV_GPU_FREE, ENV_GPU_MEM
+
+        inventory = getattr(self.leases, "inventory", None)
+        if not isinstance(inventory, DeclaredInventory):
+            return {}
+        return {ENV_GPU_MEM: f"{inventory.total_mib / 1024:g}", ENV_GPU_FREE: str(inventory.total_mib)}
+
+    def describe(self) -> str:
+        gpus = self.settings.gpus or "every NVML GPU"
+        return f"this machine ({gpus}), file-locked leases in {self.settings.lock_dir}"
+
