@@ -51,7 +51,8 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal
 
 from ..errors import InventoryUnavailable, LeaseImpossible, LeaseTimeout
-from .processes import hostname, process_alive, session_worker_pids
+from .processes import PID_MAX, hostname, plausible_pid, process_alive, session_worker_pids
+from .waiters import flag_waiting, lease_waiting_prefix, live_waiters, others_waiting_for_ports, unflag_waiting
 
 if TYPE_CHECKING:
     from filelock import BaseFileLock
@@ -602,8 +603,6 @@ def _lock_path(lock_dir: Path, namespace: str, index: int) -> Path:
 
 #: A holder record is a few hundred bytes; anything much larger is not one of ours (and is never parsed).
 MAX_RECORD_BYTES = 16 * 1024
-#: Linux never hands out pids above 2**22 (``/proc/sys/kernel/pid_max`` is at most 4194304).
-PID_MAX = 1 << 22
 _MAX_INDEX = 1 << 16
 _MAX_MIB = 1 << 40
 _RECORD_NAME_RE = re.compile(r"^gpu-(?P<namespace>[A-Za-z0-9][A-Za-z0-9._-]*)-(?P<index>[0-9]{1,6})\.json$")
@@ -770,35 +769,6 @@ def lock_is_held(path: Path) -> bool:
         os.close(fd)
 
 
-def _pid_of_flag(text: str) -> int | None:
-    """The pid a flag file's name ends with, if it is a plausible one (never a 1e999 or a 40-digit number)."""
-    if not text.isdigit() or len(text) > 7:
-        return None
-    pid = int(text)
-    return pid if 0 < pid <= PID_MAX else None
-
-
-def live_waiters(lock_dir: Path, prefix: str) -> bool:
-    """Whether a live process other than this one left a ``<prefix><pid>`` flag in ``lock_dir``; the flags of
-    dead waiters are removed."""
-    import psutil
-
-    me = os.getpid()
-    try:
-        paths = list(lock_dir.glob(f"{prefix}*"))
-    except OSError:
-        return False
-    for path in paths:
-        pid = _pid_of_flag(path.name[len(prefix):])
-        if pid is None or pid == me:
-            continue
-        if psutil.pid_exists(pid):
-            return True
-        with contextlib.suppress(OSError):
-            path.unlink()  # a waiter that died
-    return False
-
-
 _TEMP_RE = re.compile(r"^(?:\.gpu-.+\.json\.(?P<pid>[0-9]{1,7})-[0-9a-f]+|gpu-.+\.json\.(?P<old>[0-9]{1,7}))\.tmp$")
 
 
@@ -814,7 +784,7 @@ def _remove_dead_temporaries(lock_dir: Path) -> None:
         named = _TEMP_RE.match(path.name)
         if named is None:
             continue
-        pid = _pid_of_flag(named["pid"] or named["old"] or "")
+        pid = plausible_pid(named["pid"] or named["old"] or "")
         if pid is not None and psutil.pid_exists(pid) and pid != os.getpid():
             continue
         if pid == os.getpid():
@@ -1221,7 +1191,7 @@ class LeaseManager:
                 if lease is not None:
                     return lease
                 if waiting_flag is None:
-                    waiting_flag = self._flag_waiting()
+                    waiting_flag = flag_waiting(self.lock_dir, lease_waiting_prefix(self.namespace))
                 now = self.clock()
                 waited = now - start
                 if waited >= timeout:
@@ -1238,30 +1208,16 @@ class LeaseManager:
                     next_notice = now + self.notice_interval
                 self.sleep(max(min(poll_interval, timeout - waited), 0.0))
         finally:
-            if waiting_flag is not None:
-                with contextlib.suppress(OSError):
-                    waiting_flag.unlink()
+            unflag_waiting(waiting_flag)
 
-    # -- waiters: a process that waits for a lease says so, so that holders of idle pooled workers let go
-
-    def _waiting_path(self, pid: int) -> Path:
-        return self.lock_dir / f"waiting-{self.namespace}-{pid}"
-
-    def _flag_waiting(self) -> Path | None:
-        path = self._waiting_path(os.getpid())
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-            os.close(fd)
-        except OSError:
-            return None
-        return path
+    # -- waiters: a process that waits for a lease says so (resources.waiters), so that holders of idle pooled
+    # workers let go
 
     def others_waiting(self) -> bool:
         """Whether another live process of this machine waits for a lease of this inventory: a pool then
         retires its idle workers instead of keeping their GPUs."""
-        from .ports import others_waiting_for_ports
-
-        return live_waiters(self.lock_dir, f"waiting-{self.namespace}-") or others_waiting_for_ports(self.lock_dir)
+        return (live_waiters(self.lock_dir, lease_waiting_prefix(self.namespace))
+                or others_waiting_for_ports(self.lock_dir))
 
     def _attempt(self, tp: int, memory_mib: int, holder: str) -> tuple[Lease | None, _Attempt]:
         gpus = self.inventory.snapshot()
