@@ -11,8 +11,9 @@ again before the block is handed out: a port somebody else listens on (or that l
 (``--nccl-port``); the rest are spare for ports the engine derives.
 
 A process that finds no free block may wait for one (``timeout``), as GPU leases do: it says so with a flag
-file ``<lock_dir>/waiting-ports-<pid>`` (:func:`others_waiting_for_ports`), so that holders of idle pooled
-workers give their blocks back instead of keeping them.
+file ``<lock_dir>/waiting-ports-<pid>`` (:func:`others_waiting_for_ports`; the bookkeeping, shared with the GPU
+leases, is :mod:`~pytest_sglworker.resources.waiters`), so that holders of idle pooled workers give their blocks
+back instead of keeping them.
 
 A block whose port is still listened on after its worker's teardown, by a process that is not provably ours
 (an escaped listener), is **quarantined** (:func:`quarantine_port_block`): never handed out again by this
@@ -29,7 +30,6 @@ protection against an ephemeral port being taken between the check and the worke
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import os
 import time
@@ -39,6 +39,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING
 
 from ..errors import PortUnavailable
+from .waiters import PORTS_WAITING_PREFIX, flag_waiting, others_waiting_for_ports, unflag_waiting
 
 if TYPE_CHECKING:
     from filelock import BaseFileLock
@@ -72,7 +73,7 @@ _RANGE_FORM = "expected LOW-HIGH with 1 <= LOW <= HIGH <= 65535, e.g. 20000-3000
 _QUARANTINED: dict[int, str] = {}
 #: Locks of quarantined blocks, held until the process exits (the kernel then drops them).
 _QUARANTINE_LOCKS: list[BaseFileLock] = []
-WAITING_PREFIX = "waiting-ports-"
+WAITING_PREFIX = PORTS_WAITING_PREFIX  # the flag prefix of a port waiter (see resources.waiters)
 
 
 class PortBlock:
@@ -223,23 +224,6 @@ def quarantined_port_blocks() -> dict[int, str]:
     return dict(_QUARANTINED)
 
 
-def others_waiting_for_ports(lock_dir: Path) -> bool:
-    """Whether another live process of this machine waits for a port block in ``lock_dir`` (its idle pooled
-    workers' blocks should then be given back)."""
-    from .gpus import live_waiters
-
-    return live_waiters(Path(lock_dir), WAITING_PREFIX)
-
-
-def _flag_waiting(lock_dir: Path) -> Path | None:
-    path = lock_dir / f"{WAITING_PREFIX}{os.getpid()}"
-    try:
-        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0), 0o600))
-    except OSError:
-        return None
-    return path
-
-
 class _Scan:
     """What one pass over the range found, for the wait and failure messages."""
 
@@ -313,15 +297,13 @@ def reserve_port_block(
                 raise PortUnavailable(f"no free {what}{within}: {scan.explain(lock_dir)}; choose a wider or "
                                       "another port range")
             if waiting_flag is None:
-                waiting_flag = _flag_waiting(lock_dir)
+                waiting_flag = flag_waiting(lock_dir, PORTS_WAITING_PREFIX)
             if on_wait is not None and (next_notice is None or now >= next_notice):
                 on_wait(f"waiting for a free {what} ({waited:.0f} s of {timeout:g} s): {scan.explain(lock_dir)}")
                 next_notice = now + notice_interval
             sleep(max(min(poll_interval, timeout - waited), 0.0))
     finally:
-        if waiting_flag is not None:
-            with contextlib.suppress(OSError):
-                waiting_flag.unlink()
+        unflag_waiting(waiting_flag)
 
 
 def _scan(lock_dir: Path, low: int, size: int, blocks: int, host: str) -> tuple[PortBlock | None, _Scan]:

@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "OWNER_ENV",
+    "PID_MAX",
     "SESSION_ID",
     "end_process",
     "find_tagged_processes",
@@ -45,6 +46,7 @@ __all__ = [
     "listening_inodes",
     "listening_pids",
     "owner_tag",
+    "plausible_pid",
     "process_alive",
     "process_tree",
     "session_worker_pids",
@@ -61,6 +63,8 @@ __all__ = [
 OWNER_ENV = "SGLWORKER_OWNER"
 #: This pytest process's session id: ``<pid>-<random>``.
 SESSION_ID = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+#: Linux never hands out pids above 2**22 (``/proc/sys/kernel/pid_max`` is at most 4194304).
+PID_MAX = 1 << 22
 
 
 # ---------------------------------------------------------------------------------------------- tags
@@ -92,6 +96,15 @@ def signal_name(returncode: int | None) -> str:
         except ValueError:
             return f"code {returncode}"
     return f"code {returncode}"
+
+
+def plausible_pid(text: str) -> int | None:
+    """The pid ``text`` (the end of a file name) spells, if it is a plausible one (never a 1e999 or a 40-digit
+    number)."""
+    if not text.isdigit() or len(text) > 7:
+        return None
+    pid = int(text)
+    return pid if 0 < pid <= PID_MAX else None
 
 
 def hostname() -> str:

@@ -63,12 +63,12 @@ def remove_stale_holder_records(lock_dir: Path, *, session_pid: int | None = Non
     """Remove GPU holder records (``gpu-*.json``) left by a dead process (only ``session_pid``'s, if given).
 
     A record is removed only when its writer is gone, no worker of that writer's session still runs (until
-    then the record is what keeps the GPU from being handed out, see ``gpus._dead_holder_leftovers``) and
+    then the record is what keeps the GPU from being handed out, see ``gpus.holders.dead_holder_leftovers``) and
     the GPU's lock is free; it is removed while holding that lock, so a live holder's record is never touched.
     """
     from filelock import FileLock, Timeout
 
-    from .gpus import read_holder_record
+    from .gpus.holders import read_holder_record
 
     removed: list[str] = []
     if not lock_dir.is_dir():

@@ -765,9 +765,9 @@ def test_forgotten_lease_stays_held(tmp_path: Path) -> None:
     manager.acquire(1, 0, holder="forgotten", timeout=0)  # no reference kept
     gc.collect()
     assert manager.try_acquire(1, 0, holder="t") is None
-    from pytest_sglworker.resources import gpus
+    from pytest_sglworker.resources.gpus import leases
 
-    for lease in [lease for lease in gpus._HELD_LEASES if lease.holder == "forgotten"]:
+    for lease in [lease for lease in leases._HELD_LEASES if lease.holder == "forgotten"]:
         lease.release()
     again = manager.try_acquire(1, 0, holder="t")
     assert again is not None
