@@ -1,7 +1,9 @@
 """pytest-sglworker: GPU-budgeted sglang workers as pytest fixtures.
 
 The public API. Importing this package is cheap (it is loaded into every pytest run of an environment that
-installs it): the launcher, pool, diagnosis and ledger are imported on first attribute access.
+installs it): the launcher, pool, diagnosis and ledger are imported on first attribute access. Everything a user
+imports comes from here; the subpackages (``plugin``, ``workers``, ``resources``, ``engine``, ``sim``) are the
+layers of the implementation (docs/ARCHITECTURE.md).
 """
 
 from __future__ import annotations
@@ -30,15 +32,19 @@ from .errors import (
 from .workers.errors import LaunchError, WorkerDied, WorkerError, WorkerStartupError, WorkerStartupTimeout
 
 if TYPE_CHECKING:
+    from .engine.cpu_engine import cpu_engine_spec
     from .engine.diagnosis import Diagnosis, diagnose
-    from .engine.ledger import MemoryLedger, predict_memory
+    from .engine.ledger import MemoryLedger, ledger_for_spec, predict_memory
+    from .plugin.timeline import render_html, trace_events
     from .workers.config import GroupShape, WorkerConfig
+    from .workers.group import WorkerGroup
     from .workers.grpc_worker import GrpcHealth, GrpcWorker
     from .workers.kinds import DecodeWorker, HttpWorker, PrefillWorker, WorkerKind
     from .workers.launcher import LaunchOptions, ModelInstance, running_worker, spawn_worker
-    from .workers.pool import WorkerGroup, WorkerPool
+    from .workers.pool import WorkerPool
     from .workers.process import ManagedProcess
     from .workers.router import Router
+    from .workers.sources.base import GroupRequest, GroupUse, WorkerSource
 
 __version__ = "0.1.0"
 
@@ -56,13 +62,20 @@ _LAZY = {
     "GrpcWorker": "workers.grpc_worker",
     "GrpcHealth": "workers.grpc_worker",
     "GroupShape": "workers.config",
-    "WorkerGroup": "workers.pool",
+    "WorkerGroup": "workers.group",
     "WorkerPool": "workers.pool",
     "Router": "workers.router",
     "Diagnosis": "engine.diagnosis",
     "diagnose": "engine.diagnosis",
     "MemoryLedger": "engine.ledger",
     "predict_memory": "engine.ledger",
+    "ledger_for_spec": "engine.ledger",
+    "cpu_engine_spec": "engine.cpu_engine",
+    "render_html": "plugin.timeline",
+    "trace_events": "plugin.timeline",
+    "WorkerSource": "workers.sources.base",
+    "GroupRequest": "workers.sources.base",
+    "GroupUse": "workers.sources.base",
 }
 
 
@@ -81,7 +94,9 @@ __all__ = [
     "BudgetViolation",
     "DecodeWorker",
     "Diagnosis",
+    "GroupRequest",
     "GroupShape",
+    "GroupUse",
     "GrpcHealth",
     "GrpcWorker",
     "HttpWorker",
@@ -106,14 +121,19 @@ __all__ = [
     "WorkerGroup",
     "WorkerKind",
     "WorkerPool",
+    "WorkerSource",
     "WorkerStartupError",
     "WorkerStartupTimeout",
     "check_argv",
     "check_spec",
+    "cpu_engine_spec",
     "diagnose",
     "get_model_spec",
     "get_models_with_feature",
+    "ledger_for_spec",
     "predict_memory",
+    "render_html",
     "running_worker",
     "spawn_worker",
+    "trace_events",
 ]

@@ -1,4 +1,4 @@
-"""First-error classification of an sglang worker log, startup phase and KV-line parsing.
+"""First-error classification of an sglang worker log.
 
 Plain Python, stdlib only: no pytest here.
 
@@ -24,26 +24,17 @@ its patterns, summary, advice, ``fatal``, ``memory``), a log fixture ``tests/dat
 one from sglang's issue tracker when there is one, with its link in a ``# `` header), and its line in ``CASES`` of
 ``tests/engine/test_diagnosis.py``.
 
-:func:`startup_phase` says how far a starting worker got (cheap: a few ``str.rfind`` over the text, so it can be
-called on every health poll); :func:`parse_kv_tokens`, :func:`parse_max_total_tokens` and :func:`parse_memory` read the
-engine's memory lines, for comparing a run with :mod:`ledger`'s prediction.
-
-Why this module is ~800 lines and not 600: the records already live in :mod:`diagnosis_rules`; what is left is one
-piece (log structure, chained and headerless tracebacks, continuation lines, startup state, choosing the cause) plus
-the phase and memory-line readers, which share its markers and are this module's public API. Splitting the scanner
-further would only spread one state machine over two files.
+How far a starting worker got and what its memory lines say are :mod:`.log_lines`.
 
 Why one module of this size: the scanner is one state machine over the log (tracebacks, chained tracebacks, per-
-rank prefixes, the capture in progress) whose states the classification reads; what the kinds *are* lives in
-:mod:`diagnosis_rules`, one record each.
+rank prefixes, continuation lines, the capture in progress, choosing the cause) whose states the classification
+reads; what the kinds *are* lives in :mod:`.diagnosis_rules`, one record each.
 """
 
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from .diagnosis_rules import (
     CAPTURE_FRAMES,
@@ -59,21 +50,16 @@ from .diagnosis_rules import (
     signal_advice,
     signal_name,
 )
+from .log_lines import LOAD_BEGIN, LOAD_END, startup_phase
 
 __all__ = [
     "FATAL_KINDS",
     "MEMORY_KINDS",
     "Diagnosis",
     "Kind",
-    "LogMemory",
     "Rule",
     "diagnose",
     "looks_like_error",
-    "parse_kv_tokens",
-    "parse_max_total_tokens",
-    "parse_memory",
-    "startup_phase",
-    "startup_phase_from_file",
 ]
 
 #: How many lines of an error :attr:`Diagnosis.first_error` quotes, and how long a quoted line may be.
@@ -170,8 +156,6 @@ _SYMPTOM = re.compile(
 _SHUTDOWN = re.compile(r"SIGTERM received|Gracefully exiting")
 _TERMINATE = re.compile(r"^(?:terminate called after throwing|Fatal Python error:|Segmentation fault)")
 
-_LOAD_BEGIN = "Load weight begin"
-_LOAD_END = "Load weight end"
 _CAPTURE = re.compile(r"Capture (?P<what>.*?)\s*(?:CUDA|cuda|CPU|NPU|XPU|MUSA) graph (?P<edge>begin|end)\b")
 # tqdm bars of a capture in progress: "Capturing prefill shape (num_tokens=704 avail_mem=..)" (prefill, 0.5.23),
 # "Capturing num tokens (num_tokens=3968 ..)" (piecewise prefill, 0.5.x), "Capturing batches (bs=256 ..)" (decode)
@@ -183,7 +167,7 @@ _TQDM = re.compile(
 # What the scanner itself must see besides the rules' patterns (generic exceptions, the startup state).
 _STRUCTURE = (
     _EXCEPTION_START.pattern, r"ERROR:", _SYMPTOM.pattern, _SHUTDOWN.pattern, _TERMINATE.pattern,
-    _LOAD_BEGIN, _LOAD_END, _CAPTURE.pattern, _TQDM.pattern,
+    LOAD_BEGIN, LOAD_END, _CAPTURE.pattern, _TQDM.pattern,
 )
 
 _prefilters: dict[tuple[Rule, ...], re.Pattern[str]] = {}
@@ -259,9 +243,9 @@ class _State:
         self.bar: tuple[str, int | None, int, int] | None = None  # (graph, size, done, total) of the last bar
 
     def feed(self, msg: str, full: str) -> None:
-        if _LOAD_BEGIN in msg:
+        if LOAD_BEGIN in msg:
             self.loading = True
-        elif _LOAD_END in msg:
+        elif LOAD_END in msg:
             self.loading = False
         if "graph " in msg:
             m = _CAPTURE.search(msg)
@@ -690,129 +674,4 @@ def _describe(
     rule = rule_for(kind)
     return Diagnosis(
         kind, rule.summary(facts), rule.advice(facts), _quote(cause), cause.line + 1, secondary, returncode, phase
-    )
-
-
-# ---------------------------------------------------------------------------------------------- phases
-
-_PHASES: tuple[tuple[str, str], ...] = (
-    ("The server is fired up and ready to roll!", "ready"),
-    ("Uvicorn running on", "warming up"),
-    ("Application startup complete", "starting HTTP server"),
-    ("Started server process", "starting HTTP server"),
-    ("max_total_num_tokens=", "starting HTTP server"),
-    ("graph begin", "capturing CUDA graphs"),
-    ("Memory pool end", "allocating KV pool"),
-    ("KV Cache is allocated", "allocating KV pool"),
-    (_LOAD_END, "allocating KV pool"),
-    (_LOAD_BEGIN, "loading weights"),
-)
-
-
-def startup_phase(log_text: str) -> str | None:
-    """The latest startup phase the log shows, or None if the log shows none yet.
-
-    ``"loading weights"``, ``"allocating KV pool"``, ``"capturing CUDA graphs"``, ``"starting HTTP server"``,
-    ``"warming up"`` or ``"ready"``. It costs one ``str.rfind`` per marker (no regex, no line split), so it
-    can run on every health poll; a tail of the log is enough as long as it holds the latest marker (see
-    :func:`startup_phase_from_file`).
-    """
-    best = -1
-    phase: str | None = None
-    for marker, name in _PHASES:
-        pos = log_text.rfind(marker)
-        if pos > best:
-            best, phase = pos, name
-    return phase
-
-
-def startup_phase_from_file(path: str | os.PathLike[str], max_bytes: int = 256 * 1024) -> str | None:
-    """:func:`startup_phase` of a log file, reading it backwards ``max_bytes`` at a time.
-
-    Usually one read of the last ``max_bytes`` finds a marker; a log flooded with other output is read
-    further back, chunk by chunk, until a marker turns up or the file's start is reached. None for a
-    missing or unreadable file.
-    """
-    chunk = max(4096, int(max_bytes))
-    overlap = max(len(marker) for marker, _ in _PHASES)
-    try:
-        with open(Path(path), "rb") as fh:
-            size = fh.seek(0, os.SEEK_END)
-            end = size
-            while end > 0:
-                start = max(0, end - chunk)
-                fh.seek(start)
-                data = fh.read(min(size, end + overlap) - start)
-                phase = startup_phase(data.decode("utf-8", errors="replace"))
-                if phase is not None:
-                    return phase
-                end = start
-    except OSError:
-        return None
-    return None
-
-
-# ---------------------------------------------------------------------------------------------- memory lines
-
-_KV_LINE = re.compile(
-    r"KV Cache is allocated\.(?: dtype: (?P<dtype>[\w.]+),)? #tokens: (?P<tokens>\d+)"
-    r"(?:, K size: (?P<k>[\d.]+) GB, V size: (?P<v>[\d.]+) GB)?"
-)
-_MAX_TOTAL = re.compile(r"max_total_num_tokens=(\d+)")
-_LOAD_BEGIN_LINE = re.compile(r"Load weight begin\. avail mem=([\d.]+) GB")
-_LOAD_END_LINE = re.compile(r"Load weight end\..*?avail mem=([\d.]+) GB, mem usage=(-?[\d.]+) GB")
-
-
-@dataclass(frozen=True)
-class LogMemory:
-    """The engine's memory lines (GB as sglang prints them, i.e. GiB). ``None`` where the log lacks a line."""
-
-    load_begin_avail_gb: float | None = None
-    load_end_avail_gb: float | None = None
-    weights_gb: float | None = None
-    kv_dtype: str | None = None
-    kv_tokens: int | None = None
-    k_size_gb: float | None = None
-    v_size_gb: float | None = None
-    max_total_num_tokens: int | None = None
-
-
-def _last(pattern: re.Pattern[str], text: str) -> re.Match[str] | None:
-    last = None
-    for found in pattern.finditer(text):
-        last = found
-    return last
-
-
-def parse_kv_tokens(log_text: str) -> int | None:
-    """``N`` of the last ``KV Cache is allocated. dtype: D, #tokens: N, ...`` line, or None."""
-    m = _last(_KV_LINE, log_text)
-    return int(m.group("tokens")) if m else None
-
-
-def parse_max_total_tokens(log_text: str) -> int | None:
-    """``N`` of the last ``max_total_num_tokens=N`` in the log, or None."""
-    m = _last(_MAX_TOTAL, log_text)
-    return int(m.group(1)) if m else None
-
-
-def parse_memory(log_text: str) -> LogMemory:
-    """All memory lines of the (last) startup in the log, to compare with :func:`ledger.predict_memory`."""
-    begin = _last(_LOAD_BEGIN_LINE, log_text)
-    end = _last(_LOAD_END_LINE, log_text)
-    kv = _last(_KV_LINE, log_text)
-
-    def num(m: re.Match[str] | None, group: int | str) -> float | None:
-        value = m.group(group) if m else None
-        return float(value) if value is not None else None
-
-    return LogMemory(
-        load_begin_avail_gb=num(begin, 1),
-        load_end_avail_gb=num(end, 1),
-        weights_gb=num(end, 2),
-        kv_dtype=kv.group("dtype") if kv else None,
-        kv_tokens=int(kv.group("tokens")) if kv else None,
-        k_size_gb=num(kv, "k"),
-        v_size_gb=num(kv, "v"),
-        max_total_num_tokens=parse_max_total_tokens(log_text),
     )

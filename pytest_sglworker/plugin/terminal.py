@@ -34,7 +34,7 @@ PLAIN_INTERVAL_SECONDS = 30.0
 def status_text(instance: ModelInstance, elapsed: float) -> str:
     """``[sglworker] 12 s loading weights: worker qwen3-0.6b on 127.0.0.1:20004 (pid 42, GPUs 0)``: the phase
     and the time first, where a narrow terminal still shows them."""
-    from ..engine.diagnosis import startup_phase_from_file
+    from ..engine.log_lines import startup_phase_from_file
 
     phase = startup_phase_from_file(instance.log_path) or "starting"
     return f"[sglworker] {elapsed:.0f} s {phase}: {instance.describe()}"

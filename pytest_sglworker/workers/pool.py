@@ -117,7 +117,7 @@ def _record_kv_tokens(members: Sequence[ModelInstance], config: WorkerConfig, pl
     """Each member's actual ``KV Cache is allocated ... #tokens: N`` against the ledger's prediction for that
     member (a prefill and a decode member of one group differ). The configuration has one figure: the first
     member that disagrees with its prediction, else the first member; a disagreement already recorded stays."""
-    from ..engine.diagnosis import parse_kv_tokens
+    from ..engine.log_lines import parse_kv_tokens
 
     def differs(actual: int | None, predicted: int | None) -> bool:
         return actual is not None and predicted is not None and actual != predicted

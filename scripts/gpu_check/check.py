@@ -999,7 +999,7 @@ class Check:
         log_path = result.get("log_path") or _newest_log(self.logs, "sglang-worker-")
         log_text = Path(log_path).read_text(encoding="utf-8", errors="replace") if log_path else ""
         phases = _startup_phases(log_text)
-        from pytest_sglworker.engine.diagnosis import parse_memory
+        from pytest_sglworker.engine.log_lines import parse_memory
 
         memory = vars(parse_memory(log_text))
         report = _read_json(self.work / "report-sglang.json") or {}

@@ -116,7 +116,7 @@ import httpx
 import psutil
 import pytest
 
-from pytest_sglworker.engine import diagnosis
+from pytest_sglworker.engine import diagnosis, log_lines
 from pytest_sglworker.resources.processes import OWNER_ENV, SESSION_ID
 
 from conftest import MISSING
@@ -215,13 +215,13 @@ def test_e_log_file(sgl_worker, record):
     where = {{w: log.find(w) for w in wanted}}
     assert all(pos >= 0 for pos in where.values()), where
     assert list(where.values()) == sorted(where.values()), "startup lines out of order"
-    assert diagnosis.parse_kv_tokens(log) == 1024
+    assert log_lines.parse_kv_tokens(log) == 1024
     assert diagnosis.diagnose(log).kind is diagnosis.Kind.NONE  # its noise is not an error
     # The phases the plugin's status line shows, replayed over the real log, line by line.
     phases = []
     lines = log.splitlines()
     for i in range(1, len(lines) + 1):
-        phase = diagnosis.startup_phase("\\n".join(lines[:i]))
+        phase = log_lines.startup_phase("\\n".join(lines[:i]))
         if phase and (not phases or phases[-1] != phase):
             phases.append(phase)
     # The log grows while the worker serves: this test's own request is in it a moment later.

@@ -15,21 +15,15 @@ from pathlib import Path
 
 import pytest
 
-from pytest_sglworker.engine.diagnosis import (
-    FATAL_KINDS,
-    MEMORY_KINDS,
-    Diagnosis,
-    Kind,
-    Rule,
-    _interesting,
-    diagnose,
+from pytest_sglworker.engine.diagnosis import FATAL_KINDS, MEMORY_KINDS, Diagnosis, Kind, Rule, _interesting, diagnose
+from pytest_sglworker.engine.diagnosis_rules import RULES, required_literals, rule_for, using_rules
+from pytest_sglworker.engine.log_lines import (
     parse_kv_tokens,
     parse_max_total_tokens,
     parse_memory,
     startup_phase,
     startup_phase_from_file,
 )
-from pytest_sglworker.engine.diagnosis_rules import RULES, required_literals, rule_for, using_rules
 
 LOGS = Path(__file__).resolve().parents[1] / "data" / "logs"
 

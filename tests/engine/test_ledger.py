@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 
-from pytest_sglworker.engine.diagnosis import parse_memory
 from pytest_sglworker.engine.ledger import (
     GPU_CARDS,
     MODEL_DIMS,
@@ -26,6 +25,7 @@ from pytest_sglworker.engine.ledger import (
     prefill_capture_sizes,
     total_reserve_mib,
 )
+from pytest_sglworker.engine.log_lines import parse_memory
 
 LOGS = Path(__file__).resolve().parents[1] / "data" / "logs"
 CI = ("--mem-fraction-static=0.6", "--cuda-graph-backend-prefill=disabled")
