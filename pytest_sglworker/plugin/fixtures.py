@@ -142,7 +142,7 @@ def _test_group(request: pytest.FixtureRequest, spec: ModelSpec, fixture: str) -
         raise
     group = _acquire(request, GroupRequest(config, _holder(request), fresh=marker.fresh,
                                            options=_options(session, marker.startup_timeout, foreign),
-                                           budget_opt_out=opt_out))
+                                           budget_opt_out=opt_out, environ=session.worker_environ()))
     yield group
     _give_back(request, group)
 
@@ -183,7 +183,8 @@ def sgl_router(request: pytest.FixtureRequest, sgl_workers: WorkerGroup) -> Iter
     session.start_watchdog()
     try:
         router = start_router(sgl_workers, session.router_options(), session.records, policy=marker.policy,
-                              args=marker.args, startup_timeout=marker.startup_timeout, holder=_holder(request))
+                              args=marker.args, startup_timeout=marker.startup_timeout, holder=_holder(request),
+                              environ=session.worker_environ())
     except RouterUnavailable as exc:
         pytest.skip(str(exc))
     except SglWorkerError as exc:
@@ -231,7 +232,8 @@ class SpawnWorker:
                                                   (spec, tuple(args))})
             if rejected:
                 pytest.fail("\n".join(rejected.values()), pytrace=False)
-        group = _acquire(self._request, GroupRequest(config, _holder(self._request), fresh=True, launch=True))
+        group = _acquire(self._request, GroupRequest(config, _holder(self._request), fresh=True, launch=True,
+                                                     environ=self._session.worker_environ()))
         self._groups.append(group)
         self.instances.append(group[0])
         return group[0]

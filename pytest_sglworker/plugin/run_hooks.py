@@ -108,7 +108,9 @@ class RunHooks:
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         """Each test's time (setup, which includes waiting for its workers, call and teardown) and its worker
-        configuration, for the run report: what --sgl-shard-report balances shards by."""
+        configuration, for the run report: what --sgl-shard-report balances shards by. Lines that launch threads
+        queued for the terminal are written here too."""
+        self.session.terminal.flush()
         if is_xdist_worker(self.session.config):
             return
         entry = self.session.test_times.setdefault(report.nodeid, [0.0, None])

@@ -70,10 +70,11 @@ def make_source(session: SglSession) -> WorkerSource:
     terminal = session.terminal
     settings = PoolSettings(launch=session.launch_options(), lock_dir=session.lock_dir(),
                             lease_timeout=s.lease_timeout, reuse=s.reuse, log_policy=s.log_policy,
-                            tail_lines=s.tail_lines, gpus=s.gpus, environ=dict(os.environ), cluster=s.cluster)
+                            tail_lines=s.tail_lines, gpus=s.gpus, environ=session.worker_environ(),
+                            cluster=s.cluster)
     hooks = PoolHooks(on_message=terminal.message, on_progress=terminal.progress,
                       on_progress_end=terminal.progress_end, worker_env=session.worker_env,
-                      choose_kind=session.choose_kind, on_leased=session.on_leased,
+                      choose_kind=session.choose_kind, on_leased=session.on_leased, on_tick=terminal.flush,
                       xdist_worker=xdist_worker_id(session.config))
     source: WorkerSource
     if s.cluster is not None:
@@ -260,6 +261,13 @@ class SglSession:
                              startup_timeout=s.startup_timeout, tail_lines=s.tail_lines, log_policy=s.log_policy,
                              on_message=self.terminal.message)
 
+    def worker_environ(self) -> dict[str, str]:
+        """The environment a worker started now inherits: this process's, read on the main thread (pytest's
+        per-test variables left out). Launch threads get this snapshot; they never read ``os.environ``."""
+        from ..workers.process import inherited_environ
+
+        return inherited_environ()
+
     def worker_env(self, spec: ModelSpec, lease_env: dict[str, str]) -> dict[str, str]:
         """A worker's environment from its lease, as the ``pytest_sglworker_worker_env`` hook changes it."""
         result = self.config.hook.pytest_sglworker_worker_env(spec=spec, lease_env=dict(lease_env))
@@ -411,11 +419,13 @@ class SglSession:
             wanted.append(config)
             if len(wanted) >= count:
                 break
+        environ = self.worker_environ() if wanted else {}
         for config in wanted:
             try:
-                source.launch_ahead(config, holder=f"launch ahead for {self.config.rootpath.name} (pid {os.getpid()})")
+                source.launch_ahead(config, holder=f"launch ahead for {self.config.rootpath.name} (pid {os.getpid()})",
+                                    environ=environ)
             except Exception as exc:  # launching ahead is an optimisation: it never fails a test
-                self.terminal.messages.append(f"launch ahead of {config.label} failed to start: {exc!r}")
+                self.terminal.note(f"launch ahead of {config.label} failed to start: {exc!r}")
 
     def _upcoming(self, item: pytest.Item) -> list[pytest.Item]:
         if self.queue and not is_xdist_worker(self.config):

@@ -2,8 +2,11 @@
 line of a worker that takes a while to start (in place on a terminal, a line now and then elsewhere, and, from an
 xdist worker, through a file the controller follows: :class:`ProgressRelay`).
 
-Every line goes through one :class:`Terminal` per pytest process, under one lock, so that two threads never
-interleave their writes.
+Every line goes through one :class:`Terminal` per pytest process. Only pytest's main thread touches pytest's
+objects (the terminal reporter, the capture manager, the config): a line from another thread (a launch ahead, a
+group member starting, the relay) is queued, and the main thread writes it at its next chance (:meth:`Terminal.flush`:
+before its own next line, while it waits for launch threads, after every test phase). An xdist worker's status
+lines go to the relay file, a plain append that any thread may make.
 """
 
 from __future__ import annotations
@@ -40,16 +43,46 @@ def status_text(instance: ModelInstance, elapsed: float) -> str:
     return f"[sglworker] {elapsed:.0f} s {phase}: {instance.describe()}"
 
 
+def _on_main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
+
+
 class Terminal:
     """The plugin's lines on this process's terminal, and the record of every message of the session."""
 
     def __init__(self, config: pytest.Config) -> None:
         self.config = config
-        #: every message of the session, in order (the run's record, written or not)
+        #: every message of the session, in order (the run's record, written or not); appended under the lock
         self.messages: list[str] = []
+        #: guards ``messages``, ``_pending`` and the status-line state
         self._lock = threading.Lock()
+        #: lines other threads handed over, written by the main thread: ("message", text, always),
+        #: ("status", key, text) or ("relayed", key, text)
+        self._pending: list[tuple[str, str, Any]] = []
         self._last_plain_line: dict[str, float] = {}
         self._status_shown = False
+        # Read once, here on the main thread: the threads that write status lines never read the config.
+        self._relay = _relay_path(config)
+        self._worker = xdist_worker_id(config) or "?"
+
+    def flush(self) -> None:
+        """Write what other threads queued (on the main thread; elsewhere it does nothing)."""
+        if not _on_main_thread():
+            return
+        with self._lock:
+            pending, self._pending = self._pending, []
+        for kind, first, second in pending:
+            if kind == "message":
+                self._write_message(first, always=bool(second))
+            elif kind == "status":
+                self._show(first, second)
+            else:
+                self._write_relayed(first, second)
+
+    def note(self, text: str) -> None:
+        """Keep ``text`` in the session's record without writing it (from any thread)."""
+        with self._lock:
+            self.messages.append(text)
 
     def _reporter(self) -> Any:
         return self.config.pluginmanager.get_plugin("terminalreporter")
@@ -61,12 +94,21 @@ class Terminal:
 
     def message(self, text: str, *, always: bool = False) -> None:
         """A ``[sglworker] ...`` line, kept for the session's record too. ``always``: a ``sglworker: ...`` line
-        that shows whatever the verbosity (the report's path)."""
-        self.messages.append(text)
+        that shows whatever the verbosity (the report's path). From another thread it is queued for the main
+        thread."""
+        self.note(text)
+        if not _on_main_thread():
+            with self._lock:
+                self._pending.append(("message", text, always))
+            return
+        self.flush()
+        self._write_message(text, always=always)
+
+    def _write_message(self, text: str, *, always: bool) -> None:
         tr = self._reporter()
         if tr is None or (self.config.get_verbosity() < 0 and not always):
             return
-        with self._lock, self._uncaptured():
+        with self._uncaptured():
             self._clear(tr)
             tr.ensure_newline()
             tr.write_line(f"sglworker: {text}" if always else f"[sglworker] {text}", red=text.startswith("ERROR"))
@@ -77,40 +119,49 @@ class Terminal:
             return
         try:
             text = status_text(instance, elapsed)
-            relay = _relay_path(self.config)
-            if relay is not None:
-                _append(relay, {"worker": xdist_worker_id(self.config) or "?", "key": str(instance.port),
-                                "text": text})
+            if self._relay is not None:
+                _append(self._relay, {"worker": self._worker, "key": str(instance.port), "text": text})
                 return
+            if not _on_main_thread():
+                with self._lock:  # the latest status of each worker, written by the main thread
+                    self._pending = [p for p in self._pending if p[:2] != ("status", str(instance.port))]
+                    self._pending.append(("status", str(instance.port), text))
+                return
+            self.flush()
             self._show(str(instance.port), text)
         except Exception as exc:  # a status line must never fail a launch
-            self.messages.append(f"status line failed: {exc!r}")
+            self.note(f"status line failed: {exc!r}")
 
     def progress_end(self) -> None:
-        """The wait is over: clear the status line before pytest writes the test's outcome."""
+        """The wait is over: clear the status line before pytest writes the test's outcome (main thread)."""
         try:
-            relay = _relay_path(self.config)
-            if relay is not None:
-                _append(relay, {"worker": xdist_worker_id(self.config) or "?", "done": True})
+            if self._relay is not None:
+                _append(self._relay, {"worker": self._worker, "done": True})
                 return
+            if not _on_main_thread():
+                return
+            self.flush()
             tr = self._reporter()
             if tr is not None:
-                with self._lock, self._uncaptured():
+                with self._uncaptured():
                     self._clear(tr)
         except Exception as exc:
-            self.messages.append(f"status line failed: {exc!r}")
+            self.note(f"status line failed: {exc!r}")
 
     def relayed(self, key: str, text: str) -> None:
-        """A status line an xdist worker relayed (:class:`ProgressRelay`): a plain line, at most every few
-        seconds per worker and port."""
+        """A status line an xdist worker relayed (:class:`ProgressRelay`, on its own thread): queued, and written by
+        the main thread as a plain line, at most every few seconds per worker and port."""
+        with self._lock:
+            self._pending.append(("relayed", key, text))
+
+    def _write_relayed(self, key: str, text: str) -> None:
         tr = self._reporter()
         if tr is None or self.config.get_verbosity() < 0:
             return
-        with self._lock:
-            if time.monotonic() - self._last_plain_line.get(key, 0.0) >= PLAIN_INTERVAL_SECONDS / 6:
-                self._last_plain_line[key] = time.monotonic()
-                tr.ensure_newline()
-                tr.write_line(text)
+        if time.monotonic() - self._last_plain_line.get(key, 0.0) >= PLAIN_INTERVAL_SECONDS / 6:
+            self._last_plain_line[key] = time.monotonic()
+            tr.ensure_newline()
+            tr.write_line(text)
 
     def _width(self, tr: Any) -> int:
         return max(20, int(getattr(getattr(tr, "_tw", None), "fullwidth", 80)) - 1)
@@ -124,7 +175,7 @@ class Terminal:
         tr = self._reporter()
         if tr is None or self.config.get_verbosity() < 0:
             return
-        with self._lock, self._uncaptured():
+        with self._uncaptured():
             if getattr(tr, "isatty", False):
                 width = self._width(tr)
                 tr.write("\r" + (text if len(text) <= width else text[: width - 1] + "…").ljust(width))
@@ -152,8 +203,10 @@ def _append(path: Path, entry: dict[str, Any]) -> None:
 
 
 class ProgressRelay:
-    """On the xdist controller: follows the file the workers append their status lines to, and shows each
-    worker's latest (``[gw1] ...``) every few seconds while it waits, as the controller's own lines."""
+    """On the xdist controller: follows the file the workers append their status lines to (thread
+    ``sglworker-progress``: it reads that file and hands each line to :meth:`Terminal.relayed`, nothing else), and
+    the controller's main thread shows each worker's latest (``[gw1] ...``) at its next event, at most every few
+    seconds per worker."""
 
     def __init__(self, terminal: Terminal, path: Path) -> None:
         self.terminal = terminal

@@ -81,6 +81,11 @@ class XdistHooks:
             self.relay.close()
             self.relay = None
 
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        """On the controller, every report from a worker: the status lines the relay thread queued are written."""
+        if self.relay is not None:
+            self.session.terminal.flush()
+
     def pytest_testnodedown(self, node: Any, error: Any) -> None:
         output = getattr(node, "workeroutput", {})
         if output.get("sglworker_stats"):

@@ -5,7 +5,8 @@ The one home of this bookkeeping, for the GPU leases (:mod:`pytest_sglworker.res
 blocks (:mod:`pytest_sglworker.resources.ports`) alike. Plain Python, no pytest; ``psutil`` is imported lazily.
 
 A waiter flags itself with an empty file ``<lock_dir>/<prefix><pid>`` (:func:`flag_waiting`, 0600, never
-through a symlink) when its wait starts and removes it when the wait ends (:func:`unflag_waiting`). The
+through a symlink) when its wait starts and removes it when the wait ends (:func:`unflag_waiting`). Threads of
+one process share its flag: it is counted, and removed when the last of them stops waiting. The
 prefix says what it waits for: ``waiting-<namespace>-`` for a GPU lease of that namespace
 (:func:`lease_waiting_prefix`), ``waiting-ports-`` for a port block (:data:`PORTS_WAITING_PREFIX`). A holder
 asks :func:`live_waiters` whether a live process other than itself left such a flag; the flags of dead waiters
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 from pathlib import Path
 
 from .processes import plausible_pid
@@ -32,6 +34,9 @@ __all__ = [
 
 #: The flag prefix of a process waiting for a port block.
 PORTS_WAITING_PREFIX = "waiting-ports-"
+#: How many threads of this process wait behind each flag file (the file goes when the count drops to 0).
+_WAITING: dict[Path, int] = {}
+_WAITING_LOCK = threading.Lock()
 
 
 def lease_waiting_prefix(namespace: str) -> str:
@@ -42,16 +47,25 @@ def lease_waiting_prefix(namespace: str) -> str:
 def flag_waiting(lock_dir: Path, prefix: str) -> Path | None:
     """Flag this process as waiting: the file ``<lock_dir>/<prefix><pid>``, or ``None`` if it cannot be made."""
     path = lock_dir / f"{prefix}{os.getpid()}"
-    try:
-        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0), 0o600))
-    except OSError:
-        return None
+    with _WAITING_LOCK:
+        try:
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0), 0o600))
+        except OSError:
+            return None
+        _WAITING[path] = _WAITING.get(path, 0) + 1
     return path
 
 
 def unflag_waiting(flag: Path | None) -> None:
     """Remove a flag :func:`flag_waiting` made (``None``: there is none). Never raises for a file gone already."""
-    if flag is not None:
+    if flag is None:
+        return
+    with _WAITING_LOCK:
+        left = _WAITING.get(flag, 1) - 1
+        if left > 0:
+            _WAITING[flag] = left
+            return  # another thread of this process still waits behind it
+        _WAITING.pop(flag, None)
         with contextlib.suppress(OSError):
             flag.unlink()
 

@@ -37,16 +37,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..engine.diagnosis import Kind, diagnose
 from ..engine.engine_args import python_module
 from ..engine.sglang_facts import LAUNCH_MODULE, LOOPBACK_HOST, LOOPBACK_NAMES, flag_table
 from ..engine.specs import ModelSpec
+from ..resources import state
+from ..resources.ports import PORT_BLOCK_SIZE, reserve_port_block
 from ..resources.processes import signal_name
 from .config import default_kind
 from .errors import LaunchCancelled, LaunchError, WorkerDied, WorkerStartupError
 from .health import ProgressCallback as ProgressCallback
 from .health import wait_until_ready
 from .kinds import HttpWorker, WorkerKind
-from .process import DEFAULT_TAIL_LINES, ManagedProcess, log_name, start_process
+from .process import DEFAULT_TAIL_LINES, ManagedProcess, inherited_environ, log_name, start_process
 
 if TYPE_CHECKING:
     from ..engine.diagnosis import Diagnosis
@@ -99,9 +102,11 @@ def build_argv(
     model_path: str | None = None,
     allow_foreign_host: bool = False,
     role_args: Sequence[str] = (),
+    environ: Mapping[str, str] | None = None,
 ) -> list[str]:
     """The full worker argv: launcher, model, 127.0.0.1, port, tp, the spec's args, the test's extra args,
-    then the args of its kind (``--disaggregation-mode prefill --disaggregation-bootstrap-port N``)."""
+    then the args of its kind (``--disaggregation-mode prefill --disaggregation-bootstrap-port N``). ``environ``
+    (default: this process's) names the launcher and the model roots when they are not given."""
     for where, args in (("extra args", extra_args), (f"the worker_args of spec {spec.name!r}", spec.worker_args)):
         hosts = foreign_hosts(args)
         if hosts and not allow_foreign_host:
@@ -110,8 +115,9 @@ def build_argv(
                 "listen on 127.0.0.1 only (opt out with allow_foreign_host=True / "
                 "@pytest.mark.sgl_worker(allow_foreign_host='reason'))"
             )
-    argv = list(launcher if launcher is not None else environment_launcher())
-    argv += ["--model-path", model_path or spec.resolve_model_path(), "--host", LOOPBACK_HOST, "--port", str(port)]
+    argv = list(launcher if launcher is not None else environment_launcher(environ))
+    model = model_path or spec.resolve_model_path(environ)
+    argv += ["--model-path", model, "--host", LOOPBACK_HOST, "--port", str(port)]
     if nccl_port is not None:
         argv += ["--nccl-port", str(nccl_port)]
     argv += ["--tp-size", str(spec.tp)]
@@ -180,15 +186,18 @@ class ModelInstance(ManagedProcess):
 
     def diagnosis(self, *, alive: bool = False) -> Diagnosis:
         """The first error in the log, classified. ``alive``: diagnose the log of a running worker."""
-        from ..engine.diagnosis import diagnose
-
         return diagnose(self.log_text(), None if alive else self.returncode)
 
 
 #: Below this much free space (or with no free inode) in the log directory a launch fails at once: an engine
 #: that cannot write its log dies or hangs with nothing to show.
 MIN_LOG_FREE_BYTES = 1024 * 1024
+#: launcher checks made by this process (launches ahead check from their own threads: guarded)
 _LAUNCHER_CHECKS: dict[tuple[str, ...], str | None] = {}
+_LAUNCHER_CHECKS_LOCK = threading.Lock()
+#: this process's own module search settings, read at import (on the main thread): a launcher that is this python
+#: with the same settings finds what this process finds
+_OWN_PYTHON_PATHS = (os.environ.get("PYTHONPATH", ""), os.environ.get("PYTHONHOME", ""))
 
 
 def _check_free_space(log_dir: Path) -> None:
@@ -207,7 +216,8 @@ def _check_free_space(log_dir: Path) -> None:
 def check_launcher(launcher: Sequence[str], env: Mapping[str, str] | None = None) -> None:
     """Raise :class:`LaunchError` before anything is launched when the launcher cannot start an engine: its
     executable is missing or not executable, or it is ``<python> -m <module>`` and that python cannot import
-    the module (sglang not installed there). The module check runs once per process and launcher."""
+    the module (sglang not installed there). The module check runs once per process and launcher. ``env`` is the
+    environment the engine would get (default: this process's)."""
     import shutil
 
     env = os.environ if env is None else env
@@ -223,12 +233,14 @@ def check_launcher(launcher: Sequence[str], env: Mapping[str, str] | None = None
         return
     top = module.split(".", 1)[0]
     key = (found, top, env.get("PYTHONPATH", ""), env.get("PYTHONHOME", ""))
-    if key not in _LAUNCHER_CHECKS:
+    with _LAUNCHER_CHECKS_LOCK:
+        known = key in _LAUNCHER_CHECKS
+    if not known:
         me = os.path.abspath(sys.executable)
         same_python = os.path.abspath(found) == me or (
             os.path.dirname(os.path.abspath(found)) == os.path.dirname(me)  # python/python3 of one venv
             and os.path.realpath(found) == os.path.realpath(me))
-        if same_python and all(env.get(k) == os.environ.get(k) for k in ("PYTHONPATH", "PYTHONHOME")):
+        if same_python and (env.get("PYTHONPATH", ""), env.get("PYTHONHOME", "")) == _OWN_PYTHON_PATHS:
             import importlib.util
 
             code: int | None = 0 if importlib.util.find_spec(top) is not None else 3  # finds, does not import
@@ -239,12 +251,15 @@ def check_launcher(launcher: Sequence[str], env: Mapping[str, str] | None = None
                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=60).returncode
             except (OSError, subprocess.TimeoutExpired):
                 code = None  # cannot tell: let the launch itself show what happens
-        _LAUNCHER_CHECKS[key] = (
+        verdict = (
             f"{exe} cannot import {top!r}, so '{shlex.join(launcher)}' cannot start: {top} is not installed for "
             f"that python. Install it there (for sglang: pip install sglang, or bash scripts/install-real-engine.sh), "
             "point --sgl-launcher / SGLWORKER_LAUNCHER at a python that has it, or use --sgl-engine sim"
         ) if code == 3 else None
-    message = _LAUNCHER_CHECKS[key]
+        with _LAUNCHER_CHECKS_LOCK:
+            _LAUNCHER_CHECKS[key] = verdict
+    with _LAUNCHER_CHECKS_LOCK:
+        message = _LAUNCHER_CHECKS[key]
     if message is not None:
         raise LaunchError(message)
 
@@ -280,6 +295,7 @@ def spawn_worker(
     index: int = 0,
     cancel: threading.Event | None = None,
     starter: Callable[..., ModelInstance] | None = None,
+    environ: Mapping[str, str] | None = None,
 ) -> ModelInstance:
     """Launch a worker for ``spec`` and return it once it is healthy.
 
@@ -291,17 +307,18 @@ def spawn_worker(
     how readiness is proven. ``cancel`` set by another thread (a group member failed) stops the wait at once.
     ``starter`` replaces how the process is started (``_start``'s signature; ``--sgl-cluster ray`` starts it in
     a Ray actor on another node); the port block, the health wait, the retries and the teardown stay these.
+    ``environ`` is the environment the worker inherits (default: this process's, read now); a caller on a
+    background thread must pass the snapshot the main thread made (:func:`~.process.inherited_environ`).
 
     Outside pytest the launcher follows ``SGLWORKER_LAUNCHER`` / ``SGLWORKER_ENGINE=sim`` (see
     :func:`environment_launcher`) unless ``options.launcher`` is given. It takes **no GPU lease**: pass the
     GPUs yourself in ``env`` (``CUDA_VISIBLE_DEVICES``); inside pytest, the fixtures lease them.
     """
-    from ..resources import state
-
+    environ = inherited_environ() if environ is None else environ
     kind = kind or default_kind("worker", (*spec.worker_args, *extra_args))
     kind.check_available(spec)
     options = options or LaunchOptions()
-    check_launcher(options.launcher or environment_launcher(), {**os.environ, **spec.env, **(env or {})})
+    check_launcher(options.launcher or environment_launcher(environ), {**environ, **spec.env, **(env or {})})
     log_dir = state.ensure_private_dir(options.log_dir or state.default_log_dir(), what="log directory")
     _check_free_space(log_dir)
     if port is not None and len(kind.port_names) > 2:
@@ -311,8 +328,6 @@ def spawn_worker(
     for attempt in range(1, attempts + 1):
         block = None
         if port is None:
-            from ..resources.ports import PORT_BLOCK_SIZE, reserve_port_block
-
             block = reserve_port_block(
                 state.ensure_private_dir(options.lock_dir or state.default_lock_dir(), what="lock directory",
                                          shared_ok=options.lock_dir is not None),  # as the plugin's GPU leases
@@ -323,7 +338,8 @@ def spawn_worker(
         else:
             ports = {kind.port_names[0]: port}
         try:
-            instance = (starter or _start)(spec, ports, extra_args, env, options, log_dir, gpus, kind, index)
+            instance = (starter or _start)(spec, ports, extra_args, env, options, log_dir, gpus, kind, index,
+                                           environ=environ)
         except BaseException:
             if block is not None:
                 block.release()
@@ -339,8 +355,6 @@ def spawn_worker(
             return instance
         except WorkerStartupError as exc:
             instance.stop()
-            from ..engine.diagnosis import Kind
-
             if exc.diagnosis is not None and exc.diagnosis.kind is Kind.PORT_IN_USE and attempt < attempts:
                 continue
             raise
@@ -364,12 +378,15 @@ def _start(
     gpus: str | None,
     kind: WorkerKind,
     index: int,
+    *,
+    environ: Mapping[str, str],
 ) -> ModelInstance:
     port = ports[kind.port_names[0]]
     argv = build_argv(spec, port=port, nccl_port=ports.get("nccl"), launcher=options.launcher,
                       extra_args=extra_args, allow_foreign_host=options.allow_foreign_host,
-                      role_args=kind.role_args(ports))
-    started = start_process(argv, {**spec.env, **(env or {})}, log_dir / log_name("sglang-worker", port))
+                      role_args=kind.role_args(ports), environ=environ)
+    started = start_process(argv, {**spec.env, **(env or {})}, log_dir / log_name("sglang-worker", port),
+                            environ=environ)
     return ModelInstance(
         spec=spec, host=LOOPBACK_HOST, port=port, tail_lines=options.tail_lines, kind=kind, index=index,
         ports=dict(ports), gpus=gpus, **started,

@@ -25,6 +25,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ..engine.ledger import ledger_for_spec
+from ..engine.log_lines import parse_kv_tokens
 from ..engine.redaction import mask_argv
 from ..engine.specs import ModelSpec
 from ..errors import LeaseImpossible, SglWorkerError
@@ -34,9 +36,12 @@ from .config import KindChooser, MemberPlan, WorkerConfig, default_kind
 from .errors import LaunchCancelled, WorkerError
 from .group import WorkerGroup
 from .launcher import LaunchOptions, ModelInstance, ProgressCallback, spawn_worker
+from .process import inherited_environ
 from .records import ConfigStats, LaunchRecord, RunRecords
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
     from ..engine.ledger import MemoryLedger
     from ..resources.gpus import Lease, LeaseManager
 
@@ -53,6 +58,16 @@ class _Ahead:
     cancel: threading.Event = field(default_factory=threading.Event)
     thread: threading.Thread | None = None
     error: BaseException | None = None
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    """What a launch needs that only the main thread may work out (the kind hook, the env hook, the environment):
+    made before the launch's threads start, read by them."""
+
+    plans: list[MemberPlan]
+    counts: list[int]
+    environ: Mapping[str, str]
 
 
 @dataclass
@@ -96,8 +111,6 @@ def _member_ledger(config: WorkerConfig, plans: Sequence[MemberPlan], index: int
     gpu = _gpu_of(lease, sum(plan.gpus(config.spec) for plan in plans[:index]))
     if gpu is None:
         return None
-    from ..engine.ledger import ledger_for_spec
-
     return ledger_for_spec(config.spec, gpu[0], gpu_free_mib=gpu[1], extra_args=_member_args(plans[index]))
 
 
@@ -117,8 +130,6 @@ def _record_kv_tokens(members: Sequence[ModelInstance], config: WorkerConfig, pl
     """Each member's actual ``KV Cache is allocated ... #tokens: N`` against the ledger's prediction for that
     member (a prefill and a decode member of one group differ). The configuration has one figure: the first
     member that disagrees with its prediction, else the first member; a disagreement already recorded stays."""
-    from ..engine.log_lines import parse_kv_tokens
-
     def differs(actual: int | None, predicted: int | None) -> bool:
         return actual is not None and predicted is not None and actual != predicted
 
@@ -169,6 +180,7 @@ class WorkerPool:
         xdist_worker: str | None = None,
         on_leased: Callable[[WorkerConfig], None] | None = None,
         records: RunRecords | None = None,
+        on_tick: Callable[[], None] | None = None,
     ) -> None:
         self.options = options
         #: called with the configuration once a test's own launch holds its lease, before its startup: the
@@ -181,6 +193,9 @@ class WorkerPool:
         self.on_progress = on_progress
         self.on_progress_end = on_progress_end
         self.on_message = on_message or (lambda msg: None)
+        #: called on the main thread while it waits for launch threads (about every 0.1 s): the session writes
+        #: what those threads queued for the terminal
+        self.on_tick = on_tick or (lambda: None)
         self.worker_env = worker_env
         self.choose_kind = choose_kind or default_kind
         self.release_wait = release_wait
@@ -190,7 +205,8 @@ class WorkerPool:
         self._idle: OrderedDict[str, _Entry] = OrderedDict()  # group id -> entry, LRU first
         self._busy: dict[str, _Entry] = {}
         self._ahead: dict[WorkerConfig, _Ahead] = {}
-        #: guards the entries and the figures: a launch ahead registers its group from another thread
+        #: guards the entries (idle, busy, ahead) and the figures: a launch ahead registers its group and counts
+        #: its launch from its own thread
         self._lock = threading.RLock()
 
     # -- public -------------------------------------------------------------------------------------------
@@ -206,21 +222,23 @@ class WorkerPool:
         return self.records.stats_for(config.key, config.label, config.spec.model)
 
     def acquire(self, config: WorkerConfig, *, holder: str, fresh: bool = False,
-                options: LaunchOptions | None = None) -> WorkerGroup:
+                options: LaunchOptions | None = None, environ: Mapping[str, str] | None = None) -> WorkerGroup:
         """Healthy workers for ``config``: a pooled idle group if reuse is on and every member answers its
         health check, else a new one. ``options`` replaces the pool's launch options for this group (which
-        is then never shared)."""
+        is then never shared). ``environ``: the environment a new group inherits (default: this process's,
+        read now). Called on the main thread."""
         fresh = fresh or options is not None
         stats = self.stats_for(config)
         if not fresh:
             self._join_ahead(config)
         if self.reuse and not fresh:
-            for key, entry in list(self._idle.items()):
-                if entry.config != config:
-                    continue
+            with self._lock:
+                candidates = [key for key, entry in self._idle.items() if entry.config == config]
+            for key in candidates:
                 with self._lock:
-                    if self._idle.pop(key, None) is None:
-                        continue
+                    entry = self._idle.pop(key, None)
+                if entry is None:
+                    continue
                 bad = next((m for m in entry.group if not m.responds()), None)
                 if bad is None:
                     with self._lock:
@@ -236,7 +254,8 @@ class WorkerPool:
                 what = "it" if len(entry.group) == 1 else "its group"
                 self.on_message(bad.failure_message(f"{why}; replacing {what}", lines=10))
                 self._retire(entry, failed=True)
-        return self._launch(config, holder=holder, fresh=fresh, options=options or self.options)
+        return self._launch(config, holder=holder, fresh=fresh, options=options or self.options,
+                            environ=inherited_environ() if environ is None else environ)
 
     def release(self, group: WorkerGroup, *, failed: bool = False) -> None:
         """Give a group back after a test; it stays pooled when reuse is on and every member is alive."""
@@ -262,34 +281,41 @@ class WorkerPool:
     def served(self, group: WorkerGroup, nodeid: str, t_start: float | None, t_end: float | None,
                outcome: str) -> None:
         """Record that a test used ``group`` (for the run report's launch records)."""
-        entry = self._busy.get(group.id) or self._idle.get(group.id)
-        if entry is not None:
-            for record in entry.records:
-                record.served(nodeid, t_start, t_end, outcome)
-            if outcome in ("failed", "error", "interrupted"):
-                self.stats_for(entry.config).failed_tests += 1
+        with self._lock:
+            entry = self._busy.get(group.id) or self._idle.get(group.id)
+            if entry is not None:
+                for record in entry.records:
+                    record.served(nodeid, t_start, t_end, outcome)
+                if outcome in ("failed", "error", "interrupted"):
+                    self.stats_for(entry.config).failed_tests += 1
 
     def close(self) -> None:
         """Stop every worker (those launched ahead too, used or not) and give back every lease."""
-        for ahead in list(self._ahead.values()):
+        with self._lock:
+            aheads = list(self._ahead.values())
+            self._ahead.clear()
+        for ahead in aheads:
             ahead.cancel.set()
-        for ahead in list(self._ahead.values()):
+        for ahead in aheads:
             if ahead.thread is not None:
                 ahead.thread.join(120)
-        self._ahead.clear()
-        for entry in list(self._busy.values()) + list(self._idle.values()):
+        with self._lock:
+            entries = list(self._busy.values()) + list(self._idle.values())
+            self._busy.clear()
+            self._idle.clear()
+        for entry in entries:
             with contextlib.suppress(Exception):
                 self._retire(entry, failed=entry.tainted)
-        self._busy.clear()
-        self._idle.clear()
 
     # -- launching ahead ----------------------------------------------------------------------------------
-    def launch_ahead(self, config: WorkerConfig, *, holder: str) -> bool:
+    def launch_ahead(self, config: WorkerConfig, *, holder: str, environ: Mapping[str, str] | None = None) -> bool:
         """Start ``config``'s group now, in the background, so that it is ready when its first test begins.
         Only on GPUs that are free this moment and that no other process waits for (it never evicts, never
         waits for a lease); at most one launch ahead per configuration. Returns whether it started. The test
         that needs it gets it from :meth:`acquire` (which waits for it), or the failure it met, exactly as if
-        it had been launched then."""
+        it had been launched then. Called on the main thread, which works out here everything the launch thread
+        needs (the members' kinds and environments, ``environ``: default this process's, read now); the thread
+        touches nothing else of the session."""
         with self._lock:
             if config in self._ahead or any(e.config == config for e in [*self._idle.values(), *self._busy.values()]):
                 return False
@@ -303,12 +329,19 @@ class WorkerPool:
                 return False  # it can never fit, or the inventory cannot be read: the test will say so
             if lease is None:
                 return False
+        try:
+            prepared = self._prepare(config, inherited_environ() if environ is None else environ)
+            envs = self._member_envs(config, prepared, lease)
+        except BaseException:
+            if lease is not None:
+                lease.release(wait_timeout=self.release_wait)
+            raise
         ahead = _Ahead(config)
 
         def run() -> None:
             try:
                 group = self._launch(config, holder=holder, fresh=False, options=self.options, lease=lease,
-                                     quiet=True, cancel=ahead.cancel)
+                                     prepared=prepared, envs=envs, quiet=True, cancel=ahead.cancel)
             except BaseException as exc:  # handed to the test that needs it
                 ahead.error = exc
                 return
@@ -333,11 +366,13 @@ class WorkerPool:
             return
         while ahead.thread.is_alive():
             ahead.thread.join(0.1)
+            self.on_tick()
         if raise_error and ahead.error is not None and not isinstance(ahead.error, LaunchCancelled):
             raise ahead.error
 
     def groups(self) -> list[WorkerGroup]:
-        return [e.group for e in list(self._busy.values()) + list(self._idle.values())]
+        with self._lock:
+            return [e.group for e in list(self._busy.values()) + list(self._idle.values())]
 
     def _others_wait(self) -> bool:
         """Another process waits for a GPU: do not keep an idle group's lease (it queues behind us)."""
@@ -352,17 +387,32 @@ class WorkerPool:
         return waiting
 
     # -- launching ----------------------------------------------------------------------------------------
-    def _launch(self, config: WorkerConfig, *, holder: str, fresh: bool, options: LaunchOptions,
-                lease: Lease | None = None, quiet: bool = False,
-                cancel: threading.Event | None = None) -> WorkerGroup:
-        stats = self.stats_for(config)
+    def _prepare(self, config: WorkerConfig, environ: Mapping[str, str]) -> _Prepared:
+        """The members' plans (their kinds: a plugin's hook may choose them) and the environment they inherit:
+        worked out on the main thread, before any launch thread starts."""
         plans = config.members(self.choose_kind)
-        counts = [plan.gpus(config.spec) for plan in plans]
+        return _Prepared(plans, [plan.gpus(config.spec) for plan in plans], dict(environ))
+
+    def _member_envs(self, config: WorkerConfig, prepared: _Prepared, lease: Lease | None) -> list[dict[str, str]]:
+        """Each member's env from its share of the lease (a plugin's hook may change it): on the main thread."""
+        return [self._member_env(config, env) for env in _split_env(lease, prepared.counts)]
+
+    def _launch(self, config: WorkerConfig, *, holder: str, fresh: bool, options: LaunchOptions,
+                environ: Mapping[str, str] | None = None, lease: Lease | None = None,
+                prepared: _Prepared | None = None, envs: list[dict[str, str]] | None = None, quiet: bool = False,
+                cancel: threading.Event | None = None) -> WorkerGroup:
+        """Lease (unless given), start and register a group. On the main thread, or, with ``lease``,
+        ``prepared`` and ``envs`` all made on the main thread, on a launch-ahead thread."""
+        stats = self.stats_for(config)
+        if prepared is None:
+            prepared = self._prepare(config, inherited_environ() if environ is None else environ)
+        plans, counts = prepared.plans, prepared.counts
         group_id = f"{self.xdist_worker or 'main'}-{os.getpid()}-{next(_ids)}"
         requested = time.time()
         if lease is None:
             lease, waited = self._lease_for(config, counts, holder)
-            stats.lease_wait_seconds += waited
+            with self._lock:
+                stats.lease_wait_seconds += waited
             if self.on_leased is not None and not quiet:
                 try:
                     self.on_leased(config)
@@ -381,10 +431,11 @@ class WorkerPool:
         for record in records:
             record.t_started = time.time()  # refined by each member's own start time once it runs
         try:
-            envs = [self._member_env(config, env) for env in _split_env(lease, counts)]
+            if envs is None:
+                envs = self._member_envs(config, prepared, lease)
             try:
                 members = self._start_members(config, plans, envs, options, records, quiet=quiet, cancel=cancel,
-                                              lease=lease)
+                                              lease=lease, environ=prepared.environ)
             finally:
                 if self.on_progress_end is not None and not quiet:
                     self.on_progress_end()  # the status line goes before pytest writes the outcome
@@ -395,11 +446,12 @@ class WorkerPool:
             self._stamp_released(records)
             raise
         except SglWorkerError as exc:
-            stats.failures += 1
             log_path = getattr(exc, "log_path", None)
-            if log_path and keeps(self.log_policy, failed=True):
-                stats.failed_logs.append(str(log_path))
-            elif log_path:
+            with self._lock:
+                stats.failures += 1
+                if log_path and keeps(self.log_policy, failed=True):
+                    stats.failed_logs.append(str(log_path))
+            if log_path and not keeps(self.log_policy, failed=True):
                 with contextlib.suppress(OSError):
                     os.unlink(log_path)
             self._finish_records(records, outcome="startup_timeout" if type(exc).__name__ == "WorkerStartupTimeout"
@@ -416,14 +468,14 @@ class WorkerPool:
             raise
         group = WorkerGroup(config, members, group_id)
         # Registered at once, so that whatever happens next, close() stops it and gives the lease back.
+        ready = [m.startup_seconds for m in members if m.startup_seconds is not None]
         with self._lock:
             self._busy[group_id] = _Entry(group, lease, leased_at, records, poolable=not fresh)
-        stats.launches += 1
-        ready = [m.startup_seconds for m in members if m.startup_seconds is not None]
-        if ready:
-            stats.startup_seconds.append(max(ready))  # a group is ready when its slowest member is
-        with contextlib.suppress(Exception):  # bookkeeping for the report must never fail a test
-            _record_kv_tokens(members, config, plans, lease, stats)
+            stats.launches += 1
+            if ready:
+                stats.startup_seconds.append(max(ready))  # a group is ready when its slowest member is
+            with contextlib.suppress(Exception):  # bookkeeping for the report must never fail a test
+                _record_kv_tokens(members, config, plans, lease, stats)
         return group
 
     def _member_env(self, config: WorkerConfig, lease_env: dict[str, str]) -> dict[str, str]:
@@ -432,8 +484,9 @@ class WorkerPool:
         return env
 
     def _start_members(self, config: WorkerConfig, plans: Sequence[MemberPlan], envs: Sequence[dict[str, str]],
-                       options: LaunchOptions, records: Sequence[LaunchRecord], *, quiet: bool = False,
-                       cancel: threading.Event | None = None, lease: Lease | None = None) -> list[ModelInstance]:
+                       options: LaunchOptions, records: Sequence[LaunchRecord], *, environ: Mapping[str, str],
+                       quiet: bool = False, cancel: threading.Event | None = None,
+                       lease: Lease | None = None) -> list[ModelInstance]:
         """Start every member; a group is ready after its slowest member, not the sum of their startups. The
         first member that fails stops the others at once and is the error raised. A lease that places its
         members itself (``spawner``: a Ray placement group's bundles) starts member ``i`` in its part ``i``."""
@@ -445,7 +498,7 @@ class WorkerPool:
                 return launch(config.spec, extra_args=plan.extra_args, env=env, options=options,
                               on_progress=None if quiet else self.on_progress,
                               gpus=env.get("CUDA_VISIBLE_DEVICES"), kind=plan.kind, index=plan.index,
-                              cancel=cancel)
+                              cancel=cancel, environ=environ)
             except SglWorkerError as exc:  # a memory failure gets the ledger of this member's own args
                 with contextlib.suppress(Exception):
                     _attach_ledger(exc, config, plans, i, lease)
@@ -477,6 +530,8 @@ class WorkerPool:
             for thread in threads:
                 while thread.is_alive():
                     thread.join(0.1)
+                    if not quiet:
+                        self.on_tick()  # on the main thread: what the member threads queued for the terminal
                     if outer is not None and outer.is_set():
                         cancel.set()  # a launch ahead called off at the session's end: every member stops
         except BaseException:  # Ctrl-C: the members stop, then the interrupt goes on
@@ -574,7 +629,8 @@ class WorkerPool:
         (two workers in one test on a 1-GPU inventory): waiting would last until the lease timeout."""
         assert self.leases is not None
         total = len(self.leases.inventory.static_gpus())
-        mine = [e for e in self._busy.values() if e.lease is not None]
+        with self._lock:
+            mine = [e for e in self._busy.values() if e.lease is not None]
         held = sum(len(e.lease.gpus) for e in mine if e.lease is not None)
         if mine and total - held < gpus:
             users = "; ".join(f"{e.config.label} on GPU(s) {','.join(str(g.index) for g in e.lease.gpus)}"
@@ -591,8 +647,9 @@ class WorkerPool:
         stats = self.stats_for(entry.config)
         dead = [m for m in group if not m.is_alive() and not m.stopped]
         stopped = [m for m in group if m.stopped]
-        stats.deaths += len(dead)
-        stats.stops += len(stopped)
+        with self._lock:
+            stats.deaths += len(dead)
+            stats.stops += len(stopped)
         failed = failed or bool(dead)
         try:
             for member in group:
@@ -613,14 +670,17 @@ class WorkerPool:
                 kept = stats.failed_logs if failed else stats.kept_logs
                 if not keeps(self.log_policy, failed=failed):
                     member.remove_log()
-                elif path not in kept:
-                    kept.append(path)
+                else:
+                    with self._lock:
+                        if path not in kept:
+                            kept.append(path)
             if entry.lease is not None:
                 self._give_back(entry.lease, pids, entry.leased_at, stats)
             self._stamp_released(entry.records)
 
     def _give_back(self, lease: Lease, pids: list[int], leased_at: float, stats: ConfigStats) -> None:
         report = lease.release(worker_pids=pids, wait_timeout=self.release_wait)
-        stats.gpu_seconds += (time.monotonic() - leased_at) * max(1, len(lease.gpus))
+        with self._lock:
+            stats.gpu_seconds += (time.monotonic() - leased_at) * max(1, len(lease.gpus))
         if report is not None and not getattr(report, "memory_back", True):
             self.on_message(str(report))

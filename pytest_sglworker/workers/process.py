@@ -44,9 +44,20 @@ if TYPE_CHECKING:
 
 DEFAULT_TAIL_LINES = 40
 E = TypeVar("E", bound=WorkerError)
+#: What pytest sets for the test being run: no process of the plugin inherits it (a pooled worker outlives the test,
+#: and pytest's main thread sets and deletes it around every test phase).
+PER_TEST_VARIABLES = frozenset({"PYTEST_CURRENT_TEST"})
 
-__all__ = ["DEFAULT_TAIL_LINES", "ManagedProcess", "log_name", "popen", "read_head", "read_tail", "start_process",
-           "unused_log_path"]
+__all__ = ["DEFAULT_TAIL_LINES", "PER_TEST_VARIABLES", "ManagedProcess", "inherited_environ", "log_name", "popen",
+           "read_head", "read_tail", "start_process", "unused_log_path"]
+
+
+def inherited_environ() -> dict[str, str]:
+    """This process's environment as a started process inherits it, read now (pytest's per-test variables left
+    out). Call it on the thread that owns the environment, pytest's main thread: a background thread is handed
+    this snapshot and never reads ``os.environ`` (the main thread changes it around every test, and a copy made
+    while it does raises ``KeyError``)."""
+    return {k: v for k, v in os.environ.items() if k not in PER_TEST_VARIABLES}
 
 
 def read_tail(path: Path | str, lines: int = DEFAULT_TAIL_LINES, *, max_bytes: int = 256 * 1024) -> str:
@@ -329,12 +340,14 @@ def popen(argv: list[str], env: dict[str, str], log_path: Path) -> subprocess.Po
         log.close()
 
 
-def start_process(argv: list[str], env: Mapping[str, str], log_path: Path) -> dict[str, Any]:
+def start_process(argv: list[str], env: Mapping[str, str], log_path: Path, *,
+                  environ: Mapping[str, str]) -> dict[str, Any]:
     """Start ``argv`` the way every process of the plugin starts: in a session of its own, tagged with a new
-    owner tag, stdout and stderr into ``log_path`` (never a pipe), stdin closed. ``env`` is added to this
-    process's environment. Returns the :class:`ManagedProcess` fields it fills."""
+    owner tag, stdout and stderr into ``log_path`` (never a pipe), stdin closed. Its environment is ``environ``
+    (:func:`inherited_environ`, read on the main thread) with ``env`` added. Returns the :class:`ManagedProcess`
+    fields it fills."""
     tag = owner_tag()
-    full_env = dict(os.environ)
+    full_env = {k: v for k, v in environ.items() if k not in PER_TEST_VARIABLES}
     full_env.update(env)
     full_env["PYTHONUNBUFFERED"] = "1"
     full_env[OWNER_ENV] = tag

@@ -38,7 +38,7 @@ from .errors import LaunchError, WorkerError, WorkerStartupError
 from .health import Probe, ProbeTimeout, Readiness, Watched, http_request, wait_until_ready
 from .kinds import data_parallel_size
 from .launcher import check_launcher
-from .process import ManagedProcess, log_name, start_process
+from .process import ManagedProcess, inherited_environ, log_name, start_process
 from .records import ConfigStats, LaunchRecord, RunRecords
 
 if TYPE_CHECKING:
@@ -302,9 +302,11 @@ def router_launcher(explicit: Sequence[str] | None = None) -> list[str]:
 
 
 def start_router(group: WorkerGroup, options: RouterOptions, records: RunRecords, *, policy: str | None = None,
-                 args: Sequence[str] = (), startup_timeout: float | None = None, holder: str = "") -> Router:
+                 args: Sequence[str] = (), startup_timeout: float | None = None, holder: str = "",
+                 environ: Mapping[str, str] | None = None) -> Router:
     """Launch the router in front of ``group`` and return it once it reports every worker healthy; its figures
-    and launch record go into ``records``."""
+    and launch record go into ``records``. ``environ``: the environment it inherits (default: this process's)."""
+    environ = inherited_environ() if environ is None else environ
     from ..resources import state
     from ..resources.ports import reserve_port_block
 
@@ -325,7 +327,8 @@ def start_router(group: WorkerGroup, options: RouterOptions, records: RunRecords
                                     model="sglang-router", role="router", group=group.id,
                                     t_lease_requested=time.time(), port=ports["http"], argv=" ".join(mask_argv(argv)))
         try:
-            started = start_process(argv, router_env(group), log_dir / log_name("sglang-router", ports["http"]))
+            started = start_process(argv, router_env(group, environ),
+                                    log_dir / log_name("sglang-router", ports["http"]), environ=environ)
         except BaseException:
             block.release()
             record.outcome = "startup_failed"

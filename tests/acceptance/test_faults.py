@@ -28,6 +28,7 @@ from pathlib import Path
 import psutil
 import pytest
 from port_grab import grab_launcher
+from session_helpers import Session
 
 from pytest_sglworker.plugin import options as plugin_options
 
@@ -121,40 +122,6 @@ def next_session_works(pytester: pytest.Pytester, *args: str) -> pytest.RunResul
     result = pytester.runpytest_subprocess("next", *SIM, "--sgl-lease-timeout", "1", *args, timeout=90)
     result.assert_outcomes(passed=1)
     return result
-
-
-def _default_sigint() -> None:
-    # A background job of a non-interactive shell starts with SIGINT ignored, and Python keeps it ignored:
-    # give the inner pytest the usual KeyboardInterrupt whatever the outer runner did.
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-
-class Session:
-    """``python -m pytest`` in the pytester directory, as a process we can send signals to."""
-
-    def __init__(self, pytester: pytest.Pytester, *args: str) -> None:
-        self.out = pytester.path / f"session-{time.monotonic_ns()}.out"
-        with open(self.out, "wb") as fh:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "pytest", *args], cwd=pytester.path, stdin=subprocess.DEVNULL,
-                stdout=fh, stderr=subprocess.STDOUT, preexec_fn=_default_sigint,
-            )
-
-    def wait(self, timeout: float = 60.0) -> int:
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-            raise AssertionError(f"the session did not end within {timeout:g} s:\n{self.output()}") from None
-
-    def output(self) -> str:
-        return self.out.read_text(errors="replace")
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
 
 
 @pytest.fixture

@@ -50,6 +50,8 @@ __all__ = ["Lease", "LeaseManager"]
 #: Leases not yet released. The strong reference keeps a forgotten lease held until the process exits
 #: (then the kernel drops the locks) instead of letting garbage collection unlock GPUs a worker may use.
 _HELD_LEASES: set[Lease] = set()
+#: guards _HELD_LEASES (a launch ahead releases the lease of a launch it gave up on from its own thread)
+_HELD_LOCK = threading.Lock()
 
 
 class Lease:
@@ -76,7 +78,8 @@ class Lease:
         self._release_lock = threading.Lock()
         self._report: ReleaseReport | None = None
         self._unlocked = False
-        _HELD_LEASES.add(self)
+        with _HELD_LOCK:
+            _HELD_LEASES.add(self)
 
     @property
     def indices(self) -> tuple[int, ...]:
@@ -119,7 +122,8 @@ class Lease:
                 # Unlocked even when the wait is interrupted (Ctrl-C): the lease never outlives release().
                 self._unlock()
                 self._unlocked = True
-                _HELD_LEASES.discard(self)
+                with _HELD_LOCK:
+                    _HELD_LEASES.discard(self)
             self._report = report
             return report
 

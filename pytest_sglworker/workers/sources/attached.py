@@ -386,8 +386,10 @@ class AttachedSource:
             return SglWorkerError(f"{silent[0].describe()} stopped answering its health check during the test")
         return None
 
-    def launch_ahead(self, config: WorkerConfig, *, holder: str) -> bool:
-        return False if self.serves(config.spec) else self.launching.launch_ahead(config, holder=holder)
+    def launch_ahead(self, config: WorkerConfig, *, holder: str, environ: Mapping[str, str]) -> bool:
+        if self.serves(config.spec):
+            return False
+        return self.launching.launch_ahead(config, holder=holder, environ=environ)
 
     def gpu_count(self) -> int | None:
         return self.launching.gpu_count()

@@ -19,6 +19,7 @@ Plain Python, no pytest.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -49,6 +50,9 @@ class GroupRequest:
     launch: bool = False
     #: the test opted out of the budget check (``@pytest.mark.sgl_budget_opt_out``): workers that break it serve
     budget_opt_out: bool = False
+    #: the environment a launched worker inherits, read on the main thread when the request was made (pytest's
+    #: per-test variables left out); None: read when the source launches (on the main thread too)
+    environ: Mapping[str, str] | None = None
 
 
 @dataclass(frozen=True)
@@ -90,7 +94,8 @@ class SourceRefusal(SglWorkerError):
 
 
 class WorkerSource(Protocol):
-    """Where a test's workers come from. Every method is called on pytest's main thread."""
+    """Where a test's workers come from. Every method is called on pytest's main thread; what a source does in
+    threads of its own works from what it was handed there."""
 
     #: the figures and launch records this source writes (the run report reads them)
     records: RunRecords
@@ -115,8 +120,9 @@ class WorkerSource(Protocol):
         """Take ``group`` back after a test; the error that fails that test (a member died during it, an
         attached worker stopped answering), or None."""
 
-    def launch_ahead(self, config: WorkerConfig, *, holder: str) -> bool:
-        """Start ``config``'s workers now, in the background, for a test to come; whether it started."""
+    def launch_ahead(self, config: WorkerConfig, *, holder: str, environ: Mapping[str, str]) -> bool:
+        """Start ``config``'s workers now, in the background, for a test to come, inheriting ``environ`` (the
+        snapshot the main thread made); whether it started."""
 
     def gpu_count(self) -> int | None:
         """How many GPUs this source leases from (the xdist scheduler budgets by it); None when unknown. May

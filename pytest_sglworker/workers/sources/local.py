@@ -59,6 +59,8 @@ class PoolHooks:
     choose_kind: KindChooser = default_kind
     #: a test's own launch holds its lease: the session may start the next configurations alongside it
     on_leased: Callable[[WorkerConfig], None] | None = None
+    #: the main thread waits for launch threads: the session writes what they queued for the terminal
+    on_tick: Callable[[], None] | None = None
     xdist_worker: str | None = None
 
 
@@ -106,7 +108,7 @@ class PoolSource:
                 reuse=self.settings.reuse, log_policy=self.settings.log_policy, on_progress=hooks.on_progress,
                 on_progress_end=hooks.on_progress_end, on_message=hooks.on_message, worker_env=self._worker_env,
                 choose_kind=hooks.choose_kind, xdist_worker=hooks.xdist_worker, on_leased=hooks.on_leased,
-                records=self.records)
+                records=self.records, on_tick=hooks.on_tick)
         return self._pool
 
     @property
@@ -131,7 +133,7 @@ class PoolSource:
 
     def acquire(self, request: GroupRequest) -> WorkerGroup:
         return self.pool.acquire(request.config, holder=request.holder, fresh=request.fresh or request.launch,
-                                 options=request.options)
+                                 options=request.options, environ=request.environ)
 
     def give_back(self, group: WorkerGroup, use: GroupUse) -> WorkerDied | None:
         """Record the test on the group's launch records, then pool the group again, or retire it (unshared,
@@ -151,10 +153,10 @@ class PoolSource:
             pool.release(group, failed=use.failed)  # a fresh group is retired there too
         return None
 
-    def launch_ahead(self, config: WorkerConfig, *, holder: str) -> bool:
+    def launch_ahead(self, config: WorkerConfig, *, holder: str, environ: Mapping[str, str]) -> bool:
         if self._pool is None or not self.settings.reuse:
             return False  # nothing launched yet: the first test's own launch comes first
-        return self._pool.launch_ahead(config, holder=holder)
+        return self._pool.launch_ahead(config, holder=holder, environ=environ)
 
     def gpu_count(self) -> int | None:
         return len(self.leases.inventory.static_gpus())

@@ -530,6 +530,8 @@ class RayLeaseManager:
         self.on_message = on_message
         self.notices: list[str] = []
         self.ray = _import_ray()
+        #: what the actors' own environment gets (read here, on the main thread: actors start from launch threads)
+        self.actor_env = forwarded_env()
         self._connect(connect_timeout)
         self.inventory = RayInventory(self)
         self._host_class: Any = None
@@ -720,7 +722,7 @@ class RayLeaseManager:
             num_cpus=0, num_gpus=gpus, max_restarts=0, max_task_retries=0, max_concurrency=4,
             scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg,
                                                                  placement_group_bundle_index=bundle),
-            runtime_env={"env_vars": forwarded_env()},
+            runtime_env={"env_vars": self.actor_env},
         ).remote(session)
 
     def end_actors(self, actors: Sequence[Any], *, timeout: float) -> None:
@@ -741,7 +743,7 @@ class RayLeaseManager:
 
         def start(spec: ModelSpec, ports: Mapping[str, int], extra_args: Sequence[str],
                   env: Mapping[str, str] | None, options: LaunchOptions, log_dir: Path, gpus: str | None,
-                  kind: WorkerKind, index: int) -> ModelInstance:
+                  kind: WorkerKind, index: int, *, environ: Mapping[str, str]) -> ModelInstance:
             from ...engine.sglang_facts import LOOPBACK_HOST
             from ..launcher import build_argv
             from ..process import log_name
@@ -758,10 +760,10 @@ class RayLeaseManager:
             port = ports[kind.port_names[0]]
             argv = build_argv(spec, port=port, nccl_port=ports.get("nccl"), launcher=options.launcher,
                               extra_args=extra_args, allow_foreign_host=options.allow_foreign_host,
-                              role_args=kind.role_args(ports))
+                              role_args=kind.role_args(ports), environ=environ)
             if not local:
                 argv[argv.index("--host") + 1] = host
-            child_env = {**forwarded_env(), **spec.env, **(env or {})}
+            child_env = {**forwarded_env(environ), **spec.env, **(env or {})}
             child_env.pop("CUDA_VISIBLE_DEVICES", None)  # Ray's assignment, set on the node
             try:
                 started = ray.get(actor.start.remote(argv, child_env, str(log_dir / log_name("sglang-worker", port))),
