@@ -172,7 +172,7 @@ def sim_fault_problem(session: SglSession, config: WorkerConfig) -> str | None:
     (an unknown fault, a value out of range): said at collection, with the faults it knows."""
     if session.settings.engine != "sim":
         return None
-    from ..sim.core import ENV_FAULT, FaultError, parse_fault_spec
+    from ..sim import ENV_FAULT, FaultError, parse_fault_spec
 
     value = {**config.spec.env, **dict(config.env)}.get(ENV_FAULT)
     if not value:

@@ -311,7 +311,7 @@ class SglSession:
         inventory = getattr(self._leases, "inventory", None)
         if not isinstance(inventory, DeclaredInventory):
             return {}
-        from ..sim.core import ENV_GPU_FREE, ENV_GPU_MEM
+        from ..sim import ENV_GPU_FREE, ENV_GPU_MEM
 
         return {ENV_GPU_MEM: f"{inventory.total_mib / 1024:g}", ENV_GPU_FREE: str(inventory.total_mib)}
 
