@@ -10,7 +10,7 @@ message, and an abort with another status (a PD handshake timeout) has ``"type":
 Why one module of this size: it is the HTTP surface of sglang's ``srt/entrypoints/http_server.py`` and its OpenAI
 adapters, one handler per endpoint, all sharing the same request checks, error envelopes and the ``Sim`` state;
 split by endpoint, every file would import every other's checks. The startup is in :mod:`sim`, PD in :mod:`sim_pd`,
-tokens in :mod:`sim_tokens`, faults in :mod:`sim_core`, gRPC in :mod:`sim_grpc`.
+tokens in :mod:`sim_tokens`, faults in :mod:`sim_faults`, gRPC in :mod:`sim_grpc`.
 """
 
 from __future__ import annotations
@@ -29,19 +29,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, NoReturn, TypeGuard
 
 from . import pd as sim_pd
-from .core import (
-    CONTROL_PATH,
-    ENV_FAULT,
-    INFERENCE_PATHS,
-    WORKER_HEADER,
-    FaultError,
-    Faults,
-    FaultState,
-    Log,
-    Plan,
-    Recorder,
-    known_faults,
-)
+from .core import CONTROL_PATH, ENV_FAULT, WORKER_HEADER, Log, Plan, Recorder
+from .faults import INFERENCE_PATHS, FaultError, Faults, FaultState, known_faults
 from .tokens import (
     Generation,
     Vocab,

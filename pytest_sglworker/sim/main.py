@@ -6,7 +6,7 @@ response shapes (the facts in :mod:`sglang_facts`; the shapes checked against th
 ``tests/sim/test_sim_differential.py``), deterministic text (the prompt's tokens echoed) and logprobs, and
 injectable faults. Stdlib only at import (``tokenizers`` is used when it is importable and the model is a
 directory with a ``tokenizer.json``), so that it starts in a few tens of milliseconds. The pieces:
-:mod:`sim_core` (log, faults), :mod:`sim_tokens` (tokenizer, generations, logprobs, embeddings),
+:mod:`sim_core` (log), :mod:`sim_faults` (faults), :mod:`sim_tokens` (tokenizer, generations, logprobs, embeddings),
 :mod:`sim_http` (endpoints), :mod:`sim_pd` (prefill/decode disaggregation).
 
 Startup, as the real engine does it: the server-args line, ``Init parallel``, ``Memory baseline taken``,
@@ -32,7 +32,8 @@ Environment:
   side retries 15 times a second apart) before it aborts the request with sglang's 500.
 - ``SGLSIM_RECORD`` (path): append one JSON line per event (``start``, ``ready``, ``exit``), each with a
   single ``O_APPEND`` write.
-- ``SGLSIM_FAULT``: comma-separated faults; ``python -m pytest_sglworker.sim --help`` lists them all. An
+- ``SGLSIM_FAULT``: comma-separated faults (the records of :mod:`sim_faults`); ``python -m
+  pytest_sglworker.sim --help`` lists them all. An
   unknown fault or a value out of range exits 2 with one line naming it and listing the known ones (on
   stderr and in the log). Startup faults: ``crash_oom``, ``kv_oom``, ``exit=N``, ``hang``,
   ``hang_before_bind``, ``flood=MB``, ``ignore_sigterm``, ``escape_child``. Request faults (also
@@ -123,18 +124,21 @@ from .core import (
     ENV_STARTUP,
     ENV_TOKEN,
     ENV_WARMUP,
-    REQUEST_FAULTS,
-    STARTUP_FAULTS,
     WORKER_HEADER,
-    FaultError,
-    Faults,
-    FaultState,
     Log,
     Plan,
     Recorder,
+)
+from .faults import (
+    REQUEST_FAULTS,
+    STARTUP_FAULTS,
+    FaultError,
+    Faults,
+    FaultState,
     RequestFaults,
     fault_help,
     parse_fault_spec,
+    parse_faults,
 )
 from .http_server import SITE, VERSION, Sim, SimHTTPServer, SimHTTPServer6, _Shutdown, kill_self
 from .tokens import NATURAL_TOKENS, load_model_dir
@@ -247,13 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-# ---------------------------------------------------------------------------------------------- faults
-
-
-def parse_faults(spec: str) -> Faults:
-    """Parse the startup faults of ``SGLSIM_FAULT`` (``"crash_oom"``, ``"exit=3,flood=2"``, ...); the request
-    faults of the same spec are checked too (see :func:`sim_core.parse_fault_spec`)."""
-    return parse_fault_spec(spec)[0]
+# ---------------------------------------------------------------------------------------------- environment
 
 
 def _env_float(name: str, default: float | None) -> float | None:
