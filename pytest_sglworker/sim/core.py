@@ -1,7 +1,8 @@
-"""The simulated engine's shared pieces: environment names, the plan, the log and the event recorder.
+"""The simulated engine's shared pieces: its environment variables, its header and control path, the log and
+the event recorder.
 
-Part of :mod:`pytest_sglworker.sim` (``python -m pytest_sglworker.sim``); stdlib only. The faults are in
-:mod:`.faults`.
+Part of :mod:`pytest_sglworker.sim`; stdlib only. The faults are in :mod:`.faults`, the resolved configuration
+(:class:`~.plan.Plan`) in :mod:`.plan`.
 """
 
 from __future__ import annotations
@@ -11,12 +12,7 @@ import os
 import sys
 import threading
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from ..engine.sglang_facts import ModelDims
-    from .tokens import ModelDir
+from typing import Any
 
 ENV_STARTUP = "SGLSIM_STARTUP_SECONDS"
 ENV_WARMUP = "SGLSIM_WARMUP_SECONDS"
@@ -35,50 +31,6 @@ WORKER_HEADER = "X-SGLSim-Worker"
 CONTROL_PATH = "/_sim/faults"
 
 _LEVELS = {"debug": 10, "info": 20, "warning": 30, "error": 40, "critical": 50}
-
-
-# ---------------------------------------------------------------------------------------------- plan
-
-
-@dataclass(frozen=True)
-class Plan:
-    """The resolved configuration and the memory arithmetic of one simulated server (MiB are exact, GB are
-    GiB, as sglang prints them)."""
-
-    args: dict[str, Any]
-    facts: ModelDims
-    served_model_name: str
-    total_gib: float
-    avail_before: float
-    weights: float
-    avail_after: float
-    fraction: float
-    rest: float
-    kv_bytes_per_token: int
-    page_size: int
-    max_total_tokens: int
-    profiled_tokens: int
-    chunked_prefill_size: int
-    decode_max_bs: int
-    prefill_buckets: tuple[int, ...]
-    decode_backend: str
-    prefill_backend: str
-    context_len: int
-    max_running_requests: int
-    model: ModelDir
-    mode: str = "null"
-    free_mib: float = 0.0
-    hidden_size: int = 0
-    is_embedding: bool = False
-
-    @property
-    def vocab_size(self) -> int:
-        return self.model.vocab.vocab_size
-
-    @property
-    def max_req_input_len(self) -> int:
-        """sglang's scheduler refuses prompts of this many tokens or more (``tp_worker.py``)."""
-        return min(self.context_len - 1, self.max_total_tokens - 1) - 5
 
 
 # ---------------------------------------------------------------------------------------------- log

@@ -6,7 +6,7 @@ Part of :mod:`pytest_sglworker.sim`; stdlib only. Faults come in two kinds: *sta
 control endpoint ``/_sim/faults``. A record names the fault, the kind of value it takes, its ``--help`` line
 and the field of :class:`Faults` (startup) or :class:`RequestFaults` (request) it sets; everything else here
 (the parser, the error messages, the ``--help`` list, ``/_sim/faults``) is read from the records. What a fault
-does is where it acts: the startup faults in the startup (:mod:`.main`), the request faults in the request
+does is where it acts: the startup faults in :mod:`.startup`, the request faults in the request
 handling (:mod:`.http_server`, and the gRPC servicer's).
 """
 

@@ -9,7 +9,7 @@ message, and an abort with another status (a PD handshake timeout) has ``"type":
 
 Why one module of this size: it is the HTTP surface of sglang's ``srt/entrypoints/http_server.py`` and its OpenAI
 adapters, one handler per endpoint, all sharing the same request checks, error envelopes and the ``Sim`` state;
-split by endpoint, every file would import every other's checks. The startup is in :mod:`sim`, PD in :mod:`sim_pd`,
+split by endpoint, every file would import every other's checks. The startup is in :mod:`.startup`, PD in :mod:`sim_pd`,
 tokens in :mod:`sim_tokens`, faults in :mod:`sim_faults`, gRPC in :mod:`sim_grpc`.
 """
 
@@ -29,8 +29,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, NoReturn, TypeGuard
 
 from . import pd as sim_pd
-from .core import CONTROL_PATH, ENV_FAULT, WORKER_HEADER, Log, Plan, Recorder
+from .core import CONTROL_PATH, ENV_FAULT, WORKER_HEADER, Log, Recorder
 from .faults import INFERENCE_PATHS, FaultError, Faults, FaultState, known_faults
+from .plan import Plan
 from .tokens import (
     Generation,
     Vocab,
@@ -102,10 +103,6 @@ class Abort(Exception):
     def __init__(self, message: str, status: int) -> None:
         super().__init__(message)
         self.status = status
-
-
-class _Shutdown(BaseException):
-    """Raised in the main thread by the SIGTERM/SIGINT handler."""
 
 
 # ---------------------------------------------------------------------------------------------- state
