@@ -9,7 +9,8 @@ runs before anything launches.
 
 A new sim fault is one new record in :data:`pytest_sglworker.sim.faults.FAULTS` (with the field it sets in
 ``Faults`` or ``RequestFaults`` of the same module), plus the code that acts on it where it acts: the startup
-step in :mod:`.startup`, or the request handling in :mod:`.http_server`.
+step in :mod:`.startup`, or the request hook in :mod:`.routes.common`. A new endpoint family is one new module in
+:mod:`.routes` plus one line registering it in ``routes/__init__.py``.
 
 It is a real subprocess serving real HTTP on the given host and port, with sglang 0.5.23's flags, startup log
 lines, endpoints, request checks and response shapes (the facts in :mod:`pytest_sglworker.engine.sglang_facts`;
@@ -23,7 +24,9 @@ it starts in a few tens of milliseconds. The modules:
 - :mod:`.plan`: the resolved configuration and the memory arithmetic (:class:`~.plan.Plan`, ``make_plan``);
 - :mod:`.startup`: the startup sequence and its log lines, the startup faults, binding and warmup;
 - :mod:`.core`: environment names, the log, the event recorder; :mod:`.faults`: the faults;
-- :mod:`.http_server`: the state of a running server (``Sim``) and the HTTP endpoints;
+- :mod:`.state`: the state of a running server (``Sim``), shared by the HTTP and gRPC sides;
+- :mod:`.server`: the HTTP plumbing (uvicorn's manners, the route dispatch, the request-fault gate);
+- :mod:`.routes`: the HTTP endpoints, one module per family, each a table of routes;
 - :mod:`.tokens`: tokenizer, generations, logprobs, embeddings; :mod:`.pd`: prefill/decode disaggregation;
   :mod:`.grpc_server`: ``--grpc-mode``.
 

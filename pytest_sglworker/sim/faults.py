@@ -6,8 +6,8 @@ Part of :mod:`pytest_sglworker.sim`; stdlib only. Faults come in two kinds: *sta
 control endpoint ``/_sim/faults``. A record names the fault, the kind of value it takes, its ``--help`` line
 and the field of :class:`Faults` (startup) or :class:`RequestFaults` (request) it sets; everything else here
 (the parser, the error messages, the ``--help`` list, ``/_sim/faults``) is read from the records. What a fault
-does is where it acts: the startup faults in :mod:`.startup`, the request faults in the request
-handling (:mod:`.http_server`, and the gRPC servicer's).
+does is where it acts: the startup faults in :mod:`.startup`, the request faults in the request hook of
+:mod:`.routes.common` (and the gRPC servicer's), ``die_after`` in :meth:`.state.Sim.die`.
 """
 
 from __future__ import annotations
@@ -120,9 +120,6 @@ _BY_NAME = {fault.name: fault for fault in FAULTS}
 #: name -> (kind, help) of the startup faults, and of the request faults.
 STARTUP_FAULTS: dict[str, tuple[str, str]] = {f.name: (f.kind, f.help) for f in FAULTS if f.startup}
 REQUEST_FAULTS: dict[str, tuple[str, str]] = {f.name: (f.kind, f.help) for f in FAULTS if not f.startup}
-#: The inference paths the request faults apply to.
-INFERENCE_PATHS = ("/generate", "/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/encode",
-                   "/v1/score", "/v1/responses")
 
 
 def known_faults() -> str:

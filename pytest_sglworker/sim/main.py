@@ -30,9 +30,9 @@ from .core import (
     Recorder,
 )
 from .faults import FaultError, FaultState, parse_fault_spec
-from .http_server import Sim
 from .plan import make_plan, model_facts
 from .startup import StartupExit, run_startup, wait_forever
+from .state import Sim
 
 __all__ = ["build_parser", "main", "make_plan", "model_facts"]
 

@@ -19,8 +19,9 @@ from typing import Any, NoReturn
 
 from ..engine.sglang_facts import READY_LINE, WARMUP_PROMPT, decode_capture_sizes, prefill_capture_sizes
 from .core import ENV_ESCAPED, ENV_FAULT, Log
-from .http_server import SITE, Sim, SimHTTPServer, SimHTTPServer6, kill_self
 from .plan import Plan
+from .server import SimHTTPServer, SimHTTPServer6
+from .state import SITE, Sim, kill_self
 
 #: Seconds after which an ``escape_child`` child exits by itself, so that no test leaves it forever.
 ESCAPED_CHILD_LIFETIME = 600.0
