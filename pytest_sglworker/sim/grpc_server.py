@@ -36,8 +36,11 @@ from concurrent import futures
 from typing import Any, NoReturn
 
 from ..engine.grpc_facts import INSTALL_HINT, SCHEDULER_SERVICE, grpc_missing_reason
-from .core import CONTROL_PATH, ENV_FAULT
-from .http_server import SITE, VERSION, Handler, Sim, SimHTTPServer, kill_self
+from .core import ENV_FAULT
+from .routes import admin
+from .routes.common import Request, Route
+from .server import Handler, SimHTTPServer
+from .state import SITE, VERSION, Sim, kill_self
 from .tokens import Generation, embedding, logprobs
 
 __all__ = ["INSTALL_HINT", "SCHEDULER_SERVICE", "WARMUP_INPUT_IDS", "GrpcSim", "missing_reason", "serve"]
@@ -71,42 +74,50 @@ class SidecarHandler(Handler):
     def _authorized(self, path: str) -> bool:
         return True  # the sidecar has no API key check
 
-    def _routes(self) -> dict[str, Any]:
-        routes: dict[str, Any] = {
-            "/start_profile": (("POST",), self._start_profile),
-            "/stop_profile": (("POST",), self._stop_profile),
-            CONTROL_PATH: (("GET", "POST"), self._control),
-        }
-        if self.sim.plan.args["enable_metrics"]:
-            routes["/metrics"] = (("GET",), self._metrics)
-        return routes
-
     def _dispatch(self) -> None:
-        if self.path.split("?", 1)[0] not in self._routes():
+        if self.path.split("?", 1)[0] not in self._server.routes:
             self._drain()
-            self._send(404, b"404: Not Found", "text/plain; charset=utf-8")
+            Request(self, self.sim).send(404, b"404: Not Found", "text/plain; charset=utf-8")
             return
         super()._dispatch()
 
-    def _start_profile(self, body: bytes) -> None:
-        self.server.profiling = True  # type: ignore[attr-defined]
-        self._send(200, b"Start profiling.\n", "text/plain; charset=utf-8")
 
-    def _stop_profile(self, body: bytes) -> None:
-        if not getattr(self.server, "profiling", False):
-            self._send(500, b"Stop profile failed: Profiling is not in progress. Call /start_profile first.\n",
-                       "text/plain; charset=utf-8")
-            return
-        self.server.profiling = False  # type: ignore[attr-defined]
-        self._send(200, b"Stop profiling. This will take some time.\n", "text/plain; charset=utf-8")
+def _sidecar(ctx: Request) -> SidecarServer:
+    server = ctx.server
+    assert isinstance(server, SidecarServer)
+    return server
+
+
+def _start_profile(ctx: Request) -> None:
+    _sidecar(ctx).profiling = True
+    ctx.send(200, b"Start profiling.\n", "text/plain; charset=utf-8")
+
+
+def _stop_profile(ctx: Request) -> None:
+    server = _sidecar(ctx)
+    if not server.profiling:
+        ctx.send(500, b"Stop profile failed: Profiling is not in progress. Call /start_profile first.\n",
+                 "text/plain; charset=utf-8")
+        return
+    server.profiling = False
+    ctx.send(200, b"Stop profiling. This will take some time.\n", "text/plain; charset=utf-8")
+
+
+#: The sidecar's routes: the real ones, and the sim's control endpoint.
+SIDECAR_ROUTES: tuple[Route, ...] = (
+    Route(("POST",), "/start_profile", _start_profile),
+    Route(("POST",), "/stop_profile", _stop_profile),
+    admin.CONTROL,
+    admin.METRICS,
+)
 
 
 class SidecarServer(SimHTTPServer):
     profiling = False
+    handler = SidecarHandler
 
     def __init__(self, address: tuple[str, int], sim: Sim) -> None:
-        self.sim = sim
-        super(SimHTTPServer, self).__init__(address, SidecarHandler)
+        super().__init__(address, sim, SIDECAR_ROUTES)
 
 
 # ---------------------------------------------------------------------------------------------- services

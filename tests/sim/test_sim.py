@@ -22,7 +22,10 @@ import pytest
 
 from pytest_sglworker.engine.ledger import predict_memory
 from pytest_sglworker.engine.sglang_facts import MODEL_DIMS, flag_table
+from pytest_sglworker.sim import faults as simfaults
 from pytest_sglworker.sim import main as simmod
+from pytest_sglworker.sim.plan import Plan
+from pytest_sglworker.sim.tokens import load_model_dir
 
 MODEL = "Qwen/Qwen3-0.6B"
 QWEN = MODEL_DIMS[MODEL]
@@ -218,7 +221,7 @@ def _tokens(argv: list[str], gib: float = 80.0, free: int | None = None, tp: int
 def test_plan_memory_arithmetic() -> None:
     parser = simmod.build_parser()
 
-    def plan(argv: list[str], gib: float = 80.0) -> simmod.Plan:
+    def plan(argv: list[str], gib: float = 80.0) -> Plan:
         return simmod.make_plan(parser.parse_args(["--model", MODEL, *argv]), gib, argv=argv)
 
     auto = plan([])
@@ -272,22 +275,22 @@ def test_kv_line_follows_the_declared_card_and_free_memory(launch: Launcher) -> 
 
 
 def test_parse_faults() -> None:
-    faults = simmod.parse_faults(" crash_oom, die_after=3 ,slow_health=0.5,flood=1.5,exit=7,escape_child ")
+    faults = simfaults.parse_faults(" crash_oom, die_after=3 ,slow_health=0.5,flood=1.5,exit=7,escape_child ")
     assert faults.crash_oom and faults.escape_child and not faults.hang
     assert (faults.flood_mb, faults.exit_code) == (1.5, 7)
-    startup, request = simmod.parse_fault_spec("die_after=3,slow_health=0.5,fail_first=2,fail_rate=0.25,status=503,"
+    startup, request = simfaults.parse_fault_spec("die_after=3,slow_health=0.5,fail_first=2,fail_rate=0.25,status=503,"
                                                "latency=0.1,hang_request=4,health_fail_after=2,api_key=k,"
                                                "max_payload=100,trickle=0.01,hang_requests,health_fail")
-    assert startup == simmod.Faults()
+    assert startup == simfaults.Faults()
     assert (request.die_after, request.slow_health, request.fail_first, request.fail_rate) == (3, 0.5, 2, 0.25)
     assert (request.status, request.latency, request.hang_request, request.api_key) == (503, 0.1, 4, "k")
     assert (request.max_payload, request.trickle, request.hang_requests) == (100, 0.01, True)
     assert request.health_fail_after == 0.0  # health_fail came last: from now on
-    assert simmod.parse_faults("") == simmod.Faults()
+    assert simfaults.parse_faults("") == simfaults.Faults()
     for bad in ("bogus", "exit=x", "exit=300", "die_after", "die_after=0", "hang=1", "flood=-1", "slow_health=",
                 "fail_rate=2", "status=99", "max_payload=0", "latency=-1", "api_key=", "fail_first=1.5"):
-        with pytest.raises(simmod.FaultError, match="SGLSIM_FAULT") as info:
-            simmod.parse_faults(bad)
+        with pytest.raises(simfaults.FaultError, match="SGLSIM_FAULT") as info:
+            simfaults.parse_faults(bad)
         assert "known: crash_oom, " in str(info.value) and "trickle=..." in str(info.value)
         assert repr(bad.partition("=")[0]) in str(info.value)
 
@@ -860,7 +863,7 @@ def test_help_documents_every_fault_and_the_control_endpoint() -> None:
     result = run_cli("--help")
     assert result.returncode == 0
     out = result.stdout
-    for name in (*simmod.STARTUP_FAULTS, *simmod.REQUEST_FAULTS):
+    for name in (*simfaults.STARTUP_FAULTS, *simfaults.REQUEST_FAULTS):
         assert re.search(rf"^  {name}(=\S+)?\s", out, re.M), name
     for text in ("GET  /_sim/faults", "POST /_sim/faults", "X-SGLSim-Worker", "SGLSIM_GPU_FREE_MIB",
                  "SGLSIM_PD_WAIT_SECONDS"):
@@ -919,7 +922,7 @@ def test_request_checks_of_the_real_engine(tiny: SimProc) -> None:
         return r.status_code, r.json()
 
     status, body = error("/generate", {"text": "x " * 600, "sampling_params": {"max_new_tokens": 2}})
-    words = 600 if not simmod.load_model_dir(TINY, vocab_size=512, eos_token_id=2).vocab.real else 1200
+    words = 600 if not load_model_dir(TINY, vocab_size=512, eos_token_id=2).vocab.real else 1200
     assert status == 400 and body == {"error": {"message": f"The input ({words} tokens) is longer than the model's "
                                                            "context length (512 tokens)."}}
     status, body = error("/generate", {"text": "x", "sampling_params": {"temperature": -1}})

@@ -1,0 +1,31 @@
+"""The simulated engine's HTTP endpoints, one module per endpoint family, each declaring its routes in a table
+(``ROUTES``: :class:`~.common.Route` records, methods and path -> a function taking the request context).
+
+A new endpoint family is one new module with its ``ROUTES`` plus one line in :data:`FAMILIES`; what routes share
+(the request context and its replies, the request checks, the error envelopes, the request-fault hook) is in
+:mod:`.common`. The dispatch is :class:`pytest_sglworker.sim.server.Handler`'s.
+
+- :mod:`.admin`: health and readiness, model and server info, the cache flush, the metrics, ``/_sim/faults``;
+- :mod:`.generate`: sglang's native ``/generate`` and ``/encode``;
+- :mod:`.openai`: the OpenAI-compatible ``/v1/...`` endpoints;
+- :mod:`.tokenizer`: ``/tokenize``, ``/detokenize``, ``/v1/score``;
+- :mod:`.pd`: the prefill/decode checks and handshake of the generation requests (the PD bootstrap routes
+  have their own server and port: :mod:`pytest_sglworker.sim.pd`).
+"""
+
+from __future__ import annotations
+
+from . import admin, generate, openai, tokenizer
+from .common import Route
+
+#: The endpoint families of the simulated engine's HTTP server.
+FAMILIES = (
+    admin,
+    generate,
+    openai,
+    tokenizer,
+)
+#: Every route of the HTTP server.
+ROUTES: tuple[Route, ...] = tuple(route for family in FAMILIES for route in family.ROUTES)
+
+__all__ = ["FAMILIES", "ROUTES", "Route"]

@@ -1,0 +1,379 @@
+"""The simulated engine's OpenAI-compatible endpoints: ``/v1/chat/completions``, ``/v1/completions`` (both
+streamed or not, with logprobs), ``/v1/responses``, ``/v1/embeddings`` and ``/v1/models`` (with
+``/v1/models/{name}``).
+
+Part of :mod:`pytest_sglworker.sim`; stdlib only. Requests are checked as sglang's pydantic models and OpenAI
+adapters do (the error envelopes of :mod:`.common`); a PD server's completions go through the handshake of
+:mod:`.pd` (the prefill side answers with its first token only).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+from ..state import Sim
+from ..tokens import (
+    Generation,
+    embedding,
+    embedding_base64,
+    message_text,
+    openai_chat_logprob,
+    openai_completion_logprobs,
+    render_chat,
+)
+from .common import (
+    NOT_EMBEDDING,
+    Abort,
+    BadRequest,
+    Request,
+    Route,
+    as_stop_list,
+    check_length,
+    int_field,
+    missing,
+    not_generation,
+    num,
+    openai_usage,
+    pace,
+    verify_sampling,
+)
+from .pd import handshake
+
+
+def models(ctx: Request) -> None:
+    sim = ctx.sim
+    ctx.json(200, {"object": "list", "data": [_card(sim)]})
+
+
+def model_card(ctx: Request) -> None:
+    sim = ctx.sim
+    name = ctx.path.split("?", 1)[0][len("/v1/models/"):]
+    if name != sim.plan.served_model_name:
+        ctx.json(404, {"error": {"message": f"The model '{name}' does not exist", "type": "invalid_request_error",
+                                 "param": "model", "code": "model_not_found"}})
+        return
+    ctx.json(200, _card(sim))
+
+
+def _card(sim: Sim) -> dict[str, Any]:
+    plan = sim.plan
+    return {"id": plan.served_model_name, "object": "model", "created": int(time.time()), "owned_by": "sglang",
+            "root": plan.served_model_name, "parent": None, "max_model_len": plan.context_len}
+
+
+def _openai_params(req: dict[str, Any]) -> tuple[int | None, list[str], bool, int]:
+    max_tokens = int_field(req.get("max_completion_tokens"), "max_completion_tokens")
+    if max_tokens is None:
+        max_tokens = int_field(req.get("max_tokens"), "max_tokens")
+    n = req.get("n", 1)
+    n = 1 if n is None else n
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise BadRequest(f"1 validation error:\n  n: Input should be greater than or equal to 1, got {n!r}",
+                         validation=True)
+    return max_tokens, as_stop_list(req.get("stop")), bool(req.get("ignore_eos", False)), n
+
+
+def _openai_sampling(req: dict[str, Any], max_tokens: int | None) -> dict[str, Any]:
+    params = {k: req[k] for k in ("temperature", "top_p", "top_k", "min_p", "frequency_penalty",
+                                  "presence_penalty", "repetition_penalty", "logit_bias") if req.get(k) is not None}
+    if max_tokens is not None:
+        params["max_new_tokens"] = max_tokens
+    return params
+
+
+def chat(ctx: Request) -> None:
+    sim = ctx.sim
+    rid = sim.new_id()
+    try:
+        req = ctx.parse_json(require_json_type=True, endpoint="/v1/chat/completions")
+        if "messages" not in req:
+            raise missing("messages", "/v1/chat/completions", req)
+        messages = req["messages"]
+        if not isinstance(messages, list):
+            raise BadRequest("1 validation error:\n  messages: Input should be a valid list", validation=True)
+        if not messages:
+            raise BadRequest("Messages cannot be empty.")
+        if not all(isinstance(m, dict) and "role" in m for m in messages):
+            raise BadRequest("1 validation error:\n  messages: each message must be an object with a role",
+                             validation=True)
+        not_generation(sim)
+        max_tokens, stop, ignore_eos, n = _openai_params(req)
+        if sim.vocab.real:
+            prompt = sim.vocab.encode(render_chat(messages, sim.plan.model.chat_template), add_special_tokens=False)
+            source = sim.vocab.encode(" ".join(message_text(m) for m in messages), add_special_tokens=False)
+        else:
+            prompt = sim.vocab.encode(" ".join(message_text(m) for m in messages))
+            source = prompt
+        check_length(sim, prompt, max_tokens)
+        verify_sampling(_openai_sampling(req, max_tokens), sim.vocab.vocab_size, as_float=True)
+        want_logprobs = bool(req.get("logprobs"))
+        top_n = int(req.get("top_logprobs") or 0)
+        gens = [sim.generate(prompt, source, max_tokens, stop, ignore_eos) for _ in range(n)]
+        handshake(sim, req, rid, gens[0])
+    except BadRequest as exc:
+        ctx.bad(exc, openai=True)
+        return
+    except Abort as exc:
+        ctx.abort(exc)
+        return
+    if sim.mode == "prefill":
+        for gen in gens:
+            gen.output_ids, gen.texts = gen.output_ids[:1], gen.texts[:1]
+    model = req.get("model") or sim.plan.served_model_name
+    created = int(time.time())
+    usage = openai_usage(gens[0].prompt_tokens, sum(g.completion_tokens for g in gens))
+    if req.get("stream"):
+        options = req.get("stream_options") or {}
+        include_usage = isinstance(options, dict) and bool(options.get("include_usage"))
+        ctx.stream(_chat_events(sim, gens, rid, created, model, usage if include_usage else None,
+                                want_logprobs, top_n))
+        return
+    pace(sim, max(g.completion_tokens for g in gens))
+    choices = []
+    for index, gen in enumerate(gens):
+        reason, matched = gen.openai_finish()
+        probs = None
+        if want_logprobs:
+            probs = {"content": [openai_chat_logprob(sim.vocab, gen, k, top_n) for k in range(gen.completion_tokens)
+                                 if gen.output_ids[k] != sim.vocab.eos_token_id or gen.finish["type"] != "stop"]}
+        choices.append({"index": index, "message": {"role": "assistant", "content": gen.text,
+                                                    "reasoning_content": None},
+                        "logprobs": probs, "finish_reason": reason, "matched_stop": matched})
+    ctx.json(200, {"id": rid, "object": "chat.completion", "created": created, "model": model,
+                   "choices": choices, "usage": usage,
+                   "metadata": {"weight_version": "default", "weight_versions": [
+                       {"version": "default", "start": 0, "end": gens[0].completion_tokens}]}})
+
+
+def _chat_events(sim: Sim, gens: list[Generation], rid: str, created: int, model: str, usage: dict[str, Any] | None,
+                 want_logprobs: bool, top_n: int) -> Iterator[dict[str, Any]]:
+    def chunk(index: int, delta: dict[str, Any], probs: Any = None, reason: str | None = None,
+              matched: Any = None) -> dict[str, Any]:
+        return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+                "choices": [{"index": index, "delta": delta, "logprobs": probs, "finish_reason": reason,
+                             "matched_stop": matched}]}
+
+    vocab = sim.vocab
+    for index, gen in enumerate(gens):
+        yield chunk(index, {"reasoning_content": None, "role": "assistant", "content": ""})
+        for k, text in enumerate(gen.deltas()):
+            if gen.finish["type"] == "stop" and k == gen.completion_tokens - 1 \
+                    and gen.output_ids[k] == vocab.eos_token_id:
+                continue
+            pace(sim, 1)
+            probs = {"content": [openai_chat_logprob(vocab, gen, k, top_n)]} if want_logprobs else None
+            yield chunk(index, {"reasoning_content": None, "content": text}, probs)
+        reason, matched = gen.openai_finish()
+        yield chunk(index, {"reasoning_content": None}, None, reason, matched)
+    if usage is not None:
+        yield {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [],
+               "usage": usage}
+
+
+def _completion_prompts(sim: Sim, raw: Any, req: dict[str, Any]) -> list[tuple[str, list[int]]]:
+    vocab = sim.vocab
+    if isinstance(raw, str):
+        return [(raw, vocab.encode(raw))]
+    if isinstance(raw, list) and raw and all(isinstance(p, str) for p in raw):
+        return [(p, vocab.encode(p)) for p in raw]
+    if isinstance(raw, list) and raw and all(isinstance(i, int) and not isinstance(i, bool) for i in raw):
+        return [(vocab.decode(raw, skip_special_tokens=False), list(raw))]
+    if isinstance(raw, list) and raw and all(isinstance(r, list) and all(isinstance(i, int) for i in r)
+                                             for r in raw):
+        return [(vocab.decode(r, skip_special_tokens=False), list(r)) for r in raw]
+    raise BadRequest("1 validation error:\n  prompt: Input should be a string, a list of strings, or token ids",
+                     validation=True)
+
+
+def completions(ctx: Request) -> None:
+    sim = ctx.sim
+    rid = sim.new_id()
+    try:
+        req = ctx.parse_json(require_json_type=True, endpoint="/v1/completions")
+        if "prompt" not in req:
+            raise missing("prompt", "/v1/completions", req)
+        not_generation(sim)
+        prompts = _completion_prompts(sim, req["prompt"], req)
+        max_tokens, stop, ignore_eos, n = _openai_params(req)
+        if max_tokens is None:
+            max_tokens = 16  # the OpenAI completions default
+        for _, ids in prompts:
+            check_length(sim, ids, max_tokens)
+        verify_sampling(_openai_sampling(req, max_tokens), sim.vocab.vocab_size, as_float=True)
+        echo = bool(req.get("echo", False))
+        top = req.get("logprobs")
+        want_logprobs = top is not None and top is not False
+        top_n = int(top) if num(top) else 0
+        gens: list[tuple[str, Generation]] = []
+        for text, ids in prompts:
+            for _ in range(n):
+                gens.append((text, sim.generate(ids, None, max_tokens, stop, ignore_eos)))
+        handshake(sim, req, rid, gens[0][1])
+    except BadRequest as exc:
+        ctx.bad(exc, openai=True)
+        return
+    except Abort as exc:
+        ctx.abort(exc)
+        return
+    if sim.mode == "prefill":
+        for _, gen in gens:
+            gen.output_ids, gen.texts = gen.output_ids[:1], gen.texts[:1]
+    model = req.get("model") or sim.plan.served_model_name
+    created = int(time.time())
+    usage = openai_usage(sum(g.prompt_tokens for _, g in gens[::n]), sum(g.completion_tokens for _, g in gens))
+    if req.get("stream"):
+        options = req.get("stream_options") or {}
+        include_usage = isinstance(options, dict) and bool(options.get("include_usage"))
+        stream_usage = openai_usage(usage["prompt_tokens"], usage["completion_tokens"], details=False)
+        ctx.stream(_completion_events(sim, gens, echo, rid, created, model,
+                                      stream_usage if include_usage else None, want_logprobs, top_n))
+        return
+    pace(sim, max(g.completion_tokens for _, g in gens))
+    choices = []
+    for index, (text, gen) in enumerate(gens):
+        reason, matched = gen.openai_finish()
+        out = text + gen.text if echo else gen.text
+        probs = openai_completion_logprobs(sim.vocab, gen, top_n, echo=echo) if want_logprobs else None
+        choices.append({"index": index, "text": out, "logprobs": probs, "finish_reason": reason,
+                        "matched_stop": matched})
+    ctx.json(200, {"id": rid, "object": "text_completion", "created": created, "model": model,
+                   "choices": choices, "usage": usage,
+                   "metadata": {"weight_version": "default", "weight_versions": [
+                       {"version": "default", "start": 0, "end": gens[0][1].completion_tokens}]}})
+
+
+def _completion_events(sim: Sim, gens: list[tuple[str, Generation]], echo: bool, rid: str, created: int, model: str,
+                       usage: dict[str, Any] | None, want_logprobs: bool,
+                       top_n: int) -> Iterator[dict[str, Any]]:
+    def chunk(index: int, text: str, probs: Any, reason: str | None = None, matched: Any = None) -> dict[str, Any]:
+        return {"id": rid, "object": "text_completion", "created": created, "model": model,
+                "choices": [{"index": index, "text": text, "logprobs": probs, "finish_reason": reason,
+                             "matched_stop": matched}], "usage": None}
+
+    vocab = sim.vocab
+    for index, (text, gen) in enumerate(gens):
+        deltas = gen.deltas() or [""]
+        reason, matched = gen.openai_finish()
+        for k, delta in enumerate(deltas):
+            pace(sim, 1)
+            last = k == len(deltas) - 1
+            if echo and k == 0:
+                delta = text + delta
+            probs = (openai_completion_logprobs(vocab, gen, top_n, echo=False, indices=[k])
+                     if want_logprobs and gen.output_ids else None)
+            yield chunk(index, delta, probs, reason if last else None, matched if last else None)
+    if usage is not None:
+        yield {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [],
+               "usage": usage}
+
+
+def responses(ctx: Request) -> None:
+    sim = ctx.sim
+    try:
+        req = ctx.parse_json(require_json_type=True, endpoint="/v1/responses")
+        if "input" not in req:
+            raise missing("input", "/v1/responses", req)
+        not_generation(sim)
+        raw = req["input"]
+        if isinstance(raw, str):
+            messages = [{"role": "user", "content": raw}]
+        elif isinstance(raw, list):
+            messages = [m for m in raw if isinstance(m, dict)]
+        else:
+            raise BadRequest("1 validation error:\n  input: Input should be a string or a list", validation=True)
+        if req.get("instructions"):
+            messages = [{"role": "system", "content": str(req["instructions"])}, *messages]
+        max_tokens = int_field(req.get("max_output_tokens"), "max_output_tokens")
+        if sim.vocab.real:
+            prompt = sim.vocab.encode(render_chat(messages, sim.plan.model.chat_template), add_special_tokens=False)
+            source = sim.vocab.encode(" ".join(message_text(m) for m in messages), add_special_tokens=False)
+        else:
+            prompt = source = sim.vocab.encode(" ".join(message_text(m) for m in messages))
+        check_length(sim, prompt, max_tokens)
+        verify_sampling(_openai_sampling(req, max_tokens), sim.vocab.vocab_size, as_float=True)
+        gen = sim.generate(prompt, source, max_tokens, [], False)
+    except BadRequest as exc:
+        if exc.validation:
+            ctx.json(400, {"error": {"message": str(exc), "type": "Bad Request", "param": None, "code": 400}})
+        else:
+            ctx.openai_error(400, str(exc))
+        return
+    pace(sim, gen.completion_tokens)
+    status = "completed" if gen.finish["type"] == "stop" else "incomplete"
+    ctx.json(200, {
+        "id": f"resp_{uuid.uuid4().hex}", "object": "response", "created_at": int(time.time()),
+        "model": req.get("model") or sim.plan.served_model_name,
+        "output": [{"id": f"msg_{uuid.uuid4().hex}", "content": [
+            {"annotations": [], "text": gen.text, "type": "output_text", "logprobs": None}],
+            "role": "assistant", "status": "completed", "type": "message"}],
+        "status": status,
+        "usage": {"input_tokens": gen.prompt_tokens,
+                  "input_tokens_details": {"cached_tokens": gen.cached_tokens, "cache_write_tokens": 0},
+                  "output_tokens": gen.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+                  "total_tokens": gen.prompt_tokens + gen.completion_tokens},
+        "parallel_tool_calls": True, "tool_choice": req.get("tool_choice", "auto"), "tools": [],
+        "error": None, "incomplete_details": None, "instructions": req.get("instructions"),
+        "max_output_tokens": max_tokens, "previous_response_id": req.get("previous_response_id"),
+        "reasoning": None, "store": req.get("store", True), "temperature": req.get("temperature"),
+        "text": {"format": {"type": "text"}}, "top_p": req.get("top_p"), "truncation": req.get("truncation"),
+        "user": req.get("user"), "metadata": req.get("metadata"),
+    })
+
+
+def _embed_inputs(sim: Sim, raw: Any) -> list[list[int]]:
+    vocab = sim.vocab
+    if isinstance(raw, str):
+        if not raw:
+            raise BadRequest("Input cannot be empty")
+        return [vocab.encode(raw)]
+    if isinstance(raw, list) and raw and all(isinstance(t, str) for t in raw):
+        if not all(raw):
+            raise BadRequest("Input cannot be empty")
+        return [vocab.encode(t) for t in raw]
+    if isinstance(raw, list) and raw and all(isinstance(i, int) and not isinstance(i, bool) for i in raw):
+        return [list(raw)]
+    if isinstance(raw, list) and raw and all(isinstance(r, list) for r in raw):
+        return [list(r) for r in raw]
+    raise BadRequest("Input cannot be empty")
+
+
+def embeddings(ctx: Request) -> None:
+    sim = ctx.sim
+    plan = sim.plan
+    try:
+        req = ctx.parse_json(require_json_type=True, endpoint="/v1/embeddings")
+        if "input" not in req:
+            raise missing("input", "/v1/embeddings", req)
+        if not plan.is_embedding:
+            raise BadRequest(NOT_EMBEDDING)
+        if req.get("dimensions") is not None:
+            raise BadRequest(f"Model '{plan.served_model_name}' does not support matryoshka representation, "
+                             "changing output dimensions will lead to poor results.")
+        inputs = _embed_inputs(sim, req["input"])
+        for ids in inputs:
+            check_length(sim, ids, None)
+    except BadRequest as exc:
+        ctx.bad(exc, openai=True)
+        return
+    b64 = req.get("encoding_format") == "base64"
+    data = []
+    for index, ids in enumerate(inputs):
+        vector = embedding(ids, plan.hidden_size)
+        data.append({"embedding": embedding_base64(vector) if b64 else vector, "index": index,
+                     "object": "embedding"})
+    prompt = sum(len(ids) for ids in inputs)
+    ctx.json(200, {"data": data, "model": plan.served_model_name, "object": "list",
+                   "usage": openai_usage(prompt, 0)})
+
+
+ROUTES: tuple[Route, ...] = (
+    Route(("POST",), "/v1/chat/completions", chat, inference=True),
+    Route(("POST",), "/v1/completions", completions, inference=True),
+    Route(("POST",), "/v1/responses", responses, inference=True),
+    Route(("POST",), "/v1/embeddings", embeddings, inference=True),
+    Route(("GET",), "/v1/models", models),
+    Route(("GET",), "/v1/models/", model_card, prefix=True),
+)
