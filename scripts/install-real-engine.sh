@@ -11,7 +11,7 @@
 # finished install leaves a marker file (written last) and a rerun with the same recipe exits at once.
 #
 # Then: SGLWORKER_REAL_ENGINE=VENV_DIR (or the default location) lets the tests find it; see
-# pytest_sglworker/cpu_engine.py for the launch recipe. Environment: SGLWORKER_BASE_PYTHON picks the
+# pytest_sglworker/engine/cpu_engine.py for the launch recipe. Environment: SGLWORKER_BASE_PYTHON picks the
 # interpreter the venv is made from (default python3; the torch wheel pinned here is for CPython 3.11).
 set -euo pipefail
 
