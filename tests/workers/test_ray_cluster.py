@@ -27,7 +27,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from test_xdist_gpus import assert_exclusive, lifetimes, max_concurrency
+from worker_lives import assert_exclusive, lifetimes, max_concurrency
 
 pytestmark = [pytest.mark.ray, pytest.mark.xdist_group("ray")]  # one local cluster at a time
 
