@@ -51,6 +51,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
+from .log_lines import LogMemory
 from .sglang_facts import (
     GRAPH_BACKENDS,
     MODEL_DIMS,
@@ -412,6 +413,36 @@ class MemoryLedger:
 
     def __str__(self) -> str:
         return self.render()
+
+    def against_log(self, memory: LogMemory) -> str:
+        """Beside a memory failure: what this prediction said and, when it said ``fits``, which of its
+        assumptions the log's memory lines contradict (the memory free when the weights loaded, the weights, the
+        KV pool), or that they agree with it, which means what ran out is memory the ledger does not model."""
+        if self.verdict is not Verdict.FITS:
+            return f"the ledger predicted this failure: {self.verdict.value}: {self.explanation}"
+        said = (f"the ledger predicted 'fits' ({self.headroom_mib:+.0f} MiB beyond the engine's reserve + "
+                f"{self.margin:.0%}), but the engine ran out of memory")
+        contradictions = []
+        if memory.load_begin_avail_gb is not None:
+            free = memory.load_begin_avail_gb * 1024
+            if free < self.free_mib * 0.95:
+                contradictions.append(f"the GPU had {free:.0f} MiB free when the weights loaded, the ledger assumed "
+                                      f"{self.free_mib:.0f} (another process held {self.free_mib - free:.0f} MiB?)")
+        if memory.weights_gb is not None:
+            weights = memory.weights_gb * 1024
+            if abs(weights - self.weights_mib) > max(256.0, 0.1 * self.weights_mib):
+                contradictions.append(f"the weights took {weights:.0f} MiB, the ledger predicted "
+                                      f"{self.weights_mib:.0f}")
+        if memory.kv_tokens is not None and memory.kv_tokens != self.kv_tokens:
+            contradictions.append(f"the KV pool got {memory.kv_tokens:,} tokens, the ledger predicted "
+                                  f"{self.kv_tokens:,}")
+        if contradictions:
+            return f"{said}: the log contradicts its assumptions: " + "; ".join(contradictions)
+        if memory.kv_tokens is None and memory.weights_gb is None:
+            return f"{said}; the log shows no memory line to check its assumptions against"
+        return (f"{said}, and the log's memory lines agree with its assumptions (free memory at load, weights, KV "
+                "pool): what ran out is memory the ledger does not model (activations or graphs beyond the "
+                "engine's own reserve)")
 
 
 def predict_memory(

@@ -20,9 +20,8 @@ import pytest
 
 from ..engine.specs import ModelSpec, SpecRegistry
 from ..errors import InventoryUnavailable, SglWorkerError
-from ..workers.errors import WorkerError
 from ..workers.sources.base import GroupRequest, GroupUse, SourceRefusal
-from .keys import CONFIG_KEY, REPORTS_KEY, WORKERS_KEY, item_spec
+from .keys import CONFIG_KEY, REPORTS_KEY, SHOWN_KEY, SIGNALS_KEY, WORKERS_KEY, item_spec
 from .markers import RouterMarker, WorkerMarker, WorkersMarker, opt_out_reason
 from .session import SglSession, state_of
 
@@ -54,13 +53,19 @@ def _holder(request: pytest.FixtureRequest) -> str:
 
 def _fail_with(exc: BaseException) -> None:
     """Fail the test with the error's text; a worker failure's first line (the one pytest's short summary
-    shows, ``-rA``) is its one-line diagnosis."""
+    shows, ``-rA``) is its headline, with the cause."""
     text = str(exc)
-    if isinstance(exc, WorkerError) and exc.worker:
-        text = f"{exc.summary}\n{text}"
     # "from None": called inside "except SglWorkerError", the failure would otherwise chain that error as
     # its context, and pytest prints a chain even with pytrace=False: the whole message twice.
     raise pytest.fail.Exception(text, pytrace=False) from None
+
+
+def _fail_from(request: pytest.FixtureRequest, exc: BaseException) -> None:
+    """Fail the test with a failure of the plugin's own (a worker that did not start or died, a router): the text
+    shows that process's log, so the report adds no section for it, nor for the healthy ones."""
+    shown = getattr(exc, "process", None)
+    request.node.stash.setdefault(SHOWN_KEY, set()).add(id(shown) if shown is not None else 0)
+    _fail_with(exc)
 
 
 def _config_for(request: pytest.FixtureRequest, spec: ModelSpec, fixture: str) -> WorkerConfig:
@@ -101,7 +106,7 @@ def _acquire(request: pytest.FixtureRequest, group_request: GroupRequest) -> Wor
     except InventoryUnavailable as exc:
         pytest.skip(f"no GPU inventory: {exc}")
     except SglWorkerError as exc:
-        _fail_with(exc)
+        _fail_from(request, exc)
         raise
     request.node.stash.setdefault(WORKERS_KEY, []).extend(group)
     return group
@@ -116,10 +121,11 @@ def _give_back(request: pytest.FixtureRequest, group: WorkerGroup, *, check_deat
     # keep the logs, and do not raise from here (a failure raised at session finish crashes pytest).
     use = GroupUse(request.node.nodeid, "interrupted" if call is None else call.outcome,
                    getattr(call, "start", None), getattr(call, "stop", None),
-                   last_use=request.node.nodeid in session.last_users, check_deaths=check_deaths)
+                   last_use=request.node.nodeid in session.last_users, check_deaths=check_deaths,
+                   signals=tuple(request.node.stash.get(SIGNALS_KEY, ())))
     failure = session.source.give_back(group, use)
     if failure is not None:
-        _fail_with(failure)
+        _fail_from(request, failure)
 
 
 @contextlib.contextmanager
@@ -188,7 +194,7 @@ def sgl_router(request: pytest.FixtureRequest, sgl_workers: WorkerGroup) -> Iter
     except RouterUnavailable as exc:
         pytest.skip(str(exc))
     except SglWorkerError as exc:
-        _fail_with(exc)
+        _fail_from(request, exc)
         raise
     request.node.stash.setdefault(WORKERS_KEY, []).append(router)
     try:

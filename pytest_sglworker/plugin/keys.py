@@ -20,6 +20,8 @@ __all__ = [
     "NEXT_KEY",
     "PLUGIN_FIXTURES",
     "REPORTS_KEY",
+    "SHOWN_KEY",
+    "SIGNALS_KEY",
     "WORKERS_KEY",
     "WORKER_FIXTURES",
     "distributing",
@@ -39,6 +41,10 @@ CONFIG_KEY = pytest.StashKey["WorkerConfig"]()
 REPORTS_KEY = pytest.StashKey[dict[str, pytest.TestReport]]()
 #: the test that runs after this one (what launch ahead looks at under xdist)
 NEXT_KEY = pytest.StashKey["pytest.Item | None"]()
+#: signals the test sent through os.kill/os.killpg during its call (``SignalSent`` records)
+SIGNALS_KEY = pytest.StashKey[list[Any]]()
+#: ids of the processes whose failure text (diagnosis and tail) a failure of this test already shows
+SHOWN_KEY = pytest.StashKey[set[int]]()
 
 #: the fixtures that launch workers, and the marker each one reads
 WORKER_FIXTURES = ("sgl_worker", "sgl_workers", "sgl_router")

@@ -20,7 +20,9 @@ WORKER_MARKER_DOC = (
 )
 WORKERS_MARKER_DOC = (
     "sgl_workers(count=N | prefill=P, decode=D, args=(), env=None, fresh=False, startup_timeout=None, "
-    "worker_args=(), prefill_args=(), decode_args=()): the worker group of this test's sgl_workers"
+    "worker_args=(), prefill_args=(), decode_args=(), worker_env=None, prefill_env=None, decode_env=None): "
+    "the worker group of this test's sgl_workers; a role's args (or env) are a list (a dict) for all its members, "
+    "or a list of lists (of dicts), one per member"
 )
 ROUTER_MARKER_DOC = (
     "sgl_router(policy='round_robin', args=(), startup_timeout=None): the real sglang router in front of "
@@ -123,13 +125,17 @@ class WorkersMarker:
     fresh: bool = False
     startup_timeout: float | None = None
     role_args: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    #: ``(role, index, args)``: one member's own args
+    member_args: tuple[tuple[str, int, tuple[str, ...]], ...] = ()
+    #: ``(role, index, env items)``: one member's own env
+    member_env: tuple[tuple[str, int, tuple[tuple[str, str], ...]], ...] = ()
 
     @classmethod
     def from_mark(cls, mark: pytest.Mark | None) -> WorkersMarker:
         if mark is None:
             return cls(count=1)
         kw = _kwargs(mark, {"count", "prefill", "decode", "args", "env", "fresh", "startup_timeout",
-                            "worker_args", "prefill_args", "decode_args"})
+                            "worker_args", "prefill_args", "decode_args", "worker_env", "prefill_env", "decode_env"})
         count = _count("sgl_workers", "count", kw.get("count", 0))
         prefill = _count("sgl_workers", "prefill", kw.get("prefill", 0))
         decode = _count("sgl_workers", "decode", kw.get("decode", 0))
@@ -140,16 +146,43 @@ class WorkersMarker:
         if not count and not (prefill and decode):
             raise MarkerError("sgl_workers needs count=N, or both prefill=P and decode=D (each at least 1), "
                               "e.g. @pytest.mark.sgl_workers(prefill=1, decode=1)")
-        role_args = tuple((role, _args("sgl_workers", f"{role}_args", kw.get(f"{role}_args")))
-                          for role in ("worker", "prefill", "decode") if kw.get(f"{role}_args"))
-        if count and any(role != "worker" for role, _ in role_args):
-            raise MarkerError("sgl_workers(prefill_args/decode_args=...) belong to a prefill/decode group")
-        if not count and any(role == "worker" for role, _ in role_args):
-            raise MarkerError("sgl_workers(worker_args=...) belong to a count=N group; use prefill_args/decode_args")
+        sizes = {"worker": count, "prefill": prefill, "decode": decode}
+        role_args: list[tuple[str, tuple[str, ...]]] = []
+        member_args: list[tuple[str, int, tuple[str, ...]]] = []
+        member_env: list[tuple[str, int, tuple[tuple[str, str], ...]]] = []
+        for role in ("worker", "prefill", "decode"):
+            for what in ("args", "env"):
+                key = f"{role}_{what}"
+                if not kw.get(key):
+                    continue
+                if not sizes[role]:
+                    owner = "a count=N group" if role == "worker" else "a prefill/decode group"
+                    fix = "; use prefill_*/decode_*" if role == "worker" else ""
+                    raise MarkerError(f"sgl_workers({key}=...) belong to {owner}{fix}")
+                value = kw[key]
+                per_member = (isinstance(value, (list, tuple)) and bool(value)
+                              and all(isinstance(v, (list, tuple) if what == "args" else Mapping) for v in value))
+                if not per_member:
+                    if what == "args":
+                        role_args.append((role, _args("sgl_workers", key, value)))
+                    else:
+                        env = tuple(sorted(_env("sgl_workers", value).items()))
+                        member_env += [(role, i, env) for i in range(sizes[role])]
+                    continue
+                if len(value) != sizes[role]:
+                    raise MarkerError(f"sgl_workers({key}=...) gives {len(value)} members' {what}, but the group has "
+                                      f"{sizes[role]} {role} member(s): one entry per member, or a single "
+                                      f"{'list' if what == 'args' else 'dict'} for all of them")
+                for i, entry in enumerate(value):
+                    if what == "args":
+                        member_args.append((role, i, _args("sgl_workers", f"{key}[{i}]", entry)))
+                    else:
+                        member_env.append((role, i, tuple(sorted(_env("sgl_workers", entry).items()))))
         return cls(count, prefill, decode, _args("sgl_workers", "args", kw.get("args")),
                    _env("sgl_workers", kw.get("env")),
                    _flag("sgl_workers", "fresh", kw.get("fresh", False)),
-                   _timeout("sgl_workers", kw.get("startup_timeout")), role_args)
+                   _timeout("sgl_workers", kw.get("startup_timeout")), tuple(role_args),
+                   tuple((r, i, a) for r, i, a in member_args if a), tuple((r, i, e) for r, i, e in member_env if e))
 
 
 @dataclass(frozen=True)

@@ -6,13 +6,26 @@ run report, so that a run that never asks for a worker pays no hook call per tes
 
 from __future__ import annotations
 
-from collections.abc import Generator
-from typing import TYPE_CHECKING
+import contextlib
+import os
+import threading
+from collections.abc import Callable, Generator, Iterator
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from ..resources.processes import signal_name
-from .keys import CONFIG_KEY, ITEM_ERROR_KEY, NEXT_KEY, REPORTS_KEY, WORKERS_KEY, is_xdist_worker
+from ..workers.sources.base import SignalSent
+from .keys import (
+    CONFIG_KEY,
+    ITEM_ERROR_KEY,
+    NEXT_KEY,
+    REPORTS_KEY,
+    SHOWN_KEY,
+    SIGNALS_KEY,
+    WORKERS_KEY,
+    is_xdist_worker,
+)
 
 if TYPE_CHECKING:
     from ..workers.launcher import ModelInstance
@@ -30,16 +43,47 @@ def enable_run_hooks(session: SglSession) -> None:
         manager.register(RunHooks(session), RUN_HOOKS_NAME)
 
 
+@contextlib.contextmanager
+def observe_signals(sent: list[Any]) -> Iterator[None]:
+    """While the test's call runs: every ``os.kill``/``os.killpg`` the test makes on pytest's main thread is
+    recorded in ``sent`` (a :class:`SignalSent` each) and then made as asked, so that a worker the test killed
+    itself is not reported as a death of its own. Calls from other threads are not recorded. Someone else's
+    replacement of ``os.kill`` made during the call is left in place."""
+    real_kill, real_killpg = os.kill, os.killpg
+    main = threading.main_thread()
+    active = [True]
+
+    def recording(real: Callable[[int, int], None], group: bool) -> Callable[[int, int], None]:
+        def call(pid: int, sig: int) -> None:
+            if active[0] and threading.current_thread() is main:
+                sent.append(SignalSent(int(pid), int(sig), group))
+            real(pid, sig)
+        return call
+
+    kill, killpg = recording(real_kill, False), recording(real_killpg, True)
+    os.kill, os.killpg = kill, killpg
+    try:
+        yield
+    finally:
+        active[0] = False  # inert from now on, even where a test's own patch put it back
+        if os.kill is kill:
+            os.kill = real_kill
+        if os.killpg is killpg:
+            os.killpg = real_killpg
+
+
 def worker_section(instance: ModelInstance, tail: int) -> tuple[str, str]:
-    """The report section a failed test gets for each worker it used: its log path and tail, or, for a
-    worker that died during the test, the full failure (diagnosis included)."""
+    """The report section a failed test gets for each worker it used: its log path and its condensed tail, or,
+    for a worker that died during the test, its whole failure text (diagnosis included)."""
     role = "" if instance.role == "worker" else f" {instance.role}"
     title = f"sglang worker {instance.spec.name}{role} {instance.host}:{instance.port}"
     if getattr(instance, "attached", False):
         state = "answers its health check" if instance.responds() else "does NOT answer its health check"
         return f"{title} (attached)", f"{instance.describe()} {state} now\n{instance.log_tail(tail)}"
     if instance.is_alive() or instance.stopped:
-        return title, f"log: {instance.log_path}\nlast {tail} lines:\n{instance.log_tail(tail)}"
+        condensed = instance.condensed_tail(tail)
+        notes = f" ({'; '.join(condensed.notes)})" if condensed.notes else ""
+        return title, f"log: {instance.log_path}\nlast lines of the log{notes}:\n{condensed.text}"
     return (f"{title} exited with {signal_name(instance.returncode)} during the test",
             instance.failure_message("exited during the test", lines=tail))
 
@@ -60,6 +104,12 @@ class RunHooks:
     def pytest_runtest_call(self, item: pytest.Item) -> None:
         """With this test's own workers in place (after its setup), start the next configurations ahead."""
         self.session.launch_ahead(item)
+
+    @pytest.hookimpl(wrapper=True, specname="pytest_runtest_call")
+    def pytest_runtest_call_signals(self, item: pytest.Item) -> Generator[None, None, None]:
+        """The signals the test sends during its call, for its workers' give-back (:func:`observe_signals`)."""
+        with observe_signals(item.stash.setdefault(SIGNALS_KEY, [])):
+            return (yield)
 
     @pytest.hookimpl(trylast=True)
     def pytest_runtest_teardown(self, item: pytest.Item, nextitem: pytest.Item | None) -> None:
@@ -94,7 +144,12 @@ class RunHooks:
         workers = item.stash.get(WORKERS_KEY, None)
         if workers and report.failed:
             junit = bool(getattr(self.session.config.option, "xmlpath", None))
+            shown = item.stash.get(SHOWN_KEY, set())
             for instance in workers:
+                # Nothing twice: a process whose failure text this report shows gets no section; after a failure of
+                # the plugin's own (setup, teardown) the healthy processes' logs are not what the reader needs.
+                if id(instance) in shown or (shown and report.when != "call" and instance.is_alive()):
+                    continue
                 title, body = worker_section(instance, self.session.settings.tail_lines)
                 report.sections.append((title, body))
                 # CI systems read junitxml, which takes properties and captured output from the teardown report:

@@ -208,10 +208,13 @@ class SglSession:
             args, env, name = marker.args, marker.env, "sgl_worker"
         else:
             group_marker = WorkersMarker.from_mark(node.get_closest_marker("sgl_workers"))
-            group = GroupShape(group_marker.count, group_marker.prefill, group_marker.decode, group_marker.role_args)
+            group = GroupShape(group_marker.count, group_marker.prefill, group_marker.decode, group_marker.role_args,
+                               group_marker.member_args, group_marker.member_env)
             args, env, name = group_marker.args, group_marker.env, "sgl_workers"
         subject = f"test {getattr(node, 'nodeid', node)}: @pytest.mark.{name}(args={list(args)!r}"
-        subject += "".join(f", {role}_args={list(a)!r}" for role, a in (group.role_args if group else ())) + ")"
+        subject += "".join(f", {role}_args={list(a)!r}" for role, a in (group.role_args if group else ()))
+        members = group.member_args if group else ()
+        subject += "".join(f", {role}_args[{i}]={list(a)!r}" for role, i, a in members) + ")"
         return WorkerConfig.resolve(spec, args, env, opt_out=reason, group=group, subject=subject, fix=OPT_OUT_FIX)
 
     # -- the worker source -------------------------------------------------------------------------------

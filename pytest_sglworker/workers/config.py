@@ -44,13 +44,16 @@ def default_kind(role: str, args: Sequence[str]) -> WorkerKind:
 
 @dataclass(frozen=True)
 class GroupShape:
-    """The roles of a worker group: ``count`` regular workers, or ``prefill`` + ``decode`` workers; per-role
-    args are added after the group's own args."""
+    """The roles of a worker group: ``count`` regular workers, or ``prefill`` + ``decode`` workers. Per-role args
+    are added after the group's own args, then one member's own args (``member_args``: ``(role, index, args)``);
+    one member's own env (``member_env``: ``(role, index, env items)``) is added to the group's."""
 
     count: int = 0
     prefill: int = 0
     decode: int = 0
     role_args: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    member_args: tuple[tuple[str, int, tuple[str, ...]], ...] = ()
+    member_env: tuple[tuple[str, int, tuple[tuple[str, str], ...]], ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("count", "prefill", "decode"):
@@ -63,6 +66,10 @@ class GroupShape:
             raise ValueError("a worker group needs at least one worker (count=N, or prefill=P and decode=D)")
         if (self.prefill == 0) != (self.decode == 0):
             raise ValueError("a prefill/decode group needs both roles: prefill=P and decode=D, each at least 1")
+        sizes = {"worker": self.count, "prefill": self.prefill, "decode": self.decode}
+        for role, index, _ in (*self.member_args, *self.member_env):
+            if not 0 <= index < sizes.get(role, 0):
+                raise ValueError(f"no {role} member {index} in a group of {self.describe()}")
 
     @property
     def is_pd(self) -> bool:
@@ -73,8 +80,20 @@ class GroupShape:
             return ["prefill"] * self.prefill + ["decode"] * self.decode
         return ["worker"] * self.count
 
-    def args_for(self, role: str) -> tuple[str, ...]:
-        return dict(self.role_args).get(role, ())
+    def args_for(self, role: str, index: int | None = None) -> tuple[str, ...]:
+        """The args of ``role`` (its members' shared ones), then those of its member ``index`` (when given)."""
+        shared = dict(self.role_args).get(role, ())
+        own = next((args for r, i, args in self.member_args if r == role and i == index), ())
+        return (*shared, *own)
+
+    def env_for(self, role: str, index: int) -> tuple[tuple[str, str], ...]:
+        """The env of member ``index`` of ``role`` beyond the group's."""
+        return next((env for r, i, env in self.member_env if r == role and i == index), ())
+
+    @property
+    def per_member(self) -> bool:
+        """Whether some member has args or env of its own (beyond its role's)."""
+        return bool(self.member_args or self.member_env)
 
     def describe(self) -> str:
         return f"{self.prefill}P+{self.decode}D" if self.is_pd else f"{self.count}x"
@@ -82,13 +101,14 @@ class GroupShape:
 
 @dataclass(frozen=True)
 class MemberPlan:
-    """One process of a configuration: its role, its index within the role, its kind and its extra args
-    (the test's, then its role's)."""
+    """One process of a configuration: its role, its index within the role, its kind, its extra args (the
+    test's, then its role's, then its own) and its own env (beyond the configuration's)."""
 
     role: str
     index: int
     kind: WorkerKind
     extra_args: tuple[str, ...]
+    env: tuple[tuple[str, str], ...] = ()
 
     def gpus(self, spec: ModelSpec) -> int:
         return self.kind.gpus(spec, self.extra_args)
@@ -140,6 +160,8 @@ class WorkerConfig:
                                          self.extra_args, self.env)
         if self.group is not None:
             canonical += (self.group.count, self.group.prefill, self.group.decode, self.group.role_args)
+            if self.group.per_member:
+                canonical += (self.group.member_args, self.group.member_env)
         digest = hashlib.sha1(repr(canonical).encode()).hexdigest()[:8]
         return f"{self.spec.name}-{digest}"
 
@@ -153,6 +175,10 @@ class WorkerConfig:
             parts.append(" ".join(mask_argv(self.extra_args)))
         if self.group is not None:
             parts += [f"{role}: {' '.join(mask_argv(args))}" for role, args in self.group.role_args if args]
+            parts += [f"{role} {index}: {' '.join(mask_argv(args))}" for role, index, args in self.group.member_args
+                      if args]
+            parts += [f"{role} {index} env " + ",".join(f"{k}={v}" for k, v in mask_env(dict(env)).items())
+                      for role, index, env in self.group.member_env if env]
         if self.env:
             parts.append("env " + ",".join(f"{k}={v}" for k, v in mask_env(dict(self.env)).items()))
         if self.opt_out:
@@ -167,11 +193,13 @@ class WorkerConfig:
         plans = []
         counts: dict[str, int] = {}
         for role in roles:
-            args = (*self.extra_args, *(self.group.args_for(role) if self.group is not None else ()))
             index = counts.get(role, 0)
             counts[role] = index + 1
+            own = self.group.args_for(role, index) if self.group is not None else ()
+            args = (*self.extra_args, *own)
+            env = self.group.env_for(role, index) if self.group is not None else ()
             # The kind sees the spec's worker_args too (``--grpc-mode`` in a spec); the plan keeps the extra args.
-            plans.append(MemberPlan(role, index, choose(role, (*self.spec.worker_args, *args)), tuple(args)))
+            plans.append(MemberPlan(role, index, choose(role, (*self.spec.worker_args, *args)), tuple(args), env))
         return plans
 
     def gpus_needed(self, choose: KindChooser | None = None) -> int:

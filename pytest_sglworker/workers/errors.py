@@ -11,21 +11,35 @@ from ..errors import SglWorkerError
 if TYPE_CHECKING:
     from ..engine.diagnosis import Diagnosis
     from ..engine.ledger import MemoryLedger
+    from ..engine.log_lines import LogMemory
+
+#: later errors of the log named in a failure text (the rest are counted)
+MAX_SECONDARY_SHOWN = 3
 
 __all__ = ["LaunchCancelled", "LaunchError", "WorkerDied", "WorkerError", "WorkerStartupError",
            "WorkerStartupTimeout"]
 
 
 class WorkerError(SglWorkerError):
-    """A worker failed. The fields say what happened; ``str(err)`` renders them: the worker and the event,
-    the diagnosis of its log, the memory ledger (for memory failures), the argv, the log path and its tail.
-    :attr:`summary` is the one line for a short test summary."""
+    """A worker failed. The fields say what happened; ``str(err)`` renders them as one failure text a person reads
+    top to bottom, each fact once:
+
+    1. the headline: which worker, where, what happened (exit code or signal, when) and the cause;
+    2. the first error of its log with its line number, and the later errors that are not the cause;
+    3. notes (``extra``) and the advice;
+    4. for a memory failure, the memory ledger, and what the log says about its prediction;
+    5. the argv and the log's path;
+    6. the log's last lines, condensed (the plugin's own probes and progress bars collapsed, long lines cut, the
+       first error's neighbourhood kept).
+
+    :attr:`summary` is the headline, for one-line places (the run report, the timeline)."""
 
     def __init__(
         self,
         message: str = "",
         *,
         worker: str = "",
+        where: str = "",
         event: str = "",
         diagnosis: Diagnosis | None = None,
         ledger: MemoryLedger | None = None,
@@ -34,9 +48,15 @@ class WorkerError(SglWorkerError):
         log_path: str | None = None,
         tail: str | None = None,
         tail_lines: int = 0,
+        tail_notes: tuple[str, ...] = (),
+        log_memory: LogMemory | None = None,
+        advice: str | None = None,
+        cause: str | None = None,
     ) -> None:
         super().__init__(message or f"{worker} {event}".strip())
         self.worker = worker
+        #: where it ran (``127.0.0.1:20004, pid 42, GPUs 0``), at the end of the headline
+        self.where = where
         self.event = event
         self.diagnosis = diagnosis
         self.ledger = ledger
@@ -45,36 +65,88 @@ class WorkerError(SglWorkerError):
         self.log_path = log_path
         self.tail = tail
         self.tail_lines = tail_lines
+        #: what the tail's condensing did (``["38 health probe lines collapsed"]``)
+        self.tail_notes = tail_notes
+        #: the log's memory lines, read beside the ledger of a memory failure
+        self.log_memory = log_memory
+        #: the advice when it is not the diagnosis's own (a worker the test killed itself)
+        self.advice_override = advice
+        #: the cause when it is not the diagnosis's (a worker the test killed itself)
+        self.cause_override = cause
+        #: the process this error is about (set by its ``failure()``), so that a report shows its log once
+        self.process: object | None = None
+
+    @property
+    def cause(self) -> str:
+        """The cause for the headline: the diagnosis's summary, or, for a log with no error, how far it got."""
+        if self.cause_override is not None:
+            return self.cause_override
+        if self.diagnosis is None:
+            return ""
+        if self.diagnosis.is_error:
+            return self.diagnosis.summary
+        return f"its log shows no error (it reached: {self.diagnosis.phase})" if self.diagnosis.phase else ""
 
     @property
     def summary(self) -> str:
-        """One line for a short test summary: the diagnosis first, then what happened to which worker."""
-        head = f"{self.worker} {self.event}".strip() if self.worker else str(self.args[0]).split("\n", 1)[0]
-        if self.diagnosis is not None and self.diagnosis.is_error:
-            return f"{self.diagnosis.summary} ({head})"
-        return head
+        """The headline: which worker, what happened, and the cause."""
+        if not self.worker:
+            return str(self.args[0]).split("\n", 1)[0] if self.args else ""
+        head = f"{self.worker} {self.event}".strip()
+        if self.cause:
+            head = f"{head}: {self.cause}"
+        return f"{head} (on {self.where})" if self.where else head
+
+    def _diagnosis_lines(self) -> list[str]:
+        diagnosis = self.diagnosis
+        if diagnosis is None or self.cause_override is not None:
+            return []
+        out = []
+        if diagnosis.first_error:
+            quoted = diagnosis.first_error.splitlines()
+            where = f"log line {diagnosis.first_error_line}" if diagnosis.first_error_line is not None else "log"
+            out.append(f"first error ({where}): {quoted[0]}")
+            out.extend(f"    {line}" for line in quoted[1:])
+        shown = diagnosis.secondary[:MAX_SECONDARY_SHOWN]
+        out.extend(f"not the cause: {line}" for line in shown)
+        if len(diagnosis.secondary) > len(shown):
+            out.append(f"not the cause: … {len(diagnosis.secondary) - len(shown)} more later errors in the log")
+        return out
+
+    def _ledger_lines(self) -> list[str]:
+        ledger = self.ledger
+        if ledger is None:
+            return []
+        rendered = ledger.render().splitlines()
+        out = [f"memory ledger (predicted for this GPU): {rendered[0]}"]
+        if self.log_memory is not None:
+            out.append(f"  {ledger.against_log(self.log_memory)}")
+        out.extend(line for line in rendered[1:] if not line.lstrip().startswith("verdict:"))
+        if self.log_memory is None:
+            out.extend(line for line in rendered[1:] if line.lstrip().startswith("verdict:"))
+        return out
 
     def __str__(self) -> str:
         if not self.worker:
             return str(self.args[0]) if self.args else ""
-        parts = [f"{self.worker} {self.event}"]
-        if self.diagnosis is not None:
-            try:
-                rendered = self.diagnosis.render()
-            except Exception as exc:  # a diagnosis must never hide the log
-                rendered = f"diagnosis unavailable: {exc!r}"
-            if rendered:
-                parts.append(rendered)
+        try:
+            parts = [self.summary, *self._diagnosis_lines()]
+        except Exception as exc:  # a diagnosis must never hide the log
+            parts = [f"{self.worker} {self.event}", f"diagnosis unavailable: {exc!r}"]
         if self.extra:
             parts.append(self.extra)
-        if self.ledger is not None:
-            parts.append(f"memory ledger (predicted for this GPU):\n{self.ledger.render()}")
+        advice = self.advice_override if self.advice_override is not None else (
+            self.diagnosis.advice if self.diagnosis is not None else "")
+        if advice:
+            parts.append(f"advice: {advice}")
+        parts += self._ledger_lines()
         if self.argv:
             parts.append(f"argv: {self.argv}")
         if self.log_path:
             parts.append(f"log: {self.log_path}")
         if self.tail is not None:
-            parts.append(f"last {self.tail_lines} lines:")
+            notes = f" ({'; '.join(self.tail_notes)})" if self.tail_notes else ""
+            parts.append(f"last lines of the log{notes}:")
             parts.append("\n".join("    " + line for line in self.tail.splitlines()) or "    <empty log>")
         return "\n".join(parts)
 

@@ -395,7 +395,8 @@ class WorkerPool:
 
     def _member_envs(self, config: WorkerConfig, prepared: _Prepared, lease: Lease | None) -> list[dict[str, str]]:
         """Each member's env from its share of the lease (a plugin's hook may change it): on the main thread."""
-        return [self._member_env(config, env) for env in _split_env(lease, prepared.counts)]
+        return [self._member_env(config, env, plan) for env, plan in
+                zip(_split_env(lease, prepared.counts), prepared.plans, strict=True)]
 
     def _launch(self, config: WorkerConfig, *, holder: str, fresh: bool, options: LaunchOptions,
                 environ: Mapping[str, str] | None = None, lease: Lease | None = None,
@@ -478,8 +479,8 @@ class WorkerPool:
                 _record_kv_tokens(members, config, plans, lease, stats)
         return group
 
-    def _member_env(self, config: WorkerConfig, lease_env: dict[str, str]) -> dict[str, str]:
-        env = dict(config.env)
+    def _member_env(self, config: WorkerConfig, lease_env: dict[str, str], plan: MemberPlan) -> dict[str, str]:
+        env = {**dict(config.env), **dict(plan.env)}
         env.update(self.worker_env(config.spec, lease_env) if self.worker_env else lease_env)
         return env
 

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from ..engine.log_lines import parse_memory
+from ..engine.log_tail import CondensedTail, condense
 from ..engine.redaction import mask_argv, redact, secret_values
 from ..resources.processes import (
     OWNER_ENV,
@@ -49,7 +51,7 @@ E = TypeVar("E", bound=WorkerError)
 PER_TEST_VARIABLES = frozenset({"PYTEST_CURRENT_TEST"})
 
 __all__ = ["DEFAULT_TAIL_LINES", "PER_TEST_VARIABLES", "ManagedProcess", "inherited_environ", "log_name", "popen",
-           "read_head", "read_tail", "start_process", "unused_log_path"]
+           "read_head", "read_log_end", "read_tail", "start_process", "unused_log_path"]
 
 
 def inherited_environ() -> dict[str, str]:
@@ -72,6 +74,31 @@ def read_tail(path: Path | str, lines: int = DEFAULT_TAIL_LINES, *, max_bytes: i
         return f"<log unreadable: {exc.strerror}>"
     text = data.decode("utf-8", errors="replace")
     return "\n".join(text.splitlines()[-lines:]) if lines > 0 else ""
+
+
+def read_log_end(path: Path | str, max_bytes: int = 1024 * 1024) -> tuple[list[str], int]:
+    """The lines of the last ``max_bytes`` of a log, and how many lines come before them (so that a log line
+    number can be found among them). A first line cut by the window is dropped."""
+    try:
+        with open(path, "rb") as fh:
+            size = fh.seek(0, os.SEEK_END)
+            start = max(0, size - max_bytes)
+            before = 0
+            fh.seek(0)
+            while fh.tell() < start:  # count the lines before the window, a chunk at a time
+                chunk = fh.read(min(1024 * 1024, start - fh.tell()))
+                if not chunk:
+                    break
+                before += chunk.count(b"\n")
+            data = fh.read()
+    except OSError as exc:
+        return [f"<log unreadable: {exc.strerror}>"], 0
+    lines = data.decode("utf-8", errors="replace").split("\n")  # log line numbers count newlines only
+    if lines and lines[-1] == "":
+        lines.pop()
+    if start > 0 and lines:
+        lines, before = lines[1:], before + 1  # the window began inside a line
+    return lines, before
 
 
 def read_head(path: Path | str, max_bytes: int = 4 * 1024 * 1024) -> str:
@@ -197,6 +224,19 @@ class ManagedProcess:
         """The last lines of the log (secrets redacted)."""
         return redact(read_tail(self.log_path, lines), self.secrets)
 
+    def condensed_tail(self, lines: int | None = None, first_error_line: int | None = None) -> CondensedTail:
+        """The log's last lines as a failure report quotes them (:func:`~pytest_sglworker.engine.log_tail.condense`:
+        probes and progress bars collapsed, long lines cut, the first error's neighbourhood kept), secrets
+        redacted, at most ``lines`` (default: :attr:`tail_lines`)."""
+        log_lines, before = self.log_end()
+        first = first_error_line if before >= 0 else None
+        return condense([redact(line, self.secrets) for line in log_lines], self.tail_lines if lines is None else lines,
+                        line_offset=max(before, 0), first_error_line=first)
+
+    def log_end(self) -> tuple[list[str], int]:
+        """The log's last lines (up to 1 MiB of them) and how many lines come before them, for a failure's tail."""
+        return read_log_end(self.log_path)
+
     def log_text(self, max_bytes: int = 4 * 1024 * 1024) -> str:
         return redact(read_head(self.log_path, max_bytes), self.secrets)
 
@@ -205,17 +245,25 @@ class ManagedProcess:
         return None
 
     def failure(self, kind: type[E], event: str, *, lines: int | None = None, extra: str = "",
-                alive: bool = False) -> E:
+                alive: bool = False, cause: str | None = None, advice: str | None = None) -> E:
         """An error of ``kind`` about this process: ``event`` with the diagnosis of its log (``alive``: of a
-        running process), the argv, the log path and the last ``lines`` lines (default: :attr:`tail_lines`)."""
+        running process), the argv, the log path and its last lines, condensed, at most ``lines`` (default:
+        :attr:`tail_lines`). ``cause`` and ``advice``: when they are not the diagnosis's."""
         lines = self.tail_lines if lines is None else lines
         try:
             diagnosis = self.diagnosis(alive=alive)
         except Exception:  # a diagnosis must never hide the log
             diagnosis = None
-        return kind(worker=self.describe(), event=event, diagnosis=diagnosis, extra=extra,
-                    argv=redact(shlex.join(mask_argv(self.argv)), self.secrets), log_path=str(self.log_path),
-                    tail=self.log_tail(lines), tail_lines=lines)
+        tail = self.condensed_tail(lines, diagnosis.first_error_line if diagnosis is not None else None)
+        memory = parse_memory(self.log_text()) if diagnosis is not None and diagnosis.memory_related else None
+        name, _, where = self.describe().partition(" on ")
+        error = kind(worker=name, where=where.replace(" (", ", ").rstrip(")"), event=event, diagnosis=diagnosis,
+                     extra=extra,
+                     argv=redact(shlex.join(mask_argv(self.argv)), self.secrets), log_path=str(self.log_path),
+                     tail=tail.text, tail_lines=lines, tail_notes=tail.notes, log_memory=memory, cause=cause,
+                     advice=advice)
+        error.process = self
+        return error
 
     def failure_message(self, what: str, *, lines: int | None = None, extra: str = "") -> str:
         """``<process> <what>`` + diagnosis + log path + the last ``lines`` lines."""

@@ -240,7 +240,7 @@ def test_test_killed_by_pytest_timeout(pytester: pytest.Pytester, sim_env: dict[
         result.stdout.fnmatch_lines([
             f"*- sglang worker qwen3-0.6b 127.0.0.1:{pids['port']} -*",
             "log: *sglang-worker-*.log",
-            "last 40 lines:",
+            "last lines of the log*:",
             "*The server is fired up and ready to roll!*",
         ])
         assert "log kept: " in result.stdout.str()
@@ -397,20 +397,18 @@ def test_worker_death_during_tests(pytester: pytest.Pytester, sim_env: dict[str,
     out = result.stdout.str()
     result.stdout.fnmatch_lines([
         "*ERROR at teardown of test_1_dies_test_passes*",
-        "*worker qwen3-0.6b on 127.0.0.1:* exited with code -9 (SIGKILL) during the test",
-        "diagnosis:*",
+        "*worker qwen3-0.6b exited with code -9 (SIGKILL) during the test: *(on 127.0.0.1:*",
         "log: *sglang-worker-*.log",
-        "last 150 lines:",
+        "last lines of the log*:",
         "*spawned scheduler pid=*",
     ])
     result.stdout.fnmatch_lines([
         "*_ test_2_dies_test_fails*",
         "*the router saw a connection reset*",
         "*- sglang worker qwen3-0.6b 127.0.0.1:* exited with code -9 (SIGKILL) during the test -*",
-        "worker qwen3-0.6b on 127.0.0.1:* exited during the test",
-        "diagnosis: RuntimeError: simulated death after 1 requests*",
+        "worker qwen3-0.6b exited during the test: RuntimeError: simulated death after 1 requests*",
         "log: *sglang-worker-*.log",
-        "last 150 lines:",
+        "last lines of the log*:",
     ])
     result.stdout.fnmatch_lines([
         "*ERROR at teardown of test_4_terminated_from_outside*",
@@ -418,8 +416,8 @@ def test_worker_death_during_tests(pytester: pytest.Pytester, sim_env: dict[str,
         "*SIGTERM received*",
     ])
     result.stdout.fnmatch_lines([
-        "*worker qwen3-0.6b on 127.0.0.1:* died while idle in the pool; replacing it",
-        "diagnosis:*",
+        "*worker qwen3-0.6b died while idle in the pool; replacing it: *(on 127.0.0.1:*",
+        "advice: *",
     ])
     assert "INTERNALERROR" not in out
     assert len(re.findall(r"log kept: ", out)) == 4, out  # the four dead workers' logs
@@ -849,7 +847,7 @@ def test_trickled_health_answer_cannot_hold_the_startup_past_its_deadline(
     wall = time.monotonic() - start
     result.assert_outcomes(errors=1)
     out = result.stdout.str()
-    result.stdout.fnmatch_lines([f"*worker qwen3-0.6b on 127.0.0.1:* did not become healthy within {timeout} s "
+    result.stdout.fnmatch_lines([f"*worker qwen3-0.6b did not become healthy within {timeout} s "
                                  "(last health answer: no complete answer to GET /ready in time)*"])
     setup = re.search(r"([\d.]+)s setup\s+test_trickle.py::test_x", out)
     assert setup, out
@@ -918,8 +916,8 @@ def test_frozen_pooled_worker_is_replaced_quickly_not_handed_on(pytester: pytest
     assert wall < 45, f"the session took {wall:.1f} s"
     out = result.stdout.str()
     # It says why: the worker is alive but does not answer (not "died").
-    result.stdout.fnmatch_lines([f"*worker qwen3-0.6b on 127.0.0.1:* (pid {seen['old']}*) does not answer its "
-                                 "health*; replacing it"])
+    result.stdout.fnmatch_lines([f"*worker qwen3-0.6b does not answer its health*; replacing it* (on 127.0.0.1:*, "
+                                 f"pid {seen['old']}*"])
     assert "died while idle" not in out
     assert "INTERNALERROR" not in out and "ReadTimeout" not in out
     assert_nothing_left(sim_env, pids=(seen["old"], seen["new"]))

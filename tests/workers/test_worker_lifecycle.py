@@ -67,16 +67,16 @@ def test_startup_exit_fails_fast_with_code_diagnosis_and_tail(pytester: pytest.P
     elapsed = time.monotonic() - start
     result.assert_outcomes(errors=1)
     result.stdout.fnmatch_lines([
-        "*worker qwen3-0.6b on 127.0.0.1:* exited during startup with code -9 (SIGKILL)*",
-        "*diagnosis: CUDA out of memory while capturing the prefill CUDA graph*",
+        "*worker qwen3-0.6b exited during startup with code -9 (SIGKILL) after * s: CUDA out of memory while "
+        "capturing the prefill CUDA graph (on 127.0.0.1:*",
         "*memory ledger (predicted for this GPU):*",
-        "*verdict: *",
+        "*the ledger predicted 'fits'*",
         "*log: *sglang-worker-*.log",
-        "*last 40 lines:*",
+        "*last lines of the log*:",
     ])
     out = result.stdout.str()
     assert "markCaptureEnd" in out  # the tail is there
-    assert re.search(r"secondary.*markCaptureEnd|markCaptureEnd.*secondary", out, re.S | re.I)
+    assert re.search(r"not the cause: .*markCaptureEnd", out)
     assert elapsed < 60, f"a startup exit must fail fast, not wait for the 300 s timeout ({elapsed:.1f} s)"
     # the failed worker's log is kept and named in the summary
     logs = list(Path(sim_env["SGLWORKER_LOG_DIR"]).glob("sglang-worker-*.log"))
@@ -124,7 +124,7 @@ def test_failed_test_gets_worker_log_section(pytester: pytest.Pytester, sim_env:
     result.stdout.fnmatch_lines([
         "*- sglang worker qwen3-0.6b 127.0.0.1:* -*",
         "log: *sglang-worker-*.log",
-        "last 40 lines:",
+        "last lines of the log*:",
         "*The server is fired up and ready to roll!*",
     ])
     # the log of a worker whose test failed is kept
@@ -229,7 +229,8 @@ def test_stale_server_on_port_is_not_mistaken_for_ready(tmp_path: Path) -> None:
         # the engine logs the failed bind and stays alive (as sglang 0.5.23 does): the wait ends early anyway
         assert "logged a fatal error during startup and did not exit" in message
         assert "address already in use" in message.lower()
-        assert "diagnosis:" in message
+        assert message.splitlines()[0].endswith(f"(on 127.0.0.1:{port}, pid {info.value.process.pid})"), message
+        assert "first error (log line " in message
     finally:
         stale.terminate()
         stale.wait(10)

@@ -341,7 +341,8 @@ class AttachedSource:
         workers = self.workers(config.spec)
         where = ", ".join(w.url for w in workers)
         name = config.spec.name
-        if config.extra_args or config.env or (config.group is not None and any(a for _, a in config.group.role_args)):
+        if config.extra_args or config.env or (config.group is not None and (
+                any(a for _, a in config.group.role_args) or config.group.per_member)):
             return Refusal("skip", f"{name} is attached ({where}): it runs as it was started, and this test's extra "
                                    f"args or env need a launched worker (drop --sgl-worker-url {name}=... to run it)")
         if config.group is not None and config.group.is_pd:

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from ..launcher import LaunchOptions
     from ..records import RunRecords
 
-__all__ = ["GroupRequest", "GroupUse", "Refusal", "SourceRefusal", "WorkerSource"]
+__all__ = ["GroupRequest", "GroupUse", "Refusal", "SignalSent", "SourceRefusal", "WorkerSource"]
 
 
 @dataclass(frozen=True)
@@ -56,6 +56,15 @@ class GroupRequest:
 
 
 @dataclass(frozen=True)
+class SignalSent:
+    """A signal the test itself sent during its call (``os.kill(pid, sig)``, or ``os.killpg`` to a group)."""
+
+    pid: int
+    signal: int
+    group: bool = False
+
+
+@dataclass(frozen=True)
 class GroupUse:
     """How a test used a group, told to the source when the group is given back."""
 
@@ -69,6 +78,9 @@ class GroupUse:
     #: a member that died during a passing test is that test's failure (not for ``sgl_spawn_worker``'s workers,
     #: whose test owns their life)
     check_deaths: bool = True
+    #: the signals the test sent through ``os.kill``/``os.killpg`` during its call: a member it killed itself
+    #: did not die of a cause of its own
+    signals: tuple[SignalSent, ...] = ()
 
     @property
     def failed(self) -> bool:

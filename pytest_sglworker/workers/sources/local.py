@@ -21,10 +21,11 @@ from ..errors import WorkerDied
 from ..launcher import LaunchOptions, ProgressCallback
 from ..pool import WorkerPool
 from ..records import RunRecords
-from .base import GroupRequest, GroupUse, Refusal
+from .base import GroupRequest, GroupUse, Refusal, SignalSent
 
 if TYPE_CHECKING:
     from ..group import WorkerGroup
+    from ..launcher import ModelInstance
 
 __all__ = ["LocalSource", "PoolHooks", "PoolSettings", "PoolSource"]
 
@@ -144,14 +145,32 @@ class PoolSource:
         if dead or not group.is_alive():
             pool.discard(group, failed=use.failed or bool(dead))
             if dead and not use.failed and use.check_deaths:
-                member = dead[0]
-                return member.failure(WorkerDied, f"exited with {signal_name(member.returncode)} during the test",
-                                      lines=self.settings.tail_lines)
+                return self._death(dead[0], use.signals)
         elif use.last_use:
             pool.discard(group, failed=use.failed)  # no later test needs this configuration
         else:
             pool.release(group, failed=use.failed)  # a fresh group is retired there too
         return None
+
+    def _death(self, member: ModelInstance, signals: tuple[SignalSent, ...]) -> WorkerDied:
+        """The failure of a member that died during a passing test: its diagnosis, unless the test sent it the
+        signal it died of (then that is the cause, and the advice is the plugin's way to do it on purpose)."""
+        event = f"exited with {signal_name(member.returncode)} during the test"
+        code = member.returncode
+        sent = [s for s in signals if s.pid == member.pid and code is not None and code < 0 and s.signal == -code]
+        if sent:
+            name = signal_name(code).split("(")[-1].rstrip(")")
+            call = f"os.killpg({member.pid}, {name})" if sent[0].group else f"os.kill({member.pid}, {name})"
+            return member.failure(
+                WorkerDied, event, lines=self.settings.tail_lines,
+                cause=f"this test killed it ({call}): a death the test caused, not one of the worker's own",
+                advice="to kill a worker on purpose, call worker.kill() (or worker.expect_exit() before causing the "
+                       "exit): the plugin then counts a deliberate stop, not a death that fails the test")
+        failure = member.failure(WorkerDied, event, lines=self.settings.tail_lines)
+        if code is not None and code < 0 and failure.diagnosis is not None:
+            failure.extra = ("this test sent it no signal through os.kill/os.killpg; a kill from another process "
+                             "(a subprocess's kill, the host's OOM killer, a CI timeout) the plugin cannot see")
+        return failure
 
     def launch_ahead(self, config: WorkerConfig, *, holder: str, environ: Mapping[str, str]) -> bool:
         if self._pool is None or not self.settings.reuse:

@@ -353,6 +353,11 @@ def _worker_class() -> type[ModelInstance]:
                     text = f"<log on Ray node {self.ray_node} unreadable: {type(exc).__name__}>"
                 return redact(text, self.secrets)
 
+            def log_end(self) -> tuple[list[str], int]:
+                if self.log_local and self.log_path.exists():
+                    return super().log_end()
+                return self.log_tail(2000).splitlines(), -1  # another node's log: where it starts is unknown
+
             def log_text(self, max_bytes: int = 4 * 1024 * 1024) -> str:
                 from ...engine.redaction import redact
 
