@@ -9,6 +9,7 @@ of a log into the lines worth reading, within a bound:
 - runs of identical lines (timestamps aside) and of progress-bar lines become the last one with a count;
 - a very long line is cut, its length said;
 - a long traceback keeps its first frame and its last two, the frames between counted;
+- a parser's usage message keeps its first line, its continuation lines counted;
 - the first error's neighbourhood is kept even when it lies far above the end (with the lines between said
   as skipped), then the end of the log.
 
@@ -38,6 +39,8 @@ _PROGRESS = re.compile(r"\d+%\|.*\| *\d+/\d+ \[")
 _FRAME = re.compile(r'^\s*File ".*", line \d+')
 #: frames of one traceback kept at its start and its end (the ones between are counted)
 FRAMES_KEPT = (1, 2)
+#: an argparse usage message (``usage: sglang serve [-h] ...``), its continuation lines indented below it
+_USAGE = re.compile(r"^usage: ")
 
 
 @dataclass(frozen=True)
@@ -102,6 +105,15 @@ def _runs(lines: Sequence[str]) -> list[_Run]:
     for i, line in enumerate(lines):
         if i <= skip_to:
             continue
+        if _USAGE.match(_key(line)):
+            end = i
+            while end + 1 < len(lines) and lines[end + 1].startswith((" ", "\t")) and lines[end + 1].strip():
+                end += 1
+            if end > i:
+                runs.append(_Run("line", i, i, line))
+                runs.append(_Run("frames", i + 1, end, f"… {end - i} more lines of usage …"))
+                skip_to = end
+                continue
         if _FRAME.match(line):
             frames = _frames(lines, i)
             first, last = FRAMES_KEPT
@@ -139,7 +151,7 @@ def _runs(lines: Sequence[str]) -> list[_Run]:
 def _render(run: _Run, notes: dict[str, int]) -> str:
     count = run.last - run.first + 1
     if run.kind == "frames":
-        notes["frames"] += count
+        notes["frames" if run.text.endswith("frames …") else "usage"] += count
         return run.text
     if run.kind == "probe":
         notes["probes"] += count
@@ -176,7 +188,7 @@ def condense(lines: Sequence[str], limit: int, *, first_error_line: int | None =
             tail = [run for run in runs[-room:] if run.first > head[-1].last]
             skipped = (tail[0].first if tail else len(lines)) - head[-1].last - 1
             chosen = [*head, *([skipped] if skipped > 0 else []), *tail]
-    notes = {"probes": 0, "progress": 0, "repeats": 0, "cut": 0, "frames": 0}
+    notes = {"probes": 0, "progress": 0, "repeats": 0, "cut": 0, "frames": 0, "usage": 0}
     out = [f"… {item} lines …" if isinstance(item, int) else _render(item, notes) for item in chosen]
     said = []
     if notes["probes"]:
@@ -187,6 +199,8 @@ def condense(lines: Sequence[str], limit: int, *, first_error_line: int | None =
         said.append(f"{notes['repeats']} repeated lines collapsed")
     if notes["frames"]:
         said.append(f"{notes['frames']} traceback lines folded")
+    if notes["usage"]:
+        said.append(f"{notes['usage']} usage lines folded")
     if notes["cut"]:
         said.append(f"{notes['cut']} long line{'s' if notes['cut'] > 1 else ''} cut")
     return CondensedTail(tuple(out), tuple(said))

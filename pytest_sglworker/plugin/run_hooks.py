@@ -147,8 +147,9 @@ class RunHooks:
             shown = item.stash.get(SHOWN_KEY, set())
             for instance in workers:
                 # Nothing twice: a process whose failure text this report shows gets no section; after a failure of
-                # the plugin's own (setup, teardown) the healthy processes' logs are not what the reader needs.
-                if id(instance) in shown or (shown and report.when != "call" and instance.is_alive()):
+                # the plugin's own (setup, teardown) only a process that died on its own adds what the reader needs.
+                died = not instance.is_alive() and not instance.stopped
+                if id(instance) in shown or (shown and report.when != "call" and not died):
                     continue
                 title, body = worker_section(instance, self.session.settings.tail_lines)
                 report.sections.append((title, body))

@@ -22,6 +22,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import shlex
 import sys
 import time
@@ -30,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..engine.diagnosis import Diagnosis, Kind
 from ..engine.redaction import mask_argv
 from ..engine.sglang_facts import LOOPBACK_HOST
 from ..errors import SglWorkerError
@@ -48,6 +50,8 @@ __all__ = ["ROUTER_MODULE", "Router", "RouterOptions", "RouterReadiness", "Route
            "start_router"]
 
 ROUTER_MODULE = "sglang_router.launch_router"
+#: a line of the router's log that says why it stopped: its parser's error, a Rust panic, an error it logged
+_ROUTER_ERROR = re.compile(r"(?:^|\s)(?:\S+: )?(?:error: |ERROR |panicked at )(?P<what>.+)$")
 INSTALL_HINT = "pip install 'pytest-sglworker[router]' (or: pip install sglang-router)"
 #: How long a router may take to report every worker healthy (it starts in about half a second).
 DEFAULT_ROUTER_TIMEOUT = 120.0
@@ -203,6 +207,21 @@ class Router(ManagedProcess):
     def fatal_in_log(self) -> bool:
         text = self.log_tail(20)
         return "Address already in use" in text or ("error: " in text.lower() and "usage:" in text.lower())
+
+    def diagnosis(self, *, alive: bool = False) -> Diagnosis | None:
+        """The router's first error line (its parser's ``error: ...``, a panic, a failed bind), for the headline of
+        its failure; None when its log shows none."""
+        for number, line in enumerate(self.log_text().split("\n"), 1):
+            found = _ROUTER_ERROR.search(line)
+            if found is None:
+                continue
+            text = line.strip()
+            advice = ("check @pytest.mark.sgl_router(args=...) against the router's own "
+                      "'python -m sglang_router.launch_router --help'" if "arguments" in text or "invalid" in text
+                      else "read the router's log at that line")
+            return Diagnosis(Kind.UNKNOWN, f"the router says: {found.group('what').strip()}", advice, text, number,
+                             returncode=None if alive else self.returncode)
+        return None
 
     # -- the router's worker API --------------------------------------------------------------------------
     def workers(self) -> list[dict[str, Any]]:

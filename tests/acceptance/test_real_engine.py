@@ -35,6 +35,7 @@ from typing import Any
 
 import psutil
 import pytest
+from failure_goals import check_goals
 
 from pytest_sglworker.engine.cpu_engine import (
     build_tiny_model,
@@ -525,8 +526,9 @@ def test_real_startup_failure_is_fast_and_diagnosed(real_run: InnerRun) -> None:
     m = re.search(r"worker tiny-missing exited during startup with code (-?\d+) after ([\d.]+) s: the model could "
                   r"not be found.* \(on 127\.0\.0\.1:\d+, pid \d+(?:, GPUs \w+)?\)", text)
     assert m, text
-    # One failure text, its headline once.
+    # One failure text, its headline once, within the goals of every failure text.
     assert text.count(" exited during startup with code ") == 1, "the failure is reported more than once"
+    check_goals("the real engine's startup crash", text.strip("\n"), "the model could not be found")
     assert int(m.group(1)) == 1  # the launcher's own uncaught exception
     assert float(m.group(2)) < FAST_FAILURE_SECONDS, f"took {m.group(2)} s (timeout {STARTUP_TIMEOUT} s)"
     assert real_run.one("test_h_startup_failure")["seconds"] < FAST_FAILURE_SECONDS

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ...engine.diagnosis import Kind
 from ...engine.specs import ModelSpec
 from ...resources.processes import signal_name
 from ..config import KindChooser, WorkerConfig, default_kind
@@ -167,7 +168,8 @@ class PoolSource:
                 advice="to kill a worker on purpose, call worker.kill() (or worker.expect_exit() before causing the "
                        "exit): the plugin then counts a deliberate stop, not a death that fails the test")
         failure = member.failure(WorkerDied, event, lines=self.settings.tail_lines)
-        if code is not None and code < 0 and failure.diagnosis is not None:
+        if code is not None and code < 0 and failure.diagnosis is not None and \
+                failure.diagnosis.kind is Kind.KILLED_BY_SIGNAL:
             failure.extra = ("this test sent it no signal through os.kill/os.killpg; a kill from another process "
                              "(a subprocess's kill, the host's OOM killer, a CI timeout) the plugin cannot see")
         return failure
