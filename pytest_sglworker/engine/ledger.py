@@ -36,6 +36,10 @@ of the CI budget (``0.6`` with the prefill graph off leaves 2.4x the reserve on 
 KV tokens: with the whole card free (81559 MiB on an H100) the formula gives 608,522 tokens for Qwen3-0.6B
 at 0.83; the ~556K seen on a real H100 corresponds to ~73.1 GiB free at load (``Load weight begin. avail mem=`` in the
 log), which is why ``gpu_free_mib`` should come from NVML or from the log when it is known.
+
+Why one module: the prediction (:func:`predict_memory`), its rendering and its comparison with a log's memory lines
+(``MemoryLedger.against_log``) are one model of sglang's allocator; split, a change to one term would have to be
+made in three places that must agree.
 """
 
 from __future__ import annotations

@@ -155,7 +155,7 @@ def _render(run: _Run, notes: dict[str, int]) -> str:
         return run.text
     if run.kind == "probe":
         notes["probes"] += count
-        return f"… {count} x {run.probe} (health probes)" if count > 1 else _cut(_key(run.text))[0]
+        return f"… {count} x {run.probe} (health probes)"
     text, cut = _cut(run.text)
     notes["cut"] += cut
     if count == 1:

@@ -24,7 +24,8 @@ class WorkerError(SglWorkerError):
     """A worker failed. The fields say what happened; ``str(err)`` renders them as one failure text a person reads
     top to bottom, each fact once:
 
-    1. the headline: which worker, where, what happened (exit code or signal, when) and the cause;
+    1. the headline: which worker, the cause, then what happened (exit code or signal, when) and where: the cause
+       comes early so that one-line places (pytest's short test summary cuts at the terminal's width) show it;
     2. the first error of its log with its line number, and the later errors that are not the cause;
     3. notes (``extra``) and the advice;
     4. for a memory failure, the memory ledger, and what the log says about its prediction;
@@ -89,13 +90,12 @@ class WorkerError(SglWorkerError):
 
     @property
     def summary(self) -> str:
-        """The headline: which worker, what happened, and the cause."""
+        """The headline: which worker, the cause, what happened, where (``worker X: CAUSE — exited during startup
+        with code 1 after 3.2 s (on 127.0.0.1:20000, pid 42, GPUs 0)``)."""
         if not self.worker:
             return str(self.args[0]).split("\n", 1)[0] if self.args else ""
-        head = f"{self.worker} {self.event}".strip()
-        if self.cause:
-            head = f"{head}: {self.cause}"
-        return f"{head} (on {self.where})" if self.where else head
+        head = f"{self.worker}: {self.cause} — {self.event}" if self.cause else f"{self.worker} {self.event}"
+        return f"{head.strip()} (on {self.where})" if self.where else head.strip()
 
     def _diagnosis_lines(self) -> list[str]:
         diagnosis = self.diagnosis

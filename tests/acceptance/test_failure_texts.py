@@ -176,6 +176,12 @@ def normalise(text: str, root: Path) -> str:
     text = re.sub(r"(--prefill \S+ )\d+", r"\1<PORT>", text)
     text = re.sub(r"\b(pid[ =]|parent_pid=|process \[|os\.kill\(|os\.killpg\()\d+", r"\1<PID>", text)
     text = re.sub(r"\b(after|within|in|took) \d+\.\d+ s\b", r"\1 <T> s", text)
+    # how many health probes a wait took, and so the line numbers after them, vary with the machine's load
+    text = re.sub(r"\b\d+ health probe lines collapsed", "<N> health probe lines collapsed", text)
+    text = re.sub(r"… \d+ x (GET|HEAD) ", r"… <N> x \1 ", text)
+    text = re.sub(r"\blog line \d+", "log line <N>", text)
+    text = re.sub(r"\bGPUs \d+(?:,\d+)*", "GPUs <G>", text)  # which free GPU a lease got depends on the order
+    text = re.sub(r"\bCUDA_VISIBLE_DEVICES=\d+(?:,\d+)*", "CUDA_VISIBLE_DEVICES=<G>", text)
     text = re.sub(r"(elapsed|load_weight|kv_cache_allocation|scheduler_e2e|tokenizer_e2e|prefill|decode|"
                   r"target_verify|draft_prefill|draft_decode|draft_extend)=\d+\.\d+", r"\1=<T>", text)
     return text
@@ -194,7 +200,9 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]
         root = tmp_path_factory.mktemp(f"failure-texts-{label}")
         (root / f"test_{label}.py").write_text(suite)
         env = {**os.environ, "SGLWORKER_LOG_DIR": str(root / "logs"), "SGLWORKER_LOCK_DIR": str(root / "locks"),
-               "SGLSIM_STARTUP_SECONDS": "0.2", "COLUMNS": "120"}
+               "SGLSIM_STARTUP_SECONDS": "0.2", "COLUMNS": "120",
+               # ready as soon as it binds: no health probe lands in a warm-up whose length the load decides
+               "SGLSIM_WARMUP_SECONDS": "0"}
         env.pop("PYTEST_ADDOPTS", None)
         done = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:randomly",
                                "-p", "no:xdist", "--sgl-model", "qwen3-0.6b", "--sgl-gpus", "sim:4",

@@ -523,8 +523,8 @@ def test_real_startup_failure_is_fast_and_diagnosed(real_run: InnerRun) -> None:
     """4. A missing model directory is reported well before the startup timeout, with sglang's own traceback
     in the tail and the plugin's diagnosis."""
     text = real_run.section("test_h_startup_failure")
-    m = re.search(r"worker tiny-missing exited during startup with code (-?\d+) after ([\d.]+) s: the model could "
-                  r"not be found.* \(on 127\.0\.0\.1:\d+, pid \d+(?:, GPUs \w+)?\)", text)
+    m = re.search(r"worker tiny-missing: the model could not be found.* — exited during startup with code (-?\d+) "
+                  r"after ([\d.]+) s \(on 127\.0\.0\.1:\d+, pid \d+(?:, GPUs \w+)?\)", text)
     assert m, text
     # One failure text, its headline once, within the goals of every failure text.
     assert text.count(" exited during startup with code ") == 1, "the failure is reported more than once"

@@ -169,8 +169,8 @@ def test_a_member_that_fails_stops_the_others_and_is_named(pytester: pytest.Pyte
     """)
     result = _run(pytester, "--sgl-gpus", "sim:2", "--sgl-startup-timeout", "60")
     result.assert_outcomes(errors=1)
-    result.stdout.fnmatch_lines(["*worker qwen3-0.6b (decode 0) exited during startup with code 2 after * s: sglang "
-                                 "rejected the arguments*(on 127.0.0.1:*"])
+    result.stdout.fnmatch_lines(["*worker qwen3-0.6b (decode 0): sglang rejected the arguments* — exited during "
+                                 "startup with code 2 after * s (on 127.0.0.1:*"])
     events = _events(record)
     # the prefill side (5 s startup) was stopped at once (or never started), not left to finish its startup
     assert not [e for e in events if e["event"] == "ready"], events
@@ -222,8 +222,8 @@ def test_a_member_that_dies_during_a_test_fails_it(pytester: pytest.Pytester, si
     """)
     result = _run(pytester, "--sgl-gpus", "sim:2")
     result.assert_outcomes(passed=2, errors=1)
-    result.stdout.fnmatch_lines(["*worker qwen3-0.6b exited with code -9 (SIGKILL) during the test: this test killed "
-                                 "it (os.kill(*, SIGKILL))*"])
+    result.stdout.fnmatch_lines(["*worker qwen3-0.6b: this test killed it (os.kill(*, SIGKILL))* — exited with code -9 "
+                                 "(SIGKILL) during the test*"])
     result.stdout.fnmatch_lines(["*[[]2x[]]: 2 launched, 0 reused*1 died*"])
 
 

@@ -257,15 +257,15 @@ def test_warmup_ids_beyond_the_vocab(sgl_spawn_worker):
     assert time.monotonic() - start < 60, "a startup exit must fail fast"
     result.assert_outcomes(errors=1, failed=1)
     result.stdout.fnmatch_lines([
-        "*worker qwen3-0.6b exited during startup with code -9 (SIGKILL) after * s: CUDA out of memory while "
-        "capturing the prefill CUDA graph (on 127.0.0.1:*",
+        "*worker qwen3-0.6b: CUDA out of memory while capturing the prefill CUDA graph — exited during startup "
+        "with code -9 (SIGKILL) after * s (on 127.0.0.1:*",
         "*memory ledger (predicted for this GPU):*",
         "*argv: *--grpc-mode --grpc-mode --smg-http-sidecar-port*",
         "*log: *sglang-worker-*.log",
         "*last lines of the log*:",
     ])
     result.stdout.fnmatch_lines([
-        "*worker tiny-http exited during startup with code -9 (SIGKILL)*",
+        "*worker tiny-http: * — exited during startup with code -9 (SIGKILL)*",
         "*IndexError: index out of range in self*",
     ])
     result.stdout.fnmatch_lines(["*log kept: *sglang-worker-*.log"])

@@ -145,8 +145,7 @@ def test_a_launch_ahead_that_fails_is_reported_on_the_test_that_needed_it(
     result = pytester.runpytest_subprocess(*SIM, "--sgl-gpus", "sim:2", "--sgl-report", "report.json", timeout=120)
     result.assert_outcomes(passed=1, errors=1)
     result.stdout.fnmatch_lines(["*exited during startup with code -9 (SIGKILL)*",
-                                 "ERROR *test_needs_the_broken_one* - Failed: CUDA out of memory while capturing the "
-                                 "prefill CUDA graph*"])
+                                 "ERROR *test_needs_the_broken_one* - Failed: worker qwen3-0.6b: CUDA out of memory*"])
     crashed = [r for r in _report(pytester)["launches"] if r["outcome"] == "startup_failed"]
     first = next(r for r in _report(pytester)["launches"] if r["outcome"] != "startup_failed")
     assert len(crashed) == 1 and crashed[0]["t_started"] < max(t["t_end"] for t in first["tests"])

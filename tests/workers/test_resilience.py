@@ -194,6 +194,6 @@ def test_spawned(sgl_spawn_worker):
 """)
     result = pytester.runpytest_subprocess(*SIM, timeout=60)
     result.assert_outcomes(passed=1, failed=1)
-    result.stdout.fnmatch_lines(["worker qwen3-0.6b exited during startup with code 2 after * s: the simulated engine "
-                                 "refused its faults: *latency*",
-                                 "FAILED *test_spawned* - Failed: worker qwen3-0.6b exited during startup*"])
+    result.stdout.fnmatch_lines(["worker qwen3-0.6b: the simulated engine refused its faults: *latency* — exited "
+                                 "during startup with code 2 after * s*",
+                                 "FAILED *test_spawned* - Failed: worker qwen3-0.6b: the simulated e*"])

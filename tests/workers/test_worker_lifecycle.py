@@ -67,8 +67,8 @@ def test_startup_exit_fails_fast_with_code_diagnosis_and_tail(pytester: pytest.P
     elapsed = time.monotonic() - start
     result.assert_outcomes(errors=1)
     result.stdout.fnmatch_lines([
-        "*worker qwen3-0.6b exited during startup with code -9 (SIGKILL) after * s: CUDA out of memory while "
-        "capturing the prefill CUDA graph (on 127.0.0.1:*",
+        "*worker qwen3-0.6b: CUDA out of memory while capturing the prefill CUDA graph — exited during startup "
+        "with code -9 (SIGKILL) after * s (on 127.0.0.1:*",
         "*memory ledger (predicted for this GPU):*",
         "*the ledger predicted 'fits'*",
         "*log: *sglang-worker-*.log",
@@ -95,7 +95,7 @@ def test_startup_timeout_reports_details(pytester: pytest.Pytester, sim_env: dic
     result = _run(pytester, "--sgl-startup-timeout", "3")
     result.assert_outcomes(errors=1)
     result.stdout.fnmatch_lines([
-        "*did not become healthy within 3 s (last health answer: HTTP 503)*",
+        "*did not become healthy within 3 s (last health answer: *)*",
         "*log: *sglang-worker-*.log",
     ])
 
