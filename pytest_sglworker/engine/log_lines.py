@@ -12,15 +12,19 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["LOAD_BEGIN", "LOAD_END", "LogMemory", "parse_kv_tokens", "parse_max_total_tokens", "parse_memory",
+__all__ = ["INFERENCE_PATHS", "LOAD_BEGIN", "LOAD_END", "READY_LINE", "LogMemory", "ServedCounter",
+           "parse_kv_tokens", "parse_max_total_tokens", "parse_memory",
            "startup_phase", "startup_phase_from_file"]
 
 #: sglang's weight-loading lines (``Load weight begin. avail mem=X GB`` and its end)
 LOAD_BEGIN = "Load weight begin"
 LOAD_END = "Load weight end"
 
+#: the engine's last startup line: it is serving
+READY_LINE = "The server is fired up and ready to roll!"
+
 _PHASES: tuple[tuple[str, str], ...] = (
-    ("The server is fired up and ready to roll!", "ready"),
+    (READY_LINE, "ready"),
     ("Uvicorn running on", "warming up"),
     ("Application startup complete", "starting HTTP server"),
     ("Started server process", "starting HTTP server"),
@@ -140,3 +144,64 @@ def parse_memory(log_text: str) -> LogMemory:
         v_size_gb=num(kv, "v"),
         max_total_num_tokens=parse_max_total_tokens(log_text),
     )
+
+
+# ---------------------------------------------------------------------------------------------- access lines
+
+#: sglang's HTTP routes that run inference (what a router sends a worker)
+INFERENCE_PATHS = frozenset({
+    "/generate", "/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/encode", "/classify", "/v1/rerank",
+    "/v1/score", "/v1/responses",
+})
+#: uvicorn's access line at log level info: ``INFO:     127.0.0.1:50202 - "POST /generate HTTP/1.1" 200 OK``
+_ACCESS_LINE = re.compile(rb'INFO: +\S+ - "(?P<method>[A-Z]+) (?P<path>/[^ ?"]*)[^"]*" (?P<status>\d{3})')
+
+
+class ServedCounter:
+    """A worker's inference requests, counted from its own log: uvicorn's access lines (log level info, the
+    engine's default) for :data:`INFERENCE_PATHS` after the engine's ready line (its own warm-up request comes
+    before it). The real engine and the simulated one write the same lines, so a routing test that counts this
+    way runs unchanged on both. The log is read on from where the last :meth:`update` stopped.
+
+    Not thread-safe: one counter per worker, used by the thread that asks."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        self._offset = 0
+        self._partial = b""
+        self._ready = False
+        #: answered with a 2xx status, by path
+        self.served: dict[str, int] = {}
+        #: answered with another status (4xx, 5xx), by path
+        self.refused: dict[str, int] = {}
+
+    @property
+    def ready_seen(self) -> bool:
+        return self._ready
+
+    def update(self) -> int:
+        """Read what the log gained; returns the requests served so far (2xx answers)."""
+        try:
+            with open(self.path, "rb") as fh:
+                fh.seek(self._offset)
+                data = fh.read()
+        except OSError:
+            data = b""
+        if data:
+            self._offset += len(data)
+            lines = (self._partial + data).split(b"\n")
+            self._partial = lines.pop()  # a line still being written
+            ready = READY_LINE.encode()
+            for line in lines:
+                if not self._ready:
+                    self._ready = ready in line
+                    continue
+                found = _ACCESS_LINE.search(line)
+                if found is None:
+                    continue
+                path = found.group("path").decode("ascii", "replace")
+                if path not in INFERENCE_PATHS:
+                    continue
+                into = self.served if found.group("status").startswith(b"2") else self.refused
+                into[path] = into.get(path, 0) + 1
+        return sum(self.served.values())

@@ -73,6 +73,8 @@ class SglReporter:
                     off = (st.kv_tokens_actual - st.kv_tokens_predicted) / max(st.kv_tokens_predicted, 1)
                     kv += f" (MISMATCH: the ledger predicted {st.kv_tokens_predicted}, {off:+.1%})"
             stops = f", {st.stops} stopped" if st.stops else ""
+            stops += f", {st.resets} set back after runtime faults" if st.resets else ""
+            stops += f", {st.not_reset} not reused (runtime faults not set back)" if st.not_reset else ""
             stops += f", {st.failed_tests} failed test(s)" if st.failed_tests else ""
             terminalreporter.write_line(
                 f"{st.label}: {st.launches} launched, {st.reuses} reused, startup min/median/max {span}, "

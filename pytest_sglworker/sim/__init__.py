@@ -4,8 +4,9 @@ faults.
 
 It imports the engine layer (the flag table, the memory arithmetic) and nothing above it. The rest of the
 package starts it as a subprocess and imports only what this package surface names: the environment
-variables through which a worker's environment configures it, and the fault-setting check that collection
-runs before anything launches.
+variables through which a worker's environment configures it, the fault-setting check that collection
+runs before anything launches, and the control endpoint's path (the pool sets a pooled worker's runtime faults
+back through it).
 
 A new sim fault is one new record in :data:`pytest_sglworker.sim.faults.FAULTS` (with the field it sets in
 ``Faults`` or ``RequestFaults`` of the same module), plus the code that acts on it where it acts: the startup
@@ -99,7 +100,7 @@ fraction)``, ``#tokens = rest // kv_bytes_per_token`` rounded down to ``--page-s
 cache"), over the model's dims (the built-in table, or the ``config.json`` of a model directory).
 """
 
-from .core import ENV_FAULT, ENV_GPU_FREE, ENV_GPU_MEM
+from .core import CONTROL_PATH, ENV_FAULT, ENV_GPU_FREE, ENV_GPU_MEM
 from .faults import FaultError, parse_fault_spec
 
-__all__ = ["ENV_FAULT", "ENV_GPU_FREE", "ENV_GPU_MEM", "FaultError", "parse_fault_spec"]
+__all__ = ["CONTROL_PATH", "ENV_FAULT", "ENV_GPU_FREE", "ENV_GPU_MEM", "FaultError", "parse_fault_spec"]

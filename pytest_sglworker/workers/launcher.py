@@ -53,6 +53,11 @@ from .process import DEFAULT_TAIL_LINES, ManagedProcess, inherited_environ, log_
 
 if TYPE_CHECKING:
     from ..engine.diagnosis import Diagnosis
+    from ..engine.log_lines import ServedCounter
+
+
+#: the simulated engine's module (``python -m pytest_sglworker.sim``)
+SIM_MODULE = "pytest_sglworker.sim"
 
 
 def default_launcher() -> list[str]:
@@ -62,7 +67,7 @@ def default_launcher() -> list[str]:
 
 def sim_launcher() -> list[str]:
     """The simulated engine shipped with this package."""
-    return [sys.executable, "-m", "pytest_sglworker.sim"]
+    return [sys.executable, "-m", SIM_MODULE]
 
 
 def environment_launcher(environ: Mapping[str, str] | None = None) -> list[str]:
@@ -137,6 +142,8 @@ class ModelInstance(ManagedProcess):
     kind: WorkerKind = field(default_factory=HttpWorker, repr=False)
     #: index of this member among the group members of its role
     index: int = 0
+    _served: ServedCounter | None = field(default=None, init=False, repr=False, compare=False)
+    _served_lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False, compare=False)
 
     # -- identity -----------------------------------------------------------------------------------------
     @property
@@ -156,6 +163,12 @@ class ModelInstance(ManagedProcess):
     @property
     def name(self) -> str:
         return self.spec.name
+
+    @property
+    def simulated(self) -> bool:
+        """Whether this worker is the simulated engine (``python -m pytest_sglworker.sim``): its request faults can
+        be switched at run time through its control endpoint (``/_sim/faults``)."""
+        return python_module(self.argv) == SIM_MODULE
 
     def describe(self) -> str:
         gpus = f", GPUs {self.gpus}" if self.gpus else ""
@@ -187,6 +200,34 @@ class ModelInstance(ManagedProcess):
     def diagnosis(self, *, alive: bool = False) -> Diagnosis:
         """The first error in the log, classified. ``alive``: diagnose the log of a running worker."""
         return diagnose(self.log_text(), None if alive else self.returncode)
+
+    # -- what it served -----------------------------------------------------------------------------------
+    def requests_served(self) -> int:
+        """The inference requests (``/generate``, ``/v1/chat/completions``, ...) this worker has answered with a
+        2xx status since it became ready, counted from the access lines of its own log: the same on the real
+        engine and the simulated one, so a routing test can compare workers' counts before and after (a pooled
+        worker's count runs on across the tests that use it). Needs the engine's access lines: an HTTP worker at
+        log level info (the default); a :class:`ValueError` says why otherwise."""
+        from ..engine.log_lines import ServedCounter
+
+        with self._served_lock:
+            if self._served is None:
+                self._check_access_lines()
+                self._served = ServedCounter(self.log_path)
+            return self._served.update()
+
+    def _check_access_lines(self) -> None:
+        if not self.url.startswith("http"):
+            raise ValueError(f"{self.describe()} serves {self.url.split(':', 1)[0]}, which logs no access line per "
+                             "request: requests_served() counts HTTP workers' requests")
+        parsed = flag_table().parse(self.argv)
+        levels = [v for dest in ("log_level_http", "log_level") if parsed.given(dest)
+                  for v in parsed.all(dest)[-1:] if v]
+        level = levels[0].lower() if levels else "info"
+        if level not in ("info", "debug"):
+            flag = "--log-level-http" if parsed.given("log_level_http") else "--log-level"
+            raise ValueError(f"{self.describe()} runs with {flag} {level}, which hides the access lines "
+                             "requests_served() counts: leave its HTTP log level at info")
 
 
 #: Below this much free space (or with no free inode) in the log directory a launch fails at once: an engine

@@ -38,6 +38,7 @@ from .group import WorkerGroup
 from .launcher import LaunchOptions, ModelInstance, ProgressCallback, spawn_worker
 from .process import inherited_environ
 from .records import ConfigStats, LaunchRecord, RunRecords
+from .reset import ResetFailed, Snapshot, restore, snapshot
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -80,6 +81,8 @@ class _Entry:
     poolable: bool = True  # False for a fresh, unshared group
     last_used: float = field(default_factory=time.monotonic)
     launched_ahead: bool = False  # its first test is not a reuse
+    #: each member's run-time state as first handed out (what a reuse must find again); None: not read yet
+    states: list[Snapshot] | None = None
 
     @property
     def config(self) -> WorkerConfig:
@@ -247,6 +250,7 @@ class WorkerPool:
                             entry.launched_ahead = False  # its first test: a launch, not a reuse
                         else:
                             stats.reuses += 1
+                    self._read_states(entry)
                     return entry.group
                 why = "died while idle in the pool" if not bad.is_alive() else (
                     "does not answer its health check (frozen or wedged)")
@@ -254,8 +258,13 @@ class WorkerPool:
                 what = "it" if len(entry.group) == 1 else "its group"
                 self.on_message(bad.failure_message(f"{why}; replacing {what}", lines=10))
                 self._retire(entry, failed=True)
-        return self._launch(config, holder=holder, fresh=fresh, options=options or self.options,
-                            environ=inherited_environ() if environ is None else environ)
+        group = self._launch(config, holder=holder, fresh=fresh, options=options or self.options,
+                             environ=inherited_environ() if environ is None else environ)
+        with self._lock:
+            entry = self._busy.get(group.id)
+        if entry is not None and entry.poolable and self.reuse:
+            self._read_states(entry)
+        return group
 
     def release(self, group: WorkerGroup, *, failed: bool = False) -> None:
         """Give a group back after a test; it stays pooled when reuse is on and every member is alive."""
@@ -265,11 +274,45 @@ class WorkerPool:
             return
         entry.tainted = entry.tainted or failed
         entry.last_used = time.monotonic()
-        if self.reuse and entry.poolable and group.is_alive() and not self._others_wait():
+        if self.reuse and entry.poolable and group.is_alive() and not self._others_wait() and self._set_back(entry):
             with self._lock:
                 self._idle[group.id] = entry
         else:
             self._retire(entry, failed=entry.tainted)
+
+    def _read_states(self, entry: _Entry) -> None:
+        """Read each member's run-time state the first time the group is handed out (main thread)."""
+        if entry.states is not None:
+            return
+        try:
+            entry.states = [snapshot(member) for member in entry.group]
+        except ResetFailed as exc:
+            entry.poolable = False  # what it was cannot be told: it serves this test only
+            self.on_message(f"sglworker: {entry.config.label}: its run-time state cannot be read ({exc}); its "
+                            "workers serve this test only")
+
+    def _set_back(self, entry: _Entry) -> bool:
+        """Set back what the test changed in the members (runtime faults, ...); False when that fails (the group is
+        then retired, not reused). Counted in the configuration's figures."""
+        if not entry.states:
+            return True
+        stats = self.stats_for(entry.config)
+        changed: list[str] = []
+        for member, before in zip(entry.group, entry.states, strict=True):
+            try:
+                changed += restore(member, before)
+            except ResetFailed as exc:
+                with self._lock:
+                    stats.not_reset += 1
+                what = "it" if len(entry.group) == 1 else "its group"
+                why = ("does not answer (frozen or wedged)" if exc.unanswered
+                       else "is not reused: what the test changed in it could not be set back")
+                self.on_message(member.failure_message(f"{why} ({exc}); retiring {what}", lines=10))
+                return False
+        if changed:
+            with self._lock:
+                stats.resets += 1
+        return True
 
     def discard(self, group: WorkerGroup, *, failed: bool = True) -> None:
         """Stop a group now (a member died, the test asked for fresh workers, or no later test needs it)."""

@@ -35,8 +35,12 @@ class ConfigStats:
     failures: int = 0
     #: unexpected exits of ready workers (during a test or while pooled)
     deaths: int = 0
-    #: deliberate stops during a test (``worker.stop()``, a router's remove), not deaths
+    #: deliberate stops during a test (``worker.stop()``), not deaths
     stops: int = 0
+    #: times a pooled group was set back after a test changed its run-time state (the sim's runtime faults)
+    resets: int = 0
+    #: times a group was not reused because that state could not be set back
+    not_reset: int = 0
     #: tests that used this configuration and failed (their workers' logs are kept)
     failed_tests: int = 0
     #: logs kept because a launch failed, a worker died, or a test that used it failed
@@ -65,6 +69,8 @@ class ConfigStats:
             "failures": self.failures,
             "deaths": self.deaths,
             "stops": self.stops,
+            "resets": self.resets,
+            "not_reset": self.not_reset,
             "failed_tests": self.failed_tests,
             "failed_logs": list(self.failed_logs),
             "kept_logs": list(self.kept_logs),
@@ -79,6 +85,7 @@ class ConfigStats:
             startup_seconds=list(data["startup_seconds"]["samples"]),
             lease_wait_seconds=data["lease_wait_seconds"], gpu_seconds=data["gpu_seconds"],
             failures=data["failures"], deaths=data["deaths"], stops=data.get("stops", 0),
+            resets=data.get("resets", 0), not_reset=data.get("not_reset", 0),
             failed_tests=data.get("failed_tests", 0),
             failed_logs=list(data["failed_logs"]), kept_logs=list(data.get("kept_logs", ())),
             kv_tokens_predicted=kv.get("predicted"), kv_tokens_actual=kv.get("actual"),
@@ -94,6 +101,8 @@ class ConfigStats:
         self.failures += other.failures
         self.deaths += other.deaths
         self.stops += other.stops
+        self.resets += other.resets
+        self.not_reset += other.not_reset
         self.failed_tests += other.failed_tests
         self.failed_logs += other.failed_logs
         self.kept_logs += other.kept_logs

@@ -397,7 +397,7 @@ def test_worker_death_during_tests(pytester: pytest.Pytester, sim_env: dict[str,
     out = result.stdout.str()
     result.stdout.fnmatch_lines([
         "*ERROR at teardown of test_1_dies_test_passes*",
-        "*worker qwen3-0.6b exited with code -9 (SIGKILL) during the test: *(on 127.0.0.1:*",
+        "*worker qwen3-0.6b: * — exited with code -9 (SIGKILL) during the test (on 127.0.0.1:*",
         "log: *sglang-worker-*.log",
         "last lines of the log*:",
         "*spawned scheduler pid=*",
@@ -406,7 +406,7 @@ def test_worker_death_during_tests(pytester: pytest.Pytester, sim_env: dict[str,
         "*_ test_2_dies_test_fails*",
         "*the router saw a connection reset*",
         "*- sglang worker qwen3-0.6b 127.0.0.1:* exited with code -9 (SIGKILL) during the test -*",
-        "worker qwen3-0.6b exited during the test: RuntimeError: simulated death after 1 requests*",
+        "worker qwen3-0.6b: RuntimeError: simulated death after 1 requests* — exited during the test (on 127.0.0.1:*",
         "log: *sglang-worker-*.log",
         "last lines of the log*:",
     ])
@@ -416,7 +416,7 @@ def test_worker_death_during_tests(pytester: pytest.Pytester, sim_env: dict[str,
         "*SIGTERM received*",
     ])
     result.stdout.fnmatch_lines([
-        "*worker qwen3-0.6b died while idle in the pool; replacing it: *(on 127.0.0.1:*",
+        "*worker qwen3-0.6b: * — died while idle in the pool; replacing it (on 127.0.0.1:*",
         "advice: *",
     ])
     assert "INTERNALERROR" not in out
@@ -915,9 +915,10 @@ def test_frozen_pooled_worker_is_replaced_quickly_not_handed_on(pytester: pytest
     assert seen["waited"] < 20, f"the next test waited {seen['waited']:.1f} s for its worker"
     assert wall < 45, f"the session took {wall:.1f} s"
     out = result.stdout.str()
-    # It says why: the worker is alive but does not answer (not "died").
-    result.stdout.fnmatch_lines([f"*worker qwen3-0.6b does not answer its health*; replacing it* (on 127.0.0.1:*, "
-                                 f"pid {seen['old']}*"])
+    # It says why: the worker is alive but does not answer (not "died"): the pool finds it when the test gives it
+    # back and reads its runtime faults, to set back what the test changed.
+    result.stdout.fnmatch_lines([f"*worker qwen3-0.6b*does not answer (frozen or wedged) (GET /_sim/faults: no "
+                                 f"complete answer*; retiring it (on 127.0.0.1:*, pid {seen['old']}*"])
     assert "died while idle" not in out
     assert "INTERNALERROR" not in out and "ReadTimeout" not in out
     assert_nothing_left(sim_env, pids=(seen["old"], seen["new"]))

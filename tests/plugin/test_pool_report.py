@@ -350,3 +350,32 @@ def test_each_member_of_a_prefill_decode_group_is_compared_with_its_own_ledger(
     result.stdout.no_fnmatch_line("*MISMATCH*")
     (pd,) = json.loads(report.read_text())["workers"].values()
     assert pd["kv_tokens"]["actual"] == pd["kv_tokens"]["predicted"]
+
+
+def test_a_pooled_worker_comes_back_without_the_faults_a_test_switched_on(
+    pytester: pytest.Pytester, sim_env: dict[str, str], tmp_path: Path
+) -> None:
+    # sglang's gateway suites switch a worker's faults at run time; the next test must not inherit them
+    pytester.makepyfile("""
+        import httpx
+
+        PIDS = set()
+
+        def test_breaks_its_worker(sgl_worker):
+            PIDS.add(sgl_worker.pid)
+            httpx.post(f"{sgl_worker.url}/_sim/faults", json={"status": 503, "fail_first": 100}, timeout=5)
+            assert httpx.post(f"{sgl_worker.url}/generate", json={"text": "x"}, timeout=5).status_code == 503
+
+        def test_gets_it_as_it_was(sgl_worker):
+            PIDS.add(sgl_worker.pid)
+            assert len(PIDS) == 1  # the same worker, reused
+            assert httpx.post(f"{sgl_worker.url}/generate", json={"text": "x"}, timeout=5).status_code == 200
+            assert sgl_worker.requests_served() == 1  # the failed request of the first test is not counted
+    """)
+    report = tmp_path / "report.json"
+    result = pytester.runpytest_subprocess(*SIM, "--sgl-model", "qwen3-0.6b", "--sgl-gpus", "sim:1",
+                                           "--sgl-report", str(report))
+    result.assert_outcomes(passed=2)
+    result.stdout.fnmatch_lines(["qwen3-0.6b: 1 launched, 1 reused, *, 0 died, 1 set back after runtime faults*"])
+    plain = json.loads(report.read_text())["workers"]["qwen3-0.6b"]
+    assert (plain["reuses"], plain["resets"], plain["not_reset"]) == (1, 1, 0)

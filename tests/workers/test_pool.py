@@ -183,3 +183,83 @@ def test_a_failed_launch_ahead_called_off_is_not_the_failure_of_the_test_that_ca
     monkeypatch.setenv("B_BROKEN", "1")
     with pytest.raises(LaunchError, match="B is broken"):
         pool.acquire(b, holder="needs B")
+
+
+def _faults(worker) -> dict:  # type: ignore[no-untyped-def]
+    import httpx
+
+    return httpx.get(f"{worker.url}/_sim/faults", timeout=5).json()["faults"]
+
+
+def _set_faults(worker, **faults) -> None:  # type: ignore[no-untyped-def]
+    import httpx
+
+    resp = httpx.post(f"{worker.url}/_sim/faults", json=faults, timeout=5)
+    assert resp.status_code == 200, resp.text
+
+
+def test_runtime_faults_a_test_switched_on_are_set_back_before_the_next_test(  # type: ignore[no-untyped-def]
+        make_pool, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SGLSIM_FAULT", "latency=0.01")  # a fault from the launch: part of what it was
+    pool = make_pool()
+    config = WorkerConfig.of(QWEN)
+    group = pool.acquire(config, holder="t1")
+    launched = _faults(group[0])
+    assert launched["latency"] == 0.01
+    _set_faults(group[0], fail_first=3, status=503, latency=None)
+    pool.release(group)
+    again = pool.acquire(config, holder="t2")
+    assert again is group and _faults(again[0]) == launched  # reused, as it was handed out
+    pool.release(again)  # this test changed nothing: nothing to set back
+    stats = pool.stats[config.key]
+    assert (stats.reuses, stats.resets, stats.not_reset) == (1, 1, 0)
+
+
+def test_a_worker_whose_faults_cannot_be_set_back_is_not_reused(make_pool) -> None:  # type: ignore[no-untyped-def]
+    pool = make_pool()
+    config = WorkerConfig.of(QWEN)
+    group = pool.acquire(config, holder="t1")
+    _set_faults(group[0], hang_requests=True)
+    # a control endpoint that answers what it is asked but keeps the fault: what the pool finds after it sets back
+    from pytest_sglworker.workers import reset
+
+    original = reset.SimFaults.write
+    reset.SimFaults.write = lambda self, worker, state: None  # type: ignore[method-assign]
+    try:
+        pool.release(group)
+    finally:
+        reset.SimFaults.write = original  # type: ignore[method-assign]
+    assert not group[0].is_alive()
+    assert any("is not reused: what the test changed in it could not be set back (runtime faults still differ" in m
+               for m in pool.messages)
+    fresh = pool.acquire(config, holder="t2")
+    assert fresh is not group and _faults(fresh[0])["hang_requests"] is False
+    stats = pool.stats[config.key]
+    assert (stats.launches, stats.resets, stats.not_reset) == (2, 0, 1)
+
+
+def test_requests_served_counts_a_workers_inference_requests_from_its_log(  # type: ignore[no-untyped-def]
+        make_pool) -> None:
+    import httpx
+
+    pool = make_pool()
+    group = pool.acquire(WorkerConfig.of(QWEN), holder="t1")
+    worker = group[0]
+    assert worker.requests_served() == 0  # its own warm-up request comes before its ready line
+    for i in range(3):
+        assert httpx.post(f"{worker.url}/generate", json={"text": f"hi {i}", "sampling_params": {"max_new_tokens": 1}},
+                          timeout=10).status_code == 200
+    assert httpx.post(f"{worker.url}/v1/chat/completions", json={
+        "model": QWEN.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}, timeout=10).is_success
+    httpx.get(f"{worker.url}/health", timeout=10)  # not an inference request
+    _set_faults(worker, fail_first=1)
+    assert httpx.post(f"{worker.url}/generate", json={"text": "x"}, timeout=10).status_code == 500  # not served
+
+    def counted() -> int:
+        deadline = time.monotonic() + 10  # the access line follows the answer
+        while (n := worker.requests_served()) < 4 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return n
+
+    assert counted() == 4
+    assert worker._served is not None and worker._served.refused == {"/generate": 1}
