@@ -18,7 +18,15 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from ..errors import BudgetViolation, InventoryUnavailable, SglWorkerError
-from .keys import CONFIG_KEY, ITEM_ERROR_KEY, WORKER_FIXTURES, is_xdist_worker, item_spec, uses_plugin
+from .keys import (
+    CONFIG_KEY,
+    ITEM_ERROR_KEY,
+    WORKER_FIXTURES,
+    is_xdist_worker,
+    item_spec,
+    router_group_fixture,
+    uses_plugin,
+)
 from .markers import MarkerError, RouterMarker, WorkerMarker, opt_out_reason, required_features
 from .run_hooks import enable_run_hooks
 
@@ -69,6 +77,8 @@ def modify_items(session: SglSession, config: pytest.Config, items: list[pytest.
     for item in items:
         fixturenames = getattr(item, "fixturenames", ())
         fixture = next((f for f in WORKER_FIXTURES if f in fixturenames), None)
+        if fixture == "sgl_router":
+            fixture = router_group_fixture(fixturenames)
         if fixture is None and "sgl_spawn_worker" not in fixturenames:
             continue
         try:

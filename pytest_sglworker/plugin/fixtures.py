@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING
 
@@ -21,7 +22,16 @@ import pytest
 from ..engine.specs import ModelSpec, SpecRegistry
 from ..errors import InventoryUnavailable, SglWorkerError
 from ..workers.sources.base import GroupRequest, GroupUse, SourceRefusal
-from .keys import CONFIG_KEY, REPORTS_KEY, SHOWN_KEY, SIGNALS_KEY, WORKERS_KEY, item_spec
+from .keys import (
+    CONFIG_KEY,
+    REPORTS_KEY,
+    SHOWN_KEY,
+    SIGNALS_KEY,
+    WORKER_GROUP_KEY,
+    WORKERS_KEY,
+    item_spec,
+    router_group_fixture,
+)
 from .markers import RouterMarker, WorkerMarker, WorkersMarker, opt_out_reason
 from .session import SglSession, state_of
 
@@ -159,6 +169,7 @@ def sgl_worker(request: pytest.FixtureRequest, sgl_model: ModelSpec) -> Iterator
     ``@pytest.mark.sgl_worker(args=[...], env={...})``. Drawn from the session pool (reused by later tests
     of the same configuration unless ``fresh=True``)."""
     with _test_group(request, sgl_model, "sgl_worker") as group:
+        request.node.stash[WORKER_GROUP_KEY] = group
         yield group[0]
 
 
@@ -172,35 +183,83 @@ def sgl_workers(request: pytest.FixtureRequest, sgl_model: ModelSpec) -> Iterato
         yield group
 
 
-@pytest.fixture
-def sgl_router(request: pytest.FixtureRequest, sgl_workers: WorkerGroup) -> Iterator[Router]:
-    """The real sglang router (``sglang-router``) in front of this test's ``sgl_workers``: regular mode over
-    ``.workers``, PD mode over ``.prefill``/``.decode``, ``--dp-aware`` when the workers have dp. Configured
-    by ``@pytest.mark.sgl_router(policy=..., args=[...])``; started fresh for each test, ready when it reports
-    every worker healthy, torn down after it."""
+def _start_router(request: pytest.FixtureRequest, group: WorkerGroup, marker: RouterMarker) -> Router:
     from ..workers.router import RouterUnavailable, start_router
 
     session = state_of(request.config)
-    try:
-        marker = RouterMarker.from_mark(request.node.get_closest_marker("sgl_router"))
-    except ValueError as exc:
-        _fail_with(exc)
-        raise
     session.start_watchdog()
     try:
-        router = start_router(sgl_workers, session.router_options(), session.records, policy=marker.policy,
-                              args=marker.args, startup_timeout=marker.startup_timeout, holder=_holder(request),
-                              environ=session.worker_environ())
+        return start_router(group, session.router_options(), session.records, policy=marker.policy,
+                            args=marker.args, startup_timeout=marker.startup_timeout, holder=_holder(request),
+                            environ=session.worker_environ(), members=marker.members(group),
+                            dp_aware=marker.dp_aware)
     except RouterUnavailable as exc:
         pytest.skip(str(exc))
     except SglWorkerError as exc:
         _fail_from(request, exc)
         raise
+
+
+def _scoped_router(request: pytest.FixtureRequest, group: WorkerGroup, marker: RouterMarker) -> Router:
+    """The router of this test's class or module for this router marker and configuration: made by the scope's
+    first test, kept while its workers are the same group and it is alive (a replaced group gets a new router), and
+    closed when the scope ends. What a test changes in it (workers added or removed) the scope's next test finds."""
+    session = state_of(request.config)
+    kind = pytest.Class if marker.scope == "class" else pytest.Module
+    scope_node = request.node.getparent(kind)
+    if scope_node is None:
+        _fail_with(ValueError(f"sgl_router(scope={marker.scope!r}) on a test outside a {marker.scope}"))
+        raise AssertionError("unreachable")
+    key = (scope_node.nodeid, group.config.key, marker)
+    held: Router | None = session.routers.get(key)
+    if held is not None and held.is_alive() and held.group is group:
+        if held.stats is not None:
+            held.stats.reuses += 1
+        return held
+    if held is not None:
+        session.routers.pop(key)
+        held.close()
+    router = _start_router(request, group, marker)
+    session.routers[key] = router
+
+    def close() -> None:
+        if session.routers.get(key) is router:
+            session.routers.pop(key).close()
+
+    scope_node.addfinalizer(close)
+    return router
+
+
+@pytest.fixture
+def sgl_router(request: pytest.FixtureRequest, sgl_model: ModelSpec) -> Iterator[Router]:
+    """The real sglang router (``sglang-router``) in front of this test's ``sgl_workers`` (or of its ``sgl_worker``,
+    when the test uses that and not ``sgl_workers``): regular mode over ``.workers``, PD mode over
+    ``.prefill``/``.decode``, ``--dp-aware`` when the workers have dp (unless ``dp_aware=False``). Configured by
+    ``@pytest.mark.sgl_router(policy=..., args=[...], workers=..., dp_aware=..., scope=...)``: started with all
+    the group's members, none (``workers="none"``; so is a gateway-mode router, ``--enable-igw``) or some, ready
+    when it reports those healthy (listed, with ``--disable-health-check``); one per test, torn down after it, or
+    one per class or module (``scope=``)."""
+    fixture = router_group_fixture(request.fixturenames)
+    worker = request.getfixturevalue(fixture)
+    sgl_workers: WorkerGroup = request.node.stash[WORKER_GROUP_KEY] if fixture == "sgl_worker" else worker
+    try:
+        marker = RouterMarker.from_mark(request.node.get_closest_marker("sgl_router"))
+        marker.members(sgl_workers)
+    except ValueError as exc:
+        _fail_with(exc)
+        raise
+    if marker.scope == "function":
+        router = _start_router(request, sgl_workers, marker)
+    else:
+        router = _scoped_router(request, sgl_workers, marker)
     request.node.stash.setdefault(WORKERS_KEY, []).append(router)
+    started = time.time()
     try:
         yield router
     finally:
-        router.close(request.node.nodeid)
+        router.served(request.node.nodeid, started, time.time())
+        if marker.scope == "function":
+            router.close()
 
 
 class SpawnWorker:

@@ -48,6 +48,14 @@ SHOWN_KEY = pytest.StashKey[set[int]]()
 
 #: the fixtures that launch workers, and the marker each one reads
 WORKER_FIXTURES = ("sgl_worker", "sgl_workers", "sgl_router")
+#: the group of the test's ``sgl_worker`` (the router fronts it when the test has no ``sgl_workers``)
+WORKER_GROUP_KEY = pytest.StashKey[Any]()
+
+
+def router_group_fixture(fixturenames: Any) -> str:
+    """The fixture whose workers ``sgl_router`` fronts: ``sgl_worker`` when the test uses it and not
+    ``sgl_workers``, else ``sgl_workers``."""
+    return "sgl_worker" if "sgl_worker" in fixturenames and "sgl_workers" not in fixturenames else "sgl_workers"
 #: every fixture of the plugin
 PLUGIN_FIXTURES = frozenset({"sgl_model", "sgl_registry", "sgl_spawn_worker", *WORKER_FIXTURES})
 

@@ -25,8 +25,10 @@ WORKERS_MARKER_DOC = (
     "or a list of lists (of dicts), one per member"
 )
 ROUTER_MARKER_DOC = (
-    "sgl_router(policy='round_robin', args=(), startup_timeout=None): the real sglang router in front of "
-    "this test's sgl_workers"
+    "sgl_router(policy='round_robin', args=(), startup_timeout=None, workers='all', dp_aware=None, "
+    "scope='function'): the real sglang router in front of this test's sgl_workers: started with all of them, "
+    "'none', the first N or a list of member indices; --dp-aware as asked (default: when a worker runs dp); one "
+    "router per test, or per 'class' or 'module'"
 )
 REQUIRES_MARKER_DOC = "sgl_requires(*features): skip models whose spec lacks one of these features"
 OPT_OUT_MARKER_DOC = (
@@ -185,24 +187,62 @@ class WorkersMarker:
                    tuple((r, i, a) for r, i, a in member_args if a), tuple((r, i, e) for r, i, e in member_env if e))
 
 
+ROUTER_SCOPES = ("function", "class", "module")
+
+
 @dataclass(frozen=True)
 class RouterMarker:
-    """``@pytest.mark.sgl_router(policy=..., args=[...])``."""
+    """``@pytest.mark.sgl_router(policy=..., args=[...], workers=..., dp_aware=..., scope=...)``.
+
+    ``workers``: the group's members the router starts with: ``"all"`` (default), ``"none"`` (add them through its
+    worker API), the first ``N``, or a list of member indices (launch order: prefill members first).
+    ``dp_aware``: ``--dp-aware`` as asked; None adds it when a member runs ``--dp-size`` > 1. ``scope``: one router
+    per test (``"function"``), or one for every test of the class or module that asks for the same router over
+    the same configuration (its workers then serve the whole scope)."""
 
     policy: str | None = None
     args: tuple[str, ...] = ()
     startup_timeout: float | None = None
+    workers: str | tuple[int, ...] = "all"
+    dp_aware: bool | None = None
+    scope: str = "function"
 
     @classmethod
     def from_mark(cls, mark: pytest.Mark | None) -> RouterMarker:
         if mark is None:
             return cls()
-        kw = _kwargs(mark, {"policy", "args", "startup_timeout"})
+        kw = _kwargs(mark, {"policy", "args", "startup_timeout", "workers", "dp_aware", "scope"})
         policy = kw.get("policy")
         if policy is not None and (not isinstance(policy, str) or not policy.strip()):
             raise MarkerError(f"sgl_router(policy=...) must be a policy name such as 'round_robin', got {policy!r}")
+        workers = kw.get("workers", "all")
+        if isinstance(workers, bool) or not (workers in ("all", "none") or (isinstance(workers, int) and workers >= 0)
+                                             or (isinstance(workers, (list, tuple)) and all(
+                                                 isinstance(i, int) and not isinstance(i, bool) and i >= 0
+                                                 for i in workers))):
+            raise MarkerError(f"sgl_router(workers=...) must be 'all', 'none', a number of workers or a list of member "
+                              f"indices, got {workers!r}")
+        chosen: str | tuple[int, ...] = workers if isinstance(workers, str) else (
+            tuple(range(workers)) if isinstance(workers, int) else tuple(workers))
+        dp_aware = kw.get("dp_aware")
+        if dp_aware is not None and not isinstance(dp_aware, bool):
+            raise MarkerError(f"sgl_router(dp_aware=...) must be True, False or None, got {dp_aware!r}")
+        scope = kw.get("scope", "function")
+        if scope not in ROUTER_SCOPES:
+            raise MarkerError(f"sgl_router(scope=...) must be one of {', '.join(map(repr, ROUTER_SCOPES))}, "
+                              f"got {scope!r}")
         return cls(policy, _args("sgl_router", "args", kw.get("args")),
-                   _timeout("sgl_router", kw.get("startup_timeout")))
+                   _timeout("sgl_router", kw.get("startup_timeout")), chosen, dp_aware, scope)
+
+    def members(self, group: Any) -> list[Any] | None:
+        """The members of ``group`` the router starts with (None: all of them). An index beyond the group is a
+        :class:`MarkerError`."""
+        if isinstance(self.workers, str):
+            return None if self.workers == "all" else []
+        wrong = [i for i in self.workers if i >= len(group)]
+        if wrong:
+            raise MarkerError(f"sgl_router(workers=...) names member(s) {wrong} of a group of {len(group)}")
+        return [group[i] for i in self.workers]
 
 
 def opt_out_reason(node: Any) -> str | None:

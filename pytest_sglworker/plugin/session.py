@@ -122,6 +122,8 @@ class SglSession:
         self.test_times: dict[str, list[Any]] = {}
         self.shard_note: str | None = None
         self._shard_costs: tuple[Any, list[str]] | None = None
+        #: routers of class or module scope, by (scope node id, configuration key, router marker)
+        self.routers: dict[Any, Any] = {}
         self.started_at = time.time()
 
     @property
@@ -359,6 +361,10 @@ class SglSession:
 
     def close(self) -> None:
         try:
+            for router in list(self.routers.values()):  # scopes an interrupt did not let end
+                with contextlib.suppress(Exception):
+                    router.close()
+            self.routers.clear()
             if self._source is not None:
                 self._source.close()
         finally:

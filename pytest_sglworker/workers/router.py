@@ -44,10 +44,11 @@ from .process import ManagedProcess, inherited_environ, log_name, start_process
 from .records import ConfigStats, LaunchRecord, RunRecords
 
 if TYPE_CHECKING:
-    from .pool import WorkerGroup
+    from .group import WorkerGroup
+    from .launcher import ModelInstance
 
-__all__ = ["ROUTER_MODULE", "Router", "RouterOptions", "RouterReadiness", "RouterUnavailable", "router_argv",
-           "start_router"]
+__all__ = ["ROUTER_MODULE", "Router", "RouterOptions", "RouterReadiness", "RouterUnavailable", "igw_mode",
+           "router_argv", "start_router"]
 
 ROUTER_MODULE = "sglang_router.launch_router"
 #: a line of the router's log that says why it stopped: its parser's error, a Rust panic, an error it logged
@@ -86,29 +87,54 @@ def default_router_launcher() -> list[str]:
     return [sys.executable, "-m", ROUTER_MODULE]
 
 
+IGW_FLAG = "--enable-igw"
+HEALTH_CHECK_OFF_FLAG = "--disable-health-check"
+
+
+def igw_mode(args: Sequence[str]) -> bool:
+    """The inference-gateway mode: the router ignores ``--worker-urls`` and waits for workers added through its
+    worker API."""
+    return IGW_FLAG in args
+
+
+def dp_aware_for(members: Sequence[ModelInstance], args: Sequence[str], dp_aware: bool | None) -> bool:
+    """Whether the router addresses each dp rank (``--dp-aware``): as asked, else when a member runs ``--dp-size``
+    > 1 (or when the router's args already say so)."""
+    if "--dp-aware" in args:
+        return True
+    if dp_aware is not None:
+        return dp_aware
+    return any(data_parallel_size(m.spec, m.argv) > 1 for m in members)
+
+
 def router_argv(launcher: Sequence[str], *, port: int, prometheus_port: int, group: WorkerGroup,
-                policy: str | None, args: Sequence[str]) -> list[str]:
-    """The router's argv in front of ``group``: regular, PD or dp-aware mode, loopback only."""
+                policy: str | None, args: Sequence[str], members: Sequence[ModelInstance] | None = None,
+                dp_aware: bool | None = None) -> list[str]:
+    """The router's argv in front of ``members`` of ``group`` (default: all of them): regular, PD or dp-aware
+    mode, loopback only. In the gateway mode (``--enable-igw``) it is given no worker: they are added through its
+    worker API."""
+    members = list(group) if members is None else list(members)
     argv = [*launcher, "--host", LOOPBACK_HOST, "--port", str(port),
             "--prometheus-host", LOOPBACK_HOST, "--prometheus-port", str(prometheus_port)]
+    given = [] if igw_mode(args) else members
     if group.is_pd:
         argv.append("--pd-disaggregation")
-        for member in group.prefill:
+        for member in (m for m in given if m.role == "prefill"):
             argv += ["--prefill", member.url, str(member.bootstrap_port) if member.bootstrap_port else "none"]
-        for member in group.decode:
+        for member in (m for m in given if m.role == "decode"):
             argv += ["--decode", member.url]
-    else:
-        argv += ["--worker-urls", *group.urls]
-    if any(data_parallel_size(m.spec, m.argv) > 1 for m in group):
+    elif given:
+        argv += ["--worker-urls", *(m.url for m in given)]
+    if dp_aware_for(members, args, dp_aware) and "--dp-aware" not in args:
         argv.append("--dp-aware")
     if policy:
         argv += ["--policy", policy]
     return [*argv, *args]
 
 
-def _expected(group: WorkerGroup) -> int:
+def _expected(members: Sequence[ModelInstance], dp_aware: bool) -> int:
     """Workers the router lists when it has them all (a dp-aware router lists one per dp rank)."""
-    return sum(data_parallel_size(m.spec, m.argv) for m in group)
+    return sum(data_parallel_size(m.spec, m.argv) if dp_aware else 1 for m in members)
 
 
 def api_key_of(args: Sequence[str]) -> str | None:
@@ -127,21 +153,32 @@ def _auth(api_key: str | None) -> dict[str, str]:
 
 
 class RouterReadiness(Readiness):
-    """``GET /health`` 200, then ``GET /workers`` listing every worker of the group healthy."""
+    """``GET /health`` 200, then ``GET /workers`` listing every worker it was started with healthy (listed, when
+    its health checks are off). A router started with no worker (none asked for, or the gateway mode) is ready
+    when its ``/health`` answers."""
 
     what = "router"
     ready_word = "ready"
 
-    def __init__(self, group: WorkerGroup, api_key: str | None = None) -> None:
-        self.urls = group.urls
-        self.expected = _expected(group)
+    def __init__(self, group: WorkerGroup, api_key: str | None = None, *,
+                 members: Sequence[ModelInstance] | None = None, dp_aware: bool = False,
+                 health_checks: bool = True) -> None:
+        members = list(group) if members is None else list(members)
+        self.urls = [m.url for m in members]
+        self.expected = _expected(members, dp_aware)
         self.headers = _auth(api_key)
+        self.health_checks = health_checks
 
     def probe(self, target: Watched, deadline: float, abort: Callable[[], bool]) -> Probe:
         try:
             health = http_request(target.host, target.port, "/health", deadline=deadline, abort=abort)
             if health.status != 200:
                 return Probe(False, f"/health HTTP {health.status}")
+            if not self.expected:
+                if not target.owns_port():
+                    return Probe(False, "answered by a process that is not this router (stale router on the port?)",
+                                 stale=True)
+                return Probe(True, "/health HTTP 200 (no worker to wait for)")
             listed = http_request(target.host, target.port, "/workers", deadline=deadline, abort=abort,
                                   headers=self.headers)
         except ConnectionRefusedError:
@@ -156,9 +193,10 @@ class RouterReadiness(Readiness):
             return Probe(False, f"/workers HTTP {listed.status}: not the router's worker list")
         ours = [w for w in workers if isinstance(w, dict) and any(str(w.get("url", "")).startswith(u)
                                                                     for u in self.urls)]
-        healthy = [w for w in ours if w.get("is_healthy")]
+        healthy = [w for w in ours if w.get("is_healthy") or not self.health_checks]
         if len(healthy) < self.expected:
-            return Probe(False, f"{len(healthy)} of {self.expected} workers healthy")
+            word = "healthy" if self.health_checks else "listed"
+            return Probe(False, f"{len(healthy)} of {self.expected} workers {word}")
         if not target.owns_port():
             return Probe(False, "answered by a process that is not this router (stale router on the port?)",
                          stale=True)
@@ -174,8 +212,6 @@ class Router(ManagedProcess):
     policy: str | None = None
     record: LaunchRecord | None = field(default=None, repr=False)
     removed: list[str] = field(default_factory=list)
-    #: the pool figures of the group's configuration (a removal counts as a deliberate stop there)
-    group_stats: ConfigStats | None = field(default=None, repr=False)
     #: the router's own figures, and the log policy its teardown follows
     stats: ConfigStats | None = field(default=None, repr=False)
     log_policy: str = field(default="failed", repr=False)
@@ -230,37 +266,81 @@ class Router(ManagedProcess):
         resp.raise_for_status()
         return list(resp.json()["workers"])
 
-    def add_worker(self, url: str, **fields: Any) -> dict[str, Any]:
-        """``POST /workers``: add a worker at ``url``; returns the router's answer."""
+    def add_worker(self, worker: ModelInstance | str, **fields: Any) -> dict[str, Any]:
+        """``POST /workers``: add a worker (a member of a group, or a URL); returns the router's answer. A prefill
+        or decode member is added as that type (a prefill member with its bootstrap port); ``fields`` go into the
+        request as they are (``api_key``, ``priority``, ...)."""
+        if isinstance(worker, str):
+            url = worker
+        else:
+            url = worker.url
+            if worker.role in ("prefill", "decode"):
+                fields.setdefault("worker_type", worker.role)
+            if worker.role == "prefill" and worker.bootstrap_port is not None:
+                fields.setdefault("bootstrap_port", worker.bootstrap_port)
         resp = self.client.post("/workers", json={"url": url, **fields}, timeout=30.0, headers=self.auth_headers)
         resp.raise_for_status()
         return dict(resp.json()) if resp.content else {}
 
-    def remove_worker(self, url: str) -> None:
-        """``DELETE /workers/{id}`` of the worker at ``url`` (counted as a deliberate stop, not a death)."""
-        matches = [w for w in self.workers() if str(w.get("url", "")).rstrip("/") == url.rstrip("/")]
+    def remove_worker(self, worker: ModelInstance | str, *, timeout: float = 30.0) -> list[str]:
+        """``DELETE /workers/{id}`` of every entry of the worker (a member, or its URL): its one entry, or one per dp
+        rank (``url@0``, ``url@1``, ... of a dp-aware router), and wait (bounded by ``timeout``) until the router
+        no longer lists them: it removes in the background. The worker keeps running: the router only stops
+        sending it requests. Returns the entries removed; LookupError when the router lists none, RuntimeError
+        with the router's own words when its removal fails."""
+        url = (worker if isinstance(worker, str) else worker.url).rstrip("/")
+        listed = self.workers()
+        matches = [w for w in listed if _same_worker(str(w.get("url", "")), url)]
         if not matches:
-            raise LookupError(f"the router lists no worker at {url}: {[w.get('url') for w in self.workers()]}")
-        for worker in matches:
-            resp = self.client.delete(f"/workers/{worker['id']}", timeout=30.0, headers=self.auth_headers)
+            raise LookupError(f"the router lists no worker at {url}: {[w.get('url') for w in listed]}")
+        for entry in matches:
+            resp = self.client.delete(f"/workers/{entry['id']}", timeout=30.0, headers=self.auth_headers)
             resp.raise_for_status()
-        self.removed.append(url)
-        if self.group_stats is not None:
-            self.group_stats.stops += 1
-
-    def wait_for_workers(self, count: int, *, timeout: float = 30.0) -> list[dict[str, Any]]:
-        """Wait (bounded) until the router lists ``count`` healthy workers; returns them."""
+        entries = [str(entry.get("url")) for entry in matches]
         deadline = time.monotonic() + timeout
         while True:
-            healthy = [w for w in self.workers() if w.get("is_healthy")]
-            if len(healthy) == count:
-                return healthy
+            left = [u for u in (str(w.get("url", "")) for w in self.workers()) if u in entries]
+            if not left:
+                break
+            failed = self._removal_failure(left)
+            if failed is not None or time.monotonic() >= deadline:
+                why = failed or f"still listed after {timeout:g} s"
+                hint = (" (sglang-router 0.3.2 cannot remove a dp-aware worker's rank by its id: it looks for "
+                        "'<url>@<rank>@...'; give the router dp_aware=False to list the worker once)"
+                        if any("@" in u.rsplit(":", 1)[-1] for u in left) else "")
+                raise RuntimeError(f"the router did not remove {', '.join(left)}: {why}{hint}")
+            time.sleep(0.05)
+        self.removed.append(url)
+        return entries
+
+    def _removal_failure(self, entries: Sequence[str]) -> str | None:
+        """The router's log line saying that the removal of one of ``entries`` failed, if it wrote one."""
+        for line in reversed(self.log_end()[0][-400:]):
+            line = _ANSI.sub("", line)
+            if "Failed job: type=RemoveWorker" in line and any(f"worker={e}," in line for e in entries):
+                return line.split("Failed job: ", 1)[1].strip()
+        return None
+
+    def wait_for_workers(self, count: int, *, timeout: float = 30.0, healthy: bool = True) -> list[dict[str, Any]]:
+        """Wait (bounded) until the router lists ``count`` workers, healthy ones unless ``healthy=False`` (a router
+        whose health checks are off); returns them."""
+        deadline = time.monotonic() + timeout
+        while True:
+            found = [w for w in self.workers() if w.get("is_healthy") or not healthy]
+            if len(found) == count:
+                return found
             if time.monotonic() >= deadline:
-                raise TimeoutError(f"the router lists {len(healthy)} healthy workers, not {count}, after {timeout:g} s")
+                word = "healthy " if healthy else ""
+                raise TimeoutError(f"the router lists {len(found)} {word}workers, not {count}, after {timeout:g} s")
             time.sleep(0.1)
 
     # -- teardown -----------------------------------------------------------------------------------------
-    def close(self, nodeid: str) -> None:
+    def served(self, nodeid: str, t_start: float | None, t_end: float | None) -> None:
+        """Record that a test used this router (its launch record's tests)."""
+        if self.record is not None:
+            self.record.served(nodeid, t_start, t_end, "done")
+
+    def close(self) -> None:
         """Stop the router, give its ports back and finish its launch record."""
         died = not self.is_alive() and not self.stopped
         self.stop()
@@ -272,7 +352,6 @@ class Router(ManagedProcess):
             record.take_times(self)
             record.t_released = time.time()
             record.outcome = "died" if died else "ok"
-            record.served(nodeid, self.times.get("ready"), self.times.get("stop_requested"), "done")
         from ..resources.retention import keeps
 
         if not keeps(self.log_policy, failed=died):
@@ -281,19 +360,29 @@ class Router(ManagedProcess):
             (stats.failed_logs if died else stats.kept_logs).append(str(self.log_path))
 
 
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+
+
+def _same_worker(listed: str, url: str) -> bool:
+    """Whether a router's entry (``url``, or ``url@rank`` of a dp-aware router) is the worker at ``url``."""
+    listed = listed.rstrip("/")
+    return listed == url or (listed.startswith(url + "@") and listed[len(url) + 1:].isdigit())
+
+
 def _router_stats(records: RunRecords, group: WorkerGroup, policy: str | None) -> ConfigStats:
     return records.stats_for(f"router-{policy or 'default'}-{group.config.key}",
                              f"router ({policy or 'default policy'}) over {group.config.label}", "sglang-router")
 
 
-def router_env(group: WorkerGroup, environ: Mapping[str, str] | None = None) -> dict[str, str]:
-    """What the router's environment adds: in front of gRPC workers, ``TIKTOKEN_ENCODINGS_BASE`` naming the
-    installed ``o200k_base.tiktoken`` (``scripts/install-router-vocab.sh``) unless it is set already; the router
-    builds its Harmony encoder from it whenever it has a gRPC router, and downloads it otherwise."""
+def router_env(group: WorkerGroup, environ: Mapping[str, str] | None = None, *, igw: bool = False) -> dict[str, str]:
+    """What the router's environment adds: in front of gRPC workers, or in the gateway mode (``igw``, which makes
+    every router kind), ``TIKTOKEN_ENCODINGS_BASE`` naming the installed ``o200k_base.tiktoken``
+    (``scripts/install-router-vocab.sh``) unless it is set already; the router builds its Harmony encoder from it
+    whenever it has a gRPC router, and downloads it otherwise."""
     from ..engine.grpc_facts import ROUTER_VOCAB_ENV, router_vocab_dir
 
     environ = os.environ if environ is None else environ
-    if environ.get(ROUTER_VOCAB_ENV) or not any(url.startswith("grpc://") for url in group.urls):
+    if environ.get(ROUTER_VOCAB_ENV) or not (any(url.startswith("grpc://") for url in group.urls) or igw):
         return {}
     folder = router_vocab_dir(environ)
     return {ROUTER_VOCAB_ENV: str(folder)} if folder is not None else {}
@@ -322,9 +411,12 @@ def router_launcher(explicit: Sequence[str] | None = None) -> list[str]:
 
 def start_router(group: WorkerGroup, options: RouterOptions, records: RunRecords, *, policy: str | None = None,
                  args: Sequence[str] = (), startup_timeout: float | None = None, holder: str = "",
-                 environ: Mapping[str, str] | None = None) -> Router:
-    """Launch the router in front of ``group`` and return it once it reports every worker healthy; its figures
-    and launch record go into ``records``. ``environ``: the environment it inherits (default: this process's)."""
+                 environ: Mapping[str, str] | None = None, members: Sequence[ModelInstance] | None = None,
+                 dp_aware: bool | None = None) -> Router:
+    """Launch the router in front of ``members`` of ``group`` (default: all; none in the gateway mode) and return
+    it once it reports them healthy (listed, with its health checks off; its ``/health`` alone when it starts
+    with none); its figures and launch record go into ``records``. ``dp_aware``: ``--dp-aware`` as asked (default:
+    when a member runs dp). ``environ``: the environment it inherits (default: this process's)."""
     environ = inherited_environ() if environ is None else environ
     from ..resources import state
     from ..resources.ports import reserve_port_block
@@ -341,24 +433,27 @@ def start_router(group: WorkerGroup, options: RouterOptions, records: RunRecords
                                    on_wait=options.on_message)
         ports = dict(zip(ROUTER_PORTS, block.ports, strict=False))
         argv = router_argv(launcher, port=ports["http"], prometheus_port=ports["prometheus"], group=group,
-                           policy=policy, args=args)
+                           policy=policy, args=args, members=members, dp_aware=dp_aware)
         record = records.new_launch(kind="router", config=group.config.key, label=f"router over {group.config.label}",
                                     model="sglang-router", role="router", group=group.id,
                                     t_lease_requested=time.time(), port=ports["http"], argv=" ".join(mask_argv(argv)))
         try:
-            started = start_process(argv, router_env(group, environ),
+            started = start_process(argv, router_env(group, environ, igw=igw_mode(args)),
                                     log_dir / log_name("sglang-router", ports["http"]), environ=environ)
         except BaseException:
             block.release()
             record.outcome = "startup_failed"
             raise
-        group_stats = records.stats_for(group.config.key, group.config.label, group.config.spec.model)
         router = Router(host=LOOPBACK_HOST, port=ports["http"], ports=ports, port_block=block, group=group,
-                        policy=policy, record=record, tail_lines=options.tail_lines, group_stats=group_stats,
+                        policy=policy, record=record, tail_lines=options.tail_lines,
                         stats=stats, log_policy=options.log_policy, api_key=api_key_of(args), **started)
         record.pid, record.log_path, record.node = router.pid, str(router.log_path), hostname()
         try:
-            wait_until_ready(router, RouterReadiness(group, router.api_key), timeout=timeout, ready_line=None)
+            given = [] if igw_mode(args) else (list(group) if members is None else list(members))
+            readiness = RouterReadiness(group, router.api_key, members=given,
+                                        dp_aware=dp_aware_for(given, args, dp_aware),
+                                        health_checks=HEALTH_CHECK_OFF_FLAG not in args)
+            wait_until_ready(router, readiness, timeout=timeout, ready_line=None)
         except WorkerError as exc:
             router.stop()
             exc.extra = "\n".join(filter(None, (exc.extra, _vocab_hint(router))))
