@@ -70,7 +70,7 @@ _LABEL_W = 210
 #: the plot's width at zoom "fit" that tick steps and bar labels are worked out for (about what a 1400 px window
 #: leaves it); the zoom levels double it up to _MAX_ZOOM, until a second is _DENSITY px wide
 _REF_W, _MAX_ZOOM, _DENSITY = 1000, 32, 200
-_LABEL_MIN_W, _LABEL_MAX_CHARS = 30, 400  # a bar label needs this much room; longer ones are cut anyway
+_LABEL_MIN_W, _LABEL_MAX_CHARS = 48, 400  # a bar label needs this much room (a few letters); longer ones are cut
 _AXIS_H, _NODE_H, _ROW_H, _BAR_Y, _BAR_H, _MARK_Y, _MARK_H = 28, 24, 30, 3, 18, 23, 5
 
 
