@@ -163,12 +163,17 @@ class RunHooks:
         return report
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
-        """Each test's time (setup, which includes waiting for its workers, call and teardown) and its worker
-        configuration, for the run report: what --sgl-shard-report balances shards by. Lines that launch threads
-        queued for the terminal are written here too."""
+        """Each test's time (setup, which includes waiting for its workers, call and teardown), its worker
+        configuration and the category pytest's terminal summary counts each of its phases in, for the run report
+        (the times are what --sgl-shard-report balances shards by). Lines that launch threads queued for the
+        terminal are written here too."""
         self.session.terminal.flush()
-        if is_xdist_worker(self.session.config):
+        config = self.session.config
+        if is_xdist_worker(config):
             return
-        entry = self.session.test_times.setdefault(report.nodeid, [0.0, None])
+        entry = self.session.test_times.setdefault(report.nodeid, [0.0, None, []])
         entry[0] += report.duration
         entry[1] = entry[1] or getattr(report, "sglworker_config", None)
+        status = config.hook.pytest_report_teststatus(report=report, config=config)
+        if status and status[0]:  # "" for a passing setup or teardown: pytest counts none
+            entry[2].append(str(status[0]))

@@ -2,6 +2,12 @@
 of this process and of the xdist workers (sent as plain dicts), merged, and each artifact written atomically.
 
 The JSON schema is in the README; :mod:`.timeline` renders the HTML page and the Chrome trace from the same dict.
+
+Tests are counted as pytest's terminal summary counts them: every report of a test phase in the category pytest's
+``pytest_report_teststatus`` gives it (a failing setup or teardown is an error, a failing call a failure, a passing
+setup or teardown no category), so a test whose call passed and whose teardown failed (its worker died during it)
+is one passed and one error, as pytest says. A test's own outcome, the one its spans on the launch records get, is
+the worst of its categories.
 """
 
 from __future__ import annotations
@@ -13,7 +19,8 @@ from typing import Any
 
 from ..workers.records import ConfigStats
 
-__all__ = ["SCHEMA", "merge_launches", "merge_stats", "write_artifact", "write_json"]
+__all__ = ["OUTCOME_KEYS", "SCHEMA", "apply_test_outcomes", "merge_launches", "merge_stats", "outcome_counts",
+           "test_outcome", "write_artifact", "write_json"]
 
 SCHEMA = "pytest-sglworker/report/v1"
 
@@ -35,6 +42,43 @@ def merge_launches(sources: Sequence[Sequence[Mapping[str, Any]]]) -> list[dict[
     """All processes' launch records, ordered by start."""
     launches = [dict(r) for source in sources for r in source]
     return sorted(launches, key=lambda r: (r.get("t_lease_requested") or r.get("t_started") or 0.0, r["id"]))
+
+
+#: a test's outcome from its phases' categories: the first of these it has
+_WORST_FIRST = ("failed", "error", "xpassed", "xfailed", "skipped", "passed")
+#: pytest's category -> the key of the report's ``outcomes`` (``RunResult.parseoutcomes`` names: ``errors``)
+OUTCOME_KEYS = {"passed": "passed", "failed": "failed", "error": "errors", "skipped": "skipped",
+                "xfailed": "xfailed", "xpassed": "xpassed"}
+
+
+def test_outcome(categories: Sequence[str]) -> str | None:
+    """The outcome of one test from the categories of its phases (None when it has none: interrupted before its
+    call had a report)."""
+    found = [c for c in _WORST_FIRST if c in categories]
+    if found:
+        return found[0]
+    return next(iter(categories), None)
+
+
+def outcome_counts(categories: Sequence[Sequence[str]]) -> dict[str, int]:
+    """Every test's categories counted as pytest's summary line counts them: ``passed``, ``failed``, ``errors``
+    and ``skipped`` always, other categories (``xfailed``, ``xpassed``, ``rerun``, ...) when present."""
+    counts = dict.fromkeys(("passed", "failed", "errors", "skipped"), 0)
+    for test in categories:
+        for category in test:
+            key = OUTCOME_KEYS.get(category, category)
+            counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+def apply_test_outcomes(launches: Sequence[dict[str, Any]], outcomes: Mapping[str, str]) -> None:
+    """Each test span of the launch records gets its test's outcome as pytest reported it (a worker that died
+    during a passing call makes its teardown an error: the span says ``error``, not the call's ``passed``)."""
+    for launch in launches:
+        spans = launch.get("tests")
+        if isinstance(spans, list):
+            launch["tests"] = [{**span, "outcome": outcomes.get(span.get("nodeid"), span.get("outcome"))}
+                               for span in spans]
 
 
 def write_json(path: Path, report: Mapping[str, Any]) -> None:

@@ -530,9 +530,18 @@ class SglSession:
 
     # -- the run report -----------------------------------------------------------------------------------
     def collected_stats(self) -> dict[str, Any]:
-        from .run_report import merge_stats
+        """Every process's figures, merged; where pytest's outcomes of the tests are known (this process saw their
+        reports), each configuration's failed tests are counted from them: a setup error (a failed start), a
+        failing call and a teardown error (a worker that died during the test) each make a failed test."""
+        from .run_report import merge_stats, test_outcome
 
-        return merge_stats([*self.worker_stats, self.records.stats_dicts()])
+        stats = merge_stats([*self.worker_stats, self.records.stats_dicts()])
+        if self.test_times:  # [seconds, configuration key, categories] per test (RunHooks.pytest_runtest_logreport)
+            failed = [key for _, key, categories in self.test_times.values()
+                      if test_outcome(categories) in ("failed", "error")]
+            for key, figures in stats.items():
+                figures.failed_tests = failed.count(key)
+        return stats
 
     def collected_launches(self) -> list[dict[str, Any]]:
         from .run_report import merge_launches
@@ -540,17 +549,22 @@ class SglSession:
         return merge_launches([*self.worker_launches, self.records.launch_dicts()])
 
     def run_report(self, exitstatus: int) -> dict[str, Any]:
-        """The run report as one dict (the ``--sgl-report`` JSON; the timeline and the trace are drawn from it)."""
-        from .run_report import SCHEMA
+        """The run report as one dict (the ``--sgl-report`` JSON; the timeline and the trace are drawn from it):
+        the test spans of the launches and the test counts carry pytest's own outcomes."""
+        from .run_report import SCHEMA, apply_test_outcomes, outcome_counts, test_outcome
 
+        outcomes = {nodeid: test_outcome(categories) for nodeid, (_, _, categories) in self.test_times.items()}
+        launches = self.collected_launches()
+        apply_test_outcomes(launches, {n: o for n, o in outcomes.items() if o is not None})
         return {"schema": SCHEMA, "engine": self.settings.engine, "models": list(self.settings.models),
                 "exitstatus": exitstatus,
                 "interrupted": exitstatus == int(pytest.ExitCode.INTERRUPTED) or self.interrupted_by is not None,
                 "started_at": round(self.started_at, 3), "finished_at": round(time.time(), 3),
                 "workers": {k: v.as_dict() for k, v in sorted(self.collected_stats().items())},
-                "launches": self.collected_launches(),
-                "tests": {nodeid: {"seconds": round(seconds, 3), "config": key}
-                          for nodeid, (seconds, key) in self.test_times.items()}}
+                "launches": launches,
+                "outcomes": outcome_counts([categories for _, _, categories in self.test_times.values()]),
+                "tests": {nodeid: {"seconds": round(seconds, 3), "config": key, "outcome": outcomes[nodeid]}
+                          for nodeid, (seconds, key, _) in self.test_times.items()}}
 
     def write_artifacts(self, exitstatus: int) -> None:
         """``--sgl-report``, ``--sgl-timeline`` and ``--sgl-trace``, each written atomically; a failure to

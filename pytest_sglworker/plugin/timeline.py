@@ -10,8 +10,14 @@ plus a "no GPU" lane per node for routers and runs without an inventory; a launc
 each of its lanes. Launches that overlap in one lane (a lease wait under the previous holder, or several
 workers without GPUs) are packed into rows, so that no two bars overlap and every trace thread nests properly.
 
-The page fetches nothing: inline CSS and SVG, no script (hover text is SVG ``<title>``), a Content Security
-Policy of ``default-src 'none'``, and a ``data:`` favicon. Every string from the report is escaped.
+The page fits the run in the window's width: the plot's horizontal coordinates are percentages of its width, which
+is the window's at zoom "fit" (no sideways scrolling, whether the run lasted 13 s or 2 hours); zoom buttons (radio
+buttons: Tab, then the arrow keys) make it 2, 4, ... times wider, and it scrolls sideways inside its frame. The
+header counts the tests as pytest's summary line does (the report's ``outcomes``), and the tests served once each.
+
+The page fetches nothing: inline CSS and SVG, no script (zooming is CSS ``:has()`` on the checked button, hover
+text is SVG ``<title>``), a Content Security Policy of ``default-src 'none'``, and a ``data:`` favicon. Every string
+from the report is escaped.
 
 Why one module of this size: the HTML page and the Chrome trace are two renderings of one tolerant model of the
 report (the parsing of untrusted times is shared), and the page is self-contained: its SVG and CSS are written
@@ -26,14 +32,15 @@ import json
 import math
 import os
 import re
+import signal
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["FAILED_COLOUR", "PHASE_COLOURS", "PHASE_NAMES", "TEST_COLOURS", "fmt_duration", "render_html",
-           "trace_events", "truncate", "write_html", "write_trace"]
+__all__ = ["FAILED_COLOUR", "PHASE_COLOURS", "PHASE_NAMES", "TEST_COLOURS", "exit_text", "fmt_duration",
+           "render_html", "trace_events", "truncate", "write_html", "write_trace"]
 
 PHASE_NAMES = {"lease": "lease wait", "startup": "startup", "serving": "serving", "teardown": "teardown"}
 PHASE_COLOURS = {"lease": "#c8bd9f", "startup": "#f0b43c", "serving": "#4f8fd6", "teardown": "#9ba6b2"}
@@ -43,7 +50,13 @@ OPEN_COLOUR = "#6b3fa0"  # the end of a bar with no recorded end (interrupted ru
 _OTHER_TEST = "#555555"
 FAILED_OUTCOMES = frozenset({"startup_failed", "startup_timeout"})
 _OUTCOME_TAGS = {"startup_failed": "startup failed", "startup_timeout": "startup timeout", "died": "died",
-                 "interrupted": "interrupted"}
+                 "interrupted": "interrupted", "cancelled": "cancelled"}
+#: a test's outcome from its spans when the report has no pytest counts (an older report): the worst first
+_WORST_FIRST = ("failed", "error", "xpassed", "xfailed", "skipped", "passed")
+#: how pytest's summary line names the count of each outcome
+_COUNT_KEYS = {"passed": "passed", "failed": "failed", "error": "errors", "skipped": "skipped",
+               "xfailed": "xfailed", "xpassed": "xpassed"}
+_COUNTED = (*_COUNT_KEYS.values(), "rerun")
 _TIME_KEYS = ("t_lease_requested", "t_leased", "t_started", "t_ready", "t_stop_requested", "t_stopped",
               "t_released")
 # phase: (start key, nominal end key); a missing end falls back to the next recorded time after it
@@ -53,7 +66,11 @@ _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
 _HOVER_TESTS = 40  # tests listed in a bar's hover text; every test mark has its own
 
 # layout, px
-_LABEL_W, _PLOT_MIN_W, _PLOT_MAX_W, _PX_PER_BAR = 210, 1320, 12000, 24
+_LABEL_W = 210
+#: the plot's width at zoom "fit" that tick steps and bar labels are worked out for (about what a 1400 px window
+#: leaves it); the zoom levels double it up to _MAX_ZOOM, until a second is _DENSITY px wide
+_REF_W, _MAX_ZOOM, _DENSITY = 1000, 32, 200
+_LABEL_MIN_W, _LABEL_MAX_CHARS = 48, 400  # a bar label needs this much room (a few letters); longer ones are cut
 _AXIS_H, _NODE_H, _ROW_H, _BAR_Y, _BAR_H, _MARK_Y, _MARK_H = 28, 24, 30, 3, 18, 23, 5
 
 
@@ -251,13 +268,34 @@ class _Run:
         self.nodes = sorted({lane.node for lane in self.lanes})
         self.undrawn = sum(1 for x in self.launches if not x.span)
 
+    def test_counts(self) -> dict[str, int]:
+        """The tests as pytest's summary line counts them: the report's ``outcomes`` (pytest's own counts), else,
+        for an older report, each test served once, in the worst outcome of its spans."""
+        counts = dict.fromkeys(("passed", "failed", "errors", "skipped"), 0)
+        given = self.report.get("outcomes")
+        if isinstance(given, Mapping):
+            for key, value in given.items():
+                number = _int(value)
+                if key in _COUNTED and number is not None and number >= 0:
+                    counts[key] = number
+            return counts
+        worst: dict[str, str] = {}
+        for test in (t for x in self.launches for t in x.tests):
+            ranks = [_WORST_FIRST.index(o) for o in (worst.get(test.nodeid), test.outcome) if o in _WORST_FIRST]
+            worst[test.nodeid] = _WORST_FIRST[min(ranks)] if ranks else worst.get(test.nodeid, "")
+        for outcome in worst.values():
+            if outcome in _COUNT_KEYS:
+                counts[_COUNT_KEYS[outcome]] = counts.get(_COUNT_KEYS[outcome], 0) + 1
+        return counts
+
     def totals(self) -> dict[str, Any]:
+        """The header's figures. ``tests``: the tests that used a worker, each once (a group's members and its
+        router served the same test)."""
         return {"launches": len(self.launches),
                 "failures": sum(1 for x in self.launches if x.failed),
                 "deaths": sum(1 for x in self.launches if x.outcome == "died"),
                 "interrupted": sum(1 for x in self.launches if x.outcome == "interrupted" or x.open),
-                "tests": sum(len(x.tests) for x in self.launches),
-                "failed_tests": sum(1 for x in self.launches for t in x.tests if t.outcome in ("failed", "error")),
+                "tests": len({t.nodeid for x in self.launches for t in x.tests}), **self.test_counts(),
                 "gpu_seconds": round(sum(x.gpu_seconds(self.t1) for x in self.launches), 1),
                 "wall": self.wall, "lanes": len(self.lanes), "nodes": len(self.nodes)}
 
@@ -286,9 +324,28 @@ def _details(launch: _Launch) -> dict[str, Any]:
             "model": launch.get("model"), "role": launch.role, "group": _text(raw.get("group")) or None,
             "xdist_worker": _text(raw.get("xdist_worker")) or None, "node": launch.node, "gpus": launch.gpus,
             "gpu_names": names if any(names) else [], "port": _int(raw.get("port")), "pid": _int(raw.get("pid")),
-            "outcome": launch.outcome, "failure": _text(raw.get("failure")) or None, "argv": launch.get("argv"),
-            "log_path": _text(raw.get("log_path")) or None, "phases": _phase_summary(launch),
-            "tests": [t.nodeid for t in launch.tests]}
+            "outcome": launch.outcome, "failure": _text(raw.get("failure")) or None,
+            "diagnosis": _text(raw.get("diagnosis")) or None, "exit_code": _int(raw.get("exit_code")),
+            "argv": launch.get("argv"), "log_path": _text(raw.get("log_path")) or None,
+            "phases": _phase_summary(launch), "tests": [t.nodeid for t in launch.tests]}
+
+
+def exit_text(code: int | None) -> str:
+    """``1``, ``-9 (SIGKILL)``, ``-`` when unknown."""
+    if code is None:
+        return "-"
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f"{code} ({signal.Signals(-code).name})"
+    return str(code)
+
+
+def _diagnosis_text(d: Mapping[str, Any]) -> str:
+    """The diagnosis and the failure line, once: a worker's failure line begins with its diagnosis."""
+    diagnosis, failure = d["diagnosis"], d["failure"]
+    if diagnosis and failure and diagnosis not in failure:
+        return f"{diagnosis} ({failure})"
+    return failure or diagnosis or ""
 
 
 def _int_text(value: int | None) -> str:
@@ -300,8 +357,10 @@ def _hover(launch: _Launch) -> str:
     gpus = ", ".join(str(g) for g in launch.gpus) or "none"
     if d["gpu_names"]:
         gpus += f" ({', '.join(d['gpu_names'])})"
+    why = _diagnosis_text(d)
     lines = [f"{launch.label}  [{launch.role}]",
-             f"outcome: {launch.outcome}" + (f" - {d['failure']}" if d["failure"] else ""),
+             f"outcome: {launch.outcome}" + (f" - {why}" if why else "")
+             + (f" (exit {exit_text(d['exit_code'])})" if d["exit_code"] is not None else ""),
              f"launch {launch.id} · xdist worker {d['xdist_worker'] or 'main'} · node {launch.node}"
              + (f" · group {d['group']}" if d["group"] else ""),
              f"GPUs {gpus} · port {_int_text(d['port'])} · pid {_int_text(d['pid'])}",
@@ -344,7 +403,10 @@ def _ticks(span: float, width: float) -> tuple[float, list[float]]:
     target = span * 90 / max(width, 1.0)  # one label per ~90 px at least
     nice = [0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900,
             1800, 3600, 7200, 10800, 21600, 43200, 86400]
-    step = next((n for n in nice if n >= target), math.ceil(target / 86400) * 86400)
+    if target > nice[-1]:  # days: 1, 2, 5, 10, 20, 50, ... (the steps of the zoom levels nest, their ticks coincide)
+        days = 10 ** math.floor(math.log10(target / 86400))
+        nice = [86400 * days * m for m in (1, 2, 5, 10)]
+    step = next(n for n in nice if n >= target)
     return step, [i * step for i in range(int(span / step) + 1)]
 
 
@@ -362,23 +424,47 @@ def fmt_tick(value: float, step: float) -> str:
     return f"{s}s"
 
 
+def _zoom_levels(span: float) -> list[int]:
+    """Fit (1), then doubling until a second is :data:`_DENSITY` px wide on a :data:`_REF_W` px plot (at least
+    up to 4x, at most :data:`_MAX_ZOOM`): a 13 s run gets 1, 2, 4; a 2-hour run up to 32."""
+    levels = [1]
+    while levels[-1] < _MAX_ZOOM and (levels[-1] < 4 or _REF_W * levels[-1] / max(span, 1e-6) < _DENSITY):
+        levels.append(levels[-1] * 2)
+    return levels
+
+
+def _pct(value: float) -> str:
+    """A percentage of the plot's width, as an SVG length."""
+    text = f"{value:.4f}".rstrip("0").rstrip(".")
+    return ("0" if text in ("", "-0") else text) + "%"
+
+
 class _Svg:
+    """The plot. Its horizontal coordinates are percentages of its width, so that the page lays the whole run
+    out in the window's width (zoom "fit") or in a multiple of it (the zoom buttons widen the plot, which then
+    scrolls sideways); its vertical ones are pixels. What depends on the width in pixels (the tick step, which
+    bar labels have room enough) is worked out per zoom level for a :data:`_REF_W` px wide plot at "fit", and
+    shown at its level by the page's CSS; bar labels are cut to their room by the browser (CSS ellipsis)."""
+
     def __init__(self, run: _Run) -> None:
         self.run = run
-        busiest = max((len(row) for lane in run.lanes for row in lane.rows), default=1)
-        self.width = min(_PLOT_MAX_W, max(_PLOT_MIN_W, busiest * _PX_PER_BAR))
         self.span = max(run.t1 - run.t0, 1e-6)
+        self.levels = _zoom_levels(self.span)
         self.labels: list[str] = []
 
-    def x(self, t: float) -> float:
-        return round(12 + (t - self.run.t0) / self.span * (self.width - 24), 2)
+    def pos(self, t: float) -> float:
+        """``t`` as a percentage of the plot's width."""
+        return min(100.0, max(0.0, (t - self.run.t0) / self.span * 100))
+
+    def x(self, t: float) -> str:
+        return _pct(self.pos(t))
 
     def render(self) -> str:
         y = _AXIS_H
         body: list[str] = []
         for node in self.run.nodes:
             body.append(f'<g class="node" data-node="{_esc(node)}">')
-            body.append(f'<rect class="node-band" x="0" y="{y}" width="{self.width}" height="{_NODE_H}"/>')
+            body.append(f'<rect class="node-band" x="0%" y="{y}" width="100%" height="{_NODE_H}"/>')
             self.labels.append(f'<g class="node-label"><rect x="0" y="{y}" width="{_LABEL_W}" height="{_NODE_H}"/>'
                                f'<text x="8" y="{y + 16}">{_esc(truncate("node " + node, _LABEL_W - 16))}'
                                f"<title>node {_esc(node)}</title></text></g>")
@@ -391,17 +477,28 @@ class _Svg:
         axis = self._axis(height)
         self.labels.insert(0, f'<svg class="lane-labels" width="{_LABEL_W}" height="{height}">')
         self.labels.append("</svg>")
-        plot = [f'<svg id="plot" class="plot" width="{self.width}" height="{height}">', axis, *body, "</svg>"]
-        return ('<div class="chart">' + "\n".join(self.labels) + '<div class="plot-scroll">' + "\n".join(plot)
-                + "</div></div>")
+        plot = [f'<svg id="plot" class="plot" width="100%" height="{height}" data-zoom-levels='
+                f'"{" ".join(map(str, self.levels))}">', axis, *body, "</svg>"]
+        return ('<div class="chart">' + "\n".join(self.labels)
+                + '<div class="plot-scroll" tabindex="0" role="region" aria-label="the run\'s timeline (scrolls '
+                'sideways when zoomed in)"><div class="plot-area">' + "\n".join(plot) + "</div></div></div>")
 
     def _axis(self, height: int) -> str:
-        step, ticks = _ticks(self.span, self.width)
+        """The ticks of every zoom level, about 90 px apart or more at their level; a tick that several levels
+        share is drawn once, with a class per level (``z1``, ``z2``, ...: the page shows those of its level)."""
+        levels: dict[tuple[float, str], list[int]] = {}
+        for zoom in self.levels:
+            width = _REF_W * zoom
+            step, ticks = _ticks(self.span, width)
+            for value in ticks:
+                room = (1 - value / self.span) * width  # a label centred near the right end would stick out
+                levels.setdefault((round(value, 9), fmt_tick(value, step) if room >= 30 else ""), []).append(zoom)
         out = ['<g class="axis">']
-        for value in ticks:
-            x = self.x(self.run.t0 + value)
-            text = f'<text x="{x}" y="{_AXIS_H - 10}">{fmt_tick(value, step)}</text>' if x < self.width - 24 else ""
-            out.append(f'<g class="tick"><line x1="{x}" y1="{_AXIS_H - 6}" x2="{x}" y2="{height}"/>{text}</g>')
+        for (value, label), zooms in sorted(levels.items()):
+            at = _pct(value / self.span * 100)
+            text = f'<text x="{at}" y="{_AXIS_H - 10}">{label}</text>' if label else ""
+            out.append(f'<g class="tick {" ".join(f"z{z}" for z in zooms)}"><line x1="{at}" y1="{_AXIS_H - 6}" '
+                       f'x2="{at}" y2="{height}"/>{text}</g>')
         out.append("</g>")
         return "".join(out)
 
@@ -414,18 +511,17 @@ class _Svg:
                            f'<rect x="0" y="{y}" width="{_LABEL_W}" height="{height}"/>'
                            f'<text x="8" y="{y + 15}">{_esc(lane.title)}{name}</text></g>')
         out = [f'<g class="lane" data-node="{_esc(lane.node)}" data-gpu="{gpu}" data-rows="{len(lane.rows)}">',
-               f'<rect class="lane-area" x="0" y="{y}" width="{self.width}" height="{height}"/>']
+               f'<rect class="lane-area" x="0%" y="{y}" width="100%" height="{height}"/>']
         for r, row in enumerate(lane.rows):
             for i, launch in enumerate(row):
                 nxt = row[i + 1].span if i + 1 < len(row) else None
-                room_end = self.x(nxt[0]) - 4 if nxt else self.width - 2
-                out.append(self._bar(launch, lane, y + r * _ROW_H, room_end))
+                out.append(self._bar(launch, lane, y + r * _ROW_H, self.pos(nxt[0]) if nxt else 100.0))
         out.append("</g>")
         return "\n".join(out)
 
     def _bar(self, launch: _Launch, lane: _Lane, y: int, room_end: float) -> str:
         start, end = launch.span or (0.0, 0.0)
-        x0, x1 = self.x(start), max(self.x(end), self.x(start) + 2)
+        x0, x1 = self.pos(start), self.pos(end)
         top, gpu = y + _BAR_Y, "none" if lane.gpu is None else str(lane.gpu)
         raw = launch.raw
         attrs = (f'class="bar" data-launch="{_esc(launch.id)}" data-outcome="{_esc(launch.outcome)}" '
@@ -434,48 +530,55 @@ class _Svg:
                  f'data-gpu="{gpu}" data-group="{_esc(raw.get("group") or "")}" data-open="{int(launch.open)}"')
         out = [f"<g {attrs}><title>{_esc(_hover(launch))}</title>"]
         for p in launch.phases:
-            px0, px1 = self.x(p.start), self.x(p.end)
             fill = FAILED_COLOUR if p.failed else PHASE_COLOURS[p.key]
             h, dy = (_BAR_H - 6, 3) if p.key == "lease" else (_BAR_H, 0)
-            out.append(f'<rect class="phase" data-phase="{p.key}" data-failed="{int(p.failed)}" x="{px0}" '
-                       f'y="{top + dy}" width="{max(px1 - px0, 0.5):.2f}" height="{h}" fill="{fill}"/>')
+            # the stroke of its own colour keeps a phase of a few milliseconds visible in a run of hours
+            out.append(f'<rect class="phase" data-phase="{p.key}" data-failed="{int(p.failed)}" x="{self.x(p.start)}" '
+                       f'y="{top + dy}" width="{_pct(self.pos(p.end) - self.pos(p.start))}" height="{h}" '
+                       f'fill="{fill}" stroke="{fill}"/>')
         bad = launch.failed or launch.outcome == "died"
         if bad or launch.open or launch.outcome == "interrupted":
             colour, dash = (FAILED_COLOUR, "") if bad else (OPEN_COLOUR, ' stroke-dasharray="4 2"')
-            out.append(f'<rect class="bar-outline" x="{x0 - 1}" y="{top - 1}" width="{x1 - x0 + 2:.2f}" '
+            out.append(f'<rect class="bar-outline" x="{_pct(x0)}" y="{top - 1}" width="{_pct(x1 - x0)}" '
                        f'height="{_BAR_H + 2}" fill="none" stroke="{colour}" stroke-width="2"{dash}/>')
         for test in launch.tests:
             t_start = test.start if test.start is not None else test.end
             if t_start is None:
                 continue
             t_end = max(t_start, test.end if test.end is not None else t_start)
-            m0, m1 = self.x(min(max(t_start, start), end)), self.x(min(max(t_end, start), end))
-            width = max(m1 - m0 - (1 if m1 - m0 > 3 else 0), 1.5)
+            m0, m1 = self.pos(min(max(t_start, start), end)), self.pos(min(max(t_end, start), end))
             fill = TEST_COLOURS.get(test.outcome, _OTHER_TEST)
             out.append(f'<rect class="test-mark" data-outcome="{_esc(test.outcome)}" data-nodeid="{_esc(test.nodeid)}"'
-                       f' x="{m0}" y="{y + _MARK_Y}" width="{width:.2f}" height="{_MARK_H}" fill="{fill}">'
-                       f"<title>{_esc(test.nodeid)}\n{_esc(test.outcome)}{_test_duration(test)} "
+                       f' x="{_pct(m0)}" y="{y + _MARK_Y}" width="{_pct(m1 - m0)}" height="{_MARK_H}" fill="{fill}"'
+                       f' stroke="{fill}"><title>{_esc(test.nodeid)}\n{_esc(test.outcome)}{_test_duration(test)} '
                        f"on {_esc(launch.label)}</title></rect>")
         if launch.death is not None:
             dx = self.x(launch.death)
-            out.append(f'<rect class="death-mark" x="{dx - 1.5}" y="{top - 3}" width="3" height="{_BAR_H + 6}" '
-                       f'fill="{FAILED_COLOUR}"/>')
+            out.append(f'<line class="death-mark" x1="{dx}" y1="{top - 3}" x2="{dx}" y2="{top + _BAR_H + 3}" '
+                       f'stroke="{FAILED_COLOUR}" stroke-width="3"/>')
         if launch.open:
-            out.append(f'<path class="open-mark" d="M{x1} {top} l7 {_BAR_H / 2} l-7 {_BAR_H / 2} z" '
-                       f'fill="{OPEN_COLOUR}"/>')
-        tag = _OUTCOME_TAGS.get(launch.outcome) or ("no end recorded" if launch.open else "")
-        role = f"[{launch.role}] " if launch.role != "worker" else ""
-        xdist = _text(raw.get("xdist_worker"))
-        text = f"{'✕ ' if bad else ''}{tag + ' · ' if tag else ''}{role}{launch.label}{' · ' + xdist if xdist else ''}"
-        room = room_end - x0 - 6
-        label = truncate(text, room)
-        if label.endswith("…") and len(label) < 6:  # a stub says nothing; a failure keeps its cross
-            label = "✕" if bad and room >= _char_w("✕") else ""
-        if label:
-            cls = "bar-label bad" if bad else "bar-label"
-            out.append(f'<text class="{cls}" x="{x0 + 4}" y="{top + 13}" data-maxw="{room:.0f}">{_esc(label)}</text>')
+            out.append(f'<svg class="open-mark" x="{_pct(x1)}" y="{top}" width="8" height="{_BAR_H}" '
+                       f'overflow="visible"><path d="M0 0 l7 {_BAR_H / 2} l-7 {_BAR_H / 2} z" fill="{OPEN_COLOUR}"/>'
+                       "</svg>")
+        out.append(self._label(launch, bad, x0, room_end, top))
         out.append("</g>")
         return "".join(out)
+
+    def _label(self, launch: _Launch, bad: bool, x0: float, room_end: float, top: int) -> str:
+        """The bar's label, in the room up to the next bar of its row (the browser cuts it there with an
+        ellipsis); drawn from the first zoom level at which that room is :data:`_LABEL_MIN_W` px or more."""
+        room = max(0.0, room_end - x0)
+        level = next((z for z in self.levels if room / 100 * _REF_W * z >= _LABEL_MIN_W), None)
+        if level is None:
+            return ""
+        tag = _OUTCOME_TAGS.get(launch.outcome) or ("no end recorded" if launch.open else "")
+        role = f"[{launch.role}] " if launch.role != "worker" else ""
+        xdist = _text(launch.raw.get("xdist_worker"))
+        text = f"{'✕ ' if bad else ''}{tag + ' · ' if tag else ''}{role}{launch.label}{' · ' + xdist if xdist else ''}"
+        cls = "bar-label bad" if bad else "bar-label"
+        return (f'<foreignObject class="bar-label-box from-{level}" data-from-zoom="{level}" x="{_pct(x0)}" '
+                f'y="{top}" width="{_pct(room)}" height="{_BAR_H}"><div class="{cls}" '
+                f'>{_esc(text[:_LABEL_MAX_CHARS])}</div></foreignObject>')
 
 
 _CSS = """
@@ -486,20 +589,60 @@ h1{font-size:18px;margin:0 0 6px}
 .bad{color:#d62839}.muted{color:#5c6670}
 .legend{display:flex;flex-wrap:wrap;gap:4px 16px;margin:6px 0 10px;font-size:12px}
 .legend-item{display:inline-flex;align-items:center;gap:5px}.sw{display:inline-block}
-.chart{display:flex;border:1px solid #d5dae0;border-radius:4px;background:#fff}.plot-scroll{overflow-x:auto;flex:1}
-svg{font:11px Verdana,"DejaVu Sans","Segoe UI",Arial,sans-serif;display:block}
+.zoom{position:relative;display:flex;flex-wrap:wrap;align-items:center;gap:4px;margin:0 0 8px;font-size:12px}
+.zoom-title{font-weight:bold;margin-right:4px}
+.zoom input{position:absolute;left:0;top:0;opacity:0;width:1px;height:1px;margin:0}
+.zoom label{border:1px solid #aeb6bf;border-radius:3px;padding:1px 8px;cursor:pointer;background:#f7f8fa}
+.zoom input:checked+label{background:#1d232a;border-color:#1d232a;color:#fff}
+.zoom input:focus-visible+label{outline:2px solid #2f6fb6;outline-offset:1px}
+.zoom .muted{margin-left:8px}
+.chart{display:flex;border:1px solid #d5dae0;border-radius:4px;background:#fff}
+.plot-scroll{overflow-x:auto;flex:1;min-width:0}.plot-area{width:100%;padding:0 14px;box-sizing:border-box}
+svg{font:11px Verdana,"DejaVu Sans","Segoe UI",Arial,sans-serif;display:block}svg.plot{overflow:visible}
 .lane-labels{flex:none;border-right:1px solid #d5dae0}
 .lane-label rect{fill:#f7f8fa;stroke:#e3e7eb}.lane-label text{font-size:12px;font-weight:bold;fill:#1d232a}
 .gpu-name{font-size:10px;font-weight:normal;fill:#5c6670}
 .node-label text{font-size:12px;font-weight:bold;fill:#1d232a}.node-label rect,.node-band{fill:#e2e7ec}
+.node-band,.lane-area{x:-14px;width:calc(100% + 28px)}
 .lane-area{fill:none;stroke:#e3e7eb}.tick line{stroke:#e6e9ed}.tick text{fill:#5c6670;text-anchor:middle}
-.bar-label{fill:#14181c;paint-order:stroke;stroke:rgba(255,255,255,.9);stroke-width:2.5px;stroke-linejoin:round;pointer-events:none}
-.bar-label.bad{fill:#b01e2f;font-weight:bold}.bar:hover .phase{filter:brightness(.9)}
-table{border-collapse:collapse;font-size:12px;margin-top:6px}
-td,th{border:1px solid #d5dae0;padding:2px 6px;text-align:left;vertical-align:top}th{background:#f1f3f5}
+.tick{display:none}.tick.z1{display:inline}.phase,.test-mark{stroke-width:1px}
+.bar-label-box{pointer-events:none;overflow:hidden}.bar-label-box:not(.from-1){display:none}
+.bar-label{font:11px/18px Verdana,"DejaVu Sans","Segoe UI",Arial,sans-serif;color:#14181c;padding:0 4px;
+white-space:nowrap;overflow:hidden;text-overflow:ellipsis;
+text-shadow:0 0 2px #fff,0 0 2px #fff,0 0 1px #fff}
+.bar-label.bad{color:#b01e2f;font-weight:bold}.bar:hover .phase{filter:brightness(.9)}
+.table-wrap{max-width:100%;overflow-x:auto}
+table{border-collapse:collapse;font-size:12px;margin-top:6px;max-width:100%}
+td,th{border:1px solid #d5dae0;padding:2px 6px;text-align:left;vertical-align:top}
+td.long{overflow-wrap:anywhere;min-width:8em}td.short{white-space:nowrap}
+th{background:#f1f3f5}
 section,details{margin-top:14px}summary{cursor:pointer;font-weight:bold}h2{font-size:15px;margin:0}
-.failure-line{max-width:60em;word-break:break-word}
+.failure-line{max-width:60em}
 """
+
+
+def _zoom_css(levels: Sequence[int]) -> str:
+    """The zoom levels, in CSS alone: the checked button widens the plot, shows its ticks and the labels that
+    have room at that level."""
+    rules = []
+    for zoom in levels[1:]:
+        on = f"body:has(#zoom-{zoom}:checked)"
+        rules.append(f"{on} .plot-area{{width:{zoom * 100}%}}{on} .tick.z1{{display:none}}"
+                     f"{on} .tick.z{zoom}{{display:inline}}"
+                     + "".join(f"{on} .bar-label-box.from-{z}{{display:inline}}" for z in levels[1:] if z <= zoom))
+    return "\n".join(rules)
+
+
+def _zoom_control(levels: Sequence[int]) -> str:
+    """Radio buttons (Tab to them, then the arrow keys), no script: "fit" lays the whole run out in the window's
+    width; each level doubles it, and the plot scrolls sideways."""
+    buttons = "".join(
+        f'<input type="radio" name="zoom" id="zoom-{z}" value="{z}"{" checked" if z == 1 else ""}>'
+        f'<label for="zoom-{z}" title="{"the whole run in the window" if z == 1 else f"{z} times wider"}">'
+        f'{"fit" if z == 1 else f"{z}&times;"}</label>' for z in levels)
+    return (f'<div id="zoom" class="zoom" role="radiogroup" aria-labelledby="zoom-title">'
+            f'<span id="zoom-title" class="zoom-title">zoom</span>{buttons}'
+            '<span class="muted">arrow keys change it; zoomed in, the plot scrolls sideways</span></div>')
 
 
 def _legend() -> str:
@@ -530,9 +673,12 @@ def _clock(t: float | None) -> str:
 def _header(run: _Run) -> str:
     tot = run.totals()
     report = run.report
+    # the tests as pytest's summary line counts them (a test whose call passed and whose teardown failed is one
+    # passed and one error, as there); other categories when there are any
+    counts = [(tot[k], k, k in ("failed", "errors") and tot[k] > 0) for k in _COUNTED
+              if k in tot and (tot[k] or k in ("passed", "failed", "errors", "skipped"))]
     stats = [(tot["launches"], "launches", False), (tot["failures"], "startup failures", tot["failures"] > 0),
-             (tot["deaths"], "deaths", tot["deaths"] > 0), (tot["tests"], "tests served", False),
-             (tot["failed_tests"], "failed tests", tot["failed_tests"] > 0),
+             (tot["deaths"], "deaths", tot["deaths"] > 0), (tot["tests"], "tests served", False), *counts,
              (fmt_duration(tot["wall"]), "wall", False), (tot["gpu_seconds"], "GPU-seconds", False),
              (tot["lanes"], "lanes", False)]
     attrs = " ".join(f'data-{k.replace("_", "-")}="{_esc(v)}"' for k, v in tot.items())
@@ -551,28 +697,42 @@ def _header(run: _Run) -> str:
     return "".join(out)
 
 
+_LONG_COLUMNS = frozenset({"config", "diagnosis", "log", "last test"})  # wrapped anywhere: the table fits the window
+
+
 def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], attrs: Sequence[str]) -> str:
     head = "".join(f"<th>{h}</th>" for h in headers)
-    body = "".join(f"<tr {a}>" + "".join(f"<td>{c}</td>" for c in row) + "</tr>"
-                   for a, row in zip(attrs, rows, strict=True))
-    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+    cls = ["long" if h in _LONG_COLUMNS else "short" for h in headers]
+    body = "".join(f"<tr {a}>" + "".join(f'<td class="{c}">{v}</td>' for c, v in zip(cls, row, strict=True))
+                   + "</tr>" for a, row in zip(attrs, rows, strict=True))
+    return f'<div class="table-wrap"><table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div>'
+
+
+def _listed(run: _Run) -> list[_Launch]:
+    """The launches the failures table lists: failed starts, deaths, unfinished ones, and the members cancelled
+    because another member of their group failed to start."""
+    failed_groups = {_text(x.raw.get("group")) for x in run.launches if x.failed and x.raw.get("group")}
+    return [x for x in run.launches if x.failed or x.outcome in ("died", "interrupted") or x.open
+            or (x.outcome == "cancelled" and _text(x.raw.get("group")) in failed_groups)]
 
 
 def _tables(run: _Run) -> str:
     out = []
-    bad = [x for x in run.launches if x.failed or x.outcome in ("died", "interrupted") or x.open]
+    bad = _listed(run)
     if bad:
         rows = []
         for x in bad:
+            d = _details(x)
             last = next((t for t in reversed(x.tests)), None)
             test = f'<span title="{_esc(last.nodeid)}">{_esc(truncate(last.nodeid, 420))}</span>' if last else "-"
             rows.append([_esc(x.id), f'<b class="bad">{_esc(x.outcome)}</b>', _esc(x.label),
                          _esc(", ".join(map(str, x.gpus)) or "-"), _esc(x.raw.get("xdist_worker") or "main"),
-                         f'<span class="failure-line">{_esc(x.raw.get("failure") or "-")}</span>',
-                         _esc(x.raw.get("log_path") or "-"), test])
+                         f'<span class="failure-line">{_esc(_diagnosis_text(d) or "-")}</span>',
+                         _esc(exit_text(d["exit_code"])), _esc(d["log_path"] or "-"), test])
         out.append(f'<section id="failures"><h2 class="bad">Failed, dead or unfinished launches ({len(bad)})</h2>'
-                   + _table(["launch", "outcome", "config", "GPUs", "xdist", "diagnosis", "log", "last test"],
-                            rows, [f'class="failure" data-launch="{_esc(x.id)}"' for x in bad]) + "</section>")
+                   + _table(["launch", "outcome", "config", "GPUs", "xdist", "diagnosis", "exit", "log",
+                             "last test"], rows, [f'class="failure" data-launch="{_esc(x.id)}"' for x in bad])
+                   + "</section>")
     rows = []
     for x in run.launches:
         durations = {p.key: fmt_duration(p.end - p.start) + ("+" if p.open else "") for p in x.phases}
@@ -589,8 +749,11 @@ def _tables(run: _Run) -> str:
 def render_html(report: Mapping[str, Any]) -> str:
     """The timeline page (``--sgl-timeline``): one self-contained HTML document that fetches nothing."""
     run = _Run(report)
+    zoom = ""
     if run.lanes:
-        chart = _Svg(run).render()
+        svg = _Svg(run)
+        chart = _zoom_control(svg.levels) + svg.render()
+        zoom = _zoom_css(svg.levels)
         if run.undrawn:
             chart += f'<p class="muted">{run.undrawn} launches without any recorded time are not drawn.</p>'
     else:
@@ -600,7 +763,7 @@ def render_html(report: Mapping[str, Any]) -> str:
             "<meta http-equiv=\"Content-Security-Policy\" content=\"default-src 'none'; style-src 'unsafe-inline'; "
             "img-src data:\">\n<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">\n"
             "<link rel=\"icon\" href=\"data:,\">\n<title>sglworker timeline</title>\n"
-            f"<style>{_CSS}</style></head>\n<body>\n{_header(run)}\n<main>\n{chart}\n"
+            f"<style>{_CSS}{zoom}</style></head>\n<body>\n{_header(run)}\n<main>\n{chart}\n"
             f"{_tables(run) if run.launches else ''}\n</main>\n</body></html>\n")
 
 

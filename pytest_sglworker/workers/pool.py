@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import re
 import threading
 import time
 from collections import OrderedDict, defaultdict
@@ -30,10 +31,10 @@ from ..engine.log_lines import parse_kv_tokens
 from ..engine.redaction import mask_argv
 from ..engine.specs import ModelSpec
 from ..errors import LeaseImpossible, SglWorkerError
-from ..resources.processes import hostname
+from ..resources.processes import hostname, signal_name
 from ..resources.retention import keeps
 from .config import KindChooser, MemberPlan, WorkerConfig, default_kind
-from .errors import LaunchCancelled, WorkerError
+from .errors import LaunchCancelled, WorkerDied, WorkerError, WorkerStartupTimeout
 from .group import WorkerGroup
 from .launcher import LaunchOptions, ModelInstance, ProgressCallback, spawn_worker
 from .process import inherited_environ
@@ -163,6 +164,34 @@ def _split_env(lease: Lease | None, counts: Sequence[int]) -> list[dict[str, str
     return out
 
 
+_CALLED_OFF = "launch ahead called off (another test needed its GPUs, or the session ended)"
+
+
+def _failed_outcome(exc: BaseException) -> str:
+    return "startup_timeout" if isinstance(exc, WorkerStartupTimeout) else "startup_failed"
+
+
+def _nodeid(holder: str) -> str:
+    """The test of a lease holder (``<nodeid> (pid N)``, as the fixtures name it)."""
+    return re.sub(r" \(pid \d+\)$", "", holder)
+
+
+def _record_group_failure(records: Sequence[LaunchRecord], plans: Sequence[MemberPlan],
+                          results: Sequence[ModelInstance | BaseException | None], first: int) -> None:
+    """Each member's own end when a group fails to start: a member that failed, its own failure (its diagnosis,
+    its log); a member stopped because member ``first`` failed (called off while starting, or stopped once
+    ready), ``cancelled``, saying why."""
+    culprit = f"{plans[first].role} {plans[first].index}"
+    for record, result in zip(records, results, strict=True):
+        if isinstance(result, BaseException) and not isinstance(result, LaunchCancelled):
+            record.failed(_failed_outcome(result), result)
+        elif isinstance(result, ModelInstance):
+            record.failed("cancelled", failure=f"ready, then stopped: member {culprit} of its group failed to start")
+        else:
+            record.failed("cancelled", failure=f"stopped while starting: member {culprit} of its group failed to "
+                                               "start")
+
+
 class WorkerPool:
     """Hands out worker groups; reuses idle ones of the same configuration when ``reuse`` is on."""
 
@@ -208,6 +237,9 @@ class WorkerPool:
         self._idle: OrderedDict[str, _Entry] = OrderedDict()  # group id -> entry, LRU first
         self._busy: dict[str, _Entry] = {}
         self._ahead: dict[WorkerConfig, _Ahead] = {}
+        #: the last failed launch of each configuration, with its error: the test that meets that error is put
+        #: on its records (:meth:`_blame`)
+        self._failed: dict[WorkerConfig, tuple[BaseException, list[LaunchRecord]]] = {}
         #: guards the entries (idle, busy, ahead) and the figures: a launch ahead registers its group and counts
         #: its launch from its own thread
         self._lock = threading.RLock()
@@ -231,6 +263,15 @@ class WorkerPool:
         is then never shared). ``environ``: the environment a new group inherits (default: this process's,
         read now). Called on the main thread."""
         fresh = fresh or options is not None
+        asked = time.time()
+        try:
+            return self._acquire(config, holder=holder, fresh=fresh, options=options, environ=environ)
+        except SglWorkerError as exc:
+            self._blame(config, exc, _nodeid(holder), asked)
+            raise
+
+    def _acquire(self, config: WorkerConfig, *, holder: str, fresh: bool, options: LaunchOptions | None,
+                 environ: Mapping[str, str] | None) -> WorkerGroup:
         stats = self.stats_for(config)
         if not fresh:
             self._join_ahead(config)
@@ -320,6 +361,18 @@ class WorkerPool:
             entry = self._busy.pop(group.id, None) or self._idle.pop(group.id, None)
         if entry is not None:
             self._retire(entry, failed=failed or entry.tainted)
+
+    def _blame(self, config: WorkerConfig, exc: BaseException, nodeid: str, asked: float) -> None:
+        """The test that met a failed launch of ``config`` (its own, or one launched ahead for it) goes on that
+        launch's records, as an error of its setup; the run report gives it the outcome pytest gave it."""
+        with self._lock:
+            failed = self._failed.get(config)
+            if failed is None or failed[0] is not exc:
+                return
+            del self._failed[config]
+            for record in failed[1]:
+                record.served(nodeid, asked, time.time(), "error")
+            self.stats_for(config).failed_tests += 1
 
     def served(self, group: WorkerGroup, nodeid: str, t_start: float | None, t_end: float | None,
                outcome: str) -> None:
@@ -467,11 +520,11 @@ class WorkerPool:
         leased_at = time.monotonic()
         records = [self._record(config, plan, group_id if len(plans) > 1 else None, requested,
                                 time.time() if lease is not None else None) for plan in plans]
-        if lease is not None:
-            names = [g.name for g in lease.gpus]
+        if lease is not None:  # each member's share, in order (a failed start has run on them too)
             start = 0
             for record, count in zip(records, counts, strict=True):
-                record.gpu_names, start = names[start:start + count], start + count
+                share, start = lease.gpus[start:start + count], start + count
+                record.gpus, record.gpu_names = [g.index for g in share], [g.name for g in share]
         for record in records:
             record.t_started = time.time()  # refined by each member's own start time once it runs
         try:
@@ -484,22 +537,24 @@ class WorkerPool:
                 if self.on_progress_end is not None and not quiet:
                     self.on_progress_end()  # the status line goes before pytest writes the outcome
         except LaunchCancelled:  # a launch ahead called off: neither a failure nor a launch
-            self._finish_records(records, outcome="cancelled")
+            self._finish_records(records, outcome="cancelled", failure=_CALLED_OFF)
             if lease is not None:
                 self._give_back(lease, [], leased_at, stats)
             self._stamp_released(records)
             raise
         except SglWorkerError as exc:
-            log_path = getattr(exc, "log_path", None)
+            for record in records:  # a group's members have each ended already (_record_group_failure)
+                record.failed(_failed_outcome(exc), exc)
+            logs = list(dict.fromkeys(r.log_path for r in records if r.log_path))
             with self._lock:
                 stats.failures += 1
-                if log_path and keeps(self.log_policy, failed=True):
-                    stats.failed_logs.append(str(log_path))
-            if log_path and not keeps(self.log_policy, failed=True):
-                with contextlib.suppress(OSError):
-                    os.unlink(log_path)
-            self._finish_records(records, outcome="startup_timeout" if type(exc).__name__ == "WorkerStartupTimeout"
-                                 else "startup_failed", failure=getattr(exc, "summary", str(exc)))
+                self._failed[config] = (exc, records)
+                if keeps(self.log_policy, failed=True):
+                    stats.failed_logs.extend(log for log in logs if log not in stats.failed_logs)
+            if not keeps(self.log_policy, failed=True):
+                for log in logs:
+                    with contextlib.suppress(OSError):
+                        os.unlink(log)
             if lease is not None:
                 self._give_back(lease, [], leased_at, stats)
             self._stamp_released(records)
@@ -587,10 +642,13 @@ class WorkerPool:
         for i, result in enumerate(results):
             if isinstance(result, ModelInstance):
                 self._take(records[i], result)
+            elif isinstance(result, LaunchCancelled) and not failed_at:
+                records[i].failed("cancelled", failure=_CALLED_OFF)
         if failed_at:
             self._stop_started(results, records)
             first = results[min(failed_at)[1]]
             assert isinstance(first, BaseException)
+            _record_group_failure(records, plans, results, min(failed_at)[1])
             raise first
         return [r for r in results if isinstance(r, ModelInstance)]
 
@@ -614,7 +672,8 @@ class WorkerPool:
         record.port, record.pid, record.log_path = instance.port, instance.pid, str(instance.log_path)
         record.node = getattr(instance, "ray_node", "") or record.node  # a Ray actor's node, not this machine
         record.argv = " ".join(mask_argv(instance.argv))
-        record.gpus = [int(g) for g in (instance.gpus or "").split(",") if g.strip().isdigit()]
+        # the GPUs the process was given (a Ray actor's own), else its share of the lease
+        record.gpus = [int(g) for g in (instance.gpus or "").split(",") if g.strip().isdigit()] or record.gpus
 
     @staticmethod
     def _finish_records(records: Sequence[LaunchRecord], *, outcome: str, failure: str | None = None) -> None:
@@ -705,8 +764,11 @@ class WorkerPool:
             pids: list[int] = []
             for member, record in zip(group, entry.records, strict=False):
                 pids += sorted(member.pids_seen)
-                if member in dead:
-                    record.outcome = "died"
+                if member in dead:  # the diagnosis of its log, with its exit status
+                    record.failed("died", failure=f"exited with {signal_name(member.returncode)}", replace=True)
+                    record.exit_code = member.returncode
+                    with contextlib.suppress(Exception):  # bookkeeping for the report must never fail a test
+                        record.failed("died", member.failure(WorkerDied, record.failure or "died"), replace=True)
                 elif member in stopped and record.outcome == "ok":
                     record.outcome = "stopped"
                 self._take(record, member)

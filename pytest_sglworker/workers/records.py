@@ -145,8 +145,15 @@ class LaunchRecord:
     t_stop_requested: float | None = None
     t_stopped: float | None = None
     t_released: float | None = None
+    #: ``ok``, ``startup_failed``, ``startup_timeout``, ``cancelled`` (a group member stopped because another
+    #: member failed to start, or a launch ahead called off), ``died``, ``stopped`` or ``interrupted``
     outcome: str = "ok"
+    #: one line: what went wrong (the diagnosis first, then what happened to which process)
     failure: str | None = None
+    #: the diagnosis of the process's own log (its summary), None when the log shows nothing wrong
+    diagnosis: str | None = None
+    #: the process's exit status when it ended on its own (a failed start, a death); negative: a signal
+    exit_code: int | None = None
     tests: list[TestSpan] = field(default_factory=list)
 
     def take_times(self, instance: ManagedProcess) -> None:
@@ -160,6 +167,25 @@ class LaunchRecord:
     def served(self, nodeid: str, t_start: float | None, t_end: float | None, outcome: str) -> None:
         if not any(t.nodeid == nodeid for t in self.tests):
             self.tests.append(TestSpan(nodeid, t_start, t_end, outcome))
+
+    def failed(self, outcome: str, error: BaseException | None = None, *, failure: str | None = None,
+               replace: bool = False) -> None:
+        """End this record as ``outcome`` (unless it has ended already and ``replace`` is false), with what
+        ``error`` says about this process: its one-line summary, its diagnosis, its exit status and its log (a
+        worker error carries them; ``failure`` overrides the summary)."""
+        if self.outcome != "ok" and not replace:
+            return
+        self.outcome = outcome
+        diagnosis = getattr(error, "diagnosis", None)
+        summary = getattr(error, "summary", None)
+        self.failure = failure or (summary if isinstance(summary, str) else None) or (
+            str(error).split("\n", 1)[0] if error is not None else None)
+        if diagnosis is not None and getattr(diagnosis, "is_error", False):
+            self.diagnosis = str(diagnosis.summary)
+        code = getattr(diagnosis, "returncode", None)
+        self.exit_code = code if isinstance(code, int) else self.exit_code
+        log_path = getattr(error, "log_path", None)
+        self.log_path = str(log_path) if log_path else self.log_path
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -35,7 +35,7 @@ from ..engine.diagnosis import Diagnosis, Kind
 from ..engine.redaction import mask_argv
 from ..engine.sglang_facts import LOOPBACK_HOST
 from ..errors import SglWorkerError
-from ..resources.processes import hostname
+from ..resources.processes import hostname, signal_name
 from .errors import LaunchError, WorkerError, WorkerStartupError
 from .health import Probe, ProbeTimeout, Readiness, Watched, http_request, wait_until_ready
 from .kinds import data_parallel_size
@@ -351,7 +351,9 @@ class Router(ManagedProcess):
             record = self.record
             record.take_times(self)
             record.t_released = time.time()
-            record.outcome = "died" if died else "ok"
+            if died:
+                record.failed("died", failure=f"exited with {signal_name(self.returncode)}", replace=True)
+                record.exit_code = self.returncode
         from ..resources.retention import keeps
 
         if not keeps(self.log_policy, failed=died):
@@ -458,7 +460,8 @@ def start_router(group: WorkerGroup, options: RouterOptions, records: RunRecords
             router.stop()
             exc.extra = "\n".join(filter(None, (exc.extra, _vocab_hint(router))))
             record.take_times(router)
-            record.outcome, record.failure = "startup_failed", exc.summary
+            record.failed("startup_failed", exc, replace=True)
+            record.exit_code = router.returncode
             record.t_released = time.time()
             stats.failures += 1
             stats.failed_logs.append(str(router.log_path))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -379,3 +380,102 @@ def test_a_pooled_worker_comes_back_without_the_faults_a_test_switched_on(
     result.stdout.fnmatch_lines(["qwen3-0.6b: 1 launched, 1 reused, *, 0 died, 1 set back after runtime faults*"])
     plain = json.loads(report.read_text())["workers"]["qwen3-0.6b"]
     assert (plain["reuses"], plain["resets"], plain["not_reset"]) == (1, 1, 0)
+
+
+FAULTY_SUITE = """
+    import os, time, pytest
+
+    def _generate(worker):
+        worker.client.post("/generate", json={"text": "x", "sampling_params": {"max_new_tokens": 1}})
+
+    def test_passes(sgl_worker): _generate(sgl_worker)
+    def test_fails(sgl_worker): assert False, "on purpose"
+    def test_skips(sgl_worker): pytest.skip("on purpose")
+    def test_without_worker(): pass
+
+    @pytest.mark.xfail(reason="on purpose", strict=True)
+    def test_xfails(sgl_worker): assert False
+
+    @pytest.mark.sgl_worker(env={"SGLSIM_FAULT": "crash_oom"})
+    def test_oom(sgl_worker): pass
+
+    @pytest.mark.sgl_worker(env={"SGLSIM_FAULT": "die_after=1"})
+    def test_dies(sgl_worker):
+        _generate(sgl_worker)
+        deadline = time.monotonic() + 10
+        while sgl_worker.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    @pytest.mark.sgl_workers(count=2, fresh=True)
+    def test_half_a_group(sgl_workers): pass
+"""
+
+# the second member of test_half_a_group's group (its GPU 1) runs out of memory at startup; nothing else does
+FAULTY_CONFTEST = """
+    import os
+
+    def pytest_sglworker_worker_env(spec, lease_env):
+        if "test_half_a_group" in os.environ.get("PYTEST_CURRENT_TEST", "") and lease_env.get(
+                "CUDA_VISIBLE_DEVICES") == "1":
+            return {**lease_env, "SGLSIM_FAULT": "crash_oom"}
+        return None
+"""
+
+
+@pytest.mark.parametrize("xdist", [[], ["-n", "2"]], ids=["serial", "xdist"])
+def test_the_report_counts_tests_as_pytest_does_and_keeps_what_failed(
+    pytester: pytest.Pytester, sim_env: dict[str, str], tmp_path: Path, xdist: list[str]
+) -> None:
+    """A suite with passing, failing, skipped, xfailed, erroring workers' tests (a start that runs out of memory,
+    a group of which one member does, a worker that dies during its test): the report and the timeline count the
+    tests as pytest's summary line does, each test's spans carry pytest's outcome, and the failed starts and the
+    death keep their GPUs, logs, diagnoses and exit statuses."""
+    pytester.makeconftest(FAULTY_CONFTEST)
+    pytester.makepyfile(FAULTY_SUITE)
+    report, page = tmp_path / "report.json", tmp_path / "timeline.html"
+    result = pytester.runpytest_subprocess(*SIM, *xdist, "--sgl-model", "qwen3-0.6b", "--sgl-gpus", "sim:2",
+                                           "--sgl-report", str(report), "--sgl-timeline", str(page), timeout=240)
+    summary = result.parseoutcomes()  # pytest's own summary line: "1 failed, 3 passed, 1 skipped, ... in 9.1s"
+    assert summary == {"failed": 1, "passed": 3, "skipped": 1, "xfailed": 1, "errors": 3}, result.stdout.str()
+    data = json.loads(report.read_text())
+    counts = {k: v for k, v in data["outcomes"].items() if v}
+    assert counts == summary
+    outcome = {nodeid.split("::")[1].split("[")[0]: entry["outcome"] for nodeid, entry in data["tests"].items()}
+    assert outcome == {"test_passes": "passed", "test_fails": "failed", "test_skips": "skipped",
+                       "test_without_worker": "passed", "test_xfails": "xfailed", "test_oom": "error",
+                       "test_dies": "error", "test_half_a_group": "error"}
+    # the timeline's header says the same, and counts each test that used a worker once
+    header = re.search(r'<div id="summary" class="summary" ([^>]*)>', page.read_text())
+    assert header is not None
+    shown = dict(re.findall(r'data-([a-z-]+)="([^"]*)"', header.group(1)))
+    assert {k: int(shown[k]) for k in summary} == summary
+    assert shown["tests"] == "7"  # every test but test_without_worker; the group's test once for its two members
+
+    launches = {r["label"]: [x for x in data["launches"] if x["label"] == r["label"]] for r in data["launches"]}
+    spans = {t["nodeid"].split("::")[1].split("[")[0]: t["outcome"] for r in data["launches"] for t in r["tests"]}
+    assert spans == {k: v for k, v in outcome.items() if k != "test_without_worker"}  # pytest's, not the call's
+    # a failed start: on the GPU its lease gave it, with its own log, its diagnosis and its exit status
+    (oom,) = launches["qwen3-0.6b env SGLSIM_FAULT=crash_oom"]
+    assert oom["outcome"] == "startup_failed" and len(oom["gpus"]) == 1 and oom["gpu_names"]
+    assert oom["diagnosis"].startswith("CUDA out of memory") and oom["exit_code"] == -9
+    assert oom["failure"].startswith(f"worker qwen3-0.6b: {oom['diagnosis']} — exited during startup")
+    assert Path(oom["log_path"]).is_file()
+    assert [t["outcome"] for t in oom["tests"]] == ["error"]
+    # a death during a passing call: its diagnosis and exit status; its test an error, as pytest says
+    (dead,) = launches["qwen3-0.6b env SGLSIM_FAULT=die_after=1"]
+    assert dead["outcome"] == "died" and "simulated death after 1 requests" in dead["diagnosis"]
+    assert dead["exit_code"] == -9 and "exited with" in dead["failure"] and Path(dead["log_path"]).is_file()
+    # the group: its member on GPU 1 failed with its own log and diagnosis, the other one is cancelled for it
+    members = sorted(launches["qwen3-0.6b [2x]"], key=lambda r: r["gpus"])
+    assert [m["gpus"] for m in members] == [[0], [1]]
+    first, second = members
+    assert second["outcome"] == "startup_failed" and second["diagnosis"].startswith("CUDA out of memory")
+    assert second["exit_code"] == -9 and Path(second["log_path"]).is_file()
+    assert first["outcome"] == "cancelled" and "member worker 1 of its group failed to start" in first["failure"]
+    assert first["diagnosis"] is None and first["log_path"] != second["log_path"]
+    # the per-configuration figures of the terminal summary agree: one failed test each
+    workers = {w["label"]: w for w in data["workers"].values()}
+    assert workers["qwen3-0.6b"]["failed_tests"] == 1  # test_fails (the skip and the xfail are not failures)
+    for label in ("qwen3-0.6b env SGLSIM_FAULT=crash_oom", "qwen3-0.6b env SGLSIM_FAULT=die_after=1",
+                  "qwen3-0.6b [2x]"):
+        assert workers[label]["failed_tests"] == 1, label

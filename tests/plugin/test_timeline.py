@@ -72,11 +72,22 @@ def report(*launches: Mapping[str, Any], started: float | None = T0 - 1, finishe
             "launches": [dict(r) for r in launches]}
 
 
+OOM = "CUDA out of memory while capturing the prefill CUDA graph"
+KILLED = "killed by SIGKILL with no error in the log (likely the host OOM killer)"
+KV_OOM = "the loaded weights leave no GPU memory for the KV cache"
+
+
 def sample_report() -> dict[str, Any]:
-    """A run with everything: 2 nodes, 6 GPUs, labels cut short by the next bar, a tp=2 worker, a PD group with
-    its router, a queued lease, a failed start, a death during a test, an unfinished worker of an interrupted run,
-    and hostile strings."""
+    """A run with everything: 2 nodes, 8 GPUs, labels cut short by the next bar, a tp=2 worker, a PD group with
+    its router, a queued lease, a failed start (on its GPU, with its log and diagnosis), a PD group whose prefill
+    member failed to start and whose decode member was cancelled for it, a death during a test (with its
+    diagnosis), an unfinished worker of an interrupted run, hostile strings, and pytest's counts of the tests."""
     pd: dict[str, Any] = {"group": "gw2-pd-1", "config": "qwen3-pd", "label": "qwen3-0.6b pd"}
+    pd_failed: dict[str, Any] = {"group": "gw2-pd-2", "config": "qwen3-pd-long", "label": "qwen3-0.6b pd long",
+                                 "node": "node-b", "xdist_worker": "gw2", "startup": 3.0, "serve": 0,
+                                 "t_ready": None, "t_stop_requested": None,
+                                 "tests": [{"nodeid": "tests/test_pd.py::test_pd_long[qwen3-0.6b]",
+                                            "t_start": T0 + 21.5, "t_end": T0 + 25.4, "outcome": "error"}]}
     death_at = T0 + 40 + 0.55 + 2.5 + 9.0
     launches = [
         launch("gw0-1", at=0, gpus=(0,), serve=30, tests=6, label="qwen3-0.6b --max-total-tokens 512"),
@@ -88,14 +99,21 @@ def sample_report() -> dict[str, Any]:
         launch("gw0-3", at=58, gpus=(0,), startup=5.5, serve=0, tests=[
             {"nodeid": "tests/test_faults.py::test_oom[qwen3-0.6b]", "t_start": T0 + 57.8, "t_end": T0 + 64.2,
              "outcome": "error"}], outcome="startup_failed", t_ready=None, t_stop_requested=None,
-            failure="CUDA out of memory while capturing the prefill CUDA graph (exit -9, SIGKILL)"),
+            diagnosis=OOM, exit_code=-9, failure=f"{OOM} (worker qwen3-0.6b on 127.0.0.1:20232 (pid 4058, GPUs 0) "
+                                                 "exited during startup with code -9 (SIGKILL) after 5.5 s)"),
         launch("gw1-1", at=2, gpus=(2, 3), startup=6, serve=38, tests=9, xdist_worker="gw1", config="llama-8b-tp2",
                label="llama-8b tp=2", model="meta-llama/Llama-3.1-8B-Instruct"),
         launch("gw1-2", at=40, gpus=(1,), startup=2.5, serve=9.2, tests=[
             {"nodeid": "tests/test_router.py::test_retry_on_dead_worker[qwen3-0.6b]", "t_start": T0 + 49,
-             "t_end": T0 + 52.4, "outcome": "failed"}], xdist_worker="gw1", outcome="died", t_stopped=death_at,
-            t_stop_requested=death_at + 0.2, t_released=death_at + 1.0,
-            failure="killed by SIGKILL with no error in the log (likely the host OOM killer)"),
+             "t_end": T0 + 52.4, "outcome": "error"}], xdist_worker="gw1", outcome="died", t_stopped=death_at,
+            t_stop_requested=death_at + 0.2, t_released=death_at + 1.0, diagnosis=KILLED, exit_code=-9,
+            failure=f"{KILLED} (worker qwen3-0.6b on 127.0.0.1:20160 (pid 4040, GPUs 1) exited with code -9 "
+                    "(SIGKILL))"),
+        launch("gw2-5", at=18, gpus=(2,), role="prefill", outcome="startup_failed", diagnosis=KV_OOM, exit_code=1,
+               failure=f"{KV_OOM} (worker qwen3-0.6b (prefill 0) on 127.0.0.1:20072 (pid 4018, GPUs 2) exited "
+                       "during startup with code 1 after 3.0 s)", **pd_failed),
+        launch("gw2-6", at=18, gpus=(3,), role="decode", outcome="cancelled", log_path=None,
+               failure="stopped while starting: member prefill 0 of its group failed to start", **pd_failed),
         launch("gw1-3", at=3, gpus=(1,), startup=2, serve=8, tests=3, xdist_worker="gw1", label=LONG_LABEL),
         launch("gw1-4", at=15, gpus=(1,), startup=2, serve=12, tests=4, xdist_worker="gw1", label=LONG_LABEL),
         launch("gw0-4", at=34, gpus=(0,), lease_wait=5.5, serve=0.5, tests=1, xdist_worker="gw0",
@@ -113,6 +131,9 @@ def sample_report() -> dict[str, Any]:
     launches[-1]["tests"][-1]["t_end"] = None
     rep = report(*launches, interrupted=True)
     rep["finished_at"] = T0 + 80.0
+    # pytest's counts: every test served once in its outcome, and the worker test that died during its call
+    # (test_retry_on_dead_worker) counted as pytest counts it: its call passed, its teardown failed
+    rep["outcomes"] = {"passed": 47, "failed": 1, "errors": 3, "skipped": 0}
     return rep
 
 
@@ -185,6 +206,12 @@ def dom(rep: Mapping[str, Any]) -> Dom:
 
 def phase_fills(bar: Element) -> dict[str, str]:
     return {r.attrs["data-phase"]: r.attrs["fill"] for r in bar.find("phase")}
+
+
+def pct(value: str) -> float:
+    """An SVG length of the plot: a percentage of its width."""
+    assert value.endswith("%"), value
+    return float(value[:-1])
 
 
 # -- a validator of Chrome trace-event JSON ---------------------------------------------------------------------
@@ -272,7 +299,7 @@ def test_pd_group_members_and_router_lane() -> None:
     assert router.parent.attrs["data-gpu"] == "none"
     assert [e.text() for e in d.find("lane-label", gpu="none")] == ["no GPU"]
     assert {b.attrs["data-role"] for b in d.find("bar", group="pd-7")} == {"prefill", "decode", "router"}
-    assert d.find("bar-label", tag="text")[0].text() == "[prefill] qwen3-0.6b · gw0"
+    assert d.find("bar-label", tag="div")[0].text() == "[prefill] qwen3-0.6b · gw0"
     assert "group pd-7" in router.title() and "[router]" in router.title()
 
 
@@ -306,7 +333,10 @@ def test_death_during_a_test() -> None:
     bar = d.find("bar", launch="dead")[0]
     assert bar.attrs["data-outcome"] == "died"
     mark = bar.find("death-mark")
-    assert len(mark) == 1 and mark[0].attrs["fill"] == FAILED_COLOUR
+    assert len(mark) == 1 and mark[0].attrs["stroke"] == FAILED_COLOUR
+    assert mark[0].attrs["x1"] == mark[0].attrs["x2"]
+    assert pct(mark[0].attrs["x1"]) == pytest.approx((died_at - (T0 - 1)) / (rep["finished_at"] - (T0 - 1)) * 100,
+                                                     abs=1e-3)
     marks = {m.attrs["data-nodeid"]: m.attrs["fill"] for m in bar.find("test-mark")}
     assert marks == {"t.py::test_a": TEST_COLOURS["passed"], "t.py::test_b": TEST_COLOURS["failed"]}
     assert "died" in bar.find("bar-label")[0].text()
@@ -325,8 +355,8 @@ def test_interrupted_run_draws_to_the_end_and_marks_it() -> None:
     bar = d.find("bar", launch="open")[0]
     assert bar.attrs["data-open"] == "1" and bar.find("open-mark")
     serving = next(r for r in bar.find("phase") if r.attrs["data-phase"] == "serving")
-    plot_w = float(d.find(tag="svg", cls="plot")[0].attrs["width"])
-    assert float(serving.attrs["x"]) + float(serving.attrs["width"]) == pytest.approx(plot_w - 12, abs=0.05)
+    assert d.find(tag="svg", cls="plot")[0].attrs["width"] == "100%"
+    assert pct(serving.attrs["x"]) + pct(serving.attrs["width"]) == pytest.approx(100, abs=1e-3)  # the run's end
     assert "interrupted" in bar.find("bar-label")[0].text()
     assert "serving" in bar.title() and "+ (no end recorded)" in bar.title()
     assert d.find("bar", launch="done")[0].attrs["data-open"] == "0"
@@ -375,11 +405,12 @@ def test_clock_skew_is_clipped() -> None:
     rep = report(launch("a"), skewed, started=T0 + 10)  # started_at after the launches (another clock)
     d = dom(rep)
     for e in d.root.iter():
-        if "width" in e.attrs:
-            assert float(e.attrs["width"]) >= 0, e.attrs
-        if "x" in e.attrs:
-            assert float(e.attrs["x"]) >= -2, e.attrs
-    xs_ = [float(r.attrs["x"]) for r in d.find("bar", launch="skew")[0].find("phase")]
+        for key in ("width", "x", "x1", "x2"):
+            if key in e.attrs:
+                value = pct(e.attrs[key]) if e.attrs[key].endswith("%") else float(e.attrs[key])
+                assert 0 <= value <= 100 or not e.attrs[key].endswith("%"), e.attrs
+                assert value >= 0, e.attrs
+    xs_ = [pct(r.attrs["x"]) for r in d.find("bar", launch="skew")[0].find("phase")]
     assert xs_ == sorted(xs_)
     events = check_trace(trace_events(rep))
     assert min(e["ts"] for e in events if "ts" in e) == 0
@@ -439,9 +470,9 @@ def test_long_test_ids_and_labels_are_cut_in_labels_full_in_hover() -> None:
         {"nodeid": long_id, "t_start": T0 + 4, "t_end": T0 + 5, "outcome": "failed"}], outcome="died",
         failure="x"), launch("b", at=30, tests=0))
     d = dom(rep)
-    label = d.find("bar-label")[0].text()
-    assert label.endswith("…") and len(label) < 200
-    assert float(d.find("bar-label")[0].attrs["data-maxw"]) >= timeline._char_w("W")
+    label = d.find("bar-label")[0]  # cut to its room by the browser (CSS ellipsis: test_timeline_browser.py)
+    assert label.text().startswith("✕ died · qwen3-0.6b --flag-0 0") and len(label.text()) == 400
+    assert label.tag == "div" and label.parent is not None and label.parent.tag == "foreignobject"
     assert d.find("test-mark")[0].title().startswith(long_id + "\n")
     assert long_id in d.find("bar")[0].title() and long_label in d.find("bar")[0].title()
     last_test = d.find("failure", tag="tr")[0].find(tag="span")[-1]
@@ -466,12 +497,60 @@ def test_bar_labels_never_overlap_the_next_bar() -> None:
     d = dom(report(*recs))
     bars = d.find("bar")
     for a, b in itertools.pairwise(bars):
-        label = a.find("bar-label")
-        if label:
-            start_next = float(b.find("phase")[0].attrs["x"])
-            x = float(label[0].attrs["x"])
-            width = sum(timeline._char_w(c) for c in label[0].text())
-            assert x + width <= start_next, (label[0].text(), x, width, start_next)
+        (box,) = a.find("bar-label-box")  # the room its label is cut to
+        start_next = pct(b.find("phase")[0].attrs["x"])
+        assert pct(box.attrs["x"]) + pct(box.attrs["width"]) == pytest.approx(start_next, abs=1e-3)
+        assert pct(box.attrs["x"]) == pct(a.find("phase")[0].attrs["x"])
+    (last,) = bars[-1].find("bar-label-box")
+    assert pct(last.attrs["x"]) + pct(last.attrs["width"]) == pytest.approx(100, abs=1e-3)
+
+
+def test_labels_without_room_appear_from_the_zoom_level_that_gives_them_room() -> None:
+    # 40 launches in 2 hours: at "fit" a 10 s bar followed by the next one 20 s later has ~3 px; zoomed in, more
+    recs = [launch(f"l{i}", at=i * 20.0, serve=5, startup=1, lease_wait=0.1, teardown=0.1) for i in range(40)]
+    recs.append(launch("late", at=7200.0, serve=5))
+    d = dom(report(*recs))
+    levels = [int(z) for z in d.find(tag="svg", cls="plot")[0].attrs["data-zoom-levels"].split()]
+    assert levels == [1, 2, 4, 8, 16, 32]
+    froms = {int(b.attrs["data-from-zoom"]) for b in d.find("bar-label-box")}
+    assert 1 in froms and froms - {1} and froms <= set(levels)  # the last bar has room at fit, the others later
+    for box in d.find("bar-label-box"):
+        zoom = int(box.attrs["data-from-zoom"])
+        assert pct(box.attrs["width"]) / 100 * timeline._REF_W * zoom >= timeline._LABEL_MIN_W
+        if zoom > 1:
+            assert pct(box.attrs["width"]) / 100 * timeline._REF_W * (zoom // 2) < timeline._LABEL_MIN_W
+        assert f"from-{zoom}" in box.classes
+
+
+def test_the_page_fits_the_window_and_zooms_without_script() -> None:
+    short = report(launch("a", serve=8, startup=3, lease_wait=0.5, teardown=0.5))  # a 13 s run
+    assert short["finished_at"] - short["started_at"] == pytest.approx(14.05)
+    long = report(launch("a", serve=7000), launch("b", at=200, gpus=(1,), serve=6800))  # a 2-hour one
+    for rep, levels in ((short, [1, 2, 4]), (long, [1, 2, 4, 8, 16, 32])):
+        text = render_html(rep)
+        d = Dom(text)
+        plot = d.find(tag="svg", cls="plot")[0]
+        assert plot.attrs["width"] == "100%" and plot.attrs["data-zoom-levels"] == " ".join(map(str, levels))
+        buttons = d.find(tag="input")
+        assert [b.attrs["id"] for b in buttons] == [f"zoom-{z}" for z in levels]
+        assert all(b.attrs["type"] == "radio" and b.attrs["name"] == "zoom" for b in buttons)
+        assert "checked" in buttons[0].attrs and not any("checked" in b.attrs for b in buttons[1:])
+        labels = {e.attrs["for"]: e.text() for e in d.find(tag="label")}
+        assert labels == {f"zoom-{z}": "fit" if z == 1 else f"{z}\N{MULTIPLICATION SIGN}" for z in levels}
+        assert d.find(tag="div", cls="zoom")[0].attrs["role"] == "radiogroup"
+        for zoom in levels[1:]:  # the CSS that zooms: the plot's width, its ticks
+            assert f"body:has(#zoom-{zoom}:checked) .plot-area{{width:{zoom * 100}%}}" in text
+            assert f"body:has(#zoom-{zoom}:checked) .tick.z{zoom}{{display:inline}}" in text
+        for zoom in levels:  # about 90 px apart or more on a plot of _REF_W px at "fit"
+            marks = [t for t in d.find("tick") if f"z{zoom}" in t.classes]
+            assert 2 <= len(marks) <= timeline._REF_W * zoom / 90 + 1, (zoom, len(marks))
+            at = [pct(t.find(tag="line")[0].attrs["x1"]) for t in marks]
+            assert at == sorted(at) and len(set(at)) == len(at)
+        assert len(d.find("tick")) < sum(timeline._REF_W * z / 90 + 1 for z in levels)  # shared ticks drawn once
+        for e in d.root.iter():  # nothing is placed in pixels along the time axis
+            if e.tag in ("rect", "line", "foreignobject") and e.parent is not None and "x" in e.attrs \
+                    and e.attrs.get("class") not in ("lane-label", None):
+                assert e.attrs["x"].endswith("%"), e.attrs
 
 
 def test_header_totals() -> None:
@@ -484,6 +563,28 @@ def test_header_totals() -> None:
     assert float(summary["data-gpu-seconds"]) == pytest.approx(4 * per_gpu, abs=0.1)
     assert summary["data-tests"] == "5" and summary["data-lanes"] == "5"
     assert float(summary["data-wall"]) == pytest.approx(rep["finished_at"] - rep["started_at"])
+
+
+def test_header_counts_the_tests_as_pytest_does() -> None:
+    # a group's two members and its router served the same test; it is one test served
+    g: dict[str, Any] = {"group": "g1", "tests": [{"nodeid": "t.py::test_pd", "t_start": T0 + 5, "t_end": T0 + 6,
+                                                    "outcome": "error"}]}
+    rep = report(launch("p", role="prefill", **g), launch("d", gpus=(1,), role="decode", **g),
+                 launch("r", gpus=(), role="router", **g),
+                 launch("w", at=30, tests=[{"nodeid": f"t.py::test_{i}", "t_start": T0 + 35 + i, "t_end": T0 + 35.5 + i,
+                                            "outcome": o} for i, o in enumerate(["passed", "failed", "skipped"])]))
+    # no pytest counts (an older report): each test served once, in its worst outcome
+    summary = dom(rep).find(tag="div", cls="summary")[0]
+    counts = {k: summary.attrs[f"data-{k}"] for k in ("tests", "passed", "failed", "errors", "skipped")}
+    assert counts == {"tests": "4", "passed": "1", "failed": "1", "errors": "1", "skipped": "1"}
+    # pytest's own counts win: a test whose call passed and whose teardown failed is one passed and one error
+    rep["outcomes"] = {"passed": 6, "failed": 1, "errors": 2, "skipped": 1, "xfailed": 1, "launches": 99}
+    summary = dom(rep).find(tag="div", cls="summary")[0]
+    counts = {k: summary.attrs[f"data-{k}"] for k in ("tests", "passed", "failed", "errors", "skipped", "xfailed")}
+    assert counts == {"tests": "4", "passed": "6", "failed": "1", "errors": "2", "skipped": "1", "xfailed": "1"}
+    assert summary.attrs["data-launches"] == "4"  # a count of the report cannot pass for another figure
+    shown = " ".join(f"{s.find(tag='b')[0].text()} {''.join(s.texts).strip()}" for s in summary.find("stat"))
+    assert "4 tests served 6 passed 1 failed 2 errors 1 skipped 1 xfailed 56.5s wall" in shown
 
 
 def test_legend_and_distinct_colours() -> None:
@@ -499,12 +600,52 @@ def test_sample_report_renders_everything() -> None:
     rep = sample_report()
     d = dom(rep)
     outcomes = {b.attrs["data-outcome"] for b in d.find("bar")}
-    assert outcomes == {"ok", "startup_failed", "died", "interrupted"}
-    assert len(d.find("lane")) == 7 and len(d.find("node")) == 2
-    assert len(d.find("bar")) == 14  # 12 launches, two of them on two GPUs
-    assert any(e.text().endswith("…") for e in d.find("bar-label"))  # a label cut at the next bar
+    assert outcomes == {"ok", "startup_failed", "died", "interrupted", "cancelled"}
+    assert len(d.find("lane")) == 9 and len(d.find("node")) == 2
+    assert len(d.find("bar")) == 16  # 14 launches, two of them on two GPUs
     assert len(d.find("test-mark")) == sum(len(r["tests"]) * max(1, len(r["gpus"])) for r in rep["launches"])
-    assert len(d.find("tick")) >= 6
+    assert len([t for t in d.find("tick") if "z1" in t.classes]) >= 6
+
+
+def test_failed_starts_are_drawn_on_their_gpus_with_their_log_and_diagnosis() -> None:
+    d = dom(sample_report())
+    rows = {r.attrs["data-launch"]: r for r in d.find("failure", tag="tr")}
+    # a failed start of its own, on the GPU it leased
+    (bar,) = d.find("bar", launch="gw0-3")
+    assert (bar.attrs["data-node"], bar.attrs["data-gpu"]) == ("node-a", "0")
+    assert bar.parent is not None and bar.parent.attrs["data-gpu"] == "0"
+    title = bar.title()
+    assert f"outcome: startup_failed - {OOM} (worker qwen3-0.6b" in title and "(exit -9 (SIGKILL))" in title
+    assert "log: /tmp/logs/sglang-worker-gw0-3.log" in title and "GPUs 0 (sim-gpu-0)" in title
+    cells = [c.text() for c in rows["gw0-3"].find(tag="td")]
+    assert cells[:4] == ["gw0-3", "startup_failed", "qwen3-0.6b", "0"]
+    assert cells[5].startswith(OOM) and cells[6] == "-9 (SIGKILL)"
+    assert cells[7] == "/tmp/logs/sglang-worker-gw0-3.log" and cells[8] == "tests/test_faults.py::test_oom[qwen3-0.6b]"
+    # a group whose prefill member failed on GPU 2 and whose decode member, on GPU 3, was cancelled for it
+    prefill, decode = d.find("bar", launch="gw2-5")[0], d.find("bar", launch="gw2-6")[0]
+    assert [(b.attrs["data-node"], b.attrs["data-gpu"]) for b in (prefill, decode)] == [("node-b", "2"),
+                                                                                          ("node-b", "3")]
+    assert f"outcome: startup_failed - {KV_OOM}" in prefill.title()
+    assert "(exit 1)" in prefill.title() and "log: /tmp/logs/sglang-worker-gw2-5.log" in prefill.title()
+    assert "outcome: cancelled - stopped while starting: member prefill 0 of its group failed" in decode.title()
+    assert "log: -" in decode.title() and not decode.find("bar-outline")  # not a failure of its own
+    assert "cancelled" in decode.find("bar-label")[0].text()
+    assert [c.text() for c in rows["gw2-6"].find(tag="td")][1] == "cancelled"  # listed beside its group's failure
+    assert [c.text() for c in rows["gw2-5"].find(tag="td")][6:8] == ["1", "/tmp/logs/sglang-worker-gw2-5.log"]
+    for member in (prefill, decode):
+        assert [m.attrs["data-outcome"] for m in member.find("test-mark")] == ["error"]
+
+
+def test_a_death_is_drawn_on_its_gpu_with_its_diagnosis() -> None:
+    d = dom(sample_report())
+    (bar,) = d.find("bar", launch="gw1-2")
+    assert (bar.attrs["data-node"], bar.attrs["data-gpu"], bar.attrs["data-outcome"]) == ("node-a", "1", "died")
+    assert bar.find("death-mark") and bar.find("bar-outline")[0].attrs["stroke"] == FAILED_COLOUR
+    assert f"outcome: died - {KILLED} (worker" in bar.title() and "(exit -9 (SIGKILL))" in bar.title()
+    assert [m.attrs["data-outcome"] for m in bar.find("test-mark")] == ["error"]  # as pytest reported the test
+    cells = [c.text() for c in d.find("failure", tag="tr", launch="gw1-2")[0].find(tag="td")]
+    assert cells[1] == "died" and cells[5].startswith(KILLED) and cells[6] == "-9 (SIGKILL)"
+    assert cells[7] == "/tmp/logs/sglang-worker-gw1-2.log"
 
 
 def test_sample_report_file_is_current() -> None:
@@ -525,9 +666,10 @@ def test_three_hundred_launches_stay_reasonable() -> None:
     d = Dom(text)
     assert len(d.find("lane")) == 8 and len(d.find("bar")) == 300 and len(d.find("test-mark")) == 1200
     assert {e.attrs["data-rows"] for e in d.find("lane")} == {"1"}
-    width = float(d.find(tag="svg", cls="plot")[0].attrs["width"])
-    assert 1320 <= width <= 12000
-    assert len(d.find("tick")) < width / 60
+    assert d.find(tag="svg", cls="plot")[0].attrs["width"] == "100%"
+    levels = [int(z) for z in d.find(tag="svg", cls="plot")[0].attrs["data-zoom-levels"].split()]
+    for zoom in levels:
+        assert len([t for t in d.find("tick") if f"z{zoom}" in t.classes]) < timeline._REF_W * zoom / 60
     events = check_trace(trace)
     assert len(xs(events, "launch")) == 300 and len(xs(events, "test")) == 1200
 
@@ -548,7 +690,8 @@ def test_garbage_in_any_field_never_breaks_either_output(seed: int) -> None:
                 rec["tests"][0] = {k: rng.choice(junk) for k in ("nodeid", "t_start", "t_end", "outcome")}
             recs.append(rec)
         rep: dict[str, Any] = report(*recs)
-        for key in ("started_at", "finished_at", "interrupted", "models", "exitstatus", "engine", "launches"):
+        for key in ("started_at", "finished_at", "interrupted", "models", "exitstatus", "engine", "launches",
+                    "outcomes"):
             if rng.random() < 0.15:
                 rep[key] = rng.choice(junk)
         text = render_html(rep)
@@ -570,16 +713,18 @@ def test_trace_structure_of_the_sample() -> None:
     assert (procs["node node-a"], "GPU 0 (sim-gpu-0) #2") in threads  # the queued lease
     assert (procs["node node-b"], "no GPU") in threads
     launches = xs(events, "launch")
-    assert len(launches) == 14
+    assert len(launches) == 16
     args = next(e["args"] for e in launches if e["args"]["launch"] == "gw1-2")
     assert args["outcome"] == "died" and args["gpus"] == [1] and args["port"] == 20160
     assert args["xdist_worker"] == "gw1" and args["log_path"].endswith("gw1-2.log") and "lease wait" in args["phases"]
     assert args["tests"] == ["tests/test_router.py::test_retry_on_dead_worker[qwen3-0.6b]"]
+    assert args["diagnosis"] == KILLED and args["exit_code"] == -9
     failed = [e for e in events if e["name"] == "startup (failed)"]
-    assert len(failed) == 1 and failed[0]["args"]["launch"] == "gw0-3"
+    assert sorted(e["args"]["launch"] for e in failed) == ["gw0-3", "gw2-5"]
     assert len(xs(events, "test")) == sum(len(r["tests"]) * max(1, len(r["gpus"])) for r in rep["launches"])
     instants = sorted(e["name"].split(":")[0] for e in events if e["ph"] == "i")
-    assert instants == ["died", "no end recorded", "no end recorded", "run interrupted", "startup_failed"]
+    assert instants == ["died", "no end recorded", "no end recorded", "run interrupted", "startup_failed",
+                        "startup_failed"]
 
 
 def test_trace_tests_nest_in_a_phase_even_when_they_start_before_the_launch() -> None:

@@ -115,7 +115,16 @@ def test_a_failing_member_fails_the_group_and_frees_everything(make_pool) -> Non
         pool.acquire(config, holder="bad")
     assert pool.groups() == [] and pool.leases.holders() == {}
     assert pool.stats[config.key].failures == 1
-    assert {r.outcome for r in pool.launches} == {"startup_failed"}
+    # each member's own end: a member that failed, its own diagnosis and log on its own GPU; one stopped because
+    # the other failed first, cancelled (both bad args: either may be first, or both fail on their own)
+    records = pool.launches
+    assert [r.gpus for r in records] == [[0], [1]]
+    assert "startup_failed" in {r.outcome for r in records} <= {"startup_failed", "cancelled"}
+    for record in records:
+        if record.outcome == "startup_failed":
+            assert record.exit_code == 2 and record.log_path and record.diagnosis and record.failure
+        else:
+            assert record.failure is not None and "of its group failed to start" in record.failure
 
 
 def test_a_request_its_own_workers_block_fails_at_once(make_pool) -> None:  # type: ignore[no-untyped-def]
