@@ -166,9 +166,11 @@ def _scheduler_servicer(sim: Sim) -> Any:
 
     def request_faults(context: Any) -> None:
         faults = sim.state.snapshot()
+        k, verdict, status = sim.state.next_request()
+        if verdict == "die":
+            sim.die(arrived=k)
         if faults.latency:
             time.sleep(faults.latency)
-        k, verdict, status = sim.state.next_request()
         if verdict == "hang":
             sim.log.info(f"(sim) request {k} hangs ({ENV_FAULT})")
             while not sim.shutting_down and context.is_active():

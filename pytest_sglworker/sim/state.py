@@ -140,15 +140,21 @@ class Sim:
             self.inference_served += 1
             return die_after is not None and self.inference_served >= die_after
 
-    def die(self) -> NoReturn:
-        n = self.state.snapshot().die_after
+    def die(self, arrived: int | None = None) -> NoReturn:
+        """The scheduler's exception record, then SIGKILL of itself: ``die_after`` (after answering its last
+        request), or ``die_on_request`` (``arrived``: the request that just arrived, never answered)."""
+        if arrived is None:
+            n = self.state.snapshot().die_after
+            what = f"death after {n} requests ({ENV_FAULT}=die_after={n})"
+        else:
+            what = f"death on request {arrived} ({ENV_FAULT}=die_on_request={arrived})"
         self.log.error(
             "Scheduler hit an exception: Traceback (most recent call last):\n"
             f'  File "{SITE}/sglang/srt/managers/scheduler.py", line 6368, in run_scheduler_process\n'
             "    scheduler.run_event_loop()\n"
             f'  File "{SITE}/sglang/srt/managers/scheduler.py", line 2109, in event_loop_overlap\n'
             "    batch_result = self.run_batch(batch)\n"
-            f"RuntimeError: simulated death after {n} requests ({ENV_FAULT}=die_after={n})\n",
+            f"RuntimeError: simulated {what}\n",
         )
         self.log.error("SIGQUIT received. signum=None, frame=None. It usually means one child failed.")
         kill_self()

@@ -326,11 +326,14 @@ def openai_usage(prompt: int, completion: int, *, details: bool = True) -> dict[
 
 
 def request_faults(ctx: Request, faults: RequestFaults) -> bool:
-    """Latency, hangs and failures of an inference request; False when it was answered (or never is)."""
+    """Death on arrival, latency, hangs and failures of an inference request; False when it was answered (or
+    never is)."""
     sim = ctx.sim
+    k, verdict, status = sim.state.next_request()
+    if verdict == "die":
+        sim.die(arrived=k)
     if faults.latency:
         time.sleep(faults.latency)
-    k, verdict, status = sim.state.next_request()
     if verdict == "hang":
         sim.log.info(f"(sim) request {k} hangs ({ENV_FAULT})")
         while not sim.shutting_down:
