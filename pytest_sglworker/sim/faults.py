@@ -330,6 +330,7 @@ def fault_help() -> str:
     return "\n".join([
         f"startup faults ({ENV_FAULT} only, comma-separated):",
         *block(STARTUP_FAULTS),
+        "",
         f"request faults ({ENV_FAULT}, or at run time through {CONTROL_PATH}):",
         *block(REQUEST_FAULTS),
     ])
