@@ -19,6 +19,7 @@ from typing import Any, NoReturn
 from . import pd as sim_pd
 from .core import ENV_FAULT, Log, Recorder
 from .faults import Faults, FaultState
+from .load import Loads
 from .plan import Plan
 from .tokens import Generation, Vocab, generate
 
@@ -61,6 +62,9 @@ class Sim:
         self.prefill_infos = sim_pd.PrefillInfoCache()
         #: the gRPC server and its HTTP sidecar in ``--grpc-mode`` (a :class:`.grpc_server.GrpcSim`)
         self.grpc: Any = None
+        #: the requests in flight and their tokens, by DP rank (``/v1/loads``)
+        self.loads = Loads(dp_size=plan.args.get("dp_size") or 1, max_running=plan.max_running_requests,
+                           max_total_tokens=plan.max_total_tokens, mode=plan.mode)
 
     @property
     def mode(self) -> str:
@@ -91,6 +95,7 @@ class Sim:
             self.cached_tokens_total += cached
             running = self.running
         gen.cached_tokens = cached
+        self.loads.admit(len(key), cached, gen.completion_tokens)
         self.log.rank0(
             f"Prefill batch, #new-seq: 1, #new-token: {len(key) - cached}, #cached-token: {cached}, "
             f"token usage: 0.00, #running-req: {max(running - 1, 0)}, #queue-req: 0, #pending-token: 0, "

@@ -305,9 +305,20 @@ def not_generation(sim: Sim) -> None:
 
 
 def pace(sim: Sim, tokens: int) -> None:
-    """The simulated time to generate ``tokens`` tokens (``SGLSIM_TOKEN_SECONDS``)."""
-    if sim.token_seconds and tokens:
-        time.sleep(sim.token_seconds * tokens)
+    """The simulated time to generate ``tokens`` tokens (``SGLSIM_TOKEN_SECONDS``), one at a time: the request's
+    sequences grow in ``/v1/loads`` as they go."""
+    if not tokens:
+        return
+    step_us = int(sim.token_seconds * 1e6)
+    if not sim.token_seconds:
+        sim.loads.advance(tokens, step_us)
+        return
+    start = time.monotonic()
+    for k in range(1, tokens + 1):
+        delay = start + sim.token_seconds * k - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)
+        sim.loads.advance(1, step_us)
 
 
 def openai_usage(prompt: int, completion: int, *, details: bool = True) -> dict[str, Any]:
