@@ -114,6 +114,44 @@ def generate(vocab: Vocab, prompt_ids: list[int], source_ids: list[int], max_new
     return Generation(list(prompt_ids), output, texts, finish, 0, seed)
 
 
+def constrained(vocab: Vocab, prompt_ids: list[int], text: str, max_new_tokens: int | None, stop: list[str],
+                stop_token_ids: Sequence[int] = ()) -> Generation:
+    """A constrained decoding's generation: the tokens of ``text`` (the output its grammar allows, see
+    :mod:`.constrained`), then EOS once the grammar is done; ``max_new_tokens``, stop strings and stop tokens cut it
+    as they cut any generation. Each text is an exact prefix of ``text``."""
+    seed = prompt_seed(prompt_ids)
+    pieces = vocab.split(text)
+    limit = len(pieces) + 1 if max_new_tokens is None else max_new_tokens
+    output: list[int] = []
+    texts: list[str] = []
+    finish: dict[str, Any] | None = None
+    stops = set(stop_token_ids)
+    for token, end in pieces:
+        if len(output) >= limit:
+            finish = {"type": "length", "length": limit}
+            break
+        output.append(token)
+        if token in stops:
+            texts.append(texts[-1] if texts else "")
+            finish = {"type": "stop", "matched": token}
+            break
+        done = text[:end]
+        matched = next(((done.find(s), s) for s in stop if s in done), None)
+        if matched is not None:
+            texts.append(done[:matched[0]])
+            finish = {"type": "stop", "matched": matched[1]}
+            break
+        texts.append(done)
+    if finish is None:
+        if len(output) >= limit:
+            finish = {"type": "length", "length": limit}
+        else:
+            output.append(vocab.eos_token_id)
+            texts.append(texts[-1] if texts else "")
+            finish = {"type": "stop", "matched": vocab.eos_token_id}
+    return Generation(list(prompt_ids), output, texts, finish, 0, seed)
+
+
 # ---------------------------------------------------------------------------------------------- logprobs
 
 

@@ -31,11 +31,14 @@ NOT_EMBEDDING = ("This model does not appear to be an embedding model by default
 
 
 class BadRequest(Exception):
-    """A request the real server refuses with 400; ``validation``: FastAPI's validation (type "Bad Request")."""
+    """A request the real server refuses with 400; ``validation``: FastAPI's validation (type "Bad Request");
+    ``kind``: the OpenAI envelope's type otherwise (``BadRequest`` for a ``ValueError`` the OpenAI adapters raise
+    while they convert the request, ``BadRequestError`` for one the engine raises)."""
 
-    def __init__(self, message: str, *, validation: bool = False) -> None:
+    def __init__(self, message: str, *, validation: bool = False, kind: str = "BadRequestError") -> None:
         super().__init__(message)
         self.validation = validation
+        self.kind = kind
 
 
 class Abort(Exception):
@@ -149,7 +152,7 @@ class Request:
         if exc.validation:
             self.openai_error(400, str(exc), "Bad Request")
         elif openai:
-            self.openai_error(400, str(exc))
+            self.openai_error(400, str(exc), exc.kind)
         else:
             self.json(400, {"error": {"message": str(exc)}})
         self.sim.log.error(f"[http_server] Error: {exc}")
