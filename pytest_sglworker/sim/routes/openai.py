@@ -4,7 +4,9 @@ streamed or not, with logprobs, constrained by ``response_format`` or sglang's `
 
 Part of :mod:`pytest_sglworker.sim`; stdlib only. Requests are checked as sglang's pydantic models and OpenAI
 adapters do (the error envelopes of :mod:`.common`); a PD server's completions go through the handshake of
-:mod:`.pd` (the prefill side answers with its first token only).
+:mod:`.pd` (the prefill side answers with its first token only). A chat whose last message is the assistant's
+is continued with ``continue_final_message`` (:func:`final_message`, as sglang 0.5.23's
+``_handle_last_assistant_message``).
 """
 
 from __future__ import annotations
@@ -135,6 +137,19 @@ def _grammar_error(ctx: Request, rid: str, exc: ConstraintError, stream: bool) -
         ctx.bad(BadRequest(str(exc)), openai=True)
 
 
+def final_message(messages: list[dict[str, Any]], continue_final: bool) -> tuple[list[dict[str, Any]], str | None]:
+    """sglang's ``_handle_last_assistant_message``: a last assistant message is the prefix the completion continues
+    (``continue_final_message``: it leaves the conversation, whose prompt then ends with the generation prompt and
+    the prefix's tokens) or, without the flag, becomes a user message. Nothing happens when the last message is not
+    the assistant's (no error)."""
+    if not messages or messages[-1].get("role") != "assistant":
+        return messages, None
+    text = message_text(messages[-1])
+    if continue_final:
+        return messages[:-1], text
+    return [*messages[:-1], {"role": "user", "content": text}], None
+
+
 def chat(ctx: Request) -> None:
     sim = ctx.sim
     rid = sim.new_id()
@@ -153,11 +168,18 @@ def chat(ctx: Request) -> None:
         not_generation(sim)
         max_tokens, stop, ignore_eos, n = _openai_params(req)
         grammar = openai_grammar(req, chat=True)
+        texts = [message_text(m) for m in messages]
+        messages, prefix = final_message(messages, bool(req.get("continue_final_message")))
+        if not messages:
+            raise BadRequest("Cannot apply chat template to an empty conversation. Provide at least one message.",
+                             kind="BadRequest")
         if sim.vocab.real:
             prompt = sim.vocab.encode(render_chat(messages, sim.plan.model.chat_template), add_special_tokens=False)
-            source = sim.vocab.encode(" ".join(message_text(m) for m in messages), add_special_tokens=False)
+            if prefix:
+                prompt += sim.vocab.encode(prefix, add_special_tokens=False)
+            source = sim.vocab.encode(" ".join(texts), add_special_tokens=False)
         else:
-            prompt = sim.vocab.encode(" ".join(message_text(m) for m in messages))
+            prompt = sim.vocab.encode(" ".join(texts))
             source = prompt
         check_length(sim, prompt, max_tokens)
         verify_sampling(_openai_sampling(req, max_tokens), sim.vocab.vocab_size, as_float=True)
