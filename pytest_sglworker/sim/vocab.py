@@ -126,7 +126,12 @@ class HFVocab(Vocab):
 
     def split(self, text: str) -> list[tuple[int, int]]:
         encoding = self.tokenizer.encode(text, add_special_tokens=False)
-        ends = [end for _, end in encoding.offsets]
+        ends, reach = [], 0
+        for _, end in encoding.offsets:  # never backwards; the last token ends the text (a normalizer may drop
+            reach = max(reach, int(end))  # trailing whitespace from the offsets)
+            ends.append(reach)
+        if ends:
+            ends[-1] = len(text)
         return [(int(token), end) for token, end in zip(encoding.ids, ends, strict=True)]
 
 
