@@ -16,20 +16,24 @@ step in :mod:`.startup`, or the request hook in :mod:`.routes.common`. A new end
 It is a real subprocess serving real HTTP on the given host and port, with sglang 0.5.23's flags, startup log
 lines, endpoints, request checks and response shapes (the facts in :mod:`pytest_sglworker.engine.sglang_facts`;
 the shapes checked against the real engine by ``tests/sim/test_sim_differential.py``), deterministic text (the
-prompt's tokens echoed) and logprobs, and injectable faults. Stdlib only at import (``tokenizers`` is used when it
-is importable and the model is a directory with a ``tokenizer.json``; ``grpc`` only in ``--grpc-mode``), so that
-it starts in a few tens of milliseconds. The modules:
+prompt's tokens echoed, or the output a ``regex`` or ``json_schema`` allows) and logprobs, its load as it is
+(``/v1/loads``), and injectable faults. Stdlib only at import (``tokenizers`` is used when it is importable and the
+model's ``tokenizer.json`` is found, else the sim says why in its log and counts with its fallback; ``grpc`` only
+in ``--grpc-mode``), so that it starts in a few tens of milliseconds. The modules:
 
 - :mod:`.main`: the program (``main()``): signals, the startup's outcome, the drain and exit;
-- :mod:`.cli`: the parser (sglang's flags) and its ``--help`` epilog, the ``SGLSIM_*`` values;
+- :mod:`.cli`: the parser (sglang's flags), its ``--help`` (the sim's knobs first) and ``--help-faults``, the
+  ``SGLSIM_*`` values;
 - :mod:`.plan`: the resolved configuration and the memory arithmetic (:class:`~.plan.Plan`, ``make_plan``);
 - :mod:`.startup`: the startup sequence and its log lines, the startup faults, binding and warmup;
 - :mod:`.core`: environment names, the log, the event recorder; :mod:`.faults`: the faults;
 - :mod:`.state`: the state of a running server (``Sim``), shared by the HTTP and gRPC sides;
 - :mod:`.server`: the HTTP plumbing (uvicorn's manners, the route dispatch, the request-fault gate);
 - :mod:`.routes`: the HTTP endpoints, one module per family, each a table of routes;
-- :mod:`.tokens`: tokenizer, generations, logprobs, embeddings; :mod:`.pd`: prefill/decode disaggregation;
-  :mod:`.grpc_server`: ``--grpc-mode``.
+- :mod:`.vocab`: the tokenizer (the model's own, else the fallback) and what a model directory says;
+- :mod:`.tokens`: generations, logprobs, embeddings; :mod:`.constrained`: the output a ``regex`` or
+  ``json_schema`` allows, and the grammar errors; :mod:`.load`: the requests in flight and their tokens, per DP
+  rank (``/v1/loads``); :mod:`.pd`: prefill/decode disaggregation; :mod:`.grpc_server`: ``--grpc-mode``.
 
 Startup, as the real engine does it: the server-args line, ``Init parallel``, ``Memory baseline taken``,
 ``Load weight begin/end``, ``KV Cache is allocated``, ``Memory pool end``, the decode and prefill CUDA-graph
@@ -54,12 +58,12 @@ Environment:
   side retries 15 times a second apart) before it aborts the request with sglang's 500.
 - ``SGLSIM_RECORD`` (path): append one JSON line per event (``start``, ``ready``, ``exit``), each with a
   single ``O_APPEND`` write.
-- ``SGLSIM_FAULT``: comma-separated faults; ``python -m pytest_sglworker.sim --help`` lists them all (from
+- ``SGLSIM_FAULT``: comma-separated faults; ``python -m pytest_sglworker.sim --help-faults`` lists them all (from
   :data:`~.faults.FAULTS`). An unknown fault or a value out of range exits 2 with one line naming it and listing
   the known ones (on stderr and in the log). Startup faults: ``crash_oom``, ``kv_oom``, ``exit=N``, ``hang``,
   ``hang_before_bind``, ``flood=MB``, ``ignore_sigterm``, ``escape_child``. Request faults (also
-  switchable at run time): ``die_after=N``, ``slow_health=S``, ``fail_first=N``, ``fail_rate=P``,
-  ``fail_seed=N``, ``status=CODE``, ``latency=S``, ``hang_request=N``, ``hang_requests``,
+  switchable at run time): ``die_after=N``, ``die_on_request=N``, ``slow_health=S``, ``fail_first=N``,
+  ``fail_rate=P``, ``fail_seed=N``, ``status=CODE``, ``latency=S``, ``hang_request=N``, ``hang_requests``,
   ``health_fail_after=S``, ``health_fail``, ``api_key=KEY``, ``max_payload=N``, ``trickle=S``.
 
   - ``crash_oom``: CUDA OOM in the prefill-graph capture (forced even when the prefill graph is disabled,
@@ -79,6 +83,8 @@ Environment:
     exits by itself only after 600 s.
   - ``die_after=N``: SIGKILL of itself right after answering the N-th inference request (``/generate``,
     the OpenAI endpoints, ``/encode``, ``/v1/score``; health and info probes do not count).
+  - ``die_on_request=N``: SIGKILL of itself when the N-th inference request (counted from when the fault is
+    set) arrives, before any byte of its answer: its client sees the connection close.
   - ``slow_health=SECONDS``: every ``/health`` and ``/health_generate`` answer is delayed.
 
 Control endpoint (exempt from the API key and from the faults themselves): ``GET /_sim/faults`` answers the
@@ -91,7 +97,9 @@ Also like the real engine: ``--api-key`` is checked on everything but ``/health*
 ``/metrics*``; SIGTERM/SIGINT drain in-flight requests (``/health`` answers 503 meanwhile) and exit 0; a
 ``CUDA_VISIBLE_DEVICES`` with fewer devices than ``--base-gpu-id + --tp-size`` fails the startup (exit 1);
 the router's HTTP/2 probe (``PRI * HTTP/2.0``) gets uvicorn's 404 and 400; PD disaggregation
-(``--disaggregation-mode prefill|decode``) serves sglang's bootstrap server and handshake (:mod:`.pd`).
+(``--disaggregation-mode prefill|decode``) serves sglang's bootstrap server and handshake (:mod:`.pd`);
+``/v1/loads`` reports the requests really in flight per DP rank (:mod:`.load`), and ``/get_load`` their legacy
+shape, which 0.5.23 no longer serves (it answers 404) but sglang-router 0.3.2 still polls.
 
 Memory arithmetic: :func:`pytest_sglworker.engine.ledger.predict_memory` (sglang's ``memory_hook`` and KV
 configurator: the automatic ``--mem-fraction-static``, ``rest = free_after_weights - free * (1 -

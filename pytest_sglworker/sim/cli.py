@@ -1,5 +1,6 @@
-"""The simulated engine's command line: sglang's parser and the sim's ``--help`` epilog, and the ``SGLSIM_*``
-values it reads from the environment.
+"""The simulated engine's command line: sglang's parser with the sim's own ``--help`` (the simulated engine's usage,
+its ``SGLSIM_*`` variables and faults first, then sglang's flags) and ``--help-faults``, and the ``SGLSIM_*`` values
+it reads from the environment.
 
 Part of :mod:`pytest_sglworker.sim`; stdlib only. The parser is rebuilt from the flag table of
 :mod:`pytest_sglworker.engine.sglang_facts`, so that the sim accepts and rejects exactly what the real engine does;
@@ -52,18 +53,30 @@ _TYPES: dict[str, Callable[[str], Any]] = {
     "parse_cuda_graph_backend_arg": _graph_backend,
 }
 
-_EPILOG = f"""\
-pytest-sglworker's simulated sglang engine: sglang 0.5.23's flags (above), endpoints and log lines.
+#: The first line of ``--help``: the simulated engine's own usage (argparse's errors keep sglang's, ``sglang serve``).
+USAGE = ("usage: python -m pytest_sglworker.sim [-h] [--help-faults] --model-path MODEL_PATH "
+         "[sglang 0.5.23 flags ...]")
 
+_INTRO = """\
+pytest-sglworker's simulated sglang engine: a CPU-only stand-in for sglang 0.5.23's server (its flags, endpoints,
+log lines, gRPC and PD protocols) on a real port, with switchable faults. --help-faults prints only the faults
+and the SGLSIM_* variables below."""
+
+#: The ``SGLSIM_*`` variables: (name=VALUE, what it does).
+_VARIABLES = (
+    (f"{ENV_STARTUP}=S", "total simulated startup (default 0.3; 70 % before binding)"),
+    (f"{ENV_WARMUP}=S", "the warmup part after binding (default 30 % of the startup)"),
+    (f"{ENV_GPU_MEM}=GIB", "the card size (default 80)"),
+    (f"{ENV_GPU_FREE}=MIB", "memory free when the weights load (default 98.125 % of the card)"),
+    (f"{ENV_TOKEN}=S", "time per generated token (default 0)"),
+    (f"{ENV_PD_WAIT}=S", "how long a PD side waits for its peer (default 15)"),
+    (f"{ENV_RECORD}=PATH", "append start/ready/exit events as JSON lines"),
+    (f"{ENV_FAULT}=F1,F2=V,...", "faults, below"),
+)
+
+_FAULTS_HELP = f"""\
 environment:
-  {ENV_STARTUP}=S     total simulated startup (default 0.3; 70 % before binding)
-  {ENV_WARMUP}=S      the warmup part after binding (default 30 % of the startup)
-  {ENV_GPU_MEM}=GIB        the card size (default 80)
-  {ENV_GPU_FREE}=MIB       memory free when the weights load (default 98.125 % of the card)
-  {ENV_TOKEN}=S       time per generated token (default 0)
-  {ENV_PD_WAIT}=S     how long a PD side waits for its peer (default 15)
-  {ENV_RECORD}=PATH          append start/ready/exit events as JSON lines
-  {ENV_FAULT}=F1,F2=V,...     faults, below
+{chr(10).join(f"  {name:<28} {text}" for name, text in _VARIABLES)}
 
 {{faults}}
 
@@ -74,13 +87,37 @@ control endpoint (exempt from the API key and the faults):
 every response carries {WORKER_HEADER}: <port>/<pid>.
 """
 
+#: The title of the section of sglang's own flags in ``--help``.
+FLAGS_TITLE = "sglang 0.5.23's flags (accepted and rejected as its own parser does)"
+
+
+def faults_help() -> str:
+    """``--help-faults``: the ``SGLSIM_*`` variables, every fault (from :data:`~.faults.FAULTS`) and the control
+    endpoint; a fixed width, whatever the terminal."""
+    return _FAULTS_HELP.replace("{faults}", fault_help())
+
+
+class SimParser(argparse.ArgumentParser):
+    """sglang's parser (its usage and errors: ``sglang serve: error: ...``) whose ``--help`` puts the simulated
+    engine first: its usage line, what it is, the variables and faults, then sglang's flags."""
+
+    def format_help(self) -> str:
+        formatter = self._get_formatter()
+        for group in self._action_groups:
+            formatter.start_section(group.title)
+            formatter.add_text(group.description)
+            formatter.add_arguments(group._group_actions)
+            formatter.end_section()
+        return f"{USAGE}\n\n{_INTRO}\n\n{faults_help()}\n{formatter.format_help()}"
+
 
 def build_parser() -> argparse.ArgumentParser:
     """sglang 0.5.23's ``ServerArgs.add_cli_args``, rebuilt from the flag table of :mod:`sglang_facts`: every
     flag the real parser accepts (abbreviations too), with its choices and defaults, so that the simulated
-    engine accepts and rejects exactly what the real one does. The epilog documents the sim's own knobs."""
-    p = argparse.ArgumentParser(prog=PARSER_PROG, allow_abbrev=True, epilog=_EPILOG.replace("{faults}", fault_help()),
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    engine accepts and rejects exactly what the real one does. Its ``--help`` documents the sim's own knobs
+    first (:class:`SimParser`)."""
+    p = SimParser(prog=PARSER_PROG, allow_abbrev=True, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p._optionals.title = FLAGS_TITLE
     for flag in flag_table().flags:
         longs = [o for o in flag.options if not o.startswith("--no-")]
         if not flag.takes_value:

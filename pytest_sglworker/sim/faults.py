@@ -7,7 +7,7 @@ control endpoint ``/_sim/faults``. A record names the fault, the kind of value i
 and the field of :class:`Faults` (startup) or :class:`RequestFaults` (request) it sets; everything else here
 (the parser, the error messages, the ``--help`` list, ``/_sim/faults``) is read from the records. What a fault
 does is where it acts: the startup faults in :mod:`.startup`, the request faults in the request hook of
-:mod:`.routes.common` (and the gRPC servicer's), ``die_after`` in :meth:`.state.Sim.die`.
+:mod:`.routes.common` (and the gRPC servicer's), ``die_after`` and ``die_on_request`` in :meth:`.state.Sim.die`.
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ class RequestFaults:
     hang_request: int = 0
     hang_requests: bool = False
     die_after: int | None = None
+    die_on_request: int | None = None
     slow_health: float = 0.0
     health_fail_after: float | None = None
     api_key: str | None = None
@@ -97,6 +98,8 @@ FAULTS: tuple[Fault, ...] = (
           "scheduler pid=N'; it outlives a kill of the sim's process group, exits by itself after 600 s",
           startup=True),
     Fault("die_after", "pos", "SIGKILL of itself right after answering the N-th inference request"),
+    Fault("die_on_request", "pos", "SIGKILL of itself when the N-th inference request (from when it is set) "
+          "arrives, before any byte of its answer: the client's connection just closes"),
     Fault("slow_health", "seconds", "every /health, /health_generate and /ready answer is delayed by S seconds"),
     Fault("fail_first", "nonneg", "the first N inference requests (from when it is set) fail with 500 (or status=)"),
     Fault("fail_rate", "fraction", "a fraction P of the inference requests fail with 500 (or status=), "
@@ -277,12 +280,15 @@ class FaultState:
             return after is not None and time.monotonic() - self.set_at >= after
 
     def next_request(self) -> tuple[int, str | None, int]:
-        """Count one inference request: ``(k, verdict, status)`` with verdict ``"hang"``, ``"fail"`` or None."""
+        """Count one inference request: ``(k, verdict, status)`` with verdict ``"die"``, ``"hang"``, ``"fail"`` or
+        None."""
         with self.lock:
             f = self.faults
             self.counted += 1
             k = self.counted
             status = f.status or 500
+            if f.die_on_request is not None and k == f.die_on_request:
+                return k, "die", status
             if f.hang_requests or (f.hang_request and k == f.hang_request):
                 return k, "hang", status
             if f.fail_first and k <= f.fail_first:
@@ -324,6 +330,7 @@ def fault_help() -> str:
     return "\n".join([
         f"startup faults ({ENV_FAULT} only, comma-separated):",
         *block(STARTUP_FAULTS),
+        "",
         f"request faults ({ENV_FAULT}, or at run time through {CONTROL_PATH}):",
         *block(REQUEST_FAULTS),
     ])

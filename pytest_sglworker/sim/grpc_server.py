@@ -166,9 +166,11 @@ def _scheduler_servicer(sim: Sim) -> Any:
 
     def request_faults(context: Any) -> None:
         faults = sim.state.snapshot()
+        k, verdict, status = sim.state.next_request()
+        if verdict == "die":
+            sim.die(arrived=k)
         if faults.latency:
             time.sleep(faults.latency)
-        k, verdict, status = sim.state.next_request()
         if verdict == "hang":
             sim.log.info(f"(sim) request {k} hangs ({ENV_FAULT})")
             while not sim.shutting_down and context.is_active():
@@ -229,33 +231,36 @@ def _scheduler_servicer(sim: Sim) -> Any:
             with sim.lock:
                 sim.running += 1
             try:
-                request_faults(context)
-                n = max(int(sp.n or 1), 1)
-                gens = [sim.generate(ids, None, max_new, list(sp.stop), bool(sp.ignore_eos),
-                                     list(sp.stop_token_ids) or None) for _ in range(n)]
-                if plan.mode == "prefill":  # the prefill side stops after its first token
-                    for gen in gens:
-                        gen.output_ids, gen.texts = gen.output_ids[:1], gen.texts[:1]
-                        gen.finish = {"type": "length", "length": 0}
-                for index, gen in enumerate(gens):
-                    counts = {"prompt_tokens": gen.prompt_tokens, "cached_tokens": gen.cached_tokens}
-                    if request.stream:
-                        for k, token in enumerate(gen.output_ids):
+                with sim.loads.scope():  # what it generates counts in the loads until it ends
+                    request_faults(context)
+                    n = max(int(sp.n or 1), 1)
+                    gens = [sim.generate(ids, None, max_new, list(sp.stop), bool(sp.ignore_eos),
+                                         list(sp.stop_token_ids) or None) for _ in range(n)]
+                    if plan.mode == "prefill":  # the prefill side stops after its first token
+                        for gen in gens:
+                            gen.output_ids, gen.texts = gen.output_ids[:1], gen.texts[:1]
+                            gen.finish = {"type": "length", "length": 0}
+                    for index, gen in enumerate(gens):
+                        counts = {"prompt_tokens": gen.prompt_tokens, "cached_tokens": gen.cached_tokens}
+                        if request.stream:
+                            for k, token in enumerate(gen.output_ids):
+                                if sim.token_seconds:
+                                    time.sleep(sim.token_seconds)
+                                sim.loads.advance(1, int(sim.token_seconds * 1e6))
+                                yield pb.GenerateResponse(request_id=request.request_id, chunk=pb.GenerateStreamChunk(
+                                    token_ids=[token], completion_tokens=k + 1, index=index,
+                                    output_logprobs=output_logprobs(gen, request, slice(k, k + 1)), **counts))
+                            last = gen.output_ids[-1:]  # the servicer's Complete repeats the last chunk's tokens
+                            yield pb.GenerateResponse(request_id=request.request_id, complete=pb.GenerateComplete(
+                                output_ids=last, completion_tokens=gen.completion_tokens, index=index,
+                                **counts, **finish(gen)))
+                        else:
                             if sim.token_seconds:
-                                time.sleep(sim.token_seconds)
-                            yield pb.GenerateResponse(request_id=request.request_id, chunk=pb.GenerateStreamChunk(
-                                token_ids=[token], completion_tokens=k + 1, index=index,
-                                output_logprobs=output_logprobs(gen, request, slice(k, k + 1)), **counts))
-                        last = gen.output_ids[-1:]  # the servicer's Complete repeats the last chunk's tokens
-                        yield pb.GenerateResponse(request_id=request.request_id, complete=pb.GenerateComplete(
-                            output_ids=last, completion_tokens=gen.completion_tokens, index=index,
-                            **counts, **finish(gen)))
-                    else:
-                        if sim.token_seconds:
-                            time.sleep(sim.token_seconds * gen.completion_tokens)
-                        yield pb.GenerateResponse(request_id=request.request_id, complete=pb.GenerateComplete(
-                            output_ids=gen.output_ids, completion_tokens=gen.completion_tokens, index=index,
-                            output_logprobs=output_logprobs(gen, request, slice(None)), **counts, **finish(gen)))
+                                time.sleep(sim.token_seconds * gen.completion_tokens)
+                            sim.loads.advance(gen.completion_tokens, int(sim.token_seconds * 1e6))
+                            yield pb.GenerateResponse(request_id=request.request_id, complete=pb.GenerateComplete(
+                                output_ids=gen.output_ids, completion_tokens=gen.completion_tokens, index=index,
+                                output_logprobs=output_logprobs(gen, request, slice(None)), **counts, **finish(gen)))
             finally:
                 with sim.lock:
                     sim.running -= 1
@@ -326,18 +331,22 @@ def _scheduler_servicer(sim: Sim) -> Any:
                 server_type="grpc", start_time=start, max_total_num_tokens=plan.max_total_tokens)
 
         def GetLoads(self, request: Any, context: Any) -> Any:
-            with sim.lock:
-                running = sim.running
-            load = pb.SchedulerLoad(dp_rank=0, num_running_reqs=running, num_total_reqs=running,
-                                    max_total_num_tokens=plan.max_total_tokens,
-                                    max_running_requests=plan.max_running_requests,
-                                    memory=pb.MemoryMetrics(weight_gb=round(plan.weights, 3),
-                                                            token_capacity=plan.max_total_tokens),
-                                    disaggregation=pb.DisaggregationMetrics(mode=plan.mode),
-                                    queues=pb.QueueMetrics())
+            loads = [pb.SchedulerLoad(
+                dp_rank=rank["dp_rank"], num_running_reqs=rank["running"],
+                num_waiting_reqs=rank["waiting"] + rank["pd_waiting"],
+                num_total_reqs=rank["running"] + rank["waiting"] + rank["pd_waiting"], num_used_tokens=rank["used"],
+                max_total_num_tokens=plan.max_total_tokens, token_usage=round(rank["used"] / plan.max_total_tokens, 4),
+                max_running_requests=plan.max_running_requests, num_waiting_uncached_tokens=rank["uncached"],
+                memory=pb.MemoryMetrics(weight_gb=round(plan.weights, 3), token_capacity=plan.max_total_tokens),
+                disaggregation=pb.DisaggregationMetrics(mode=plan.mode),
+                queues=pb.QueueMetrics(waiting=rank["waiting"])) for rank in sim.loads.ranks()]
+            running = sum(load.num_running_reqs for load in loads)
+            waiting = sum(load.num_waiting_reqs for load in loads)
             return pb.GetLoadsResponse(timestamp=time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime()),
-                                       version=VERSION, dp_rank_count=1, loads=[load],
-                                       aggregate=pb.AggregateMetrics())
+                                       version=VERSION, dp_rank_count=len(loads), loads=loads,
+                                       aggregate=pb.AggregateMetrics(total_running_reqs=running,
+                                                                     total_waiting_reqs=waiting,
+                                                                     total_reqs=running + waiting))
 
         def FlushCache(self, request: Any, context: Any) -> Any:
             sim.flush_cache()

@@ -16,7 +16,7 @@ import threading
 import time
 from typing import Any
 
-from .cli import build_parser, config_error, env_float, env_mib
+from .cli import build_parser, config_error, env_float, env_mib, faults_help
 from .core import (
     ENV_FAULT,
     ENV_GPU_FREE,
@@ -67,6 +67,9 @@ def _shutdown(sim: Sim, signum: int) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Run the simulated server; returns the exit code (never returns on the SIGKILL faults)."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if "--help-faults" in argv:  # the sim's own flag, kept out of sglang's parser (and of its abbreviations)
+        sys.stdout.write(faults_help())
+        return 0
     parser = build_parser()
     try:
         ns = parser.parse_args(argv)

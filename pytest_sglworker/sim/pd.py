@@ -26,7 +26,12 @@ conn.py``, ``decode.py``, ``prefill.py``, ``managers/scheduler.py``) and what th
   500 (``Decode handshake failed ...``, ``Decode transfer failed ... KVPoll.WaitingForInput``, ``Prefill
   transfer failed ... KVPoll.Bootstrapping``).
 - The prefill side answers with ``finish_reason {"type": "length", "length": 0}``, the first output token and
-  the prompt's logprobs; the decode side with the whole output and no prompt logprobs (the router merges).
+  the prompt's logprobs (``input_token_logprobs`` and, with ``top_logprobs_num``, ``input_top_logprobs``, the
+  first position null); the decode side with the whole output and its logprobs, and no prompt logprobs:
+  ``input_token_logprobs`` is ``[]`` and so is ``input_top_logprobs`` with ``top_logprobs_num`` (0.5.23's
+  ``scheduler_components/output_streamer.py``: "Decode server does not send input logprobs"). The routers
+  (sglang-router 0.3.2, the gateway's ``merge_logprobs_in_json``) put the prefill's ``input_token_logprobs``
+  in front of the decode's and merge nothing else, so a merged answer's ``input_top_logprobs`` stays ``[]``.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ from ..engine.sglang_facts import (
     prefill_capture_sizes,
     total_reserve_mib,
 )
-from .tokens import ModelDir, load_model_dir
+from .vocab import ModelDir, load_model_dir
 
 
 @dataclass(frozen=True)
@@ -154,7 +154,7 @@ def make_plan(ns: argparse.Namespace, total_gib: float, *, free_mib: int | None 
     avail_after = avail_before - weights
     rest = avail_after - avail_before * (1 - fraction)
     model = load_model_dir(ns.model_path, vocab_size=facts.vocab_size or 32_000,
-                           eos_token_id=facts.eos_token_id)
+                           eos_token_id=facts.eos_token_id, tokenizer_path=ns.tokenizer_path)
     context_len = ns.context_length or model.context_len or facts.context_len
     max_running = ns.max_running_requests or max(min(4096, tokens // 2), 1)
     served = ns.served_model_name or ns.model_path

@@ -216,9 +216,13 @@ class Handler(BaseHTTPRequestHandler):
             with sim.lock:
                 sim.running += 1
         try:
-            if inference and not request_faults(ctx, faults):
-                return
-            route.answer(ctx)
+            if not inference:
+                route.answer(ctx)
+            else:
+                with sim.loads.scope():  # what it generates counts in /v1/loads until it ends
+                    if not request_faults(ctx, faults):
+                        return
+                    route.answer(ctx)
         except (BrokenPipeError, ConnectionResetError):
             self.close_connection = True
             return

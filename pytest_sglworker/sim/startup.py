@@ -22,6 +22,7 @@ from .core import ENV_ESCAPED, ENV_FAULT, Log
 from .plan import Plan
 from .server import SimHTTPServer, SimHTTPServer6
 from .state import SITE, Sim, kill_self
+from .vocab import FALLBACK_RULE
 
 #: Seconds after which an ``escape_child`` child exits by itself, so that no test leaves it forever.
 ESCAPED_CHILD_LIFETIME = 600.0
@@ -303,6 +304,9 @@ def run_startup(sim: Sim, pre_bind: float, warmup: float) -> SimHTTPServer | Non
     args = plan.args
     timings: dict[str, Any] = {}
     log.info(_server_args_line(plan))
+    if plan.model.tokenizer_note:  # said once: token counts are the sim's, not the model's
+        log.warning(f"(sim) counting tokens without the model's tokenizer: {plan.model.tokenizer_note}; the "
+                    f"fallback counts {FALLBACK_RULE}")
     if args["disable_cuda_graph"]:
         log.warning(
             "'--disable-cuda-graph' is deprecated and will be removed in a future release. Use "

@@ -19,8 +19,9 @@ from typing import Any, NoReturn
 from . import pd as sim_pd
 from .core import ENV_FAULT, Log, Recorder
 from .faults import Faults, FaultState
+from .load import Loads
 from .plan import Plan
-from .tokens import Generation, Vocab, generate
+from .tokens import Generation, Vocab, constrained, generate
 
 #: The version ``/server_info`` and the gRPC servicer report.
 VERSION = "0.5.23-sim"
@@ -61,6 +62,9 @@ class Sim:
         self.prefill_infos = sim_pd.PrefillInfoCache()
         #: the gRPC server and its HTTP sidecar in ``--grpc-mode`` (a :class:`.grpc_server.GrpcSim`)
         self.grpc: Any = None
+        #: the requests in flight and their tokens, by DP rank (``/v1/loads``)
+        self.loads = Loads(dp_size=plan.args.get("dp_size") or 1, max_running=plan.max_running_requests,
+                           max_total_tokens=plan.max_total_tokens, mode=plan.mode)
 
     @property
     def mode(self) -> str:
@@ -70,9 +74,16 @@ class Sim:
         return uuid.uuid4().hex
 
     def generate(self, prompt_ids: list[int], source_ids: list[int] | None, max_new_tokens: int | None,
-                 stop: list[str], ignore_eos: bool, stop_token_ids: list[int] | None = None) -> Generation:
-        gen = generate(self.vocab, prompt_ids, prompt_ids if source_ids is None else source_ids, max_new_tokens,
-                       stop, ignore_eos, stop_token_ids or ())
+                 stop: list[str], ignore_eos: bool, stop_token_ids: list[int] | None = None,
+                 constraint: str | None = None) -> Generation:
+        """One generation of a prompt (``constraint``: the output a regex or JSON schema allows, see
+        :mod:`.constrained`), counted in the metrics, the prefix cache and the loads, and logged as sglang logs
+        a prefill batch."""
+        if constraint is not None:
+            gen = constrained(self.vocab, prompt_ids, constraint, max_new_tokens, stop, stop_token_ids or ())
+        else:
+            gen = generate(self.vocab, prompt_ids, prompt_ids if source_ids is None else source_ids, max_new_tokens,
+                           stop, ignore_eos, stop_token_ids or ())
         key = tuple(prompt_ids)
         with self.lock:
             best = 0
@@ -91,6 +102,7 @@ class Sim:
             self.cached_tokens_total += cached
             running = self.running
         gen.cached_tokens = cached
+        self.loads.admit(len(key), cached, gen.completion_tokens)
         self.log.rank0(
             f"Prefill batch, #new-seq: 1, #new-token: {len(key) - cached}, #cached-token: {cached}, "
             f"token usage: 0.00, #running-req: {max(running - 1, 0)}, #queue-req: 0, #pending-token: 0, "
@@ -140,15 +152,21 @@ class Sim:
             self.inference_served += 1
             return die_after is not None and self.inference_served >= die_after
 
-    def die(self) -> NoReturn:
-        n = self.state.snapshot().die_after
+    def die(self, arrived: int | None = None) -> NoReturn:
+        """The scheduler's exception record, then SIGKILL of itself: ``die_after`` (after answering its last
+        request), or ``die_on_request`` (``arrived``: the request that just arrived, never answered)."""
+        if arrived is None:
+            n = self.state.snapshot().die_after
+            what = f"death after {n} requests ({ENV_FAULT}=die_after={n})"
+        else:
+            what = f"death on request {arrived} ({ENV_FAULT}=die_on_request={arrived})"
         self.log.error(
             "Scheduler hit an exception: Traceback (most recent call last):\n"
             f'  File "{SITE}/sglang/srt/managers/scheduler.py", line 6368, in run_scheduler_process\n'
             "    scheduler.run_event_loop()\n"
             f'  File "{SITE}/sglang/srt/managers/scheduler.py", line 2109, in event_loop_overlap\n'
             "    batch_result = self.run_batch(batch)\n"
-            f"RuntimeError: simulated death after {n} requests ({ENV_FAULT}=die_after={n})\n",
+            f"RuntimeError: simulated {what}\n",
         )
         self.log.error("SIGQUIT received. signum=None, frame=None. It usually means one child failed.")
         kill_self()

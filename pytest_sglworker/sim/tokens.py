@@ -1,11 +1,9 @@
-"""The simulated engine's model: its tokenizer, its deterministic generations, logprobs and embeddings.
+"""The simulated engine's model: its deterministic generations, logprobs and embeddings (its tokenizer and what a
+model directory says are in :mod:`.vocab`, re-exported here).
 
-Part of :mod:`pytest_sglworker.sim`. When ``--model-path`` is a directory with a ``config.json`` its vocab
-size, context length, hidden size, EOS and architecture are the real ones; when it also has a
-``tokenizer.json`` and the ``tokenizers`` package is importable (an optional import: the sim stays
-stdlib-only without it), prompts are tokenized with it, so token counts, ``output_ids``, ``/tokenize`` and
-the chat template's tokens are those of the real engine. Otherwise tokens are words (``text.split()``)
-with ids ``crc32(word) % vocab_size``.
+Part of :mod:`pytest_sglworker.sim`; stdlib only. When ``--model-path`` is a directory with a ``config.json`` its
+vocab size, context length, hidden size, EOS and architecture are the real ones; prompts are tokenized with the
+model's own tokenizer whenever one is found, else with the sim's fallback (:mod:`.vocab` says which, and why).
 
 Generations are deterministic, seeded by the prompt: the model echoes the prompt's (non-special) tokens
 in a cycle, 16 of them and then its EOS token, unless ``max_new_tokens``, a stop string or ``ignore_eos``
@@ -15,164 +13,19 @@ says otherwise. Logprobs are deterministic too: every generated token is the top
 from __future__ import annotations
 
 import base64
-import importlib
-import json
 import math
 import struct
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
+
+from .vocab import HFVocab, ModelDir, Vocab, load_model_dir, message_text, render_chat
+
+__all__ = ["HFVocab", "ModelDir", "Vocab", "load_model_dir", "message_text", "render_chat"]
 
 #: How many tokens the simulated model says before its end-of-sequence token.
 NATURAL_TOKENS = 16
-
-
-# ---------------------------------------------------------------------------------------------- tokenizers
-
-
-class Vocab:
-    """Word-level tokens: ``crc32(word) % vocab_size``; ids it has not seen decode as ``tok<id>``."""
-
-    real = False
-
-    def __init__(self, vocab_size: int, eos_token_id: int) -> None:
-        self.vocab_size = max(int(vocab_size), 2)
-        self.eos_token_id = eos_token_id
-        self.special_ids: frozenset[int] = frozenset({eos_token_id})
-        self._words: dict[int, str] = {}
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = []
-        for word in text.split():
-            token = zlib.crc32(word.encode()) % self.vocab_size
-            self._words.setdefault(token, word)
-            ids.append(token)
-        return ids
-
-    def piece(self, token: int) -> str:
-        return self._words.get(token, f"tok{token}")
-
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return " ".join(self.piece(i) for i in ids if not (skip_special_tokens and i in self.special_ids))
-
-    def token_text(self, token: int, index: int) -> str:
-        """The text a streamed token adds (word mode: a space before every word but the first)."""
-        return self.piece(token) if index == 0 else " " + self.piece(token)
-
-
-class HFVocab(Vocab):
-    """The model directory's ``tokenizer.json`` through the ``tokenizers`` package."""
-
-    real = True
-
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_id: int) -> None:
-        super().__init__(vocab_size, eos_token_id)
-        self.tokenizer = tokenizer
-        specials = {i for i, t in tokenizer.get_added_tokens_decoder().items() if getattr(t, "special", False)}
-        self.special_ids = frozenset(specials | {eos_token_id})
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
-
-    def piece(self, token: int) -> str:
-        return str(self.tokenizer.decode([token], skip_special_tokens=False))
-
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return str(self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens))
-
-    def token_text(self, token: int, index: int) -> str:
-        return self.piece(token)
-
-
-@dataclass(frozen=True)
-class ModelDir:
-    """What a local model directory says (``config.json``, the tokenizer, the chat template)."""
-
-    vocab: Vocab
-    context_len: int | None
-    hidden_size: int | None
-    architecture: str | None
-    model_type: str | None
-    chat_template: str | None
-    config: dict[str, Any] | None
-
-
-def _first_int(value: Any) -> int | None:
-    if isinstance(value, list):
-        value = value[0] if value else None
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-
-def _read_json(path: Path) -> dict[str, Any] | None:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
-
-
-def load_model_dir(model_path: str, *, vocab_size: int, eos_token_id: int) -> ModelDir:
-    """The tokenizer and facts of ``model_path`` (the defaults given when it is not a directory)."""
-    folder = Path(model_path)
-    config = _read_json(folder / "config.json") if folder.is_dir() else None
-    text_config = config.get("text_config") if config and isinstance(config.get("text_config"), dict) else None
-    source = text_config or config or {}
-    vocab_n = _first_int(source.get("vocab_size")) or vocab_size
-    eos = _first_int(source.get("eos_token_id") if config else None)
-    generation = _read_json(folder / "generation_config.json") if config else None
-    if eos is None and generation:
-        eos = _first_int(generation.get("eos_token_id"))
-    eos = eos if eos is not None else eos_token_id
-    vocab: Vocab = Vocab(vocab_n, eos)
-    template = None
-    if config is not None and (folder / "tokenizer.json").is_file():
-        try:
-            tokenizers = importlib.import_module("tokenizers")
-            tokenizer = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
-            vocab = HFVocab(tokenizer, vocab_n, eos)
-        except Exception:  # an optional import, a tokenizer it cannot read: fall back to words
-            vocab = Vocab(vocab_n, eos)
-    if config is not None:
-        tok_config = _read_json(folder / "tokenizer_config.json") or {}
-        template = tok_config.get("chat_template") if isinstance(tok_config.get("chat_template"), str) else None
-        if template is None and (folder / "chat_template.jinja").is_file():
-            try:
-                template = (folder / "chat_template.jinja").read_text(encoding="utf-8")
-            except OSError:
-                template = None
-    architectures = source.get("architectures") or (config or {}).get("architectures")
-    return ModelDir(
-        vocab=vocab,
-        context_len=_first_int(source.get("max_position_embeddings")),
-        hidden_size=_first_int(source.get("hidden_size")),
-        architecture=architectures[0] if isinstance(architectures, list) and architectures else None,
-        model_type=source.get("model_type") if isinstance(source.get("model_type"), str) else None,
-        chat_template=template,
-        config=config,
-    )
-
-
-def render_chat(messages: list[dict[str, Any]], template: str | None) -> str:
-    """The prompt a chat template makes of ``messages``: ChatML when the template is ChatML, else plain
-    ``role: content`` lines (the sim does not run Jinja)."""
-    parts = [(str(m.get("role", "")), message_text(m)) for m in messages]
-    if template and "<|im_start|>" in template:
-        return "".join(f"<|im_start|>{role}\n{text}<|im_end|>\n" for role, text in parts) + "<|im_start|>assistant\n"
-    if template and "<|start_header_id|>" in template:
-        body = "".join(f"<|start_header_id|>{role}<|end_header_id|>\n\n{text}<|eot_id|>" for role, text in parts)
-        return "<|begin_of_text|>" + body + "<|start_header_id|>assistant<|end_header_id|>\n\n"
-    return "".join(f"{role}: {text}\n" for role, text in parts) + "assistant:"
-
-
-def message_text(message: dict[str, Any]) -> str:
-    content = message.get("content")
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return " ".join(p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
-    return ""
 
 
 # ---------------------------------------------------------------------------------------------- generation
@@ -258,6 +111,44 @@ def generate(vocab: Vocab, prompt_ids: list[int], source_ids: list[int], max_new
                 finish = {"type": "stop", "matched": s}
                 break
         texts.append(text)
+    return Generation(list(prompt_ids), output, texts, finish, 0, seed)
+
+
+def constrained(vocab: Vocab, prompt_ids: list[int], text: str, max_new_tokens: int | None, stop: list[str],
+                stop_token_ids: Sequence[int] = ()) -> Generation:
+    """A constrained decoding's generation: the tokens of ``text`` (the output its grammar allows, see
+    :mod:`.constrained`), then EOS once the grammar is done; ``max_new_tokens``, stop strings and stop tokens cut it
+    as they cut any generation. Each text is an exact prefix of ``text``."""
+    seed = prompt_seed(prompt_ids)
+    pieces = vocab.split(text)
+    limit = len(pieces) + 1 if max_new_tokens is None else max_new_tokens
+    output: list[int] = []
+    texts: list[str] = []
+    finish: dict[str, Any] | None = None
+    stops = set(stop_token_ids)
+    for token, end in pieces:
+        if len(output) >= limit:
+            finish = {"type": "length", "length": limit}
+            break
+        output.append(token)
+        if token in stops:
+            texts.append(texts[-1] if texts else "")
+            finish = {"type": "stop", "matched": token}
+            break
+        done = text[:end]
+        matched = next(((done.find(s), s) for s in stop if s in done), None)
+        if matched is not None:
+            texts.append(done[:matched[0]])
+            finish = {"type": "stop", "matched": matched[1]}
+            break
+        texts.append(done)
+    if finish is None:
+        if len(output) >= limit:
+            finish = {"type": "length", "length": limit}
+        else:
+            output.append(vocab.eos_token_id)
+            texts.append(texts[-1] if texts else "")
+            finish = {"type": "stop", "matched": vocab.eos_token_id}
     return Generation(list(prompt_ids), output, texts, finish, 0, seed)
 
 

@@ -17,6 +17,12 @@ Known differences, left out of the comparison on purpose (each names why):
 - Generation requests on the embedding model: the real scheduler crashes on them (``'LogitsProcessorOutput'
   object has no attribute 'embeddings'``), which would end the module's engine; the sim answers 400.
 - Out-of-vocab ``input_ids``: the real scheduler crashes on them too; not in the corpus.
+- ``GET /get_load``: 0.5.23 answers 404 (it serves ``/v1/loads`` only); the sim serves the legacy shape for the
+  routers that still poll it (sglang-router 0.3.2). Not in the corpus; ``/v1/loads`` is.
+- Constrained decoding: the values differ (xgrammar lets the random-weight model emit any JSON whitespace, the
+  sim's JSON is compact; a grammar xgrammar cannot parse is described in xgrammar's words, the sim names
+  Python's reason in the same frame), so only the shapes, statuses and the messages sglang writes itself are
+  compared.
 
 Run: ``pytest tests/sim/test_sim_differential.py -m real_engine`` (skipped without the real engine).
 """
@@ -208,6 +214,58 @@ CORPUS: list[Case] = [
     Case("chat_too_long", "POST", "/v1/chat/completions", _chat("x " * 600), message=True),
     Case("chat_wrong_content_type", "POST", "/v1/chat/completions", raw=b'{"messages": [{"role":"user","content":'
          b'"hi"}]}', headers={"content-type": "text/plain"}),
+    # constrained decoding
+    Case("generate_regex", "POST", "/generate", {"text": "hi", "sampling_params": {
+        "max_new_tokens": 12, "temperature": 0, "regex": r"(yes|no) [a-c]{2}\d"}}, values=("meta_info.finish_reason",)),
+    Case("generate_regex_bad", "POST", "/generate", {"text": "hi", "sampling_params": {"regex": "(ab"}}),
+    Case("generate_regex_bad_stream", "POST", "/generate", {"text": "hi", "stream": True,
+                                                             "sampling_params": {"regex": "(ab"}}),
+    # (cut at 3 tokens: the random-weight model fills the real engine's JSON with whitespace until its limit)
+    Case("generate_schema", "POST", "/generate", {"text": "hi", "sampling_params": {
+        "max_new_tokens": 3, "temperature": 0, "json_schema": json.dumps({
+            "type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+            "required": ["name", "age"]})}}),
+    Case("generate_schema_bad_json", "POST", "/generate", {"text": "hi", "sampling_params": {"json_schema": "{bad"}},
+         message=True),
+    Case("generate_schema_unsupported", "POST", "/generate", {"text": "hi", "sampling_params": {
+        "json_schema": json.dumps({"type": "integer", "multipleOf": 3})}}, message=True),
+    Case("generate_two_grammars", "POST", "/generate", {"text": "hi", "sampling_params": {
+        "regex": "a", "json_schema": "{}"}}, message=True),
+    Case("chat_json_object", "POST", "/v1/chat/completions",
+         _chat("hi", max_tokens=30, response_format={"type": "json_object"})),
+    Case("chat_json_schema", "POST", "/v1/chat/completions", _chat("hi", max_tokens=3, response_format={
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {
+            "type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}}})),
+    Case("chat_json_schema_without_schema", "POST", "/v1/chat/completions", _chat("hi", response_format={
+        "type": "json_schema", "json_schema": {"name": "x"}}), message=True),
+    Case("chat_response_format_bad_type", "POST", "/v1/chat/completions", _chat("hi", response_format={"type": "xml"})),
+    Case("chat_regex", "POST", "/v1/chat/completions", _chat("hi", max_tokens=10, regex="[0-9]{3}-[a-z]{2}")),
+    Case("chat_regex_bad", "POST", "/v1/chat/completions", _chat("hi", regex="(ab")),
+    Case("chat_regex_bad_stream", "POST", "/v1/chat/completions", _chat("hi", regex="(ab", stream=True)),
+    Case("chat_regex_and_response_format", "POST", "/v1/chat/completions",
+         _chat("hi", regex="a", response_format={"type": "json_object"}), message=True),
+    Case("completions_regex", "POST", "/v1/completions", {"model": "m", "prompt": "hi", "max_tokens": 10,
+                                                          "temperature": 0, "regex": "[0-9]{3}"}),
+    # continue_final_message
+    Case("chat_continue_final", "POST", "/v1/chat/completions", {**_chat("hi", max_tokens=3, ignore_eos=True),
+         "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "The answer is"}],
+         "continue_final_message": True}, values=("usage",)),
+    Case("chat_last_assistant_not_continued", "POST", "/v1/chat/completions", {
+        **_chat("hi", max_tokens=3, ignore_eos=True),
+        "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "The answer is"}]},
+         values=("usage",)),
+    Case("chat_continue_final_last_user", "POST", "/v1/chat/completions",
+         _chat("hi", max_tokens=3, ignore_eos=True, continue_final_message=True), values=("usage",)),
+    Case("chat_continue_final_only_assistant", "POST", "/v1/chat/completions", {
+        **_chat("hi"), "messages": [{"role": "assistant", "content": "Once upon"}], "continue_final_message": True},
+         message=True),
+    # load (after the generations above: both engines have decoded by now)
+    Case("v1_loads", "GET", "/v1/loads",
+         values=("loads.0.num_running_reqs", "loads.0.max_total_num_tokens", "loads.0.max_running_requests",
+                 "num_accelerators", "accelerator")),
+    Case("v1_loads_core", "GET", "/v1/loads?include=core"),
+    Case("v1_loads_rank_out_of_range", "GET", "/v1/loads?dp_rank=3", values=("loads",)),
+    Case("v1_loads_bad_section", "GET", "/v1/loads?include=bogus"),
     # tokens, score, embeddings on a generation model
     Case("tokenize", "POST", "/tokenize", {"prompt": "hello world"}, values=("tokens", "count", "max_model_len")),
     Case("detokenize", "POST", "/detokenize", {"tokens": [5, 6, 7]}, values=("text",)),

@@ -12,7 +12,8 @@ does that the sim had to learn, each pinned by a test below:
   never calls the bootstrap port itself (the decode side does, and waits for its peer);
 - it answers with the decode side's response; with ``return_logprob`` on a single (non-batch) ``/generate``
   it sets ``meta_info.input_token_logprobs`` to the prefill's followed by the decode's (0.3.2 merges only
-  that field: ``input_top_logprobs`` stays the decode side's, and a batch answer is passed through as is);
+  that field, as the gateway's ``merge_logprobs_in_json`` still does: ``input_top_logprobs`` stays the decode
+  side's, which is ``[]`` in sglang 0.5.23, and a batch answer is passed through as is);
 - ``--prometheus-host/--prometheus-port`` keep its metrics off the default port 29000.
 """
 
@@ -197,7 +198,12 @@ def test_logprobs_merge(cluster: Cluster) -> None:
     decode = _post(cluster.decode, "/generate", {**body, **room}).json()["meta_info"]
     prefill = _post(cluster.prefill, "/generate", {**body, **room}).json()["meta_info"]
     assert decode["input_token_logprobs"] == [] and len(decode["output_token_logprobs"]) == 4
+    # with top_logprobs_num the decode side has no prompt part either: input_top_logprobs is [] (0.5.23's
+    # output streamer sends no input logprobs from a decode server), its output tops cover every token
+    assert decode["input_top_logprobs"] == [] and len(decode["output_top_logprobs"]) == 4
+    assert len(prefill["input_top_logprobs"]) == len(ids) and prefill["input_top_logprobs"][0] is None
     assert prefill["input_token_logprobs"] == merged["input_token_logprobs"]
+    assert merged["input_top_logprobs"] == []  # the router merges input_token_logprobs only
     first = prefill["output_token_logprobs"]
     assert first == decode["output_token_logprobs"][:1] == merged["output_token_logprobs"][:1]
     assert prefill["finish_reason"] == {"type": "length", "length": 0}
@@ -206,6 +212,31 @@ def test_logprobs_merge(cluster: Cluster) -> None:
         assert r.status_code == 200
         first = _sse(r)[0]
     assert "input_token_logprobs" in first["meta_info"] and "completion_tokens" in first["meta_info"]
+
+
+def test_decode_side_logprobs_have_no_prompt_part(tmp_path: Path) -> None:
+    """sglang 0.5.23's decode server sends no input logprobs (``output_streamer.py``: "Decode server does not send
+    input logprobs"): with ``top_logprobs_num`` its ``input_top_logprobs`` is ``[]`` like its
+    ``input_token_logprobs``, streamed or not, batched or not; its output logprobs cover every token."""
+    port = _free_port()
+    proc = _sim(port, "decode", tmp_path / "decode.log")
+    try:
+        url = f"http://127.0.0.1:{port}"
+        _wait(url, "/health", time.monotonic() + 20, proc, tmp_path / "decode.log")
+        body = {"input_ids": [1, 5, 9, 20], "sampling_params": {"max_new_tokens": 3}, "return_logprob": True,
+                "logprob_start_len": 0, "top_logprobs_num": 2, "bootstrap_host": "2.2.2.2", "bootstrap_room": 0}
+        meta = _post(url, "/generate", body).json()["meta_info"]
+        assert meta["input_token_logprobs"] == [] and meta["input_top_logprobs"] == []
+        assert len(meta["output_token_logprobs"]) == len(meta["output_top_logprobs"]) == 3
+        assert all(len(top) == 2 for top in meta["output_top_logprobs"])
+        batch = _post(url, "/generate", {**body, "input_ids": [[1, 5, 9, 20]], "bootstrap_room": [1]}).json()
+        assert batch[0]["meta_info"]["input_top_logprobs"] == []
+        with httpx.Client(timeout=30.0, trust_env=False) as c, c.stream("POST", url + "/generate",
+                                                                        json={**body, "stream": True}) as r:
+            chunks = [e for e in _sse(r) if e != "[DONE]"]
+        assert chunks and all(e["meta_info"]["input_top_logprobs"] == [] for e in chunks)
+    finally:
+        _stop([proc])
 
 
 def test_decode_without_bootstrap_fields_is_refused(cluster: Cluster) -> None:

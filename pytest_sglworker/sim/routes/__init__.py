@@ -9,13 +9,14 @@ A new endpoint family is one new module with its ``ROUTES`` plus one line in :da
 - :mod:`.generate`: sglang's native ``/generate`` and ``/encode``;
 - :mod:`.openai`: the OpenAI-compatible ``/v1/...`` endpoints;
 - :mod:`.tokenizer`: ``/tokenize``, ``/detokenize``, ``/v1/score``;
+- :mod:`.loads`: ``/v1/loads`` and the legacy ``/get_load`` (the requests in flight, per DP rank);
 - :mod:`.pd`: the prefill/decode checks and handshake of the generation requests (the PD bootstrap routes
   have their own server and port: :mod:`pytest_sglworker.sim.pd`).
 """
 
 from __future__ import annotations
 
-from . import admin, generate, openai, tokenizer
+from . import admin, generate, loads, openai, tokenizer
 from .common import Route
 
 #: The endpoint families of the simulated engine's HTTP server.
@@ -24,6 +25,7 @@ FAMILIES = (
     generate,
     openai,
     tokenizer,
+    loads,
 )
 #: Every route of the HTTP server.
 ROUTES: tuple[Route, ...] = tuple(route for family in FAMILIES for route in family.ROUTES)

@@ -31,11 +31,14 @@ NOT_EMBEDDING = ("This model does not appear to be an embedding model by default
 
 
 class BadRequest(Exception):
-    """A request the real server refuses with 400; ``validation``: FastAPI's validation (type "Bad Request")."""
+    """A request the real server refuses with 400; ``validation``: FastAPI's validation (type "Bad Request");
+    ``kind``: the OpenAI envelope's type otherwise (``BadRequest`` for a ``ValueError`` the OpenAI adapters raise
+    while they convert the request, ``BadRequestError`` for one the engine raises)."""
 
-    def __init__(self, message: str, *, validation: bool = False) -> None:
+    def __init__(self, message: str, *, validation: bool = False, kind: str = "BadRequestError") -> None:
         super().__init__(message)
         self.validation = validation
+        self.kind = kind
 
 
 class Abort(Exception):
@@ -149,7 +152,7 @@ class Request:
         if exc.validation:
             self.openai_error(400, str(exc), "Bad Request")
         elif openai:
-            self.openai_error(400, str(exc))
+            self.openai_error(400, str(exc), exc.kind)
         else:
             self.json(400, {"error": {"message": str(exc)}})
         self.sim.log.error(f"[http_server] Error: {exc}")
@@ -305,9 +308,20 @@ def not_generation(sim: Sim) -> None:
 
 
 def pace(sim: Sim, tokens: int) -> None:
-    """The simulated time to generate ``tokens`` tokens (``SGLSIM_TOKEN_SECONDS``)."""
-    if sim.token_seconds and tokens:
-        time.sleep(sim.token_seconds * tokens)
+    """The simulated time to generate ``tokens`` tokens (``SGLSIM_TOKEN_SECONDS``), one at a time: the request's
+    sequences grow in ``/v1/loads`` as they go."""
+    if not tokens:
+        return
+    step_us = int(sim.token_seconds * 1e6)
+    if not sim.token_seconds:
+        sim.loads.advance(tokens, step_us)
+        return
+    start = time.monotonic()
+    for k in range(1, tokens + 1):
+        delay = start + sim.token_seconds * k - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)
+        sim.loads.advance(1, step_us)
 
 
 def openai_usage(prompt: int, completion: int, *, details: bool = True) -> dict[str, Any]:
@@ -326,11 +340,14 @@ def openai_usage(prompt: int, completion: int, *, details: bool = True) -> dict[
 
 
 def request_faults(ctx: Request, faults: RequestFaults) -> bool:
-    """Latency, hangs and failures of an inference request; False when it was answered (or never is)."""
+    """Death on arrival, latency, hangs and failures of an inference request; False when it was answered (or
+    never is)."""
     sim = ctx.sim
+    k, verdict, status = sim.state.next_request()
+    if verdict == "die":
+        sim.die(arrived=k)
     if faults.latency:
         time.sleep(faults.latency)
-    k, verdict, status = sim.state.next_request()
     if verdict == "hang":
         sim.log.info(f"(sim) request {k} hangs ({ENV_FAULT})")
         while not sim.shutting_down:

@@ -1,8 +1,11 @@
-"""The simulated engine's native endpoints: ``/generate`` (batched, streamed, with logprobs) and ``/encode``.
+"""The simulated engine's native endpoints: ``/generate`` (batched, streamed, with logprobs, constrained by
+``sampling_params.regex`` or ``json_schema``) and ``/encode``.
 
 Part of :mod:`pytest_sglworker.sim`; stdlib only. Both take ``text`` or ``input_ids`` (one prompt or a batch),
 check them as sglang does, and answer sglang's ``meta_info``; a PD server's ``/generate`` goes through the
-handshake of :mod:`.pd` (the prefill side answers with its first token only).
+handshake of :mod:`.pd` (the prefill side answers with its first token only). A grammar that does not compile
+(:mod:`pytest_sglworker.sim.constrained`) is sglang's abort: 400, or one chunk finished with the abort when
+streamed.
 """
 
 from __future__ import annotations
@@ -11,8 +14,9 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from ..constrained import ConstraintError, constrained_text, grammar_of
 from ..state import Sim
-from ..tokens import Generation, embedding, logprobs
+from ..tokens import Generation, embedding, logprobs, prompt_seed
 from .common import (
     NOT_EMBEDDING,
     Abort,
@@ -46,6 +50,7 @@ def generate(ctx: Request) -> None:
         for ids in prompts:
             check_length(sim, ids, params.get("max_new_tokens"))
         verify_sampling(params, sim.vocab.vocab_size, as_float=False)
+        grammar = request_grammar(params)
         max_new = int_field(params.get("max_new_tokens", 128), "max_new_tokens")
         stop = as_stop_list(params.get("stop"))
         ignore_eos = bool(params.get("ignore_eos", False))
@@ -58,13 +63,22 @@ def generate(ctx: Request) -> None:
         start_len = req.get("logprob_start_len")
         start_len = -1 if start_len is None else int(start_len)
         with_text = bool(req.get("return_text_in_logprobs", False))
-        gens = [sim.generate(ids, None, max_new, stop, ignore_eos, stop_ids) for ids in prompts]
+        outputs = [constrained_text(grammar, prompt_seed(ids)) for ids in prompts]
+        gens = [sim.generate(ids, None, max_new, stop, ignore_eos, stop_ids, constraint=out)
+                for ids, out in zip(prompts, outputs, strict=True)]
         handshake(sim, req, rid, gens[0])
     except BadRequest as exc:
         ctx.bad(exc, openai=False)
         return
     except Abort as exc:
         ctx.abort(exc)
+        return
+    except ConstraintError as exc:  # the grammar does not compile: the scheduler aborts the request with 400
+        sim.log.error(f"{exc}, self.rid={rid!r}")
+        if req.get("stream"):
+            ctx.stream(iter([_grammar_abort(sim, rid, str(exc))]))
+        else:
+            ctx.bad(BadRequest(str(exc)), openai=False)
         return
     started = time.perf_counter()
     lp = (return_logprob, top_n, start_len, with_text)
@@ -81,6 +95,25 @@ def generate(ctx: Request) -> None:
         outs.append(_generate_out(sim, gen, gen.completion_tokens, started, lp, rid if len(gens) == 1 else None,
                                   final=True))
     ctx.json(200, outs if batch else outs[0])
+
+
+def request_grammar(params: dict[str, Any]) -> tuple[str, str] | None:
+    """The request's one grammar (``regex``, ``json_schema``, ...); more than one is sglang's 400."""
+    try:
+        return grammar_of(params)
+    except ConstraintError as exc:
+        raise BadRequest(str(exc)) from None
+
+
+def _grammar_abort(sim: Sim, rid: str, message: str) -> dict[str, Any]:
+    """The one chunk a stream gets when its grammar does not compile: the request was cut to one token (sglang's
+    ``set_finish_with_abort``) and finished with the abort."""
+    return {"text": "", "output_ids": [sim.vocab.eos_token_id], "meta_info": {
+        "id": rid, "finish_reason": {"type": "abort", "message": message, "status_code": 400,
+                                     "err_type": "BadRequestError"},
+        "prompt_tokens": 1, "weight_version": "default", "num_retractions": 0, "reasoning_tokens": 0,
+        "completion_tokens": 1, "cached_tokens": 0, "weight_versions": [{"version": "default", "start": 0, "end": 1}],
+        "cached_tokens_details": None, "dp_rank": None, "e2e_latency": 0.0, "response_sent_to_client_ts": time.time()}}
 
 
 def _generate_prompts(sim: Sim, req: dict[str, Any]) -> tuple[list[list[int]], bool]:

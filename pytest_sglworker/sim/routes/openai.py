@@ -1,19 +1,23 @@
 """The simulated engine's OpenAI-compatible endpoints: ``/v1/chat/completions``, ``/v1/completions`` (both
-streamed or not, with logprobs), ``/v1/responses``, ``/v1/embeddings`` and ``/v1/models`` (with
-``/v1/models/{name}``).
+streamed or not, with logprobs, constrained by ``response_format`` or sglang's ``regex`` extra), ``/v1/responses``,
+``/v1/embeddings`` and ``/v1/models`` (with ``/v1/models/{name}``).
 
 Part of :mod:`pytest_sglworker.sim`; stdlib only. Requests are checked as sglang's pydantic models and OpenAI
 adapters do (the error envelopes of :mod:`.common`); a PD server's completions go through the handshake of
-:mod:`.pd` (the prefill side answers with its first token only).
+:mod:`.pd` (the prefill side answers with its first token only). A chat whose last message is the assistant's
+is continued with ``continue_final_message`` (:func:`final_message`, as sglang 0.5.23's
+``_handle_last_assistant_message``).
 """
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
 
+from ..constrained import ConstraintError, constrained_text
 from ..state import Sim
 from ..tokens import (
     Generation,
@@ -22,6 +26,7 @@ from ..tokens import (
     message_text,
     openai_chat_logprob,
     openai_completion_logprobs,
+    prompt_seed,
     render_chat,
 )
 from .common import (
@@ -40,6 +45,7 @@ from .common import (
     pace,
     verify_sampling,
 )
+from .generate import request_grammar
 from .pd import handshake
 
 
@@ -84,6 +90,66 @@ def _openai_sampling(req: dict[str, Any], max_tokens: int | None) -> dict[str, A
     return params
 
 
+_FORMATS = ("text", "json_object", "json_schema", "structural_tag")
+
+
+def openai_grammar(req: dict[str, Any], *, chat: bool) -> tuple[str, str] | None:
+    """The grammar of an OpenAI request: sglang's ``regex`` and ``ebnf`` extras (and ``json_schema`` on
+    completions), or ``response_format`` (``json_object``: ``{"type": "object"}``; ``json_schema``: its schema,
+    which it must have; ``text``: none); more than one is sglang's 400 ``Only one of ...``."""
+    params: dict[str, Any] = {"regex": req.get("regex"), "ebnf": req.get("ebnf")}
+    if not chat:
+        params["json_schema"] = req.get("json_schema")
+    fmt = req.get("response_format")
+    if fmt is not None:
+        kind = fmt.get("type") if isinstance(fmt, dict) else None
+        if kind not in _FORMATS:
+            raise BadRequest("1 validation error:\n  {'type': 'literal_error', 'loc': ('body', 'response_format', "
+                             "'ResponseFormat', 'type'), 'msg': \"Input should be 'text', 'json_object' or "
+                             f"'json_schema'\", 'input': {kind!r}}}", validation=True)
+        spec = fmt.get("json_schema")
+        if kind == "json_schema" and spec is None and chat and isinstance(fmt.get("schema"), dict):
+            spec = {"name": fmt["schema"].get("title", "Schema"), "schema": fmt["schema"]}  # sglang's set_json_schema
+        if kind == "json_schema" and spec is not None and (not isinstance(spec, dict) or "name" not in spec):
+            raise BadRequest("1 validation error:\n  {'type': 'missing', 'loc': ('body', 'response_format', "
+                             f"'ResponseFormat', 'json_schema', 'name'), 'msg': 'Field required', 'input': {spec!r}}}",
+                             validation=True)
+        if kind == "json_schema":
+            schema = spec.get("schema") if isinstance(spec, dict) else None
+            if schema is None:
+                raise BadRequest("schema_ is required for json_schema response format request.",
+                                 kind="BadRequestError" if chat else "BadRequest")
+            params["json_schema"] = json.dumps(schema)
+        elif kind == "json_object":
+            params["json_schema"] = '{"type": "object"}'
+        elif kind == "structural_tag":
+            params["structural_tag"] = json.dumps(fmt)
+    return request_grammar(params)
+
+
+def _grammar_error(ctx: Request, rid: str, exc: ConstraintError, stream: bool) -> None:
+    """A grammar that does not compile: 400, or (streamed) sglang's one error chunk."""
+    ctx.sim.log.error(f"{exc}, self.rid={rid!r}")
+    if stream:
+        ctx.stream(iter([{"error": {"object": "error", "message": str(exc), "type": "BAD_REQUEST", "param": None,
+                                    "code": 400}}]))
+    else:
+        ctx.bad(BadRequest(str(exc)), openai=True)
+
+
+def final_message(messages: list[dict[str, Any]], continue_final: bool) -> tuple[list[dict[str, Any]], str | None]:
+    """sglang's ``_handle_last_assistant_message``: a last assistant message is the prefix the completion continues
+    (``continue_final_message``: it leaves the conversation, whose prompt then ends with the generation prompt and
+    the prefix's tokens) or, without the flag, becomes a user message. Nothing happens when the last message is not
+    the assistant's (no error)."""
+    if not messages or messages[-1].get("role") != "assistant":
+        return messages, None
+    text = message_text(messages[-1])
+    if continue_final:
+        return messages[:-1], text
+    return [*messages[:-1], {"role": "user", "content": text}], None
+
+
 def chat(ctx: Request) -> None:
     sim = ctx.sim
     rid = sim.new_id()
@@ -101,23 +167,35 @@ def chat(ctx: Request) -> None:
                              validation=True)
         not_generation(sim)
         max_tokens, stop, ignore_eos, n = _openai_params(req)
+        grammar = openai_grammar(req, chat=True)
+        texts = [message_text(m) for m in messages]
+        messages, prefix = final_message(messages, bool(req.get("continue_final_message")))
+        if not messages:
+            raise BadRequest("Cannot apply chat template to an empty conversation. Provide at least one message.",
+                             kind="BadRequest")
         if sim.vocab.real:
             prompt = sim.vocab.encode(render_chat(messages, sim.plan.model.chat_template), add_special_tokens=False)
-            source = sim.vocab.encode(" ".join(message_text(m) for m in messages), add_special_tokens=False)
+            if prefix:
+                prompt += sim.vocab.encode(prefix, add_special_tokens=False)
+            source = sim.vocab.encode(" ".join(texts), add_special_tokens=False)
         else:
-            prompt = sim.vocab.encode(" ".join(message_text(m) for m in messages))
+            prompt = sim.vocab.encode(" ".join(texts))
             source = prompt
         check_length(sim, prompt, max_tokens)
         verify_sampling(_openai_sampling(req, max_tokens), sim.vocab.vocab_size, as_float=True)
         want_logprobs = bool(req.get("logprobs"))
         top_n = int(req.get("top_logprobs") or 0)
-        gens = [sim.generate(prompt, source, max_tokens, stop, ignore_eos) for _ in range(n)]
+        output = constrained_text(grammar, prompt_seed(prompt))
+        gens = [sim.generate(prompt, source, max_tokens, stop, ignore_eos, constraint=output) for _ in range(n)]
         handshake(sim, req, rid, gens[0])
     except BadRequest as exc:
         ctx.bad(exc, openai=True)
         return
     except Abort as exc:
         ctx.abort(exc)
+        return
+    except ConstraintError as exc:
+        _grammar_error(ctx, rid, exc, bool(req.get("stream")))
         return
     if sim.mode == "prefill":
         for gen in gens:
@@ -203,20 +281,25 @@ def completions(ctx: Request) -> None:
         for _, ids in prompts:
             check_length(sim, ids, max_tokens)
         verify_sampling(_openai_sampling(req, max_tokens), sim.vocab.vocab_size, as_float=True)
+        grammar = openai_grammar(req, chat=False)
         echo = bool(req.get("echo", False))
         top = req.get("logprobs")
         want_logprobs = top is not None and top is not False
         top_n = int(top) if num(top) else 0
         gens: list[tuple[str, Generation]] = []
         for text, ids in prompts:
+            output = constrained_text(grammar, prompt_seed(ids))
             for _ in range(n):
-                gens.append((text, sim.generate(ids, None, max_tokens, stop, ignore_eos)))
+                gens.append((text, sim.generate(ids, None, max_tokens, stop, ignore_eos, constraint=output)))
         handshake(sim, req, rid, gens[0][1])
     except BadRequest as exc:
         ctx.bad(exc, openai=True)
         return
     except Abort as exc:
         ctx.abort(exc)
+        return
+    except ConstraintError as exc:
+        _grammar_error(ctx, rid, exc, bool(req.get("stream")))
         return
     if sim.mode == "prefill":
         for _, gen in gens:

@@ -40,6 +40,7 @@ def handshake(sim: Sim, req: dict[str, Any], rid: str, gen: Generation | None = 
     port = req.get("bootstrap_port")
     if isinstance(port, list):
         port = port[0] if port else None
+    sim.loads.pd_wait(True)  # in its PD queue (prefill: bootstrap; decode: pre-allocation) until the peer is there
     try:
         if mode == "decode":
             sim_pd.decode_handshake(sim.prefill_infos, str(host), int(port or 8998), room, rid, sim.pd_wait,
@@ -51,3 +52,5 @@ def handshake(sim: Sim, req: dict[str, Any], rid: str, gen: Generation | None = 
     except sim_pd.PDError as exc:
         sim.log.rank0(str(exc), level=40)
         raise Abort(str(exc), exc.status) from None
+    finally:
+        sim.loads.pd_wait(False)
