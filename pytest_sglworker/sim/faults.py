@@ -106,7 +106,8 @@ FAULTS: tuple[Fault, ...] = (
           "deterministically: request k fails when crc32('<seed>:<k>') / 2**32 < P"),
     Fault("fail_seed", "int", "the seed of fail_rate (default 0)"),
     Fault("status", "status", "the status code of the failures; alone, every inference request answers it"),
-    Fault("latency", "seconds", "every inference request waits S seconds before it is answered"),
+    Fault("latency", "seconds",
+          "every inference request waits S seconds in the queue (counted in its load) before it is answered"),
     Fault("hang_request", "nonneg", "the N-th inference request (from when it is set) is never answered (0: none)"),
     Fault("hang_requests", "flag", "every inference request is never answered"),
     Fault("health_fail_after", "seconds", "/health, /health_generate and /ready answer 503 from S seconds after the "

@@ -106,6 +106,23 @@ class Loads:
         scope.seqs.append(seq)
         scope.keys.append(key)
 
+    @contextmanager
+    def queued(self, prompt_tokens: int) -> Iterator[None]:
+        """The current request waits in the scheduler's queue before it runs (the ``latency`` fault): it counts as
+        one more request of ``prompt_tokens`` until it leaves the queue, so that a slow worker looks busy to a
+        load-aware router, as a real one's backlog does."""
+        if self._scope() is None:
+            yield
+            return
+        with self.lock:
+            key = next(self._ids)
+            self.seqs[key] = Seq(rank=next(self._turn) % self.dp_size, prompt=max(prompt_tokens, 1))
+        try:
+            yield
+        finally:
+            with self.lock:
+                self.seqs.pop(key, None)
+
     def advance(self, tokens: int = 1, step_us: int = 1) -> None:
         """The current request's sequences have generated ``tokens`` more tokens, in decode steps of ``step_us``
         microseconds each (sglang's ``decode_moments``: one step per token, the request's sequences a batch)."""

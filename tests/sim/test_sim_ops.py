@@ -59,7 +59,8 @@ request faults (SGLSIM_FAULT, or at run time through /_sim/faults):
   fail_seed=N            the seed of fail_rate (default 0)
   status=CODE            the status code of the failures; alone, every inference request answers
                          it
-  latency=S              every inference request waits S seconds before it is answered
+  latency=S              every inference request waits S seconds in the queue (counted in its
+                         load) before it is answered
   hang_request=N         the N-th inference request (from when it is set) is never answered (0:
                          none)
   hang_requests          every inference request is never answered
@@ -150,6 +151,18 @@ def test_a_worker_with_requests_in_flight_reports_a_higher_load_than_an_idle_one
                     "the load to fall back to zero")
     assert done["num_used_tokens"] == 0 and done["decode_moments"][0] >= 3 * 40
     assert "Endpoint '/get_load' is deprecated" in busy.log()
+
+
+def test_a_request_held_by_the_latency_fault_counts_in_the_load(launch: Launcher) -> None:
+    """A slow worker (the ``latency`` fault) must look busy to a load-aware router while it holds requests."""
+    sim = launch(*CI_ARGS, "--skip-server-warmup", env={"SGLSIM_FAULT": "latency=1.5"})
+    sim.wait_ready()
+    requests = _Requests(sim, 2, tokens=1)
+    legacy = wait_for(lambda: next((lo for lo in sim.client.get("/get_load").json() if lo["num_reqs"] == 2), None),
+                      10.0, "two queued requests in /get_load")
+    assert legacy["num_tokens"] > 0
+    assert requests.join() == [200, 200]
+    wait_for(lambda: _loads(sim)[0]["num_running_reqs"] == 0, 10.0, "the load to fall back to zero")
 
 
 def test_loads_per_dp_rank_and_the_queue_beyond_max_running_requests(launch: Launcher) -> None:

@@ -347,7 +347,8 @@ def request_faults(ctx: Request, faults: RequestFaults) -> bool:
     if verdict == "die":
         sim.die(arrived=k)
     if faults.latency:
-        time.sleep(faults.latency)
+        with sim.loads.queued(len(ctx.body) // 4):  # about a token per 4 bytes of the body: it is not parsed yet
+            time.sleep(faults.latency)
     if verdict == "hang":
         sim.log.info(f"(sim) request {k} hangs ({ENV_FAULT})")
         while not sim.shutting_down:
