@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 
 import pytest
 
@@ -223,3 +224,22 @@ def test_dp(sgl_router): pass
         "*sgl_router(dp_aware=...) must be True, False or None, got 'yes'*",
     ])
     result.stdout.no_fnmatch_line("*INTERNALERROR*")
+
+
+def test_example_gateway_e2e_suite_runs_on_the_sim(pytester: pytest.Pytester, sim_env: dict[str, str]) -> None:
+    """conftest_examples/gateway_e2e, sglang's gateway e2e shapes ported onto the fixtures, stays green on the
+    simulated engine behind the real router."""
+    import shutil
+    from pathlib import Path
+
+    examples = Path(__file__).resolve().parents[2] / "conftest_examples"
+    shutil.copytree(examples / "gateway_e2e", pytester.path / "gateway_e2e")
+    result = _run(pytester, "gateway_e2e", "--sgl-gpus", "sim:4", timeout=300)
+    result.assert_outcomes(passed=17)
+    out = result.stdout.str()
+    # class-scoped routers: one launch per class, reused by its other tests; module-scoped PD router likewise
+    result.stdout.fnmatch_lines(["router (round_robin) over qwen3-0.6b [[]1P+1D[]]: 1 launched, 2 reused*"])
+    result.stdout.fnmatch_lines(["router (round_robin) over qwen3-0.6b [[]2x[]]: 2 launched, 2 reused*"])
+    # the test that switched a worker's faults on handed it back clean, and the next test reused it
+    assert re.search(r"qwen3-0\.6b \[1x\]: 1 launched, \d+ reused, .*, \d+ set back after runtime faults", out), out
+    assert "INTERNALERROR" not in out
