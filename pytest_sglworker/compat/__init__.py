@@ -25,7 +25,8 @@ What this module gives:
 - :func:`kill_process_tree`: sglang's signature; ends one of those servers through the plugin (a stop, its lease
   given back), or any other tree as sglang does.
 - :func:`map_model` / ``SGLWORKER_COMPAT_MODELS``: which spec serves a model name; :func:`budget_opt_out`: which
-  tests may break the budget, and why. Call them from a ``conftest.py``.
+  tests may break the budget, and why; :func:`rename_flag`: a flag the engine's version renamed. Call them from a
+  ``conftest.py``.
 - Every other public name of ``sglang.test.test_utils`` (``CustomTestCase``, ``DEFAULT_URL_FOR_TEST``,
   ``DEFAULT_TIMEOUT_FOR_SERVER_LAUNCH``, ...), read from sglang when first asked for (sglang must be importable
   for those). The ``DEFAULT_*MODEL*`` constants follow the spec mapping: one that a spec serves is the path that
@@ -39,12 +40,17 @@ Outside a pytest session with the plugin (``python -m unittest``), :func:`popen_
 from __future__ import annotations
 
 import importlib
+import sys
 from typing import Any
 
-from ..engine.specs import active_registry
-from ..plugin.session import active_session
-from .launches import ServerProcess, kill_process_tree, popen_launch_server
-from .models import ENV_MODELS, CompatError, budget_opt_out, map_model, mapped_constant
+from ..engine.specs import SpecRegistry, active_registry
+from .dropins import kill_process_tree, popen_launch_server
+from .models import ENV_MODELS, CompatError, budget_opt_out, map_model, mapped_constant, rename_flag
+
+if sys.modules.get("pytest") is not None:
+    # A pytest run: the runtime is registered with the session in progress and every session that starts. Elsewhere
+    # (an engine's scheduler importing the test module to unpickle a logit processor) nothing needs pytest.
+    from . import launches as _launches  # noqa: F401
 
 __all__ = [
     "ENV_MODELS",
@@ -54,6 +60,7 @@ __all__ = [
     "kill_process_tree",
     "map_model",
     "popen_launch_server",
+    "rename_flag",
 ]
 
 #: the module whose public names this one re-exports
@@ -66,6 +73,10 @@ def __getattr__(name: str) -> Any:
     CustomTestCase`` shows it as it is)."""
     if name.startswith("_"):
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    if name == "ServerProcess":  # it needs pytest: imported when asked for
+        from .launches import ServerProcess
+
+        return ServerProcess
     try:
         module = importlib.import_module(SGLANG_TEST_UTILS)
     except Exception as exc:
@@ -74,8 +85,18 @@ def __getattr__(name: str) -> Any:
                           "drop-ins (popen_launch_server, kill_process_tree)", name=name) from None
     if not hasattr(module, name):
         raise AttributeError(f"module {__name__!r} has no attribute {name!r} (nor has {SGLANG_TEST_UTILS})")
-    session = active_session()
-    return mapped_constant(name, getattr(module, name), session.registry if session is not None else active_registry())
+    return mapped_constant(name, getattr(module, name), _registry())
+
+
+def _registry() -> SpecRegistry:
+    """The running session's registry; the built-ins outside a pytest run."""
+    if sys.modules.get("pytest") is not None:
+        from ..plugin.session import active_session
+
+        session = active_session()
+        if session is not None:
+            return session.registry
+    return active_registry()
 
 
 def __dir__() -> list[str]:

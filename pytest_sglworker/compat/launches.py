@@ -52,14 +52,13 @@ from ..workers.config import WorkerConfig
 from ..workers.errors import WorkerDied
 from ..workers.process import PER_TEST_VARIABLES
 from ..workers.sources.base import GroupRequest, GroupUse, SourceRefusal
-from .models import CompatError, opt_out_for, resolve_spec
+from .models import CompatError, opt_out_for, renamed_args, resolve_spec
 
 if TYPE_CHECKING:
     from ..workers.group import WorkerGroup
     from ..workers.launcher import ModelInstance
 
-__all__ = ["RUNTIME_NAME", "CompatRuntime", "ServerProcess", "install", "kill_process_tree", "parse_base_url",
-           "popen_launch_server", "runtime"]
+__all__ = ["RUNTIME_NAME", "CompatRuntime", "ServerProcess", "install", "parse_base_url", "runtime"]
 
 RUNTIME_NAME = "sglworker-compat"
 #: host names of a ``base_url`` that reach the worker, which binds 127.0.0.1 only
@@ -174,6 +173,60 @@ class _Launch:
         return self.group[0]
 
 
+#: how long a server that is being killed gets to finish exiting before it counts as still running
+EXIT_GRACE_SECONDS = 60.0
+_PF_EXITING = 0x4  # task flag set when the kernel starts tearing a process down (include/linux/sched.h)
+_SIGKILL_BIT = 1 << (signal.SIGKILL - 1)
+
+
+def _dying(pid: int) -> bool:
+    """Whether ``pid`` is being killed: SIGKILL pending, or the kernel already tearing it down. sglang's
+    ``kill_process_tree`` returns once a killed root can no longer be signalled, which for a large process can be
+    before it has exited (freeing its memory takes a while on a busy machine): that root is not a server the
+    teardown forgot. Linux only (``/proc``); elsewhere False."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    try:
+        flags = int(stat.rsplit(")", 1)[1].split()[6])  # field 9 of stat; fields 1-2 end at the last ')'
+    except (IndexError, ValueError):
+        flags = 0
+    pending = 0
+    for line in status.splitlines():
+        if line.startswith(("SigPnd:", "ShdPnd:")):
+            with contextlib.suppress(ValueError):
+                pending |= int(line.split(":", 1)[1].strip(), 16)
+    return bool(flags & _PF_EXITING or pending & _SIGKILL_BIT)
+
+
+def _settle(worker: ModelInstance) -> bool:
+    """Whether ``worker``'s root is alive, after letting a root that is being killed finish exiting."""
+    if worker.is_alive() and _dying(worker.pid):
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            worker.process.wait(EXIT_GRACE_SECONDS)
+    return worker.is_alive()
+
+
+def _only_closed_connections(port: int) -> bool:
+    """Whether ``port`` cannot be bound plainly yet nobody listens there: connections of an earlier server linger
+    in TIME_WAIT (sglang binds with SO_REUSEADDR and would start; the plugin's port check waits them out)."""
+    import errno
+    import socket
+
+    def bindable(reuse: bool) -> bool:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, int(reuse))
+            try:
+                sock.bind((LOOPBACK_HOST, port))
+            except OSError as exc:
+                return exc.errno != errno.EADDRINUSE
+            return True
+
+    return bindable(True) and not bindable(False)
+
+
 def _tee(path: Path, sink: Any, stop: threading.Event) -> None:
     """Copy the worker's log, from its start, into ``sink`` (``return_stdout_stderr``) until ``stop`` is set."""
     try:
@@ -275,7 +328,8 @@ class CompatRuntime:
             raise CompatError(f"popen_launch_server(other_args=...) in {where} must be a list of arguments, not the "
                               f"string {other_args!r}")
         given = [str(a) for a in other_args]
-        parsed = flag_table().parse(given)
+        renamed, renames = renamed_args(given)
+        parsed = flag_table().parse(renamed)
         if parsed.given("port"):
             raise CompatError(f"popen_launch_server in {where}: other_args name --port {parsed.last('port')}; the "
                               f"port comes from base_url ({base_url})")
@@ -283,7 +337,7 @@ class CompatRuntime:
             raise CompatError(f"popen_launch_server in {where}: model must be a model name or path, got {model!r}")
         spec = resolve_spec(model, session.registry)
         environ = session.worker_environ()
-        args = list(given)
+        args = list(renamed)
         if api_key:
             args += ["--api-key", str(api_key)]
         if device and device != "auto":
@@ -309,6 +363,10 @@ class CompatRuntime:
             rejected = session.check_flags({f"popen_launch_server({model!r}) in {where}": (spec, tuple(args))})
             if rejected:
                 raise CompatError("\n".join(rejected.values()))
+        if _only_closed_connections(port):
+            session.terminal.message(
+                f"pytest_sglworker.compat: {where}: port {port} of {base_url} still holds closed connections of an "
+                "earlier server (TIME_WAIT, up to 60 s); the plugin's port check waits for them to expire")
         options, guards = self._pinned(port, timeout)
         request = GroupRequest(config, f"{owner} (pid {os.getpid()})", fresh=True, launch=True, options=options,
                                budget_opt_out=bool(reason), environ=environ)
@@ -322,6 +380,8 @@ class CompatRuntime:
             if isinstance(exc, InventoryUnavailable):
                 pytest.skip(f"no GPU inventory: {exc}")
             raise
+        for note in renames:
+            session.terminal.message(f"pytest_sglworker.compat: {where}: other_args renamed {note}")
         launch = _Launch(group, owner, fixturedef, item, cls, time.time(), guards)
         self.launches[launch.worker.pid] = launch
         enable_run_hooks(session)  # the failure sections of the tests it serves
@@ -372,7 +432,7 @@ class CompatRuntime:
         failure: SglWorkerError | None = None
         for launch in [launch for launch in self.launches.values() if launch.fixturedef is fixturedef]:
             worker = launch.worker
-            if worker.is_alive() or worker.stopped:
+            if worker.stopped or _settle(worker):
                 continue
             if launch.cls is not None and getattr(launch.cls, "expect_server_exit", False):
                 worker.expect_exit()  # sglang's CustomTestCase: a fault-injection class expects it
@@ -392,7 +452,7 @@ class CompatRuntime:
         self.launches.pop(worker.pid, None)
         if launch.tee_stop is not None:
             launch.tee_stop.set()
-        forgotten = worker.is_alive()
+        forgotten = _settle(worker)
         if not forgotten and not worker.stopped and not launch.died:
             worker.expect_exit()  # ended by the owner's own teardown (sglang's kill_process_tree): a stop
         use = GroupUse(launch.owner, "failed" if launch.failed or launch.died else "passed", launch.started,
@@ -413,7 +473,7 @@ class CompatRuntime:
         if launch is None:
             return False
         worker = launch.worker
-        if not worker.is_alive() and not worker.stopped:
+        if not worker.stopped and not _settle(worker):
             launch.died = True  # gone before anyone asked: a death, reported as one
         else:
             if sig is not None:
@@ -442,97 +502,3 @@ def runtime() -> CompatRuntime | None:
 
 
 when_session_starts(install)
-
-
-# -- the drop-ins ---------------------------------------------------------------------------------------------------
-def popen_launch_server(
-    model: str,
-    base_url: str,
-    timeout: float,
-    api_key: str | None = None,
-    other_args: Sequence[Any] | None = None,
-    env: Mapping[str, Any] | None = None,
-    return_stdout_stderr: tuple[Any, Any] | None = None,
-    device: str = "auto",
-    pd_separated: bool = False,
-    num_replicas: int | None = None,
-) -> Any:
-    """sglang's ``popen_launch_server`` (same signature), served by the running pytest session: a worker of the
-    model spec that serves ``model``, on ``base_url``'s port, ready when it returns. Returns a
-    :class:`ServerProcess` whose ``pid`` is the worker's root process.
-
-    ``other_args`` are checked against the mandatory budget (a violation raises
-    :class:`~pytest_sglworker.BudgetViolation` naming the test class and the fix) and by sglang's own parser;
-    ``api_key`` adds ``--api-key``; ``device`` other than ``"auto"`` adds ``--device`` (``"auto"`` leaves the
-    device to the spec's args); ``env`` is added to the worker's environment; ``return_stdout_stderr`` gets the
-    worker's log (stdout and stderr are one log file: its lines go to the second stream); ``timeout`` is the
-    startup timeout. A startup failure raises the plugin's worker error (diagnosis, argv, log path and tail).
-    Prefill/decode launches (``pd_separated``, ``num_replicas``) are not offered: use the plugin's
-    ``sgl_workers(prefill=P, decode=D)`` fixture.
-
-    Outside a pytest session with the plugin, this is sglang's own ``popen_launch_server``, unchanged.
-    """
-    __tracebackhide__ = True  # a failure shows the test's own line and the plugin's message, not its internals
-    active = runtime()
-    if active is None:
-        return _sglang("popen_launch_server")(model, base_url, timeout, api_key=api_key, other_args=other_args,
-                                              env=env, return_stdout_stderr=return_stdout_stderr, device=device,
-                                              pd_separated=pd_separated, num_replicas=num_replicas)
-    if pd_separated or num_replicas is not None:
-        raise CompatError("popen_launch_server(pd_separated=True / num_replicas=...) is not offered by "
-                          "pytest_sglworker.compat: use the plugin's @pytest.mark.sgl_workers(prefill=P, decode=D) "
-                          "with the sgl_workers and sgl_router fixtures")
-    try:
-        return active.launch(model, base_url, timeout, api_key=api_key, other_args=other_args or (), env=env,
-                             return_stdout_stderr=return_stdout_stderr, device=device)
-    except SglWorkerError as exc:
-        raise exc.with_traceback(None) from None
-
-
-def kill_process_tree(parent_pid: int | None, include_parent: bool = True, skip_pid: int | None = None,
-                      wait_timeout: float | None = 60) -> None:
-    """sglang's ``kill_process_tree`` (same signature). The root of a server :func:`popen_launch_server` launched
-    is ended by the plugin (its whole tree, the lease and port given back, counted as a stop); any other pid goes
-    to sglang's own function (or, without sglang, the same walk of the tree)."""
-    active = runtime()
-    if (active is not None and parent_pid is not None and include_parent and skip_pid is None
-            and active.end(parent_pid)):
-        return
-    try:
-        sglang_kill = _sglang("kill_process_tree", module="sglang.srt.utils")
-    except CompatError:
-        _kill_tree(parent_pid, include_parent, skip_pid, wait_timeout)
-        return
-    sglang_kill(parent_pid, include_parent=include_parent, skip_pid=skip_pid, wait_timeout=wait_timeout)
-
-
-def _sglang(name: str, module: str = "sglang.test.test_utils") -> Any:
-    import importlib
-
-    try:
-        return getattr(importlib.import_module(module), name)
-    except Exception as exc:
-        raise CompatError(f"no pytest session with pytest-sglworker is running here, and sglang's own {name} cannot "
-                          f"be used instead ({type(exc).__name__}: {exc}); run the file with pytest") from None
-
-
-def _kill_tree(parent_pid: int | None, include_parent: bool, skip_pid: int | None, wait_timeout: float | None) -> None:
-    """sglang's walk without sglang: SIGKILL ``parent_pid``'s descendants (and itself), then wait for them."""
-    import psutil
-
-    if parent_pid is None:
-        parent_pid, include_parent = os.getpid(), False
-    try:
-        root = psutil.Process(parent_pid)
-        procs = [p for p in root.children(recursive=True) if p.pid != skip_pid]
-    except psutil.NoSuchProcess:
-        return
-    if include_parent and parent_pid != os.getpid():
-        procs.append(root)
-    for proc in procs:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            proc.kill()
-    if wait_timeout is not None:
-        _, alive = psutil.wait_procs(procs, timeout=wait_timeout)
-        if alive:
-            raise subprocess.TimeoutExpired(f"kill_process_tree({parent_pid})", wait_timeout)

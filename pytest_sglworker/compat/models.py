@@ -17,6 +17,11 @@ mapping: a constant whose value resolves to a spec becomes the path that spec's 
 its local copy). A test that builds a tokenizer from the constant (``get_tokenizer(DEFAULT_SMALL_MODEL_NAME_FOR_TEST)``)
 then loads the model its worker serves, with no edit of the test file.
 
+sglang renames flags between versions (0.5.23 split ``--cuda-graph-max-bs`` into ``--cuda-graph-max-bs-decode`` and
+``--cuda-graph-max-bs-prefill``), and a suite written for another version passes the old name, which the engine's
+own parser then rejects before anything launches. :func:`rename_flag`, called from a ``conftest.py`` with the reason,
+renames it in every ``other_args`` (the worker's argv shows the new name); nothing is renamed unless asked.
+
 Plain Python, no pytest.
 """
 
@@ -38,6 +43,8 @@ __all__ = [
     "map_model",
     "mapped_constant",
     "opt_out_for",
+    "rename_flag",
+    "renamed_args",
     "resolve_spec",
 ]
 
@@ -46,6 +53,7 @@ ENV_MODELS = "SGLWORKER_COMPAT_MODELS"
 
 _MAPPED: dict[str, str] = {}
 _OPT_OUTS: list[tuple[str, str]] = []
+_RENAMED: dict[str, tuple[str, str]] = {}
 
 
 class CompatError(SglWorkerError):
@@ -74,10 +82,40 @@ def budget_opt_out(pattern: str, reason: str) -> None:
     _OPT_OUTS.append((pattern.strip(), reason.strip()))
 
 
+def rename_flag(old: str, new: str, *, reason: str) -> None:
+    """Pass ``new`` wherever a suite's ``other_args`` pass the flag ``old`` (``--old value`` and ``--old=value``),
+    for ``reason`` (the engine's version renamed it). Exact spelling only: no abbreviation is expanded."""
+    for flag in (old, new):
+        if not isinstance(flag, str) or not flag.startswith("--") or "=" in flag or len(flag) < 3:
+            raise CompatError(f"rename_flag(old, new, reason=...): flags are '--name' strings, got {flag!r}")
+    if not isinstance(reason, str) or not reason.strip():
+        raise CompatError(f"rename_flag({old!r}, {new!r}, reason=...) needs a reason: which engine version renamed it")
+    _RENAMED[old] = (new, reason.strip())
+
+
+def renamed_args(args: list[str]) -> tuple[list[str], list[str]]:
+    """``args`` with the :func:`rename_flag` renames applied, and one note per rename made."""
+    out: list[str] = []
+    notes: list[str] = []
+    for arg in args:
+        name, eq, value = arg.partition("=")
+        if name in _RENAMED:
+            new, reason = _RENAMED[name]
+            out.append(f"{new}{eq}{value}")
+            note = f"{name} -> {new} ({reason})"
+            if note not in notes:
+                notes.append(note)
+        else:
+            out.append(arg)
+    return out, notes
+
+
 def clear() -> None:
-    """Forget every :func:`map_model` and :func:`budget_opt_out` (a test of this module resets between cases)."""
+    """Forget every :func:`map_model`, :func:`budget_opt_out` and :func:`rename_flag` (a test of this module resets
+    between cases)."""
     _MAPPED.clear()
     _OPT_OUTS.clear()
+    _RENAMED.clear()
 
 
 def opt_out_for(nodeid: str) -> str | None:

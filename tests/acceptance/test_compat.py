@@ -532,3 +532,49 @@ def test_server_process_is_not_a_popen() -> None:
     """sglang's CustomTestCase starts its os._exit watcher only for a subprocess.Popen: the drop-in's process is
     not one, so a dying server fails a test instead of ending the whole pytest run."""
     assert not issubclass(ServerProcess, subprocess.Popen)
+
+
+def test_renamed_flags() -> None:
+    try:
+        compat_models.rename_flag("--cuda-graph-max-bs", "--cuda-graph-max-bs-decode", reason="0.5.23 split it")
+        args, notes = compat_models.renamed_args(["--cuda-graph-max-bs", "8", "--cuda-graph-max-bs=4",
+                                                  "--cuda-graph-max-bs-prefill", "2", "--mem-fraction-static", "0.5"])
+        assert args == ["--cuda-graph-max-bs-decode", "8", "--cuda-graph-max-bs-decode=4",
+                        "--cuda-graph-max-bs-prefill", "2", "--mem-fraction-static", "0.5"]
+        assert notes == ["--cuda-graph-max-bs -> --cuda-graph-max-bs-decode (0.5.23 split it)"]
+        with pytest.raises(CompatError, match="needs a reason"):
+            compat_models.rename_flag("--a", "--b", reason="")
+        with pytest.raises(CompatError, match="flags are '--name' strings"):
+            compat_models.rename_flag("-a", "--b", reason="x")
+    finally:
+        compat_models.clear()
+    assert compat_models.renamed_args(["--cuda-graph-max-bs", "8"]) == (["--cuda-graph-max-bs", "8"], [])
+
+
+def test_importable_without_pytest(tmp_path: Path) -> None:
+    """A test module that imports the drop-in is imported again where there is no pytest: sglang's scheduler
+    unpickles a custom logit processor by importing the module that defined it."""
+    code = (
+        "import sys\n"
+        "sys.modules['pytest'] = None  # as in an engine's Python without pytest\n"
+        "from pytest_sglworker.compat import budget_opt_out, kill_process_tree, map_model, popen_launch_server\n"
+        "assert 'pytest_sglworker.compat.launches' not in sys.modules\n"
+        "assert 'pytest_sglworker.plugin' not in sys.modules\n"
+        "print('IMPORTED')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=tmp_path,
+                         check=False)
+    assert out.returncode == 0 and "IMPORTED" in out.stdout, out.stderr
+
+
+def test_a_dying_process_is_told_from_a_running_one() -> None:
+    from pytest_sglworker.compat.launches import _dying
+
+    assert not _dying(os.getpid())
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        assert not _dying(proc.pid)
+    finally:
+        proc.kill()
+        proc.wait(10)
+    assert not _dying(proc.pid)  # gone
