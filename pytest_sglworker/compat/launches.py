@@ -1,7 +1,7 @@
-"""sglang's ``popen_launch_server`` and ``kill_process_tree``, served by the running pytest session: the launch goes
-through the plugin's budget check, sglang's own flag check, a GPU lease, the pinned port of the test's
-``base_url``, the pool's launch and readiness wait (a log file per port, a failure with its diagnosis), and the
-failure sections of the tests that used the server.
+"""The runtime behind the drop-ins of :mod:`.dropins`: ``popen_launch_server`` served by the running pytest session
+(the launch goes through the plugin's budget check, sglang's own flag check, a GPU lease, the pinned port of the test's
+``base_url``, the pool's launch and readiness wait, a log file per port, a failure with its diagnosis, and the
+failure sections of the tests that used the server), and who owns each server until it is given back.
 
 Who owns a server: the scope that launched it. :class:`CompatRuntime` (a plugin object, registered when a session
 starts) watches which fixture is being set up (``pytest_fixture_setup``) and which test is being called. A server
@@ -13,7 +13,7 @@ under pytest) belongs to that fixture; one launched by a test's call (``setUp``,
   True`` expects it). After the teardown, a server that is gone was ended by it (sglang's own
   ``kill_process_tree``, unchanged in the file): a deliberate stop. A server still running was forgotten: the
   plugin stops it and says so. Either way the pool retires it and the GPU lease comes back.
-- ``kill_process_tree(pid)`` of this module (or ``terminate()`` / ``kill()`` of the returned process) ends a
+- The drop-in's ``kill_process_tree(pid)`` (or ``terminate()`` / ``kill()`` of the returned process) ends a
   server at once the same way: the plugin's tree teardown, its lease and port given back, counted as a stop.
 - At the session's end anything left is given back; the pool's own close and the session's watchdog stand behind
   that, so nothing outlives the session.
