@@ -19,7 +19,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
@@ -42,7 +42,7 @@ if TYPE_CHECKING:
     from ..workers.router import RouterOptions
     from ..workers.sources.base import WorkerSource
 
-__all__ = ["OPT_OUT_FIX", "STATE_KEY", "SglSession", "make_source", "state_of"]
+__all__ = ["OPT_OUT_FIX", "STATE_KEY", "SglSession", "active_session", "make_source", "state_of", "when_session_starts"]
 
 OPT_OUT_FIX = ("drop the args that loosen the budget, or add "
                "@pytest.mark.sgl_budget_opt_out(reason='why this test needs it')")
@@ -54,6 +54,29 @@ STATE_KEY = pytest.StashKey["SglSession"]()
 
 def state_of(config: pytest.Config) -> SglSession:
     return config.stash[STATE_KEY]
+
+
+#: the sessions of this process that have started and are not yet unconfigured, innermost last (a pytester run
+#: in the same process nests one); read by code that has no pytest config at hand (the drop-ins of
+#: :mod:`pytest_sglworker.compat`, called from a unittest ``setUpClass``)
+_ACTIVE: list[SglSession] = []
+#: told of every session that starts (:func:`when_session_starts`)
+_ON_START: list[Callable[[SglSession], object]] = []
+
+
+def active_session() -> SglSession | None:
+    """The session of the pytest run in progress in this process (the innermost one), or None outside a run."""
+    return _ACTIVE[-1] if _ACTIVE else None
+
+
+def when_session_starts(callback: Callable[[SglSession], object]) -> None:
+    """Call ``callback(session)`` for the session in progress, if any, and for every session that starts later in
+    this process (at its ``pytest_sessionstart``, before collection)."""
+    if callback not in _ON_START:
+        _ON_START.append(callback)
+    session = active_session()
+    if session is not None:
+        callback(session)
 
 
 def _plugin_name(plugin: object) -> str:
@@ -466,6 +489,10 @@ class SglSession:
             self.register_from(plugin)
 
     def pytest_sessionstart(self, session: pytest.Session) -> None:
+        if self not in _ACTIVE:
+            _ACTIVE.append(self)
+            for callback in list(_ON_START):
+                callback(self)
         problems = self.spec_problems()
         if problems:
             raise pytest.UsageError("\n".join(problems.values()))
@@ -524,6 +551,8 @@ class SglSession:
             self.write_artifacts(int(session.exitstatus))
 
     def pytest_unconfigure(self, config: pytest.Config) -> None:
+        if self in _ACTIVE:
+            _ACTIVE.remove(self)
         self.close()
         self.restore_signal_handlers()
         set_active_registry(None)
