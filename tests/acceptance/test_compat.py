@@ -395,8 +395,8 @@ def test_a_server_killed_during_its_tests_is_a_death(inner: InnerRun) -> None:
     diagnosis of its log, and counted as a death; its tearDownClass still runs."""
     assert inner.outcomes("TestG_DiesDuringItsTests", "test_server_killed_under_it") == {"PASSED", "ERROR"}
     text = inner.section("test_server_killed_under_it")
-    assert re.search(r"worker tiny-sim on 127\.0\.0\.1:\d+ \(pid \d+.*\) exited while the tests of "
-                     r"test_suite\.py::TestG_DiesDuringItsTests ran", text), text
+    assert re.search(r"worker tiny-sim: .* — exited while the tests of test_suite\.py::TestG_DiesDuringItsTests ran "
+                     r"\(on 127\.0\.0\.1:\d+, pid \d+", text), text
     assert "log: " in text
     launch = next(la for la in inner.launches() if la["pid"] == inner.one("G")["pid"])
     assert launch["outcome"] == "died"
@@ -422,8 +422,9 @@ def test_startup_failure_raises_the_worker_error_with_its_diagnosis(inner: Inner
     assert not inner.seen("F_ran") and inner.one("F")["seconds"] < 30
     text = inner.section("TestF_StartupFailure")
     assert "WorkerStartupError" in text
-    assert re.search(r"worker tiny-sim on 127\.0\.0\.1:\d+ \(pid \d+, GPUs 0\) exited during startup", text), text
-    assert "diagnosis: CUDA out of memory" in text and "last " in text and "lines:" in text
+    assert re.search(r"worker tiny-sim: CUDA out of memory .* — exited during startup .*\(on 127\.0\.0\.1:\d+, "
+                     r"pid \d+, GPUs 0\)", text), text
+    assert "last lines of the log" in text
     assert "Received sigquit from a child process" in text  # the tail of the engine's log
 
 
