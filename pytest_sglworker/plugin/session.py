@@ -68,10 +68,15 @@ def make_source(session: SglSession) -> WorkerSource:
 
     s = session.settings
     terminal = session.terminal
-    settings = PoolSettings(launch=session.launch_options(), lock_dir=session.lock_dir(),
+    launch = session.launch_options()
+    log_dir = launch.log_dir
+    settings = PoolSettings(launch=launch, lock_dir=session.lock_dir(),
                             lease_timeout=s.lease_timeout, reuse=s.reuse, log_policy=s.log_policy,
                             tail_lines=s.tail_lines, gpus=s.gpus, environ=session.worker_environ(),
-                            cluster=s.cluster)
+                            cluster=s.cluster, keep_warm=s.keep_warm, adopt_warm=s.reuse and s.cluster is None,
+                            session_log_dir=log_dir if s.log_dir is None and log_dir is not None
+                            and (log_dir / ".lock").is_file() else None,
+                            holder=f"{session.config.rootpath.name} (pid {os.getpid()})")
     hooks = PoolHooks(on_message=terminal.message, on_progress=terminal.progress,
                       on_progress_end=terminal.progress_end, worker_env=session.worker_env,
                       choose_kind=session.choose_kind, on_leased=session.on_leased, on_tick=terminal.flush,
@@ -107,6 +112,7 @@ class SglSession:
         self.flag_check: str = "not needed (no worker test collected)"
         self.worker_stats: list[dict[str, Any]] = []  # from xdist workers
         self.worker_launches: list[list[dict[str, Any]]] = []  # from xdist workers
+        self.worker_warm: list[dict[str, list[dict[str, Any]]]] = []  # from xdist workers
         #: node ids of the last test of each worker configuration: its workers are retired after it
         self.last_users: set[str] = set()
         self.interrupted_by: int | None = None
@@ -123,6 +129,8 @@ class SglSession:
         self.shard_note: str | None = None
         self._shard_costs: tuple[Any, list[str]] | None = None
         self.started_at = time.time()
+        #: the session's exit status, once pytest_sessionfinish has it (an interrupted run keeps nothing warm)
+        self.exitstatus: int | None = None
 
     @property
     def messages(self) -> list[str]:
@@ -360,6 +368,9 @@ class SglSession:
     def close(self) -> None:
         try:
             if self._source is not None:
+                interrupted = self.interrupted_by is not None or self.exitstatus == int(pytest.ExitCode.INTERRUPTED)
+                if interrupted and hasattr(self._source, "keep_warm_ok"):
+                    self._source.keep_warm_ok = False  # an interrupt means stop: nothing is kept warm
                 self._source.close()
         finally:
             if self._watchdog is not None:
@@ -506,6 +517,7 @@ class SglSession:
 
     @pytest.hookimpl(trylast=True)  # after the runner's, which tears down the fixtures of an interrupted test
     def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
+        self.exitstatus = int(exitstatus)
         self.close()
         self.restore_signal_handlers()
         if self.interrupted_by is not None:
@@ -514,6 +526,7 @@ class SglSession:
         if workeroutput is not None and self._source is not None:
             workeroutput["sglworker_stats"] = self.records.stats_dicts()
             workeroutput["sglworker_launches"] = self.records.launch_dicts()
+            workeroutput["sglworker_warm"] = self.warm_events()
         if not is_xdist_worker(session.config):
             self.write_artifacts(int(session.exitstatus))
 
@@ -527,6 +540,19 @@ class SglSession:
         from .run_report import merge_stats
 
         return merge_stats([*self.worker_stats, self.records.stats_dicts()])
+
+    def warm_events(self) -> dict[str, list[dict[str, Any]]]:
+        """What happened to warm groups in this process (adopted, kept warm, refused)."""
+        events = getattr(self._source, "warm_events", None)
+        return events() if callable(events) else {}
+
+    def collected_warm(self) -> dict[str, list[dict[str, Any]]]:
+        """This process's warm events and the xdist workers', merged: the report's ``warm``."""
+        merged: dict[str, list[dict[str, Any]]] = {"adopted": [], "kept": [], "refused": []}
+        for events in [*self.worker_warm, self.warm_events()]:
+            for kind, items in events.items():
+                merged.setdefault(kind, []).extend(items)
+        return merged
 
     def collected_launches(self) -> list[dict[str, Any]]:
         from .run_report import merge_launches
@@ -543,6 +569,7 @@ class SglSession:
                 "started_at": round(self.started_at, 3), "finished_at": round(time.time(), 3),
                 "workers": {k: v.as_dict() for k, v in sorted(self.collected_stats().items())},
                 "launches": self.collected_launches(),
+                "warm": {"keep_warm_seconds": self.settings.keep_warm, **self.collected_warm()},
                 "tests": {nodeid: {"seconds": round(seconds, 3), "config": key}
                           for nodeid, (seconds, key) in self.test_times.items()}}
 
