@@ -126,13 +126,15 @@ def dup_lock_fd(lock: BaseFileLock) -> int:
 
 def forget_lock(lock: BaseFileLock) -> None:
     """Drop this process's hold of ``lock`` *without unlocking it*: another process holds the same open file now
-    (:func:`dup_lock_fd`). The descriptor filelock knows is pointed at ``/dev/null`` first, so whatever filelock
-    does with it (unlock, close, at release or at garbage collection) touches nothing of the lock."""
+    (:func:`dup_lock_fd`, its duplicate closed here since). The descriptor filelock knows is pointed at
+    ``/dev/null`` first, so whatever filelock does with it (unlock, close, at release or at garbage collection)
+    touches nothing of the lock. ``OSError`` when this process has not exactly that one descriptor on the file."""
     fds = _lock_fds(lock)
+    if len(fds) != 1:
+        raise OSError(f"cannot tell which of {len(fds)} descriptor(s) of {lock.lock_file} is filelock's")
     null = os.open(os.devnull, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
     try:
-        for fd in fds:
-            os.dup2(null, fd, inheritable=False)
+        os.dup2(null, fds[0], inheritable=False)
     finally:
         os.close(null)
     lock.release(force=True)

@@ -216,7 +216,7 @@ class _Fields:
         return value
 
     def party(self, key: str, *, optional: bool) -> Party | None:
-        value = self.data.get(key)
+        value = self.data.get(key) if optional else self._get(key)
         if value is None and optional:
             return None
         f = _Fields(value, f"{self.where}: {key!r}")
