@@ -217,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3, help="rounds on the simulated engine (default 3)")
     parser.add_argument("--no-real", action="store_true", help="skip the real engine")
+    parser.add_argument("--no-sim", action="store_true", help="skip the simulated engine")
     parser.add_argument("--real-engine", default=None, metavar="VENV",
                         help="the real engine's venv (default: $SGLWORKER_REAL_ENGINE, else .cache/real-engine)")
     parser.add_argument("--tests", type=int, default=4, help="tests per configuration (default 4)")
@@ -246,8 +247,9 @@ def main(argv: list[str] | None = None) -> int:
     env = {"BENCH_WARM_TESTS": str(ns.tests), "BENCH_WARM_TEST_SECONDS": str(ns.test_seconds)}
     try:
         warm_bytecode()
-        results["sim"] = measure(workdir, "sim", ns.rounds, ["--sgl-engine", "sim", "--sgl-model", "a"],
-                                 {**env, "SGLSIM_STARTUP_SECONDS": str(SIM_STARTUP)}, tests)
+        if not ns.no_sim:
+            results["sim"] = measure(workdir, "sim", ns.rounds, ["--sgl-engine", "sim", "--sgl-model", "a"],
+                                     {**env, "SGLSIM_STARTUP_SECONDS": str(SIM_STARTUP)}, tests)
         if not ns.no_real:
             results["real"] = bench_real(workdir, real_engine, env, tests)
     finally:
