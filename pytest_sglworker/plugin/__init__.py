@@ -54,6 +54,21 @@ def pytest_configure(config: pytest.Config) -> None:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_cmdline_main(config: pytest.Config) -> int | None:
+    warm = config.getoption("sgl_warm")
+    if warm:
+        from ..resources import state
+        from .options import resolve_settings
+        from .reporter import render_warm
+
+        settings = resolve_settings(config)
+        lock_dir = settings.lock_dir or state.default_lock_dir()
+        if not lock_dir.is_dir():
+            print(f"pytest-sglworker warm workers in {lock_dir}:\n  none (no lock directory)")
+            return 0
+        text, code = render_warm(state.ensure_private_dir(lock_dir, what="lock directory",
+                                                          shared_ok=settings.lock_dir is not None), warm)
+        print(text)
+        return code
     if not config.getoption("sgl_list_models"):
         return None
     from .options import resolve_settings

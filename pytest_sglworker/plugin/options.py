@@ -59,6 +59,12 @@ SHARD_REPORT_DESC = ("earlier runs' --sgl-report file(s) whose measured times ba
 CLUSTER_DESC = ("where workers run: 'off' (default: this machine, file-lock GPU leases), 'ray' (a Ray cluster, "
                 "ray.init(address='auto'), RAY_ADDRESS honoured), 'ray://HOST:PORT' (Ray Client) or 'ray:HOST:PORT' "
                 "(a GCS address); Ray's scheduler then leases the GPUs (needs pytest-sglworker[ray])")
+KEEP_WARM_DESC = ("keep the pooled workers still healthy at the session's end running, for the next session of an "
+                  "unchanged configuration to adopt, until TTL after their last use: bare (15m), or =TTL (90s, 15m, "
+                  "1h, 600) or =off; off by default, and off under CI (the CI variable set) unless given on the "
+                  "command line or in the environment")
+WARM_DESC = ("'list': show the warm workers of the lock directory (--sgl-keep-warm) and exit; 'stop': end every one "
+             "no session uses right now, and exit")
 ROUTER_LAUNCHER_DESC = ("command that starts the router of sgl_router, shlex-split "
                         "(default: '<python> -m sglang_router.launch_router')")
 
@@ -206,6 +212,36 @@ def _cluster(value: str) -> Any:
     return parse_cluster(value)
 
 
+_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def parse_ttl(value: str) -> float | None:
+    """A ``--sgl-keep-warm`` value: ``on`` (the default TTL), ``off``, or a TTL ``90s``, ``15m``, ``1h`` or a number of
+    seconds; returns the TTL in seconds, None for off."""
+    from ..resources.warm_records import DEFAULT_TTL, MAX_TTL
+
+    text = value.strip().lower()
+    if text in ("on", "true", "yes", ""):
+        return DEFAULT_TTL
+    if text in ("off", "false", "no", "0"):
+        return None
+    unit = _UNITS.get(text[-1:])
+    number = text[:-1] if unit is not None else text
+    try:
+        seconds = float(number) * (unit or 1.0)
+    except ValueError:
+        raise ValueError(f"{value!r} is not a TTL: give 'on', 'off', or a duration such as 90s, 15m, 1h or 600 "
+                         "(seconds); a TTL goes after '=' (--sgl-keep-warm=15m), or the word after the flag would "
+                         "be read as one") from None
+    if not 0 < seconds <= MAX_TTL or seconds != seconds:
+        raise ValueError(f"{value!r} is not a TTL between 0 and {MAX_TTL / 86400:g} days")
+    return seconds
+
+
+def _keep_warm(value: str) -> float | None:
+    return parse_ttl(value)
+
+
 def _patterns(value: str) -> tuple[str, ...]:
     patterns = tuple(p.strip() for p in value.replace("\n", ",").split(",") if p.strip())
     if not patterns:
@@ -243,6 +279,7 @@ OPTIONS: tuple[_Opt, ...] = (
     _Opt("shard", "SGLWORKER_SHARD", "sgl_shard", SHARD_DESC, None, _shard),
     _Opt("shard-report", "SGLWORKER_SHARD_REPORT", "sgl_shard_report", SHARD_REPORT_DESC, (), _patterns),
     _Opt("cluster", "SGLWORKER_CLUSTER", "sgl_cluster", CLUSTER_DESC, None, _cluster),
+    _Opt("keep-warm", "SGLWORKER_KEEP_WARM", "sgl_keep_warm", KEEP_WARM_DESC, None, _keep_warm),
 )
 
 
@@ -261,10 +298,15 @@ def add_options(parser: pytest.Parser) -> None:
     parser.addini("sgl_worker_urls", WORKER_URL_DESC, type="linelist", default=[])
     group.addoption("--sgl-list-models", dest="sgl_list_models", action="store_true", default=False,
                     help="print the model registry (model, memory, tp, features, budget, memory ledger) and exit")
+    group.addoption("--sgl-warm", dest="sgl_warm", choices=("list", "stop"), default=None, metavar="list|stop",
+                    help=WARM_DESC)
     for opt in OPTIONS:
         flag = f"--sgl-{opt.name}"
         if opt.default is False and opt.parse is _on_off:
             group.addoption(flag, dest=_dest(opt.name), action="store_const", const="on", default=None,
+                            help=f"{opt.help} [env {opt.env}, ini {opt.ini}]")
+        elif opt.parse is _keep_warm:  # --sgl-keep-warm[=TTL]
+            group.addoption(flag, dest=_dest(opt.name), nargs="?", const="on", default=None, metavar="TTL",
                             help=f"{opt.help} [env {opt.env}, ini {opt.ini}]")
         else:
             group.addoption(flag, dest=_dest(opt.name), default=None, metavar="VALUE",
@@ -301,6 +343,10 @@ class Settings:
     shard: Any = None  # sharding.ShardSpec
     shard_report: tuple[str, ...] = ()
     cluster: Any = None  # ray_cluster.ClusterSpec
+    #: ``--sgl-keep-warm``: the TTL in seconds of the groups kept warm at the session's end; None: none is kept
+    keep_warm: float | None = None
+    #: why a keep-warm setting of the ini file is not used (CI, a cluster, attached workers), for the header
+    keep_warm_note: str = ""
     #: spec name -> the attached workers of --sgl-worker-url (attached.WorkerUrl)
     worker_urls: Mapping[str, tuple[Any, ...]] = field(default_factory=dict)
     sources: Mapping[str, str] = field(default_factory=dict)
@@ -378,6 +424,41 @@ def resolve_settings(config: pytest.Config) -> Settings:
                                 "scheduler leases the GPUs (drop the GPU selection, or the cluster)")
     if values["engine"] == "sim" and values["gpus"] is None:
         values["gpus"] = "sim:8x80"
+    values["keep_warm"], values["keep_warm_note"] = _keep_warm_in_force(values, sources)
     return Settings(models=tuple(models), sources=sources, **values)
+
+
+def running_under_ci(environ: Mapping[str, str] | None = None) -> str | None:
+    """The value of ``CI`` when it says this is a CI run (set, and not ``0``/``false``/``no``/``off``), else None."""
+    value = (os.environ if environ is None else environ).get("CI", "").strip()
+    return value if value and value.lower() not in ("0", "false", "no", "off") else None
+
+
+def _keep_warm_in_force(values: Mapping[str, Any], sources: Mapping[str, str]) -> tuple[float | None, str]:
+    """``--sgl-keep-warm`` as it applies: the command line and the environment are explicit (with a cluster,
+    attached workers or ``--sgl-reuse off`` that is a usage error); the ini file is a project's default, which CI
+    runs and runs that cannot keep workers warm ignore (the header says so)."""
+    ttl = values["keep_warm"]
+    source = sources.get("keep-warm", "default")
+    if ttl is None:
+        return None, ""
+    clash = None
+    if values["cluster"] is not None:
+        clash = (f"{sources['cluster']} (a Ray cluster's scheduler leases its GPUs; nothing of it outlives the "
+                 "session)")
+    elif values["worker_urls"]:
+        clash = f"{sources['worker-url']} (attached workers are never launched, kept or stopped by the plugin)"
+    elif not values["reuse"]:
+        clash = f"{sources['reuse']} off (no worker is pooled, so none is left to keep warm)"
+    explicit = not source.startswith("ini ")
+    if clash is not None:
+        if explicit:
+            raise pytest.UsageError(f"{source} cannot be used with {clash}: drop one of them")
+        return None, f"{source} is not used with {clash}"
+    ci = running_under_ci()
+    if ci is not None and not explicit:
+        return None, (f"{source} is not used under CI (CI={ci!r}); ask for it with --sgl-keep-warm or "
+                      "SGLWORKER_KEEP_WARM")
+    return ttl, ""
 
 

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from .options import Settings
     from .session import SglSession
 
-__all__ = ["SglReporter", "render_registry"]
+__all__ = ["SglReporter", "duration", "render_registry", "render_warm", "warm_lines"]
 
 
 class SglReporter:
@@ -45,6 +45,11 @@ class SglReporter:
         if s.shard is not None:
             basis = f"balanced by {s.sources.get('shard-report')}" if s.shard_report else "balanced by test count"
             lines.append(f"sglworker: shard {s.shard} ({basis}; each worker configuration's tests on one shard)")
+        if s.keep_warm is not None:
+            lines.append(f"sglworker: keep warm ({s.sources.get('keep-warm')}): the workers still healthy at the end "
+                         f"stay running for {duration(s.keep_warm)} after their last use (pytest --sgl-warm list|stop)")
+        elif s.keep_warm_note:
+            lines.append(f"sglworker: {s.keep_warm_note}")
         return lines
 
     def pytest_terminal_summary(self, terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
@@ -60,7 +65,10 @@ class SglReporter:
         import statistics
 
         terminalreporter.write_sep("-", "sglang workers")
-        for st in stats.values():
+        adoptions: dict[str, int] = {}
+        for event in self.session.collected_warm().get("adopted", []):
+            adoptions[event["config"]] = adoptions.get(event["config"], 0) + 1
+        for key, st in stats.items():
             times = st.startup_seconds
             span = "-" if not times else f"{min(times):.1f}/{statistics.median(times):.1f}/{max(times):.1f} s"
             kv = ""
@@ -72,7 +80,9 @@ class SglReporter:
                     # The ledger and the engine disagree about this card: a finding, not noise.
                     off = (st.kv_tokens_actual - st.kv_tokens_predicted) / max(st.kv_tokens_predicted, 1)
                     kv += f" (MISMATCH: the ledger predicted {st.kv_tokens_predicted}, {off:+.1%})"
-            stops = f", {st.stops} stopped" if st.stops else ""
+            adopted = adoptions.get(key, 0)
+            stops = f", {adopted} adopted warm" if adopted else ""
+            stops += f", {st.stops} stopped" if st.stops else ""
             stops += f", {st.resets} set back after runtime faults" if st.resets else ""
             stops += f", {st.not_reset} not reused (runtime faults not set back)" if st.not_reset else ""
             stops += f", {st.failed_tests} failed test(s)" if st.failed_tests else ""
@@ -89,6 +99,48 @@ class SglReporter:
         if any(st.failed_logs or st.kept_logs for st in stats.values()):
             terminalreporter.write_line(f"sglworker: worker logs of this run in {self.session.log_dir} "
                                         f"(retention policy {self.session.settings.log_policy})")
+        for line in warm_lines(self.session.collected_warm()):
+            terminalreporter.write_line(line)
+
+
+def duration(seconds: float) -> str:
+    """``15m``, ``90s``, ``1h30m``: a TTL as a person writes it."""
+    whole = round(seconds)
+    if whole < 60 or whole % 60:
+        return f"{seconds:g}s" if whole < 60 else f"{whole // 60}m{whole % 60:02d}s"
+    minutes = whole // 60
+    return f"{minutes // 60}h{minutes % 60:02d}m" if minutes >= 60 and minutes % 60 else (
+        f"{minutes // 60}h" if minutes >= 60 else f"{minutes}m")
+
+
+def _clock(stamp: float) -> str:
+    import time
+
+    return time.strftime("%H:%M:%S", time.localtime(stamp))
+
+
+def warm_lines(events: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """The summary's lines about warm workers: adopted (with where their log is), refused (and why), kept warm
+    (until when, and how to end them)."""
+    lines = []
+    for e in events.get("adopted", []):
+        lines.append(f"sglworker: adopted warm {e['label']} (pid {', '.join(map(str, e['pids']))}, port "
+                     f"{', '.join(map(str, e['ports']))}; kept warm since {_clock(e['kept_since'])} by pytest pid "
+                     f"{e['kept_by_pid']}); its log continues in {', '.join(e['logs'])}")
+    for e in events.get("refused", []):
+        what = "ended it" if e.get("ended") else "left it to that session"
+        lines.append(f"sglworker: warm {e['label']} (pid {', '.join(map(str, e['pids']))}) not adopted: {e['why']}; "
+                     f"{what}")
+    kept = events.get("kept", [])
+    for e in kept:
+        gpus = f", GPU {','.join(map(str, e['gpus']))}" if e["gpus"] else ""
+        lines.append(f"sglworker: kept warm until {_clock(e['until'])} ({duration(e['ttl'])} after its last use): "
+                     f"{e['label']} (pid {', '.join(map(str, e['pids']))}, port {', '.join(map(str, e['ports']))}"
+                     f"{gpus}; keeper pid {e['keeper_pid']}); log {', '.join(e['logs'])}")
+    if kept:
+        lines.append("sglworker: the next run of an unchanged configuration adopts them; pytest --sgl-warm list shows "
+                     "them, pytest --sgl-warm stop ends them")
+    return lines
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -162,3 +214,54 @@ def render_registry(registry: SpecRegistry, settings: Settings, *, verbose: bool
         else:
             lines.append("    ledger:      " + ledger.render().replace("\n", "\n                 "))
     return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------------------
+# --sgl-warm list|stop
+# --------------------------------------------------------------------------------------------------------
+
+
+def render_warm(lock_dir: Any, action: str) -> tuple[str, int]:
+    """``--sgl-warm list``: every warm group of the lock directory, its state, its processes, its expiry and its
+    log; ``--sgl-warm stop``: end every one no session uses right now. Returns the text and the exit status (1
+    when a group could not be stopped because a session uses it)."""
+    import time
+
+    from ..resources.warm import stop_warm
+    from ..resources.warm_records import keeper_alive, warm_records
+
+    lines = [f"pytest-sglworker warm workers in {lock_dir}:"]
+    if action == "stop":
+        ended, left = stop_warm(lock_dir)
+        lines += [f"  ended {text}" for text in ended] + [f"  left {text}" for text in left]
+        if not ended and not left:
+            lines.append("  none")
+        return "\n".join(lines), 1 if left else 0
+    now = time.time()
+    entries = warm_records(lock_dir)
+    for entry in entries:
+        record = entry.record
+        if record is None:
+            lines.append(f"  {entry.path.name}: untrusted ({entry.problem}); ignored")
+            continue
+        if record.state == "adopted" and record.adopter is not None:
+            state = f"in use by pytest pid {record.adopter.pid} ({record.adopter.holder})"
+        elif record.state == "warm":
+            remaining = max(record.expires_at - now, 0.0)
+            state = (f"warm, ends at {_clock(record.expires_at)} (in {remaining:.0f} s, {duration(record.ttl)} "
+                     f"after its last use at {_clock(record.last_used)})")
+        else:
+            state = {"handover": "being handed over", "stop": "ending"}.get(record.state, record.state)
+        keeper = record.keeper
+        alive = "" if keeper is None or keeper_alive(record) else " (gone: the next session's janitor ends it)"
+        lines.append(f"  {record.label}: {state}; adopted {record.uses} time(s)")
+        lines.append(f"      keeper pid {keeper.pid if keeper else '-'}{alive}; GPU(s) "
+                     f"{','.join(map(str, record.gpus)) or '-'} ({record.namespace})")
+        for m in record.members:
+            role = "" if m.role == "worker" else f"{m.role} {m.index}: "
+            lines.append(f"      {role}pid {m.pid}, port {m.port}, log {m.log}")
+    if not entries:
+        lines.append("  none")
+    else:
+        lines.append("(pytest --sgl-warm stop ends those no session uses)")
+    return "\n".join(lines), 0

@@ -91,10 +91,15 @@ def make_source(session: SglSession) -> WorkerSource:
 
     s = session.settings
     terminal = session.terminal
-    settings = PoolSettings(launch=session.launch_options(), lock_dir=session.lock_dir(),
+    launch = session.launch_options()
+    log_dir = launch.log_dir
+    settings = PoolSettings(launch=launch, lock_dir=session.lock_dir(),
                             lease_timeout=s.lease_timeout, reuse=s.reuse, log_policy=s.log_policy,
                             tail_lines=s.tail_lines, gpus=s.gpus, environ=session.worker_environ(),
-                            cluster=s.cluster)
+                            cluster=s.cluster, keep_warm=s.keep_warm, adopt_warm=s.reuse and s.cluster is None,
+                            session_log_dir=log_dir if s.log_dir is None and log_dir is not None
+                            and (log_dir / ".lock").is_file() else None,
+                            holder=f"{session.config.rootpath.name} (pid {os.getpid()})")
     hooks = PoolHooks(on_message=terminal.message, on_progress=terminal.progress,
                       on_progress_end=terminal.progress_end, worker_env=session.worker_env,
                       choose_kind=session.choose_kind, on_leased=session.on_leased, on_tick=terminal.flush,
@@ -130,6 +135,7 @@ class SglSession:
         self.flag_check: str = "not needed (no worker test collected)"
         self.worker_stats: list[dict[str, Any]] = []  # from xdist workers
         self.worker_launches: list[list[dict[str, Any]]] = []  # from xdist workers
+        self.worker_warm: list[dict[str, list[dict[str, Any]]]] = []  # from xdist workers
         #: node ids of the last test of each worker configuration: its workers are retired after it
         self.last_users: set[str] = set()
         self.interrupted_by: int | None = None
@@ -148,6 +154,8 @@ class SglSession:
         #: routers of class or module scope, by (scope node id, configuration key, router marker)
         self.routers: dict[Any, Any] = {}
         self.started_at = time.time()
+        #: the session's exit status, once pytest_sessionfinish has it (an interrupted run keeps nothing warm)
+        self.exitstatus: int | None = None
 
     @property
     def messages(self) -> list[str]:
@@ -389,6 +397,9 @@ class SglSession:
                     router.close()
             self.routers.clear()
             if self._source is not None:
+                interrupted = self.interrupted_by is not None or self.exitstatus == int(pytest.ExitCode.INTERRUPTED)
+                if interrupted and hasattr(self._source, "keep_warm_ok"):
+                    self._source.keep_warm_ok = False  # an interrupt means stop: nothing is kept warm
                 self._source.close()
         finally:
             if self._watchdog is not None:
@@ -539,6 +550,7 @@ class SglSession:
 
     @pytest.hookimpl(trylast=True)  # after the runner's, which tears down the fixtures of an interrupted test
     def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
+        self.exitstatus = int(exitstatus)
         self.close()
         self.restore_signal_handlers()
         if self.interrupted_by is not None:
@@ -547,6 +559,7 @@ class SglSession:
         if workeroutput is not None and self._source is not None:
             workeroutput["sglworker_stats"] = self.records.stats_dicts()
             workeroutput["sglworker_launches"] = self.records.launch_dicts()
+            workeroutput["sglworker_warm"] = self.warm_events()
         if not is_xdist_worker(session.config):
             self.write_artifacts(int(session.exitstatus))
 
@@ -572,6 +585,19 @@ class SglSession:
                 figures.failed_tests = failed.count(key)
         return stats
 
+    def warm_events(self) -> dict[str, list[dict[str, Any]]]:
+        """What happened to warm groups in this process (adopted, kept warm, refused)."""
+        events = getattr(self._source, "warm_events", None)
+        return events() if callable(events) else {}
+
+    def collected_warm(self) -> dict[str, list[dict[str, Any]]]:
+        """This process's warm events and the xdist workers', merged: the report's ``warm``."""
+        merged: dict[str, list[dict[str, Any]]] = {"adopted": [], "kept": [], "refused": []}
+        for events in [*self.worker_warm, self.warm_events()]:
+            for kind, items in events.items():
+                merged.setdefault(kind, []).extend(items)
+        return merged
+
     def collected_launches(self) -> list[dict[str, Any]]:
         from .run_report import merge_launches
 
@@ -592,6 +618,7 @@ class SglSession:
                 "workers": {k: v.as_dict() for k, v in sorted(self.collected_stats().items())},
                 "launches": launches,
                 "outcomes": outcome_counts([categories for _, _, categories in self.test_times.values()]),
+                "warm": {"keep_warm_seconds": self.settings.keep_warm, **self.collected_warm()},
                 "tests": {nodeid: {"seconds": round(seconds, 3), "config": key, "outcome": outcomes[nodeid]}
                           for nodeid, (seconds, key, _) in self.test_times.items()}}
 

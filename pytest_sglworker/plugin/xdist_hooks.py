@@ -92,6 +92,8 @@ class XdistHooks:
             self.session.worker_stats.append(output["sglworker_stats"])
         if output.get("sglworker_launches"):
             self.session.worker_launches.append(output["sglworker_launches"])
+        if output.get("sglworker_warm"):
+            self.session.worker_warm.append(output["sglworker_warm"])
 
     # -- scheduling by worker configuration (--sgl-dist, xdist_scheduling.py) ------------------------------
     def pytest_xdist_make_scheduler(self, config: pytest.Config, log: Any) -> Any:

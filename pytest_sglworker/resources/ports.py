@@ -109,6 +109,16 @@ class PortBlock:
         if lock is not None:
             lock.release(force=True)
 
+    def held_lock(self) -> BaseFileLock | None:
+        """The block's lock, for a hand-over to another process (``--sgl-keep-warm``: see :meth:`handed_over`)."""
+        return self._lock
+
+    def handed_over(self) -> None:
+        """Say that another process holds this block's locked file now (a warm group's keeper inherited it) and
+        that the caller has forgotten its own copy: the block counts as released, nothing is unlocked."""
+        self._lock = None
+        _HELD_BLOCKS.discard(self)
+
     def __enter__(self) -> Self:
         return self
 

@@ -16,6 +16,15 @@ The protocol
 - Only processes found this way are signalled, by PID, and only ours (same uid). Nothing is matched by name.
 - Teardown (:func:`terminate_tree`) signals the root first (sglang then stops its children cleanly), then
   the group and every collected process, then SIGKILLs what is left and waits until it is gone.
+- A worker that may be kept warm (``--sgl-keep-warm``) carries the session id of its group's keeper instead of the
+  pytest process's (see :mod:`.warm`): the keeper outlives the session, so no janitor takes the worker for an
+  orphan while its keeper lives. A process another session started is handled through an
+  :class:`AdoptedProcess` only after :func:`prove_process` proved it is the one its record names (pid, start
+  time, owner tag).
+
+Why one module of this size: it is the one owner of the ownership protocol (the tags, the scans that find
+tagged processes and their sessions, the proofs, the listening-socket checks and the teardown), which the
+launcher, the leases, the watchdog, the janitor and the warm keeper all follow; none of them parses a tag.
 """
 
 from __future__ import annotations
@@ -29,7 +38,7 @@ import subprocess
 import time
 import uuid
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     import psutil
@@ -38,6 +47,9 @@ __all__ = [
     "OWNER_ENV",
     "PID_MAX",
     "SESSION_ID",
+    "UNKNOWN_EXIT",
+    "AdoptedProcess",
+    "ProcessHandle",
     "end_process",
     "find_tagged_processes",
     "held_socket_inodes",
@@ -49,6 +61,7 @@ __all__ = [
     "plausible_pid",
     "process_alive",
     "process_tree",
+    "prove_process",
     "session_worker_pids",
     "socket_inodes",
     "tag_session",
@@ -65,6 +78,10 @@ OWNER_ENV = "SGLWORKER_OWNER"
 SESSION_ID = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
 #: Linux never hands out pids above 2**22 (``/proc/sys/kernel/pid_max`` is at most 4194304).
 PID_MAX = 1 << 22
+#: The exit status :class:`AdoptedProcess` reports once its process is gone: a process that is not our child
+#: (a warm worker an earlier session started) cannot be waited for, so its exit status is never known. Not a
+#: status a process can have (those are -64..255); :func:`signal_name` says so in words.
+UNKNOWN_EXIT = 1 << 16
 
 
 # ---------------------------------------------------------------------------------------------- tags
@@ -90,6 +107,8 @@ def signal_name(returncode: int | None) -> str:
     """``"code -9 (SIGKILL)"`` / ``"code 1"``."""
     if returncode is None:
         return "no exit code"
+    if returncode == UNKNOWN_EXIT:
+        return "an exit code nobody can know (not a child of this process: an adopted warm worker)"
     if returncode < 0:
         try:
             return f"code {returncode} ({signal.Signals(-returncode).name})"
@@ -406,11 +425,111 @@ def session_worker_pids(session_pid: int, since: float) -> tuple[int, ...]:
     return tuple(sorted(found))
 
 
+# ---------------------------------------------------------------------------------------------- handles
+
+
+class ProcessHandle(Protocol):
+    """What teardown and the readiness wait need of a process: a ``subprocess.Popen`` of one we started, or an
+    :class:`AdoptedProcess` of one an earlier session started."""
+
+    @property
+    def pid(self) -> int: ...
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+    def send_signal(self, sig: int) -> None: ...
+
+
+class AdoptedProcess:
+    """A handle on a process that is not our child (a warm worker kept by an earlier session), shaped like the
+    parts of ``subprocess.Popen`` the plugin uses: it is identified by its pid *and* its start time, so a pid
+    the kernel reused is never signalled; :meth:`poll` is None while it runs and :data:`UNKNOWN_EXIT` once it is
+    gone (a zombie counts as gone: its parent reaps it, not us)."""
+
+    def __init__(self, pid: int, create_time: float) -> None:
+        self._pid = pid
+        self.create_time = create_time
+        self.returncode: int | None = None
+
+    @property
+    def pid(self) -> int:
+        return self._pid
+
+    def _process(self) -> psutil.Process | None:
+        import psutil
+
+        try:
+            proc = psutil.Process(self._pid)
+            if abs(proc.create_time() - self.create_time) > 0.05 or proc.status() == psutil.STATUS_ZOMBIE:
+                return None
+            return proc
+        except psutil.Error:
+            return None
+
+    def poll(self) -> int | None:
+        if self.returncode is None and self._process() is None:
+            self.returncode = UNKNOWN_EXIT
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(f"pid {self._pid}", timeout or 0.0)
+            time.sleep(0.02)
+        return UNKNOWN_EXIT
+
+    def send_signal(self, sig: int) -> None:
+        """Signal the process, by pid, only while it is still the process of that pid and start time."""
+        import psutil
+
+        proc = self._process()
+        if proc is None:
+            return
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.send_signal(sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+
+def prove_process(pid: int, create_time: float, tag: str, *, env_name: str = OWNER_ENV) -> str | None:
+    """Whether pid ``pid`` is provably the process a record names: it runs (not a zombie), it is ours (same
+    uid), it started at ``create_time`` (a reused pid started later), and its environment carries ``env_name`` =
+    ``tag`` (the owner tag a worker was started with; a keeper's marker). None when proven, else why not, in
+    words."""
+    import psutil
+
+    try:
+        proc = psutil.Process(pid)
+        if proc.status() == psutil.STATUS_ZOMBIE:
+            return f"pid {pid} has exited"
+        if proc.uids().real != os.getuid():
+            return f"pid {pid} belongs to another user"
+        started = proc.create_time()
+        if abs(started - create_time) > 0.05:
+            return (f"pid {pid} is another process now (started at {time.strftime('%H:%M:%S', time.localtime(started))}"
+                    f", not at {time.strftime('%H:%M:%S', time.localtime(create_time))}: the pid was reused)")
+        value = proc.environ().get(env_name)
+    except psutil.NoSuchProcess:
+        return f"pid {pid} has exited"
+    except (psutil.Error, OSError) as exc:
+        return f"pid {pid} cannot be inspected ({type(exc).__name__})"
+    if value != tag:
+        return f"pid {pid} does not carry {env_name}={tag} (it has {value!r})"
+    return None
+
+
 # ---------------------------------------------------------------------------------------------- teardown
 
 
 def terminate_tree(
-    process: subprocess.Popen[bytes] | None,
+    process: ProcessHandle | None,
     collect: Callable[[], list[psutil.Process]],
     *,
     term_timeout: float = 10.0,
@@ -479,7 +598,7 @@ def _alive(proc: psutil.Process) -> bool:
         return False
 
 
-def _wait_gone(process: subprocess.Popen[bytes] | None, procs: list[psutil.Process], timeout: float) -> None:
+def _wait_gone(process: ProcessHandle | None, procs: list[psutil.Process], timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process is not None:

@@ -8,7 +8,11 @@ Plain Python: no pytest here. Two lines of defence beyond normal teardown:
   carrying the session's environment marker;
 - a **janitor** run by the next session: it finds workers whose session is gone (the marker names the
   session's pid), stale lease records, and logs past the retention age, and cleans them, saying what it
-  reaped.
+  reaped; and it ends the warm groups (``--sgl-keep-warm``) whose keeper is gone or did not end them at their
+  TTL (:func:`~.warm.reap_warm`).
+
+A warm worker's owner tag names its keeper's session, not the pytest process that launched it (see
+:mod:`.warm`): while the keeper lives, neither the watchdog nor any janitor takes it for an orphan.
 """
 
 from __future__ import annotations
@@ -27,7 +31,6 @@ from .processes import (
     find_tagged_processes,
     hostname,
     process_alive,
-    session_worker_pids,
     tag_session_pid,
     tagged_sessions,
     terminate_tree,
@@ -41,12 +44,15 @@ class JanitorReport:
     processes: list[int] = field(default_factory=list)
     logs: list[str] = field(default_factory=list)
     records: list[str] = field(default_factory=list)
+    warm: list[str] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.processes or self.logs or self.records)
+        return bool(self.processes or self.logs or self.records or self.warm)
 
     def __str__(self) -> str:
         parts = []
+        if self.warm:
+            parts.append(f"ended {len(self.warm)} warm worker group(s): {'; '.join(self.warm)}")
         if self.processes:
             parts.append(f"killed {len(self.processes)} worker process(es) of dead sessions "
                          f"(pids {', '.join(map(str, self.processes))})")
@@ -68,7 +74,7 @@ def remove_stale_holder_records(lock_dir: Path, *, session_pid: int | None = Non
     """
     from filelock import FileLock, Timeout
 
-    from .gpus.holders import read_holder_record
+    from .gpus.holders import holder_leftover_pids, read_holder_record
 
     removed: list[str] = []
     if not lock_dir.is_dir():
@@ -77,8 +83,7 @@ def remove_stale_holder_records(lock_dir: Path, *, session_pid: int | None = Non
         record = read_holder_record(path, only_live=False)
         if record is None or record.hostname != hostname() or (session_pid is not None and record.pid != session_pid):
             continue
-        if process_alive(record.pid, record.since, record.hostname) or session_worker_pids(
-                record.pid, record.since):
+        if process_alive(record.pid, record.since, record.hostname) or holder_leftover_pids(record):
             continue
         lock = FileLock(path.with_suffix(".lock"), thread_local=False, mode=0o644)
         try:
@@ -102,7 +107,12 @@ def reap_dead_sessions(log_dir: Path | None = None, *, lock_dir: Path | None = N
     ``lock_dir`` and old logs from ``log_dir``."""
     import psutil
 
+    from .warm import reap_warm
+
     report = JanitorReport()
+    if lock_dir is not None:
+        with contextlib.suppress(Exception):  # the janitor never stops a session from starting
+            report.warm = reap_warm(lock_dir)
     for session, procs in tagged_sessions().items():
         pid = tag_session_pid(session)
         if session == SESSION_ID or pid is None or (psutil.pid_exists(pid) and _is_pytest_like(pid)):
@@ -171,13 +181,14 @@ def main(argv: list[str] | None = None) -> int:
         while sys.stdin.buffer.read(4096):
             pass
     # The session is gone (or closed its end after its own teardown): kill whatever still carries its tag.
+    lock_dir = Path(args[1]) if len(args) == 2 else None
     terminate_tree(None, lambda: find_tagged_processes(f"{session_id}:"), term_timeout=10.0, kill_timeout=10.0)
     # A session that died (SIGKILL, os._exit) left its GPU holder records: the kernel dropped its locks, the
     # records say who held the GPUs until its workers were gone, which they now are.
     session_pid = tag_session_pid(session_id)
-    if len(args) == 2 and session_pid is not None:
+    if lock_dir is not None and session_pid is not None:
         with contextlib.suppress(Exception):
-            remove_stale_holder_records(Path(args[1]), session_pid=session_pid)
+            remove_stale_holder_records(lock_dir, session_pid=session_pid)
     return 0
 
 

@@ -30,6 +30,7 @@ __all__ = [
     "default_root",
     "describe_file_problem",
     "ensure_private_dir",
+    "read_bounded",
 ]
 
 
@@ -91,6 +92,40 @@ def atomic_write(path: Path | str, data: bytes | str, *, mode: int = 0o644) -> N
             pass
         raise
     _fsync_dir(path.parent)
+
+
+def read_bounded(path: Path | str, limit: int) -> tuple[bytes | None, str | None]:
+    """The bytes of the small regular file at ``path``: ``(data, None)``, ``(None, None)`` when there is none, or
+    ``(None, why)`` when what lies there cannot be trusted (a directory, a symlink, a FIFO, more than ``limit``
+    bytes, unreadable). Never follows a symlink, never blocks on a FIFO, never raises."""
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags)
+    except FileNotFoundError:
+        return None, None
+    except OSError as exc:
+        return None, describe_file_problem(path, exc)
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISDIR(st.st_mode):
+            return None, "is a directory"
+        if not stat.S_ISREG(st.st_mode):
+            return None, "is not a regular file"
+        chunks: list[bytes] = []
+        size = 0
+        while size <= limit:
+            chunk = os.read(fd, limit + 1 - size)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+        if size > limit:
+            return None, f"is larger than {limit} bytes"
+    except OSError as exc:
+        return None, f"cannot be read ({exc.strerror or exc})"
+    finally:
+        os.close(fd)
+    return b"".join(chunks), None
 
 
 def _fsync_dir(directory: Path) -> None:

@@ -23,18 +23,15 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 # What a failure or a log line needs is imported with this module, never inside the wait: a Ctrl-C that lands in
 # a module's dataclass creation (an exec of generated code) makes CPython 3.11 end the process with SIGINT at exit
 # even after pytest handled the interrupt, so the run would exit -2 instead of 2.
 from ..engine.diagnosis import looks_like_error
 from ..engine.sglang_facts import HEALTH_PATH, READY_LINE, READY_PATH
-from ..resources.processes import signal_name
+from ..resources.processes import ProcessHandle, signal_name
 from .errors import LaunchCancelled, WorkerError, WorkerStartupError, WorkerStartupTimeout
-
-if TYPE_CHECKING:
-    import subprocess
 
 __all__ = [
     "FATAL_GRACE_SECONDS",
@@ -195,7 +192,7 @@ class Watched(Protocol):
     log_path: Path
 
     @property
-    def process(self) -> subprocess.Popen[bytes]: ...
+    def process(self) -> ProcessHandle: ...
 
     def owns_port(self) -> bool: ...
 

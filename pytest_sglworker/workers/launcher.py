@@ -321,6 +321,9 @@ class LaunchOptions:
     #: how long to wait for a free port block when every block is held (the plugin uses the lease timeout)
     port_wait_timeout: float = 0.0
     on_port_wait: Callable[[str], None] | None = field(default=None, compare=False)
+    #: the session id the workers' owner tags name (None: this pytest process's); a group that may be kept warm
+    #: (``--sgl-keep-warm``) names its keeper's, so that no janitor takes it for an orphan once the session ends
+    owner_session: str | None = field(default=None, compare=False)
 
 
 def spawn_worker(
@@ -427,7 +430,7 @@ def _start(
                       extra_args=extra_args, allow_foreign_host=options.allow_foreign_host,
                       role_args=kind.role_args(ports), environ=environ)
     started = start_process(argv, {**spec.env, **(env or {})}, log_dir / log_name("sglang-worker", port),
-                            environ=environ)
+                            environ=environ, session_id=options.owner_session)
     return ModelInstance(
         spec=spec, host=LOOPBACK_HOST, port=port, tail_lines=options.tail_lines, kind=kind, index=index,
         ports=dict(ports), gpus=gpus, **started,

@@ -10,33 +10,34 @@ only after its memory is released.
 
 Why one module of this size: the pool's promises (one lease per group, parallel member starts with one failure
 stopping the rest, reuse after health, eviction, launch ahead) all act on the same entries under one lock;
-launching one process is in :mod:`launcher`, leases in :mod:`gpus`.
+launching one process is in :mod:`launcher`, leases in :mod:`gpus`, a member's memory ledger in
+:mod:`member_ledger`, keeping groups warm between sessions in :mod:`warm`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import os
 import re
 import threading
 import time
-from collections import OrderedDict, defaultdict
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ..engine.ledger import ledger_for_spec
-from ..engine.log_lines import parse_kv_tokens
 from ..engine.redaction import mask_argv
 from ..engine.specs import ModelSpec
 from ..errors import LeaseImpossible, SglWorkerError
 from ..resources.processes import hostname, signal_name
 from ..resources.retention import keeps
 from .config import KindChooser, MemberPlan, WorkerConfig, default_kind
-from .errors import LaunchCancelled, WorkerDied, WorkerError, WorkerStartupTimeout
+from .errors import LaunchCancelled, WorkerDied, WorkerStartupTimeout
 from .group import WorkerGroup
 from .launcher import LaunchOptions, ModelInstance, ProgressCallback, spawn_worker
+from .member_ledger import attach_ledger, record_kv_tokens
 from .process import inherited_environ
 from .records import ConfigStats, LaunchRecord, RunRecords
 from .reset import ResetFailed, Snapshot, restore, snapshot
@@ -44,8 +45,10 @@ from .reset import ResetFailed, Snapshot, restore, snapshot
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
-    from ..engine.ledger import MemoryLedger
     from ..resources.gpus import Lease, LeaseManager
+    from ..resources.warm import BorrowedLease
+    from ..resources.warm_keeper import KeeperHandle
+    from .warm import Warm
 
 __all__ = ["WorkerGroup", "WorkerPool"]
 
@@ -75,7 +78,7 @@ class _Prepared:
 @dataclass
 class _Entry:
     group: WorkerGroup
-    lease: Lease | None
+    lease: Lease | BorrowedLease | None
     leased_at: float
     records: list[LaunchRecord]
     tainted: bool = False  # a test that used it failed: keep its logs
@@ -84,72 +87,18 @@ class _Entry:
     launched_ahead: bool = False  # its first test is not a reuse
     #: each member's run-time state as first handed out (what a reuse must find again); None: not read yet
     states: list[Snapshot] | None = None
+    #: what it was launched with, for its identity should it be kept warm (None: adopted, or not known)
+    envs: list[dict[str, str]] | None = None
+    environ: Mapping[str, str] | None = None
+    #: the keeper it was launched with (``--sgl-keep-warm``): it takes the group over at the session's end
+    keeper: KeeperHandle | None = None
 
     @property
     def config(self) -> WorkerConfig:
         return self.group.config
 
 
-def _gpu_of(lease: Lease | None, first: int = 0) -> tuple[int, int] | None:
-    """``(total, free)`` MiB of the lease's GPU ``first`` (a member's first GPU), else of its first GPU."""
-    if lease is None or not lease.gpus:
-        return None
-    gpu = lease.gpus[first] if first < len(lease.gpus) else lease.gpus[0]
-    return gpu.total_mib, gpu.free_mib
-
-
-def _member_args(plan: MemberPlan) -> tuple[str, ...]:
-    """A member's args after the spec's, as its engine gets them: the test's, its role's, then its kind's
-    (``--disaggregation-mode prefill|decode``). The kind's port values are placeholders (0): no figure of the
-    memory ledger reads a port."""
-    try:
-        kind_args = plan.kind.role_args(defaultdict(int))
-    except Exception:  # a plugin's kind that needs real ports: its mode is unknown to the ledger
-        kind_args = []
-    return (*plan.extra_args, *kind_args)
-
-
-def _member_ledger(config: WorkerConfig, plans: Sequence[MemberPlan], index: int,
-                   lease: Lease | None) -> MemoryLedger | None:
-    """The memory ledger of member ``index``: its own args, on its own first GPU of the group's lease."""
-    gpu = _gpu_of(lease, sum(plan.gpus(config.spec) for plan in plans[:index]))
-    if gpu is None:
-        return None
-    return ledger_for_spec(config.spec, gpu[0], gpu_free_mib=gpu[1], extra_args=_member_args(plans[index]))
-
-
-def _attach_ledger(exc: SglWorkerError, config: WorkerConfig, plans: Sequence[MemberPlan], index: int,
-                   lease: Lease | None) -> None:
-    """Give a member's startup failure whose diagnosis is about memory the memory ledger of that member."""
-    diagnosis = getattr(exc, "diagnosis", None)
-    if diagnosis is None or not diagnosis.memory_related or not isinstance(exc, WorkerError):
-        return
-    ledger = _member_ledger(config, plans, index, lease)
-    if ledger is not None:
-        exc.ledger = ledger
-
-
-def _record_kv_tokens(members: Sequence[ModelInstance], config: WorkerConfig, plans: Sequence[MemberPlan],
-                      lease: Lease | None, stats: ConfigStats) -> None:
-    """Each member's actual ``KV Cache is allocated ... #tokens: N`` against the ledger's prediction for that
-    member (a prefill and a decode member of one group differ). The configuration has one figure: the first
-    member that disagrees with its prediction, else the first member; a disagreement already recorded stays."""
-    def differs(actual: int | None, predicted: int | None) -> bool:
-        return actual is not None and predicted is not None and actual != predicted
-
-    if differs(stats.kv_tokens_actual, stats.kv_tokens_predicted):
-        return
-    pairs: list[tuple[int, int | None]] = []
-    for index, member in enumerate(members):
-        actual = parse_kv_tokens(member.log_text(max_bytes=1024 * 1024))
-        if actual is not None:
-            ledger = _member_ledger(config, plans, index, lease)
-            pairs.append((actual, ledger.kv_tokens if ledger is not None else None))
-    if pairs:
-        stats.kv_tokens_actual, stats.kv_tokens_predicted = next((p for p in pairs if differs(*p)), pairs[0])
-
-
-def _split_env(lease: Lease | None, counts: Sequence[int]) -> list[dict[str, str]]:
+def _split_env(lease: Lease | BorrowedLease | None, counts: Sequence[int]) -> list[dict[str, str]]:
     """Each member's share of the group's lease, in order, as its ``CUDA_VISIBLE_DEVICES``."""
     if lease is None:
         return [{} for _ in counts]
@@ -213,6 +162,7 @@ class WorkerPool:
         on_leased: Callable[[WorkerConfig], None] | None = None,
         records: RunRecords | None = None,
         on_tick: Callable[[], None] | None = None,
+        warm: Warm | None = None,
     ) -> None:
         self.options = options
         #: called with the configuration once a test's own launch holds its lease, before its startup: the
@@ -240,6 +190,9 @@ class WorkerPool:
         #: the last failed launch of each configuration, with its error: the test that meets that error is put
         #: on its records (:meth:`_blame`)
         self._failed: dict[WorkerConfig, tuple[BaseException, list[LaunchRecord]]] = {}
+        #: warm groups of earlier sessions: adopted before a launch; this session's kept warm at close
+        #: (``--sgl-keep-warm``; see :mod:`.warm`)
+        self.warm = warm
         #: guards the entries (idle, busy, ahead) and the figures: a launch ahead registers its group and counts
         #: its launch from its own thread
         self._lock = threading.RLock()
@@ -299,8 +252,16 @@ class WorkerPool:
                 what = "it" if len(entry.group) == 1 else "its group"
                 self.on_message(bad.failure_message(f"{why}; replacing {what}", lines=10))
                 self._retire(entry, failed=True)
-        group = self._launch(config, holder=holder, fresh=fresh, options=options or self.options,
-                             environ=inherited_environ() if environ is None else environ)
+        environ = inherited_environ() if environ is None else environ
+        if self.reuse and not fresh:
+            adopted = self._adopt(config, holder=holder, environ=environ)
+            if adopted is not None:
+                with self._lock:
+                    self._busy[adopted.group.id] = adopted
+                    stats.reuses += 1  # a running worker serves the test: a reuse, of an earlier session's
+                self._read_states(adopted)
+                return adopted.group
+        group = self._launch(config, holder=holder, fresh=fresh, options=options or self.options, environ=environ)
         with self._lock:
             entry = self._busy.get(group.id)
         if entry is not None and entry.poolable and self.reuse:
@@ -385,8 +346,10 @@ class WorkerPool:
                 if outcome in ("failed", "error", "interrupted"):
                     self.stats_for(entry.config).failed_tests += 1
 
-    def close(self) -> None:
-        """Stop every worker (those launched ahead too, used or not) and give back every lease."""
+    def close(self, *, keep_warm: bool = False) -> None:
+        """Stop every worker (those launched ahead too, used or not) and give back every lease. ``keep_warm``
+        (``--sgl-keep-warm``): the idle groups that still answer their readiness check are first handed to the
+        keepers that keep them warm (see :mod:`.warm`)."""
         with self._lock:
             aheads = list(self._ahead.values())
             self._ahead.clear()
@@ -395,6 +358,9 @@ class WorkerPool:
         for ahead in aheads:
             if ahead.thread is not None:
                 ahead.thread.join(120)
+        if keep_warm and self.warm is not None:
+            with contextlib.suppress(Exception):  # keeping warm is an optimisation: the workers are stopped instead
+                self._keep_warm()
         with self._lock:
             entries = list(self._busy.values()) + list(self._idle.values())
             self._busy.clear()
@@ -402,6 +368,23 @@ class WorkerPool:
         for entry in entries:
             with contextlib.suppress(Exception):
                 self._retire(entry, failed=entry.tainted)
+
+    def _keep_warm(self) -> None:
+        from .warm import KeepRequest
+
+        assert self.warm is not None
+        with self._lock:
+            idle = [e for e in self._idle.values() if e.poolable]
+        requests = [KeepRequest(e.group, e.lease, e.records, e.envs, e.environ, e.tainted, e.keeper) for e in idle]
+        kept = self.warm.keep(requests)
+        for entry in idle:
+            if entry.group.id not in kept:
+                continue
+            with self._lock:
+                self._idle.pop(entry.group.id, None)
+                stats = self.stats_for(entry.config)
+                stats.gpu_seconds += (time.monotonic() - entry.leased_at) * max(1, len(entry.lease.gpus)
+                                                                                if entry.lease else 1)
 
     # -- launching ahead ----------------------------------------------------------------------------------
     def launch_ahead(self, config: WorkerConfig, *, holder: str, environ: Mapping[str, str] | None = None) -> bool:
@@ -415,29 +398,42 @@ class WorkerPool:
         with self._lock:
             if config in self._ahead or any(e.config == config for e in [*self._idle.values(), *self._busy.values()]):
                 return False
+        adopted = self._adopt(config, holder=holder, environ=inherited_environ() if environ is None else environ)
+        if adopted is not None:  # a warm group of an earlier session: adopted now, ready when its test begins
+            with self._lock:
+                self._idle[adopted.group.id] = adopted
+            return True
         lease = None
+        environ = inherited_environ() if environ is None else environ
+        keeper = self._keeper(fresh=False, environ=environ)
         if self.leases is not None:
             try:
                 if self.leases.others_waiting():
-                    return False
-                lease = self.leases.try_acquire(self._wanted(config), config.spec.memory_mib, holder=holder)
+                    lease = None
+                else:
+                    lease = self.leases.try_acquire(self._wanted(config), config.spec.memory_mib, holder=holder,
+                                                    workers=self._keeper_workers(keeper))
             except (SglWorkerError, OSError, ValueError):
-                return False  # it can never fit, or the inventory cannot be read: the test will say so
+                lease = None  # it can never fit, or the inventory cannot be read: the test will say so
             if lease is None:
+                if keeper is not None:
+                    keeper.close()
                 return False
         try:
-            prepared = self._prepare(config, inherited_environ() if environ is None else environ)
+            prepared = self._prepare(config, environ)
             envs = self._member_envs(config, prepared, lease)
         except BaseException:
             if lease is not None:
                 lease.release(wait_timeout=self.release_wait)
+            if keeper is not None:
+                keeper.close()
             raise
         ahead = _Ahead(config)
 
         def run() -> None:
             try:
                 group = self._launch(config, holder=holder, fresh=False, options=self.options, lease=lease,
-                                     prepared=prepared, envs=envs, quiet=True, cancel=ahead.cancel)
+                                     prepared=prepared, envs=envs, quiet=True, cancel=ahead.cancel, keeper=keeper)
             except BaseException as exc:  # handed to the test that needs it
                 ahead.error = exc
                 return
@@ -466,6 +462,18 @@ class WorkerPool:
         if raise_error and ahead.error is not None and not isinstance(ahead.error, LaunchCancelled):
             raise ahead.error
 
+    def _adopt(self, config: WorkerConfig, *, holder: str, environ: Mapping[str, str]) -> _Entry | None:
+        """A warm group of ``config`` an earlier session left (``--sgl-keep-warm``), adopted, as an entry not yet
+        registered; None when there is none this session may have (see :mod:`.warm`). On the main thread."""
+        if self.warm is None:
+            return None
+        prepared = self._prepare(config, environ)
+        adopted = self.warm.adopt(config, prepared.plans, holder=holder, environ=environ,
+                                  member_envs=lambda lease: self._member_envs(config, prepared, lease))
+        if adopted is None:
+            return None
+        return _Entry(adopted.group, adopted.lease, time.monotonic(), adopted.records)
+
     def groups(self) -> list[WorkerGroup]:
         with self._lock:
             return [e.group for e in list(self._busy.values()) + list(self._idle.values())]
@@ -489,25 +497,63 @@ class WorkerPool:
         plans = config.members(self.choose_kind)
         return _Prepared(plans, [plan.gpus(config.spec) for plan in plans], dict(environ))
 
-    def _member_envs(self, config: WorkerConfig, prepared: _Prepared, lease: Lease | None) -> list[dict[str, str]]:
+    def _member_envs(self, config: WorkerConfig, prepared: _Prepared,
+                     lease: Lease | BorrowedLease | None) -> list[dict[str, str]]:
         """Each member's env from its share of the lease (a plugin's hook may change it): on the main thread."""
         return [self._member_env(config, env, plan) for env, plan in
                 zip(_split_env(lease, prepared.counts), prepared.plans, strict=True)]
 
+    def _keeper(self, *, fresh: bool, environ: Mapping[str, str]) -> KeeperHandle | None:
+        """A keeper for a new pooled group when this session keeps groups warm (``--sgl-keep-warm``): started
+        before the group's members, whose owner tags then name its session (see :mod:`.warm`). On the main
+        thread."""
+        if fresh or not self.reuse or self.warm is None or self.warm.settings.ttl is None or self.leases is None:
+            return None
+        from ..resources.warm_keeper import KeeperHandle
+
+        try:
+            return KeeperHandle.start(self.warm.settings.lock_dir, environ)
+        except OSError as exc:
+            self.on_message(f"cannot start a warm keeper ({exc}): this group is not kept warm")
+            return None
+
+    @staticmethod
+    def _keeper_workers(keeper: KeeperHandle | None) -> tuple[str, ...]:
+        return () if keeper is None else (f"{keeper.session_id}:",)
+
     def _launch(self, config: WorkerConfig, *, holder: str, fresh: bool, options: LaunchOptions,
                 environ: Mapping[str, str] | None = None, lease: Lease | None = None,
                 prepared: _Prepared | None = None, envs: list[dict[str, str]] | None = None, quiet: bool = False,
-                cancel: threading.Event | None = None) -> WorkerGroup:
+                cancel: threading.Event | None = None, keeper: KeeperHandle | None = None) -> WorkerGroup:
         """Lease (unless given), start and register a group. On the main thread, or, with ``lease``,
-        ``prepared`` and ``envs`` all made on the main thread, on a launch-ahead thread."""
+        ``prepared`` and ``envs`` all made on the main thread (and ``keeper``, when one is wanted), on a
+        launch-ahead thread. A group that may be kept warm has a keeper, whose session its members' tags name."""
+        if lease is None and keeper is None:
+            keeper = self._keeper(fresh=fresh,
+                                  environ=inherited_environ() if environ is None else environ)
+        try:
+            return self._launch_with(config, holder=holder, fresh=fresh, options=options, environ=environ,
+                                     lease=lease, prepared=prepared, envs=envs, quiet=quiet, cancel=cancel,
+                                     keeper=keeper)
+        except BaseException:
+            if keeper is not None:
+                keeper.close()  # it ends whatever its session id still tags, then exits
+            raise
+
+    def _launch_with(self, config: WorkerConfig, *, holder: str, fresh: bool, options: LaunchOptions,
+                     environ: Mapping[str, str] | None, lease: Lease | None, prepared: _Prepared | None,
+                     envs: list[dict[str, str]] | None, quiet: bool, cancel: threading.Event | None,
+                     keeper: KeeperHandle | None) -> WorkerGroup:
         stats = self.stats_for(config)
+        if keeper is not None:
+            options = dataclasses.replace(options, owner_session=keeper.session_id)
         if prepared is None:
             prepared = self._prepare(config, inherited_environ() if environ is None else environ)
         plans, counts = prepared.plans, prepared.counts
         group_id = f"{self.xdist_worker or 'main'}-{os.getpid()}-{next(_ids)}"
         requested = time.time()
         if lease is None:
-            lease, waited = self._lease_for(config, counts, holder)
+            lease, waited = self._lease_for(config, counts, holder, self._keeper_workers(keeper))
             with self._lock:
                 stats.lease_wait_seconds += waited
             if self.on_leased is not None and not quiet:
@@ -569,12 +615,13 @@ class WorkerPool:
         # Registered at once, so that whatever happens next, close() stops it and gives the lease back.
         ready = [m.startup_seconds for m in members if m.startup_seconds is not None]
         with self._lock:
-            self._busy[group_id] = _Entry(group, lease, leased_at, records, poolable=not fresh)
+            self._busy[group_id] = _Entry(group, lease, leased_at, records, poolable=not fresh, envs=envs,
+                                          environ=prepared.environ, keeper=keeper)
             stats.launches += 1
             if ready:
                 stats.startup_seconds.append(max(ready))  # a group is ready when its slowest member is
             with contextlib.suppress(Exception):  # bookkeeping for the report must never fail a test
-                _record_kv_tokens(members, config, plans, lease, stats)
+                record_kv_tokens(members, config, plans, lease, stats)
         return group
 
     def _member_env(self, config: WorkerConfig, lease_env: dict[str, str], plan: MemberPlan) -> dict[str, str]:
@@ -600,7 +647,7 @@ class WorkerPool:
                               cancel=cancel, environ=environ)
             except SglWorkerError as exc:  # a memory failure gets the ledger of this member's own args
                 with contextlib.suppress(Exception):
-                    _attach_ledger(exc, config, plans, i, lease)
+                    attach_ledger(exc, config, plans, i, lease)
                 raise
 
         outer = cancel
@@ -694,7 +741,8 @@ class WorkerPool:
         counts = [plan.gpus(config.spec) for plan in config.members(self.choose_kind)]
         return counts if getattr(self.leases, "per_member", False) else sum(counts)
 
-    def _lease_for(self, config: WorkerConfig, counts: Sequence[int], holder: str) -> tuple[Lease | None, float]:
+    def _lease_for(self, config: WorkerConfig, counts: Sequence[int], holder: str,
+                   workers: Sequence[str] = ()) -> tuple[Lease | None, float]:
         if self.leases is None:
             return None, 0.0
         gpus = sum(counts)
@@ -704,7 +752,7 @@ class WorkerPool:
         # First without waiting; evict idle groups (LRU first) while that frees a lease; launches ahead of
         # other configurations give way (called off: the test that needs its GPUs now comes first).
         while True:
-            lease = self.leases.try_acquire(wanted, memory, holder=holder)
+            lease = self.leases.try_acquire(wanted, memory, holder=holder, **self._workers_kw(workers))
             if lease is not None:
                 return lease, time.monotonic() - start  # time spent evicting idle workers counts too
             with self._lock:
@@ -724,8 +772,14 @@ class WorkerPool:
             self._retire(victim, failed=victim.tainted)
         self._check_not_self_blocked(config, gpus)
         lease = self.leases.acquire(wanted, memory, holder=holder, timeout=self.lease_timeout,
-                                    on_wait=self.on_message)
+                                    on_wait=self.on_message, **self._workers_kw(workers))
         return lease, time.monotonic() - start
+
+    @staticmethod
+    def _workers_kw(workers: Sequence[str]) -> dict[str, Any]:
+        """``workers=`` for a lease manager of this machine's file leases (a keeper's session, for the holder
+        records); nothing for another (a Ray cluster's placement groups keep no holder records)."""
+        return {"workers": tuple(workers)} if workers else {}
 
     def _check_not_self_blocked(self, config: WorkerConfig, gpus: int) -> None:
         """Fail at once when the GPUs that are missing are held by workers this process itself uses right now
@@ -783,8 +837,10 @@ class WorkerPool:
             if entry.lease is not None:
                 self._give_back(entry.lease, pids, entry.leased_at, stats)
             self._stamp_released(entry.records)
+            if entry.keeper is not None:
+                entry.keeper.close()  # nothing of its session is left: it exits
 
-    def _give_back(self, lease: Lease, pids: list[int], leased_at: float, stats: ConfigStats) -> None:
+    def _give_back(self, lease: Lease | BorrowedLease, pids: list[int], leased_at: float, stats: ConfigStats) -> None:
         report = lease.release(worker_pids=pids, wait_timeout=self.release_wait)
         with self._lock:
             stats.gpu_seconds += (time.monotonic() - leased_at) * max(1, len(lease.gpus))

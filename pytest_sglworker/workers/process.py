@@ -24,6 +24,7 @@ from ..engine.log_tail import CondensedTail, condense
 from ..engine.redaction import mask_argv, redact, secret_values
 from ..resources.processes import (
     OWNER_ENV,
+    ProcessHandle,
     end_process,
     held_socket_inodes,
     listeners,
@@ -134,7 +135,8 @@ class ManagedProcess:
     host: str
     port: int
     log_path: Path
-    process: subprocess.Popen[bytes]
+    #: the process: a ``Popen`` of one this session started, an ``AdoptedProcess`` of a warm worker it adopted
+    process: ProcessHandle
     owner_tag: str
     secrets: list[str] = field(default_factory=list, repr=False)
     started_at: float = field(default_factory=time.monotonic)
@@ -294,6 +296,13 @@ class ManagedProcess:
         with contextlib.suppress(psutil.Error, OSError):
             self._tree(sweep=False)
 
+    def close_client(self) -> None:
+        """Close the ``httpx.Client`` of :attr:`client`, if one was made (the process goes on)."""
+        if self._client is not None:
+            with contextlib.suppress(Exception):
+                self._client.close()
+            self._client = None
+
     def kill(self, sig: int = signal.SIGKILL) -> None:
         """Send ``sig`` to the root process on purpose (a test simulating a crash): the exit that follows
         is a deliberate stop, not a death; teardown still ends the whole tree."""
@@ -389,12 +398,13 @@ def popen(argv: list[str], env: dict[str, str], log_path: Path) -> subprocess.Po
 
 
 def start_process(argv: list[str], env: Mapping[str, str], log_path: Path, *,
-                  environ: Mapping[str, str]) -> dict[str, Any]:
+                  environ: Mapping[str, str], session_id: str | None = None) -> dict[str, Any]:
     """Start ``argv`` the way every process of the plugin starts: in a session of its own, tagged with a new
     owner tag, stdout and stderr into ``log_path`` (never a pipe), stdin closed. Its environment is ``environ``
-    (:func:`inherited_environ`, read on the main thread) with ``env`` added. Returns the :class:`ManagedProcess`
-    fields it fills."""
-    tag = owner_tag()
+    (:func:`inherited_environ`, read on the main thread) with ``env`` added. ``session_id``: the session its
+    tag names (default this pytest process's; a group that may be kept warm: its keeper's). Returns the
+    :class:`ManagedProcess` fields it fills."""
+    tag = owner_tag() if session_id is None else owner_tag(session_id)
     full_env = {k: v for k, v in environ.items() if k not in PER_TEST_VARIABLES}
     full_env.update(env)
     full_env["PYTHONUNBUFFERED"] = "1"

@@ -619,6 +619,7 @@ BAD_VALUES: dict[str, tuple[str, str]] = {
     "shard": ("3/2", "there is no shard 3 of 2"),
     "shard-report": (" , ", "no path given"),
     "cluster": ("yarn", "is not a cluster; choose 'ray'"),
+    "keep-warm": ("soon", "is not a TTL: give 'on', 'off', or a duration"),
 }
 #: options whose bad value is only seen when a worker is needed: a clear error on each worker test.
 PER_TEST = {"log-dir", "lock-dir"}

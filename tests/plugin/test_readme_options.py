@@ -43,6 +43,8 @@ VALUES: dict[str, tuple[str, str, object]] = {
     "--sgl-shard-report": ("{tmp}/shard-report.json", "shard_report", ["{tmp}/shard-report.json"]),
     # "off" (no cluster): a Ray cluster would exclude --sgl-gpus above, and collection would join it
     "--sgl-cluster": ("off", "cluster", None),
+    # "off": keeping warm would exclude --sgl-worker-url above (tested on its own in tests/acceptance/test_warm.py)
+    "--sgl-keep-warm": ("off", "keep_warm", None),
 }
 
 DUMP = """

@@ -24,7 +24,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..processes import PID_MAX, hostname, plausible_pid, process_alive, session_worker_pids
+from ..processes import (
+    PID_MAX,
+    find_tagged_processes,
+    hostname,
+    plausible_pid,
+    process_alive,
+    session_worker_pids,
+)
 
 __all__ = [
     "MAX_RECORD_BYTES",
@@ -33,6 +40,7 @@ __all__ = [
     "HolderRecordWarning",
     "dead_holder_leftovers",
     "gpu_lock_path",
+    "holder_leftover_pids",
     "holder_record_path",
     "inspect_holder_record",
     "lock_is_held",
@@ -58,6 +66,9 @@ class HolderRecord:
     index: int
     namespace: str
     gpus: tuple[int, ...] = ()
+    #: owner tags of workers on the GPU that are not of the holder's own session: a warm group's keeper holds
+    #: the lease of workers an earlier session started (``--sgl-keep-warm``)
+    workers: tuple[str, ...] = ()
 
     def describe(self, now: float | None = None) -> str:
         now = time.time() if now is None else now
@@ -136,6 +147,10 @@ def _parse_record(raw: bytes, path: Path) -> HolderRecord:
     if not isinstance(gpus, list) or len(gpus) > 1024:
         raise ValueError(f"'gpus' is {_short(gpus)}, not a list of GPU indices")
     indices = tuple(_bounded_int({"gpus": g}, "gpus", 0, _MAX_INDEX) for g in gpus)
+    workers = data.get("workers", [])
+    if not isinstance(workers, list) or len(workers) > 256:
+        raise ValueError(f"'workers' is {_short(workers)}, not a list of owner tags")
+    tags = tuple(_bounded_str({"workers": w}, "workers", 200, printable=True) for w in workers)
     namespace = _bounded_str(data, "namespace", 200, printable=True)
     if not NAMESPACE_RE.match(namespace):
         raise ValueError(f"'namespace' is {_short(namespace)}, not a lease namespace")
@@ -149,6 +164,7 @@ def _parse_record(raw: bytes, path: Path) -> HolderRecord:
         index=_bounded_int(data, "index", 0, _MAX_INDEX),
         namespace=namespace,
         gpus=indices,
+        workers=tags,
     )
     named = _RECORD_NAME_RE.match(path.name)
     if named and (named["namespace"], int(named["index"])) != (record.namespace, record.index):
@@ -273,7 +289,7 @@ def write_holder_record(path: Path, record: HolderRecord) -> None:
     """Write ``record`` to ``path`` as JSON, atomically; ``OSError`` if it cannot be written there."""
     from ..state import atomic_write
 
-    payload = {
+    payload: dict[str, Any] = {
         "pid": record.pid,
         "hostname": record.hostname,
         "holder": record.holder,
@@ -284,6 +300,8 @@ def write_holder_record(path: Path, record: HolderRecord) -> None:
         "namespace": record.namespace,
         "gpus": list(record.gpus),
     }
+    if record.workers:
+        payload["workers"] = list(record.workers)
     # 0644 whatever the umask, never through a planted file or symlink, never seen half-written.
     atomic_write(path, json.dumps(payload, indent=1), mode=0o644)
 
@@ -306,7 +324,16 @@ def dead_holder_leftovers(
             continue
         if process_alive(record.pid, record.since, record.hostname):
             continue
-        pids = session_worker_pids(record.pid, record.since)
+        pids = holder_leftover_pids(record)
         if pids:
             result[index] = (record.pid, pids)
     return result
+
+
+def holder_leftover_pids(record: HolderRecord) -> tuple[int, ...]:
+    """The live worker processes a (dead) holder leaves behind: those of its own session
+    (:func:`session_worker_pids`) and those its record names by owner tag (``workers``: a warm keeper's)."""
+    pids = set(session_worker_pids(record.pid, record.since))
+    for tag in record.workers:
+        pids.update(p.pid for p in find_tagged_processes(tag))
+    return tuple(sorted(pids))

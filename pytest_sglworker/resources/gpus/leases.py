@@ -127,6 +127,23 @@ class Lease:
             self._report = report
             return report
 
+    def held_locks(self) -> list[BaseFileLock]:
+        """The locks this lease holds (for a hand-over to another process, ``--sgl-keep-warm``: see
+        :meth:`handed_over`)."""
+        return list(self._locks)
+
+    def handed_over(self) -> None:
+        """Say that another process holds this lease's locked files now (a warm group's keeper inherited them)
+        and that the caller has forgotten its own copies (:func:`pytest_sglworker.resources.warm.forget_lock`):
+        the lease counts as released from now on, without unlocking anything and without touching the holder
+        records (the new holder rewrote them)."""
+        with self._release_lock:
+            self._locks = []
+            self._unlocked = True
+            self._report = ReleaseReport(gpus=self.indices, source="handed over", memory_back=True, waited_s=0.0)
+            with _HELD_LOCK:
+                _HELD_LEASES.discard(self)
+
     def _unlock(self) -> None:
         manager = self._manager
         for index in self.indices:
@@ -293,12 +310,14 @@ class LeaseManager:
 
     # -- acquisition
 
-    def try_acquire(self, tp: int, memory_mib: int, *, holder: str) -> Lease | None:
-        """One non-blocking attempt; ``None`` if no fitting GPUs are free now."""
+    def try_acquire(self, tp: int, memory_mib: int, *, holder: str, workers: Sequence[str] = ()) -> Lease | None:
+        """One non-blocking attempt; ``None`` if no fitting GPUs are free now. ``workers``: owner tags (or
+        session-wide ``<session>:`` prefixes) of the workers that will run on the GPUs when they are not of this
+        process's session (a group that may be kept warm: its keeper's), for the holder records."""
         reason = self.can_ever_fit(tp, memory_mib)
         if reason is not None:
             raise LeaseImpossible(reason)
-        lease, _ = self._attempt(tp, memory_mib, holder)
+        lease, _ = self._attempt(tp, memory_mib, holder, workers)
         return lease
 
     def acquire(
@@ -310,6 +329,7 @@ class LeaseManager:
         timeout: float,
         poll_interval: float = 0.5,
         on_wait: Callable[[str], None] | None = None,
+        workers: Sequence[str] = (),
     ) -> Lease:
         """Lease ``tp`` GPUs with at least ``memory_mib`` MiB free each, waiting up to ``timeout`` s.
 
@@ -325,7 +345,7 @@ class LeaseManager:
         waiting_flag: Path | None = None
         try:
             while True:
-                lease, attempt = self._attempt(tp, memory_mib, holder)
+                lease, attempt = self._attempt(tp, memory_mib, holder, workers)
                 if lease is not None:
                     return lease
                 if waiting_flag is None:
@@ -357,7 +377,8 @@ class LeaseManager:
         return (live_waiters(self.lock_dir, lease_waiting_prefix(self.namespace))
                 or others_waiting_for_ports(self.lock_dir))
 
-    def _attempt(self, tp: int, memory_mib: int, holder: str) -> tuple[Lease | None, _Attempt]:
+    def _attempt(self, tp: int, memory_mib: int, holder: str,
+                 workers: Sequence[str] = ()) -> tuple[Lease | None, _Attempt]:
         gpus = self.inventory.snapshot()
         attempt = _Attempt(gpus=gpus)
         eligible = [g.index for g in gpus if g.free_mib >= memory_mib]
@@ -395,7 +416,7 @@ class LeaseManager:
                 continue
             chosen = tuple(fresh[i] for i in group)
             try:
-                self._write_records(chosen, holder, memory_mib)
+                self._write_records(chosen, holder, memory_mib, workers)
             except BaseException:
                 for index in group:
                     with contextlib.suppress(OSError):
@@ -438,7 +459,8 @@ class LeaseManager:
             f"{self.lock_dir} holds only files the plugin makes) or choose another --sgl-lock-dir"
         )
 
-    def _write_records(self, gpus: Sequence[GpuInfo], holder: str, memory_mib: int) -> None:
+    def _write_records(self, gpus: Sequence[GpuInfo], holder: str, memory_mib: int,
+                       workers: Sequence[str] = ()) -> None:
         now = time.time()
         host = hostname()
         indices = tuple(g.index for g in gpus)
@@ -455,6 +477,7 @@ class LeaseManager:
                     index=gpu.index,
                     namespace=self.namespace,
                     gpus=indices,
+                    workers=tuple(workers),
                 ))
             except OSError as exc:
                 raise self._unusable("GPU holder record", path, exc) from None

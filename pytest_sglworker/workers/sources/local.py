@@ -27,6 +27,7 @@ from .base import GroupRequest, GroupUse, Refusal, SignalSent
 if TYPE_CHECKING:
     from ..group import WorkerGroup
     from ..launcher import ModelInstance
+    from ..warm import Warm
 
 __all__ = ["LocalSource", "PoolHooks", "PoolSettings", "PoolSource"]
 
@@ -47,6 +48,14 @@ class PoolSettings:
     environ: Mapping[str, str] = field(default_factory=dict)
     #: ``--sgl-cluster`` (a Ray cluster's spec)
     cluster: Any = None
+    #: ``--sgl-keep-warm``: the TTL (seconds) of the groups kept warm at the session's end; None: none is kept
+    keep_warm: float | None = None
+    #: adopt the warm groups earlier sessions left (local leases only)
+    adopt_warm: bool = True
+    #: the session log directory (``session-<N>``) a warm group's keeper holds; None for an explicit --sgl-log-dir
+    session_log_dir: Path | None = None
+    #: who this session is, for warm records and messages
+    holder: str = ""
 
 
 @dataclass(frozen=True)
@@ -79,6 +88,8 @@ class PoolSource:
         self.hooks = hooks or PoolHooks()
         self._leases: Any = None
         self._pool: WorkerPool | None = None
+        #: the session clears it when the run was interrupted: an interrupt keeps nothing warm
+        self.keep_warm_ok = True
 
     # -- what subclasses say ------------------------------------------------------------------------------
     def make_leases(self) -> Any:
@@ -91,6 +102,10 @@ class PoolSource:
 
     def describe(self) -> str:
         raise NotImplementedError
+
+    def make_warm(self, leases: Any) -> Warm | None:
+        """The pool's warm groups (adopted, kept warm): only where leases are this machine's file locks."""
+        return None
 
     # -- the pool -----------------------------------------------------------------------------------------
     @property
@@ -110,7 +125,7 @@ class PoolSource:
                 reuse=self.settings.reuse, log_policy=self.settings.log_policy, on_progress=hooks.on_progress,
                 on_progress_end=hooks.on_progress_end, on_message=hooks.on_message, worker_env=self._worker_env,
                 choose_kind=hooks.choose_kind, xdist_worker=hooks.xdist_worker, on_leased=hooks.on_leased,
-                records=self.records, on_tick=hooks.on_tick)
+                records=self.records, on_tick=hooks.on_tick, warm=self.make_warm(leases))
         return self._pool
 
     @property
@@ -147,8 +162,8 @@ class PoolSource:
             pool.discard(group, failed=use.failed or bool(dead))
             if dead and not use.failed and use.check_deaths:
                 return self._death(dead[0], use.signals)
-        elif use.last_use:
-            pool.discard(group, failed=use.failed)  # no later test needs this configuration
+        elif use.last_use and self.settings.keep_warm is None:
+            pool.discard(group, failed=use.failed)  # no later test needs this configuration (kept for --sgl-keep-warm)
         else:
             pool.release(group, failed=use.failed)  # a fresh group is retired there too
         return None
@@ -182,10 +197,15 @@ class PoolSource:
     def gpu_count(self) -> int | None:
         return len(self.leases.inventory.static_gpus())
 
+    def warm_events(self) -> dict[str, list[dict[str, Any]]]:
+        """What happened to warm groups in this session (adopted, kept warm, refused), for the summary and report."""
+        warm = self._pool.warm if self._pool is not None else None
+        return {k: list(v) for k, v in warm.events.items()} if warm is not None else {}
+
     def close(self) -> None:
         try:
             if self._pool is not None:
-                self._pool.close()
+                self._pool.close(keep_warm=self.settings.keep_warm is not None and self.keep_warm_ok)
         finally:
             if self._leases is not None:
                 self._leases.inventory.close()  # NVML shutdown, the Ray connection; a declared inventory: nothing
@@ -216,6 +236,18 @@ class LocalSource(PoolSource):
         if not isinstance(inventory, DeclaredInventory):
             return {}
         return {ENV_GPU_MEM: f"{inventory.total_mib / 1024:g}", ENV_GPU_FREE: str(inventory.total_mib)}
+
+    def make_warm(self, leases: Any) -> Warm | None:
+        from ..warm import Warm, WarmSettings
+
+        s = self.settings
+        if not s.adopt_warm and s.keep_warm is None:
+            return None
+        log_dir = s.launch.log_dir or s.lock_dir
+        return Warm(WarmSettings(lock_dir=s.lock_dir, log_dir=log_dir, options=s.launch, ttl=s.keep_warm,
+                                 session_log_dir=s.session_log_dir, log_policy=s.log_policy, holder=s.holder),
+                    leases, self.records, on_message=self.hooks.on_message or (lambda text: None),
+                    xdist_worker=self.hooks.xdist_worker)
 
     def describe(self) -> str:
         gpus = self.settings.gpus or "every NVML GPU"

@@ -1,0 +1,423 @@
+"""Warm workers between runs (``--sgl-keep-warm``): who holds a warm group's locks and processes when, the claim
+that makes its use exclusive, the hand-over of lock files to another process, the lease an adopter borrows, and
+how a warm group ends.
+
+Plain Python, no pytest; ``psutil`` and ``filelock`` are imported lazily. The record is :mod:`.warm_records`, the
+keeper process :mod:`.warm_keeper`; what identifies a group's configuration and how a session adopts one is
+:mod:`pytest_sglworker.workers.warm`.
+
+Who holds what, when
+--------------------
+A group's GPU lease and port blocks are ``flock`` s of lock files (:mod:`.gpus`, :mod:`.ports`); the kernel drops a
+flock when the last descriptor of its *open file* closes, whichever process holds it. Processes are the plugin's
+when they carry its owner tag (:mod:`.processes`), whose session id names the process that answers for them: the
+session watchdog ends a dead session's, and every janitor takes the tagged processes of a dead session for orphans.
+
+1. **Launch** (a session with ``--sgl-keep-warm``, a pooled group): the session starts the group's **keeper**
+   first (``python -m pytest_sglworker.resources.warm_keeper``, :class:`~.warm_keeper.KeeperHandle`), then leases
+   the GPUs (their holder records name the keeper's session among their workers) and starts the members with
+   owner tags of the *keeper's* session id. The keeper waits on a socket whose other end only the session holds.
+   The session holds the flocks, as for any group.
+2. **Session ends, group kept warm** (idle, every member answers its readiness check): the session writes the
+   group's warm record (state ``handover``) and sends the keeper duplicates of its lock descriptors over that socket
+   (``SCM_RIGHTS``, :func:`dup_lock_fd`): the same open files, so the keeper holds the same flocks, and there is no
+   moment at which the GPUs or ports are unlocked. The keeper rewrites the GPUs' holder records under its own pid
+   and writes itself into the record (state ``warm``); only on its ``ok`` does the session forget its own
+   descriptors (:func:`forget_lock`: filelock's descriptor is pointed at ``/dev/null`` before filelock "unlocks"
+   it). Without an ``ok`` the group is torn down as any other.
+3. **Session ends otherwise, or dies** (SIGKILL included): the socket reaches end of file; the keeper ends whatever
+   its session id tags and exits. A retired group's keeper goes the same way, with nothing left to end.
+4. **Warm**: the keeper alone holds the flocks (and a shared flock on the session log directory's ``.lock``, so
+   log retention keeps the group's log), and ends the group at its TTL, when a member dies, when another process
+   waits for a GPU or a port, when its record disappears (a wiped lock directory), or on SIGTERM. Since the
+   members' tags name the keeper's session, every janitor (of any version) leaves them alone while the keeper
+   lives, and reaps them as orphans once it is gone; the holder records name the keeper, with its session among
+   their workers, so a GPU whose keeper died is not handed out while the group still runs.
+5. **Adopted**: a session that wants the group takes its **claim**, the flock of ``warm-<id>.lock``
+   (:class:`Claim`): whoever holds it is the only one that may adopt, end or re-warm the group, so two sessions
+   never share one. The adopter writes itself into the record (state ``adopted``). The keeper keeps the flocks all
+   along (the session's lease is a :class:`BorrowedLease`): a session that dies while it uses the group cannot
+   leave them locked, since the keeper sees its adopter gone and ends the group. At the adopter's end the group is
+   kept warm again (state ``warm``, a new expiry, the claim released) or ended (:func:`end_warm`: its members, then
+   its keeper, which unlocks as it exits).
+
+Records are written atomically (:func:`~.state.atomic_write`), read without trusting the lock directory (a
+symlink, a FIFO, an oversized or malformed file is *untrusted*: ignored, and removed by the janitor when no
+claim is held), and every pid they name is acted on only after :func:`~.processes.prove_process` proved it
+(pid, start time, owner tag or keeper marker). The janitor (:func:`reap_warm`) ends the groups whose keeper is
+gone or failed to end them at their TTL; ``pytest --sgl-warm list|stop`` shows and ends them
+(:func:`~.warm_records.warm_records`, :func:`stop_warm`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+from collections.abc import Collection
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from .processes import AdoptedProcess, find_tagged_processes, hostname, process_alive, prove_process, terminate_tree
+from .retention import keeps
+from .warm_records import (
+    KEEPER_GRACE,
+    WarmRecord,
+    claim_path,
+    keeper_alive,
+    read_warm_record,
+    record_id,
+    record_path,
+    warm_records,
+    write_warm_record,
+)
+
+if TYPE_CHECKING:
+    from filelock import BaseFileLock
+
+    from .gpus.inventory import GpuInfo
+    from .gpus.release import ReleaseReport
+
+__all__ = [
+    "BorrowedLease",
+    "Claim",
+    "dup_lock_fd",
+    "end_keeper",
+    "end_members",
+    "end_warm",
+    "forget_lock",
+    "members_alive",
+    "note_in_logs",
+    "reap_warm",
+    "remove_holder_records",
+    "remove_logs",
+    "stop_warm",
+]
+
+# ---------------------------------------------------------------------------------------------- hand-over
+
+
+def _lock_fds(lock: BaseFileLock) -> list[int]:
+    """This process's descriptors open on the lock's file (compared by device and inode, from /proc/self/fd)."""
+    st = os.stat(lock.lock_file)
+    found = []
+    for name in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError, ValueError):
+            fd = int(name)
+            other = os.fstat(fd)
+            if (other.st_dev, other.st_ino) == (st.st_dev, st.st_ino):
+                found.append(fd)
+    return found
+
+
+def dup_lock_fd(lock: BaseFileLock) -> int:
+    """A new descriptor of the open file whose flock ``lock`` holds (the same open file, so the same flock), for a
+    keeper to inherit. ``OSError`` when this process has no single descriptor on the lock's file (a file system
+    without ``flock``, where filelock falls back to a marker file): such a lock cannot be handed over."""
+    if not lock.is_locked:
+        raise OSError(f"{lock.lock_file} is not locked by this process")
+    fds = _lock_fds(lock)
+    if len(fds) != 1:
+        raise OSError(f"cannot tell which of {len(fds)} descriptor(s) of {lock.lock_file} holds its flock")
+    return os.dup(fds[0])
+
+
+def forget_lock(lock: BaseFileLock) -> None:
+    """Drop this process's hold of ``lock`` *without unlocking it*: another process holds the same open file now
+    (:func:`dup_lock_fd`, its duplicate closed here since). The descriptor filelock knows is pointed at
+    ``/dev/null`` first, so whatever filelock does with it (unlock, close, at release or at garbage collection)
+    touches nothing of the lock. ``OSError`` when this process has not exactly that one descriptor on the file."""
+    fds = _lock_fds(lock)
+    if len(fds) != 1:
+        raise OSError(f"cannot tell which of {len(fds)} descriptor(s) of {lock.lock_file} is filelock's")
+    null = os.open(os.devnull, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    try:
+        os.dup2(null, fds[0], inheritable=False)
+    finally:
+        os.close(null)
+    lock.release(force=True)
+
+
+# ---------------------------------------------------------------------------------------------- claims
+
+
+class Claim:
+    """This process's exclusive hold on one warm group: the flock of ``warm-<id>.lock``. Only its holder adopts
+    the group, ends it, or keeps it warm again; the record is read again once it is held."""
+
+    def __init__(self, lock_dir: Path, wid: str, lock: BaseFileLock) -> None:
+        self.lock_dir = Path(lock_dir)
+        self.id = wid
+        self._lock: BaseFileLock | None = lock
+
+    @classmethod
+    def take(cls, lock_dir: Path, wid: str, *, wait: float = 0.0) -> Claim | None:
+        """The claim, or None when another process holds it (still after ``wait`` seconds)."""
+        from filelock import FileLock, Timeout
+
+        lock = FileLock(claim_path(lock_dir, wid), thread_local=False, mode=0o600)
+        try:
+            lock.acquire(timeout=wait, poll_interval=0.02) if wait > 0 else lock.acquire(blocking=False)
+        except Timeout:
+            return None
+        except OSError:
+            return None  # a directory or a symlink in the way: nobody may claim it
+        return cls(lock_dir, wid, lock)
+
+    @property
+    def held(self) -> bool:
+        return self._lock is not None
+
+    def read(self) -> WarmRecord | None:
+        return read_warm_record(record_path(self.lock_dir, self.id)).record
+
+    def write(self, record: WarmRecord) -> None:
+        write_warm_record(self.lock_dir, record)
+
+    def remove(self) -> None:
+        """Remove the record and the claim's own lock file (while it is held: a process that opened the old file
+        and flocks it after this finds no record, and gives up)."""
+        with contextlib.suppress(OSError):
+            record_path(self.lock_dir, self.id).unlink()
+        with contextlib.suppress(OSError):
+            claim_path(self.lock_dir, self.id).unlink()
+
+    def release(self) -> None:
+        lock, self._lock = self._lock, None
+        if lock is not None:
+            lock.release(force=True)
+
+
+# ---------------------------------------------------------------------------------------------- ending
+
+
+def note_in_logs(record: WarmRecord, text: str) -> None:
+    """Append one line to each member's log (the reason its warm life ended, or who adopted it): the log is the
+    first place a person looks."""
+    line = f"[pytest-sglworker {time.strftime('%H:%M:%S')}] {text}\n".encode()
+    for member in record.members:
+        with contextlib.suppress(OSError):
+            fd = os.open(member.log, os.O_WRONLY | os.O_APPEND | getattr(os, "O_NOFOLLOW", 0))
+            try:
+                os.write(fd, line)
+            finally:
+                os.close(fd)
+
+
+def end_members(record: WarmRecord, *, timeout: float = 10.0) -> list[int]:
+    """End every member's process tree: the root first when it is provably the process the record names, then
+    everything that carries the member's owner tag and the members of its session. Returns the pids that needed
+    SIGKILL."""
+    killed: list[int] = []
+    for member in record.members:
+        proven = prove_process(member.pid, member.since, member.tag) is None
+        handle = AdoptedProcess(member.pid, member.since) if proven else None
+        killed += terminate_tree(handle, lambda tag=member.tag: find_tagged_processes(tag),  # type: ignore[misc]
+                                 term_timeout=timeout, kill_timeout=timeout)
+    return killed
+
+
+def members_alive(record: WarmRecord) -> bool:
+    return all(AdoptedProcess(m.pid, m.since).poll() is None for m in record.members)
+
+
+def end_keeper(record: WarmRecord, *, timeout: float = 5.0) -> None:
+    """Ask the record's keeper to end (SIGCONT, then SIGTERM), SIGKILL it after ``timeout``; only when it is
+    provably that keeper."""
+    keeper = record.keeper
+    if keeper is None or not keeper_alive(record):
+        return
+    handle = AdoptedProcess(keeper.pid, keeper.since)
+    handle.send_signal(signal.SIGCONT)
+    handle.send_signal(signal.SIGTERM)
+    with contextlib.suppress(Exception):
+        handle.wait(timeout)
+        return
+    handle.kill()
+    with contextlib.suppress(Exception):
+        handle.wait(timeout)
+
+
+def remove_holder_records(lock_dir: Path, record: WarmRecord) -> None:
+    """Remove the GPU holder records that describe this group (its keeper's, or naming its owner tags)."""
+    from .gpus.holders import holder_record_path, read_holder_record
+
+    keeper_pid = record.keeper.pid if record.keeper else None
+    for index in record.gpus:
+        path = holder_record_path(Path(lock_dir), record.namespace, index)
+        holder = read_holder_record(path, only_live=False)
+        if holder is not None and (holder.pid == keeper_pid or set(holder.workers) & record.tags):
+            with contextlib.suppress(OSError):
+                path.unlink()
+
+
+def remove_logs(record: WarmRecord, *, spare: Collection[str] = ()) -> None:
+    """The group's logs go when the policy it was kept under says so (``failed``: only a tainted group's stay);
+    ``spare``: paths whose fate another policy decides (the log links of the session that retires it)."""
+    if keeps(record.log_policy, failed=record.tainted):
+        return
+    for member in record.members:
+        for path in (member.log, *member.links):
+            if path not in spare:
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+
+
+def end_warm(claim: Claim, record: WarmRecord, why: str, *, note: bool = True,
+             spare_logs: Collection[str] = ()) -> None:
+    """End a warm group its claim's holder decided to end: the reason into its logs, the record marked
+    ``stop`` (its keeper does nothing else from then on), its processes, then its keeper (which unlocks the
+    GPUs and ports as it exits), its holder records, its logs (per its policy), its record and claim."""
+    if note:
+        note_in_logs(record, f"warm worker ended: {why}")
+    with contextlib.suppress(OSError):
+        claim.write(replace(record, state="stop"))
+    try:
+        end_members(record)
+    finally:
+        end_keeper(record)
+        remove_holder_records(claim.lock_dir, record)
+        remove_logs(record, spare=spare_logs)
+        claim.remove()
+        claim.release()
+
+
+def _when(stamp: float) -> str:
+    return time.strftime("%H:%M:%S", time.localtime(stamp))
+
+
+def reap_warm(lock_dir: Path | None) -> list[str]:
+    """The janitor's part: end the warm groups whose keeper is gone, or that outlived their TTL by more than
+    :data:`KEEPER_GRACE` (a keeper that is frozen or stuck), and remove untrusted records nobody claims. Returns
+    what it did, one phrase per group."""
+    done: list[str] = []
+    if lock_dir is None:
+        return done
+    now = time.time()
+    for entry in warm_records(lock_dir):
+        record = entry.record
+        if record is None:
+            wid = record_id(entry.path)
+            claim = Claim.take(lock_dir, wid) if wid else None
+            if claim is not None:
+                if read_warm_record(entry.path).record is None:
+                    claim.remove()
+                    done.append(f"an untrusted warm record {entry.path.name} ({entry.problem})")
+                claim.release()
+            continue
+        if record.hostname != hostname():
+            continue
+        if record.state == "handover" and process_alive(record.kept_by.pid, record.kept_by.since, record.hostname):
+            continue  # its session is handing it over right now
+        alive = keeper_alive(record)
+        if alive and not (record.state == "warm" and now > record.expires_at + KEEPER_GRACE):
+            continue
+        claim = Claim.take(lock_dir, record.id)
+        if claim is None:
+            continue  # a live adopter, or someone ending it right now
+        current = claim.read()
+        if current is None or current != record:
+            claim.release()
+            continue
+        keeper = record.keeper.pid if record.keeper else "?"
+        why = (f"it expired at {_when(record.expires_at)} and its keeper (pid {keeper}) did not end it" if alive
+               else "its keeper is gone")
+        end_warm(claim, record, why)
+        done.append(f"{record.label} ({why})")
+    return done
+
+
+def stop_warm(lock_dir: Path) -> tuple[list[str], list[str]]:
+    """``pytest --sgl-warm stop``: end every warm group no session uses right now. Returns ``(ended, left)``, one
+    line per group."""
+    ended: list[str] = []
+    left: list[str] = []
+    for entry in warm_records(lock_dir):
+        record = entry.record
+        if record is None:
+            left.append(f"{entry.path.name}: untrusted ({entry.problem}); the next session's janitor removes it")
+            continue
+        if record.hostname != hostname():
+            continue
+        claim = Claim.take(lock_dir, record.id, wait=1.0)
+        current = claim.read() if claim is not None else None
+        if claim is None or current is None:
+            if claim is not None:
+                claim.release()
+                continue  # ended meanwhile
+            who = record.adopter
+            user = f"pytest pid {who.pid} ({who.holder})" if who else "another session"
+            left.append(f"{record.label}: in use by {user}; that session ends it or keeps it warm when it ends")
+            continue
+        end_warm(claim, current, "stopped by pytest --sgl-warm stop")
+        ended.append(current.describe())
+    return ended, left
+
+
+# ---------------------------------------------------------------------------------------------- borrowed lease
+
+
+@dataclass
+class BorrowedLease:
+    """The lease of an adopted warm group: its GPU (and port) flocks stay with the group's keeper while the
+    session uses the group, so a session that dies cannot leave them locked; the session holds the group's
+    :class:`Claim`. Shaped like :class:`~.gpus.Lease` where the pool reads one; :meth:`release` ends the group
+    and its keeper (which unlocks as it exits), :meth:`keep_warm` hands it back warm."""
+
+    claim: Claim
+    record: WarmRecord
+    gpus: tuple[GpuInfo, ...]
+    cuda_visible_devices: str
+    holder: str
+    acquired_at: float = field(default_factory=time.time)
+    #: this session's links of the members' logs: its own log policy decides about them
+    own_logs: tuple[str, ...] = ()
+    _report: ReleaseReport | None = field(default=None, repr=False)
+
+    @property
+    def namespace(self) -> str:
+        return self.record.namespace
+
+    @property
+    def memory_mib(self) -> int:
+        return self.record.memory_mib
+
+    @property
+    def indices(self) -> tuple[int, ...]:
+        return tuple(g.index for g in self.gpus)
+
+    @property
+    def released(self) -> bool:
+        return self._report is not None
+
+    @property
+    def report(self) -> ReleaseReport | None:
+        return self._report
+
+    def env(self) -> dict[str, str]:
+        return {"CUDA_VISIBLE_DEVICES": self.cuda_visible_devices, "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+
+    def release(self, *, worker_pids: Collection[int] = (), wait_timeout: float = 60.0) -> ReleaseReport:
+        """End what is left of the group and its keeper; the keeper's exit unlocks the GPUs and ports. Idempotent."""
+        from .gpus.release import ReleaseReport
+
+        if self._report is None:
+            start = time.monotonic()
+            end_warm(self.claim, self.record, f"retired by the session that adopted it (pid {os.getpid()})",
+                     spare_logs=self.own_logs)
+            self._report = ReleaseReport(gpus=self.indices, source="warm keeper", memory_back=True,
+                                         waited_s=time.monotonic() - start)
+        return self._report
+
+    def keep_warm(self, record: WarmRecord) -> None:
+        """Hand the group back warm (``record``: state ``warm``, its new expiry), then release the claim."""
+        from .gpus.release import ReleaseReport
+
+        try:
+            self.claim.write(record)
+        finally:
+            self.claim.release()
+        self.record = record
+        self._report = ReleaseReport(gpus=self.indices, source="kept warm", memory_back=True, waited_s=0.0)

@@ -1,0 +1,162 @@
+"""The pieces of warm workers between runs that need no engine: the TTL option's values, the warm record (written
+atomically, read without trusting the lock directory), the hand-over of a flock by descriptor, and the claim.
+The sessions themselves are tested in tests/acceptance/test_warm.py."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from pytest_sglworker.plugin.options import parse_ttl
+from pytest_sglworker.resources.warm import Claim, dup_lock_fd, forget_lock
+from pytest_sglworker.resources.warm_records import (
+    FORMAT,
+    Party,
+    WarmMember,
+    WarmRecord,
+    parse_warm_record,
+    read_warm_record,
+    record_path,
+    warm_records,
+    write_warm_record,
+)
+
+
+@pytest.mark.parametrize(("value", "seconds"), [
+    ("on", 900.0), ("", 900.0), ("off", None), ("0", None), ("90s", 90.0), ("15m", 900.0), ("1h", 3600.0),
+    ("2.5", 2.5), ("1.5m", 90.0),
+])
+def test_ttl_values(value: str, seconds: float | None) -> None:
+    assert parse_ttl(value) == seconds
+
+
+@pytest.mark.parametrize(("value", "why"), [
+    ("soon", "is not a TTL: give 'on', 'off', or a duration"), ("tests/", "a TTL goes after '='"),
+    ("-5", "is not a TTL between 0 and 7 days"), ("8d", "is not a TTL"), ("nan", "is not a TTL between"),
+])
+def test_bad_ttl_values(value: str, why: str) -> None:
+    with pytest.raises(ValueError) as info:
+        parse_ttl(value)
+    assert why in str(info.value)
+
+
+def make_record(wid: str = "4242-abcdef12", **changes: object) -> WarmRecord:
+    now = time.time()
+    member = WarmMember(role="worker", index=0, kind="HttpWorker", pid=4243, since=now - 10, tag=f"{wid}:beef",
+                        port=20004, ports=(("http", 20004), ("nccl", 20005)), gpus="0", log="/tmp/x.log",
+                        argv="python -m sglang.launch_server --api-key ***", started_at=now - 10, startup_seconds=2.0,
+                        probe_seconds=0.001)
+    record = WarmRecord(id=wid, hostname="host", state="warm", kept_by=Party(4000, now, "4000-aa", "suite (pid 4000)"),
+                        ttl=900.0, created=now, last_used=now, expires_at=now + 900, config_key="w", label="w",
+                        model="Qwen/Qwen3-0.6B", identity=(("argv", "ab" * 16), ("env", "cd" * 16)),
+                        namespace="sim-2x80", gpus=(0,), gpu_uuids=("GPU-sim-000000000000",), memory_mib=4096,
+                        members=(member,), keeper=Party(4242, now - 11, "keeper"))
+    return replace(record, **changes)  # type: ignore[arg-type]
+
+
+def test_a_record_survives_its_round_trip(tmp_path: Path) -> None:
+    record = make_record()
+    write_warm_record(tmp_path, record)
+    path = record_path(tmp_path, record.id)
+    assert oct(path.stat().st_mode & 0o777) == "0o600"
+    assert read_warm_record(path).record == record
+    assert [e.record for e in warm_records(tmp_path)] == [record]
+
+
+@pytest.mark.parametrize(("mutate", "why"), [
+    (lambda d: d.update(format="other/v9"), "its format is"),
+    (lambda d: d.update(id="4242-ABC"), "is not a warm group id"),
+    (lambda d: d.update(state="asleep"), "its state 'asleep' is not one of"),
+    (lambda d: d["members"][0].update(pid=1e999), "Infinity is not a number a warm record holds"),
+    (lambda d: d["members"][0].update(pid=-5), "'pid' is not a whole number"),
+    (lambda d: d.update(members=[]), "it names no member"),
+    (lambda d: d.update(ttl=10 ** 9), "'ttl' is not a number"),
+    (lambda d: d.update(log_policy="some"), "its log policy 'some' is not one of"),
+    (lambda d: d["members"][0].update(tag="has space"), "'tag' is not printable text"),
+    (lambda d: d.pop("kept_by"), "missing 'kept_by'"),
+])
+def test_a_record_that_cannot_be_trusted_says_why(tmp_path: Path, mutate: object, why: str) -> None:
+    data = make_record().as_dict()
+    mutate(data)  # type: ignore[operator]
+    path = tmp_path / "warm-4242-abcdef12.json"
+    path.write_text(json.dumps(data))
+    entry = read_warm_record(path)
+    assert entry.record is None and entry.problem is not None and why in entry.problem, entry.problem
+
+
+def test_a_record_under_another_name_a_symlink_or_a_giant_is_untrusted(tmp_path: Path) -> None:
+    raw = json.dumps(make_record().as_dict()).encode()
+    with pytest.raises(ValueError, match="not the one its file name says"):
+        parse_warm_record(raw, "warm-1-other.json")
+    target = tmp_path / "real.json"
+    target.write_bytes(raw)
+    link = tmp_path / "warm-4242-abcdef12.json"
+    link.symlink_to(target)
+    assert read_warm_record(link).problem == "is a symlink (never followed)"
+    link.unlink()
+    link.write_bytes(b" " * (300 * 1024))
+    assert "larger than" in (read_warm_record(link).problem or "")
+    link.write_bytes(raw[:40])
+    assert (read_warm_record(link).problem or "").startswith("not valid JSON")
+    assert json.loads(raw)["format"] == FORMAT
+
+
+def _held(path: Path) -> bool:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
+def test_a_flock_handed_over_by_descriptor_is_never_unlocked_on_the_way(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from filelock import FileLock
+
+    path = tmp_path / "gpu-sim-1x80-0.lock"
+    lock = FileLock(path, thread_local=False, mode=0o644)
+    lock.acquire(blocking=False)
+    copy = dup_lock_fd(lock)  # what a keeper gets
+    keeper = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE,
+                              pass_fds=[copy])
+    try:
+        os.close(copy)
+        (tmp_path / "other.lock").write_text("")
+        with pytest.raises(OSError, match="cannot tell which of 0 descriptor"):
+            forget_lock(FileLock(tmp_path / "other.lock"))  # no descriptor of that file here
+        forget_lock(lock)  # the session lets go of its own descriptor, without unlocking
+        assert not lock.is_locked
+        assert _held(path), "the flock went with the session's descriptor"
+        del lock  # whatever filelock does at garbage collection touches /dev/null, not the lock
+        assert _held(path)
+    finally:
+        assert keeper.stdin is not None
+        keeper.stdin.close()  # the keeper exits, with its descriptor
+        keeper.wait(10)
+    assert not _held(path)
+
+
+def test_a_claim_is_exclusive(tmp_path: Path) -> None:
+    record = make_record()
+    write_warm_record(tmp_path, record)
+    first = Claim.take(tmp_path, record.id)
+    assert first is not None and first.read() == record
+    assert Claim.take(tmp_path, record.id) is None
+    assert Claim.take(tmp_path, record.id, wait=0.2) is None
+    first.remove()
+    first.release()
+    assert not record_path(tmp_path, record.id).exists()
+    again = Claim.take(tmp_path, record.id)
+    assert again is not None and again.read() is None  # a claim on a group that is gone finds no record
+    again.release()
