@@ -245,3 +245,38 @@ def test_the_index_lists_every_entry_with_its_measures(corpus: dict[str, str]) -
     if UPDATE:
         index.write_text(text)
     assert index.read_text() == text
+
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+_PLACEHOLDER = re.compile(r"<(?:T|N|PORT|PID|G|TIME|TEST|PYTHON|REPLAY|LOGS)>")
+
+
+def _pattern(snapshot_line: str) -> str:
+    """A snapshot line as a regex: each placeholder stands for any text."""
+    parts = _PLACEHOLDER.split(snapshot_line)
+    return ".+?".join(re.escape(part) for part in parts)
+
+
+def _matches(readme_line: str, snapshot_line: str) -> bool:
+    """The README's line is the snapshot's with real values for the placeholders; one ending in `` …`` is cut
+    there (a prefix of the snapshot's line)."""
+    if not readme_line.endswith(" …"):
+        return re.fullmatch(_pattern(snapshot_line), readme_line) is not None
+    cut = readme_line[:-2]
+    return any(re.fullmatch(_pattern(snapshot_line[:end]), cut) for end in range(len(snapshot_line), 0, -1))
+
+
+def test_the_readme_failure_example_is_a_reviewed_snapshot() -> None:
+    """What the README shows as a failure text is what the plugin writes: each line of the README's example is
+    the snapshot's line (real values for the placeholders; a line may be cut with `` …``), in order, up to the
+    log tail."""
+    section = README.read_text().split("## Read failures", 1)[1]
+    marker = re.search(r"<!-- snapshot: (\S+) ", section)
+    assert marker, "the README's failure example names no snapshot"
+    snapshot = (README.parent / marker.group(1)).read_text().splitlines()
+    block = section[marker.end():].split("```text\n", 1)[1].split("```", 1)[0].splitlines()
+    assert block[-1] == "    …" and block[-2].startswith("last lines of the log"), block[-2:]
+    shown = block[:-1]
+    assert len(shown) <= len(snapshot)
+    for readme_line, snapshot_line in zip(shown, snapshot, strict=False):
+        assert _matches(readme_line, snapshot_line), f"README: {readme_line!r}\nsnapshot: {snapshot_line!r}"
