@@ -159,17 +159,19 @@ _ACCESS_LINE = re.compile(rb'INFO: +\S+ - "(?P<method>[A-Z]+) (?P<path>/[^ ?"]*)
 
 class ServedCounter:
     """A worker's inference requests, counted from its own log: uvicorn's access lines (log level info, the
-    engine's default) for :data:`INFERENCE_PATHS` after the engine's ready line (its own warm-up request comes
-    before it). The real engine and the simulated one write the same lines, so a routing test that counts this
-    way runs unchanged on both. The log is read on from where the last :meth:`update` stopped.
+    engine's default) for :data:`INFERENCE_PATHS` from ``start`` (the log's size when the worker was found
+    ready: its own warm-up request is logged before it answers ready), else after the engine's ready line. Not the
+    ready line alone: the engine answers ready a moment before it logs that line, so a test's first request can
+    be logged before it. The real engine and the simulated one write the same lines, so a routing test that
+    counts this way runs unchanged on both. The log is read on from where the last :meth:`update` stopped.
 
     Not thread-safe: one counter per worker, used by the thread that asks."""
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], start: int | None = None) -> None:
         self.path = Path(path)
-        self._offset = 0
+        self._offset = start or 0
         self._partial = b""
-        self._ready = False
+        self._ready = start is not None
         #: answered with a 2xx status, by path
         self.served: dict[str, int] = {}
         #: answered with another status (4xx, 5xx), by path

@@ -188,6 +188,7 @@ class Watched(Protocol):
     port: int
     started_at: float
     ready_at: float | None
+    ready_log_offset: int | None
     ready_probe_seconds: float
     log_path: Path
 
@@ -294,6 +295,14 @@ class _LogWatch:
 ProgressCallback = Callable[[Any, float], None]
 
 
+def log_size(path: Path) -> int | None:
+    """How many bytes ``path`` holds now (None when it cannot be read)."""
+    try:
+        return os.stat(path).st_size
+    except OSError:
+        return None
+
+
 def wait_until_ready(
     target: Watched,
     readiness: Readiness | None = None,
@@ -352,6 +361,7 @@ def wait_until_ready(
         if probe.ready:
             target.ready_at = time.monotonic()
             target.ready_probe_seconds = target.ready_at - probed_at
+            target.ready_log_offset = log_size(target.log_path)
             return
         last_status = probe.status
         stale_seen = stale_seen or probe.stale

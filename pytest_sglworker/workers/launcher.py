@@ -213,7 +213,7 @@ class ModelInstance(ManagedProcess):
         with self._served_lock:
             if self._served is None:
                 self._check_access_lines()
-                self._served = ServedCounter(self.log_path)
+                self._served = ServedCounter(self.log_path, self.ready_log_offset)
             return self._served.update()
 
     def _check_access_lines(self) -> None:

@@ -141,6 +141,8 @@ class ManagedProcess:
     secrets: list[str] = field(default_factory=list, repr=False)
     started_at: float = field(default_factory=time.monotonic)
     ready_at: float | None = None
+    #: the size of its log when it was found ready: what it logs from there on is its service to the tests
+    ready_log_offset: int | None = None
     #: how long the readiness probe that found it ready took (a slow health endpoint stays slow)
     ready_probe_seconds: float = 0.0
     port_block: PortBlock | None = field(default=None, repr=False)

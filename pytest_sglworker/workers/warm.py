@@ -60,6 +60,7 @@ from ..resources.warm_records import (
 )
 from .config import MemberPlan
 from .group import WorkerGroup
+from .health import log_size
 from .launcher import LaunchOptions, ModelInstance, build_argv, environment_launcher
 from .process import log_name, unused_log_path
 
@@ -382,6 +383,7 @@ class Warm:
             secrets=secret_values({**environ, **spec.env, **env}, argv), times={"started": now, "ready": now},
             ready_probe_seconds=member.probe_seconds)
         instance.ready_at = instance.started_at
+        instance.ready_log_offset = log_size(instance.log_path)  # what it serves this session
         instance.remember_tree()
         return instance
 

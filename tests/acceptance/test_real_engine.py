@@ -138,8 +138,12 @@ def test_a_ready_and_generate(sgl_worker, record):
     # The fixture hands out the worker only once the real engine is healthy: the readiness line is
     # already in the log, /ready answered 200 after it (the readiness probe: no generation), the engine never
     # answered 200 before it, and no health generation ran before this test's own requests.
+    # sglang answers ready a moment before it logs its ready line: wait for the line, bounded
+    deadline = time.monotonic() + 10
+    while "The server is fired up and ready to roll!" not in sgl_worker.log_path.read_text(errors="replace"):
+        assert time.monotonic() < deadline, "no ready line in the log 10 s after the engine answered ready"
+        time.sleep(0.05)
     log = sgl_worker.log_path.read_text(errors="replace")
-    assert "The server is fired up and ready to roll!" in log
     lines = log.splitlines()
     ready = next(i for i, line in enumerate(lines) if "The server is fired up and ready to roll!" in line)
     health = [i for i, line in enumerate(lines) if '"GET /ready HTTP/1.1" 200' in line]

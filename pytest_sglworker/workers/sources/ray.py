@@ -78,8 +78,11 @@ PG_PREFIX = "sglworker-"
 #: Environment variables of the pytest process that reach the engine on the node (the rest of the engine's
 #: environment is the node's): the plugin's and the simulated engine's, sglang's, Hugging Face's, NCCL's.
 FORWARDED_PREFIXES = ("SGL", "HF_", "HUGGING", "NCCL_", "TRANSFORMERS_", "TOKENIZERS_")
-#: How long connecting to the cluster may take before it is called unreachable.
+#: How long connecting to the cluster may take before it is called unreachable (after its address answered a TCP
+#: check): a GCS address, and a Ray Client address (``ray://``), whose server starts a process of its own for each
+#: new client (it imports Ray: seconds on an idle machine, past 15 s on a loaded 2-core CI runner).
 CONNECT_TIMEOUT = 15.0
+CLIENT_CONNECT_TIMEOUT = 60.0
 #: A memory size for Ray's GPUs, which Ray does not know: the budget check, not the lease, judges memory.
 RAY_GPU_MIB = 80 * 1024
 #: How long a non-blocking attempt waits for a placement group that fitted the free GPUs when it was asked for.
@@ -524,7 +527,7 @@ class RayLeaseManager:
     #: a lease is asked for with each member's GPU count (one bundle per member)
     per_member = True
 
-    def __init__(self, cluster: ClusterSpec, lock_dir: Path, *, connect_timeout: float = CONNECT_TIMEOUT,
+    def __init__(self, cluster: ClusterSpec, lock_dir: Path, *, connect_timeout: float | None = None,
                  notice_interval: float = 30.0, poll_interval: float = 0.2,
                  on_message: Callable[[str], None] | None = None) -> None:
         self.cluster = cluster
@@ -537,6 +540,8 @@ class RayLeaseManager:
         self.ray = _import_ray()
         #: what the actors' own environment gets (read here, on the main thread: actors start from launch threads)
         self.actor_env = forwarded_env()
+        if connect_timeout is None:
+            connect_timeout = CLIENT_CONNECT_TIMEOUT if cluster.address.startswith("ray://") else CONNECT_TIMEOUT
         self._connect(connect_timeout)
         self.inventory = RayInventory(self)
         self._host_class: Any = None
