@@ -202,7 +202,9 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]
         env = {**os.environ, "SGLWORKER_LOG_DIR": str(root / "logs"), "SGLWORKER_LOCK_DIR": str(root / "locks"),
                "SGLSIM_STARTUP_SECONDS": "0.2", "COLUMNS": "120",
                # ready as soon as it binds: no health probe lands in a warm-up whose length the load decides
-               "SGLSIM_WARMUP_SECONDS": "0"}
+               "SGLSIM_WARMUP_SECONDS": "0",
+               # no Hugging Face cache: the sim says the same about its token counts on every machine
+               "HF_HOME": str(root / "hf"), "HF_HUB_CACHE": str(root / "hf" / "hub")}
         env.pop("PYTEST_ADDOPTS", None)
         done = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:randomly",
                                "-p", "no:xdist", "--sgl-model", "qwen3-0.6b", "--sgl-gpus", "sim:4",
