@@ -111,6 +111,8 @@ def read_bounded(path: Path | str, limit: int) -> tuple[bytes | None, str | None
             return None, "is a directory"
         if not stat.S_ISREG(st.st_mode):
             return None, "is not a regular file"
+        if st.st_size > limit:
+            return None, f"is {st.st_size} bytes, larger than {limit}"
         chunks: list[bytes] = []
         size = 0
         while size <= limit:

@@ -178,40 +178,14 @@ def inspect_holder_record(path: Path) -> tuple[HolderRecord | None, str | None]:
     a FIFO), larger than :data:`MAX_RECORD_BYTES`, not JSON, nested, or a field out of its range (a pid of
     ``1e999`` or ``-5``, a GPU index of ``1e999``). Never follows a symlink, never blocks on a FIFO, never
     raises for what the file holds."""
-    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
-    try:
-        fd = os.open(path, flags)
-    except FileNotFoundError:
-        return None, None
-    except OSError as exc:
-        from ..state import describe_file_problem
+    from ..state import read_bounded
 
-        return None, describe_file_problem(path, exc)
-    try:
-        import stat
-
-        st = os.fstat(fd)
-        if stat.S_ISDIR(st.st_mode):
-            return None, "is a directory"
-        if not stat.S_ISREG(st.st_mode):
-            return None, "is not a regular file"
-        if st.st_size > MAX_RECORD_BYTES:
-            return None, f"is {st.st_size} bytes, far larger than a holder record"
-        chunks: list[bytes] = []
-        size = 0
-        while size <= MAX_RECORD_BYTES:
-            chunk = os.read(fd, MAX_RECORD_BYTES + 1 - size)
-            if not chunk:
-                break
-            chunks.append(chunk)
-            size += len(chunk)
-        if size > MAX_RECORD_BYTES:
-            return None, "is far larger than a holder record"
-    except OSError as exc:
-        return None, f"cannot be read ({exc.strerror or exc})"
-    finally:
-        os.close(fd)
-    raw = b"".join(chunks)
+    raw, why = read_bounded(path, MAX_RECORD_BYTES)
+    if raw is None:
+        if why and "larger than" in why:  # "is N bytes, larger than LIMIT", or it grew while being read
+            size = why.split(" bytes,", 1)[0] + " bytes, " if " bytes," in why else ""
+            return None, f"{size or 'is '}far larger than a holder record"
+        return None, why
     if not raw.strip():
         return None, "is empty"
     try:
