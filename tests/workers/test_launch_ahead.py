@@ -199,13 +199,21 @@ def test_ctrl_c_while_workers_are_launched_ahead_leaves_nothing(pytester: pytest
     started = tmp_path / "started"
     import os
 
+    from session_helpers import _default_sigint
+
+    # SIGINT at its default in the inner session: under a background job of a non-interactive shell (a CI
+    # script) it would start ignored, and the Ctrl-C below would do nothing
     proc = subprocess.Popen([sys.executable, "-m", "pytest", *SIM, "--sgl-gpus", "sim:2"], cwd=pytester.path,
                             env={**os.environ, "STARTED": str(started)}, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+                            stderr=subprocess.STDOUT, text=True, preexec_fn=_default_sigint)
     deadline = time.monotonic() + 60
     while not started.exists() and time.monotonic() < deadline:
         time.sleep(0.1)
-    time.sleep(1)  # the launch ahead is under way (a 20 s startup)
+    # the launch ahead is under way (a 20 s startup) once its worker has a log of its own
+    logs = Path(sim_env["SGLWORKER_LOG_DIR"])
+    while len(list(logs.glob("sglang-worker-*.log"))) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert started.exists() and len(list(logs.glob("sglang-worker-*.log"))) == 2, "no launch ahead under way"
     proc.send_signal(signal.SIGINT)
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == pytest.ExitCode.INTERRUPTED, out

@@ -66,6 +66,10 @@ def ray_address() -> Iterator[str]:
     mark = uuid.uuid4().hex
     env = {k: v for k, v in os.environ.items() if k not in ("SGLWORKER_TEST_MARK", "RAY_ADDRESS")}
     env[CLUSTER_MARK] = mark
+    # The Ray Client server gives a new client's own server process 30 s to come up by default; on a loaded 2-core
+    # CI runner (both xdist workers busy) that process took longer and test_ray_client_address failed with "Proxy
+    # failed to Connect to backend". The plugin's bound for ray:// (120 s) is beyond this one.
+    env["RAY_CLIENT_SERVER_CHECK_CHANNEL_TIMEOUT_S"] = "90"
     ray_bin = shutil.which("ray", path=os.path.dirname(sys.executable)) or "ray"
     head = subprocess.Popen(
         [ray_bin, "start", "--head", "--block", f"--num-gpus={GPUS}", f"--num-cpus={GPUS}", f"--port={port}",
@@ -468,3 +472,15 @@ def test_a_gpu_selection_with_a_cluster_is_a_usage_error(pytester: pytest.Pytest
                                            "--sgl-cluster", "ray", timeout=60)
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(["*--sgl-gpus and --sgl-cluster exclude each other*"])
+
+
+def test_a_ray_client_init_failure_names_the_servers_reason() -> None:
+    from pytest_sglworker.workers.sources.ray import _why
+
+    error = ConnectionAbortedError("Initialization failure from server:\nTraceback (most recent call last):\n"
+                                   '  File "proxier.py", line 780, in Datapath\n'
+                                   "RuntimeError: Proxy failed to Connect to backend! Check the logs.\n")
+    assert _why(error) == ("Initialization failure from server: RuntimeError: Proxy failed to Connect to backend! "
+                           "Check the logs.")
+    assert _why(ConnectionError("refused\nmore")) == "refused"
+    assert _why(TimeoutError()) == "TimeoutError"

@@ -80,9 +80,11 @@ PG_PREFIX = "sglworker-"
 FORWARDED_PREFIXES = ("SGL", "HF_", "HUGGING", "NCCL_", "TRANSFORMERS_", "TOKENIZERS_")
 #: How long connecting to the cluster may take before it is called unreachable (after its address answered a TCP
 #: check): a GCS address, and a Ray Client address (``ray://``), whose server starts a process of its own for each
-#: new client (it imports Ray: seconds on an idle machine, past 15 s on a loaded 2-core CI runner).
+#: new client (it imports Ray: seconds on an idle machine, past 15 s on a loaded 2-core CI runner). The client
+#: bound is beyond the Ray Client server's own (``RAY_CLIENT_SERVER_CHECK_CHANNEL_TIMEOUT_S``, 30 s by default, set
+#: on the head node), so that a server that gives up says why itself.
 CONNECT_TIMEOUT = 15.0
-CLIENT_CONNECT_TIMEOUT = 60.0
+CLIENT_CONNECT_TIMEOUT = 120.0
 #: A memory size for Ray's GPUs, which Ray does not know: the budget check, not the lease, judges memory.
 RAY_GPU_MIB = 80 * 1024
 #: How long a non-blocking attempt waits for a placement group that fitted the free GPUs when it was asked for.
@@ -519,6 +521,17 @@ class RayLease:
         return f"<RayLease {self.name} bundles {self.counts} for {self.holder!r} ({state})>"
 
 
+def _why(error: BaseException) -> str:
+    """An error's first line; when that line only introduces what follows (Ray Client's ``Initialization failure
+    from server:`` and the server's traceback), the traceback's last line too: the server's own reason."""
+    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+    if not lines:
+        return type(error).__name__
+    if lines[0].endswith(":") and len(lines) > 1:
+        return f"{lines[0]} {lines[-1]}"
+    return lines[0]
+
+
 class RayLeaseManager:
     """GPU leases from a Ray cluster, with the :class:`~pytest_sglworker.resources.gpus.LeaseManager` surface the pool
     and collection use (``try_acquire``, ``acquire``, ``others_waiting``, ``can_ever_fit``, ``inventory``,
@@ -580,9 +593,8 @@ class RayLeaseManager:
                                      f"{address} within {timeout:g} s")
         if "error" in done:
             error = done["error"]
-            first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
             raise ClusterUnavailable(f"{self.cluster.raw!r}: cannot join the Ray cluster at {address}: "
-                                     f"{first}")
+                                     f"{_why(error)}")
 
     def _cluster_address(self) -> str:
         with contextlib.suppress(Exception):
