@@ -25,7 +25,8 @@ Default range: from 20000 up to just below the kernel's ephemeral range (read fr
 port to an outgoing connection. If the ephemeral range starts too low to leave at least
 :data:`MIN_DEFAULT_PORTS` ports above 20000, the ports above the ephemeral range are used when there
 are enough of them; failing that, 20000-29999, where the bind check (not the kernel) is the only
-protection against an ephemeral port being taken between the check and the worker's own bind.
+protection against an ephemeral port being taken between the check and the worker's own bind. The default
+range leaves out the ports other services hand out by themselves (:data:`FOREIGN_PORTS`: Ray Client's servers).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DEFAULT_LOW_PORT",
+    "FOREIGN_PORTS",
     "MIN_DEFAULT_PORTS",
     "PORT_BLOCK_SIZE",
     "PortBlock",
@@ -64,6 +66,12 @@ DEFAULT_LOW_PORT = 20000
 PORT_BLOCK_SIZE = 4
 MIN_DEFAULT_PORTS = 1024
 _FALLBACK_RANGE = (20000, 29999)
+#: Ports another service of the same machine hands out by itself, which the default range leaves alone: Ray
+#: Client's server gives each new client a server process on a port of 23000-23999 that it checks free when it
+#: chooses it and binds seconds later (``MIN/MAX_SPECIFIC_SERVER_PORT`` in ray/util/client/server/proxier.py), so a
+#: worker reserved there in between made that client fail ("Starting Ray client server failed"). An explicit
+#: ``--sgl-port-range`` is used as given.
+FOREIGN_PORTS = ((23000, 23999),)
 _EPHEMERAL_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 #: Blocks not yet released: a forgotten block stays reserved until the process exits, never freed by
 #: garbage collection while its worker may still listen on it.
@@ -297,7 +305,7 @@ def reserve_port_block(
     what = f"block of {size} ports in {low}-{high} on {host}"
     try:
         while True:
-            block, scan = _scan(lock_dir, low, size, blocks, host)
+            block, scan = _scan(lock_dir, low, size, blocks, host, avoid=FOREIGN_PORTS if port_range is None else ())
             if block is not None:
                 return block
             now = clock()
@@ -316,12 +324,16 @@ def reserve_port_block(
         unflag_waiting(waiting_flag)
 
 
-def _scan(lock_dir: Path, low: int, size: int, blocks: int, host: str) -> tuple[PortBlock | None, _Scan]:
-    """One pass over the blocks, from a per-process start: the first free one, locked, or why there is none."""
+def _scan(lock_dir: Path, low: int, size: int, blocks: int, host: str,
+          avoid: tuple[tuple[int, int], ...] = ()) -> tuple[PortBlock | None, _Scan]:
+    """One pass over the blocks, from a per-process start: the first free one, locked, or why there is none.
+    Blocks that overlap a range of ``avoid`` are not looked at."""
     from filelock import FileLock, Timeout
 
-    scan = _Scan(blocks)
-    for k in _block_order(blocks, _start_block(blocks)):
+    order = [k for k in _block_order(blocks, _start_block(blocks))
+             if not any(low + k * size <= hi and low + (k + 1) * size - 1 >= lo for lo, hi in avoid)]
+    scan = _Scan(len(order))
+    for k in order:
         base = low + k * size
         if base in _QUARANTINED:
             scan.quarantined += 1

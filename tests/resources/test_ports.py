@@ -417,3 +417,28 @@ def test_a_lock_path_that_is_a_directory_skips_that_block_and_says_so(tmp_path: 
         reserve_port_block(tmp_path, port_range=(low, low + 3))
     assert f"1 with an unusable lock file (port-{low}.lock is a directory)" in str(info.value)
     assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []
+
+
+def test_the_default_range_leaves_ray_clients_server_ports_alone(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ray Client's server checks a port of 23000-23999 free, then binds it seconds later: a worker reserved there in
+    between broke a Ray client. The default range skips those ports; an explicit range is used as given."""
+    from pytest_sglworker.resources import ports
+
+    monkeypatch.setattr(ports, "default_port_range", lambda: (22992, 24007))
+    held = []
+    with pytest.raises(PortUnavailable):
+        for _ in range(300):
+            held.append(reserve_port_block(tmp_path / "locks"))
+    got = sorted(p for block in held for p in block.ports)
+    try:
+        # at most the 4 blocks outside Ray's ports (fewer when another process listens on one of them)
+        assert got and set(got) <= {*range(22992, 23000), *range(24000, 24008)}, got
+    finally:
+        for block in held:
+            block.release()
+    explicit = reserve_port_block(tmp_path / "locks", port_range=(23000, 23999))
+    try:
+        assert 23000 <= explicit.ports[0] <= 23996
+    finally:
+        explicit.release()
