@@ -122,7 +122,7 @@ def read_bounded(path: Path | str, limit: int) -> tuple[bytes | None, str | None
             chunks.append(chunk)
             size += len(chunk)
         if size > limit:
-            return None, f"is larger than {limit} bytes"
+            return None, f"is larger than {limit}"  # it grew while being read
     except OSError as exc:
         return None, f"cannot be read ({exc.strerror or exc})"
     finally:

@@ -176,6 +176,11 @@ class ModelInstance(ManagedProcess):
         return f"worker {self.spec.name}{role} on {self.host}:{self.port} (pid {self.pid}{gpus})"
 
     # -- state --------------------------------------------------------------------------------------------
+    def answer_timeout(self) -> float:
+        """The whole-request deadline for asking this worker something between tests (its readiness, its run-time
+        state): 2 s, or three times what its ready probe took, whichever is longer (a slow endpoint stays slow)."""
+        return max(2.0, 3 * self.ready_probe_seconds)
+
     def responds(self, timeout: float | None = None) -> bool:
         """Alive and answering its readiness check within ``timeout`` seconds (the whole request; default 2 s,
         or three times what its ready probe took, whichever is longer): the pool's check before it hands a
@@ -184,7 +189,7 @@ class ModelInstance(ManagedProcess):
         if not self.is_alive():
             return False
         if timeout is None:
-            timeout = max(2.0, 3 * self.ready_probe_seconds)
+            timeout = self.answer_timeout()
         return self.kind.readiness().probe(self, time.monotonic() + timeout, lambda: not self.is_alive()).ready
 
     def fatal_in_log(self) -> bool:

@@ -25,10 +25,6 @@ if TYPE_CHECKING:
 
 __all__ = ["RUNTIME_STATES", "ResetFailed", "RuntimeState", "SimFaults", "Snapshot", "restore", "snapshot"]
 
-#: the shortest whole-request deadline for reading or setting a worker's state (three times what its ready probe
-#: took, when that is longer: as the pool's reuse check)
-STATE_TIMEOUT = 2.0
-
 
 class ResetFailed(Exception):
     """A worker's run-time state could not be read or set back (the worker is then not reused): a frozen or
@@ -77,8 +73,7 @@ class SimFaults:
         port = self._port(worker)
         assert port is not None
         try:
-            timeout = max(STATE_TIMEOUT, 3 * worker.ready_probe_seconds)
-            resp = http_request(worker.host, port, CONTROL_PATH, deadline=time.monotonic() + timeout,
+            resp = http_request(worker.host, port, CONTROL_PATH, deadline=time.monotonic() + worker.answer_timeout(),
                                 method=method, body=body, headers={"Content-Type": "application/json"},
                                 abort=lambda: not worker.is_alive())
             answer = json.loads(resp.body) if resp.status == 200 else None

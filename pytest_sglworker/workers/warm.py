@@ -368,7 +368,7 @@ class Warm:
         instances = [self._instance(config.spec, plan, m, argv, env, environ)
                      for plan, m, argv, env in zip(plans, record.members, argvs, envs, strict=True)]
         for instance, m in zip(instances, record.members, strict=True):
-            if not instance.responds(timeout=max(2.0, 3 * m.probe_seconds)):
+            if not instance.responds():  # its ready probe's time is the record's
                 state = "died" if not instance.is_alive() else "does not answer its readiness check (frozen or wedged)"
                 return f"member pid {m.pid} {state}", instances
         return None, instances

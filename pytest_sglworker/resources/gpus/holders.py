@@ -182,10 +182,7 @@ def inspect_holder_record(path: Path) -> tuple[HolderRecord | None, str | None]:
 
     raw, why = read_bounded(path, MAX_RECORD_BYTES)
     if raw is None:
-        if why and "larger than" in why:  # "is N bytes, larger than LIMIT", or it grew while being read
-            size = why.split(" bytes,", 1)[0] + " bytes, " if " bytes," in why else ""
-            return None, f"{size or 'is '}far larger than a holder record"
-        return None, why
+        return None, why and why.replace(f"larger than {MAX_RECORD_BYTES}", "far larger than a holder record")
     if not raw.strip():
         return None, "is empty"
     try:
