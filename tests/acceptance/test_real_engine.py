@@ -205,8 +205,17 @@ def test_d_argv_accepted(sgl_worker, record):
     assert info["mem_fraction_static"] == 0.6
     assert info["max_total_num_tokens"] == 1024
     assert info["model_path"] == sgl_worker.spec.model
+    # The CPU recipe's --sleep-on-idle: the engine between tests waits on its sockets instead of polling them
+    # in a busy loop (without it an idle tiny engine used 77-102 % of a core; with it about 2 %).
+    assert info["sleep_on_idle"] is True
+    procs = [root, *root.children(recursive=True)]
+    before = sum(sum(p.cpu_times()[:2]) for p in procs)
+    window = 2.0
+    time.sleep(window)  # a measuring window, not a wait for an event: the engine is idle throughout it
+    idle_cpu = (sum(sum(p.cpu_times()[:2]) for p in procs) - before) / window
+    assert idle_cpu < 0.25, f"an idle engine used {{idle_cpu:.0%}} of a core"
     record(pid=sgl_worker.pid, argv=sgl_worker.argv, nccl_port=info.get("nccl_port"),
-           version=info.get("version"))
+           version=info.get("version"), idle_cpu=round(idle_cpu, 3))
 
 
 def test_e_log_file(sgl_worker, record):

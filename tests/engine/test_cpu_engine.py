@@ -36,7 +36,7 @@ def test_constants() -> None:
     assert dict(CPU_ENGINE_ENV) == {"SGLANG_USE_CPU_ENGINE": "1"}
     assert " ".join(CPU_ENGINE_ARGS) == (
         "--device cpu --attention-backend torch_native --sampling-backend pytorch "
-        "--cuda-graph-backend-decode=disabled --max-total-tokens 1024"
+        "--cuda-graph-backend-decode=disabled --max-total-tokens 1024 --sleep-on-idle"
     )
 
 

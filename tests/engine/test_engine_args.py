@@ -71,6 +71,7 @@ class ServerArgs:
         parser.add_argument("--device", default="cuda")
         parser.add_argument("--attention-backend")
         parser.add_argument("--sampling-backend")
+        parser.add_argument("--sleep-on-idle", action="store_true")
         for kind in ("decode", "prefill"):
             parser.add_argument(f"--cuda-graph-backend-{kind}", choices=["full", "breakable", "disabled"])
 """

@@ -328,12 +328,16 @@ class Server:
     def tail(self) -> str:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-40:])
 
-    def stop(self) -> None:
+    def terminate(self) -> None:
         if self.proc.poll() is None:
             try:
                 os.killpg(self.proc.pid, signal.SIGTERM)
             except ProcessLookupError:
                 pass
+
+    def stop(self) -> None:
+        self.terminate()
+        if self.proc.poll() is None:
             try:
                 self.proc.wait(20)
             except subprocess.TimeoutExpired:
@@ -378,6 +382,8 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Pair
             server.wait_ready(deadline)
         yield pairs
     finally:
+        for server in started:  # all of them asked to end first: their shutdowns overlap
+            server.terminate()
         for server in started:
             server.stop()
 
