@@ -13,6 +13,7 @@ import os
 import shlex
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -51,8 +52,8 @@ E = TypeVar("E", bound=WorkerError)
 #: and pytest's main thread sets and deletes it around every test phase).
 PER_TEST_VARIABLES = frozenset({"PYTEST_CURRENT_TEST"})
 
-__all__ = ["DEFAULT_TAIL_LINES", "PER_TEST_VARIABLES", "ManagedProcess", "inherited_environ", "log_name", "popen",
-           "read_head", "read_log_end", "read_tail", "start_process", "unused_log_path"]
+__all__ = ["DEFAULT_TAIL_LINES", "PER_TEST_VARIABLES", "ManagedProcess", "http_client", "inherited_environ", "log_name",
+           "popen", "read_head", "read_log_end", "read_tail", "start_process", "unused_log_path"]
 
 
 def inherited_environ() -> dict[str, str]:
@@ -125,6 +126,24 @@ def unused_log_path(path: Path) -> Path:
         n += 1
     return candidate
 
+
+
+_tls_lock = threading.Lock()
+_tls_context: Any = None
+
+
+def http_client(url: str, *, connect: float) -> httpx.Client:
+    """An ``httpx.Client`` on ``url`` (60 s per read, ``connect`` s to connect) sharing one default TLS context per
+    process: httpx builds one per client otherwise, which loads the CA bundle (50-80 ms measured, paid for every
+    worker, router and adopted warm worker a session hands out, though their URLs are plain http)."""
+    global _tls_context
+    import httpx
+
+    with _tls_lock:
+        if _tls_context is None:
+            _tls_context = httpx.create_ssl_context()
+        context = _tls_context
+    return httpx.Client(base_url=url, timeout=httpx.Timeout(60.0, connect=connect), verify=context)
 
 @dataclass(kw_only=True)
 class ManagedProcess:
@@ -277,9 +296,7 @@ class ManagedProcess:
     def client(self) -> httpx.Client:
         """An ``httpx.Client`` bound to :attr:`url` (created on first use, closed by :meth:`stop`)."""
         if self._client is None:
-            import httpx
-
-            self._client = httpx.Client(base_url=self.url, timeout=httpx.Timeout(60.0, connect=5.0))
+            self._client = http_client(self.url, connect=5.0)
         return self._client
 
     # -- tree ---------------------------------------------------------------------------------------------

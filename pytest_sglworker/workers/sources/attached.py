@@ -31,6 +31,7 @@ from ...engine.sglang_facts import HEALTH_PATH, SERVER_INFO_PATHS
 from ...errors import SglWorkerError
 from ..errors import WorkerError
 from ..group import WorkerGroup
+from ..process import http_client
 from .base import GroupRequest, GroupUse, Refusal, SourceRefusal, WorkerSource
 
 if TYPE_CHECKING:
@@ -222,10 +223,8 @@ class AttachedWorker:
     @property
     def client(self) -> httpx.Client:
         """An ``httpx.Client`` on the worker's URL (closed at the end of the session)."""
-        import httpx
-
         if self._client is None:
-            self._client = httpx.Client(base_url=self.url, timeout=httpx.Timeout(60.0, connect=10.0))
+            self._client = http_client(self.url, connect=10.0)
         return self._client
 
     def failure(self, kind: type[WorkerError], event: str, **_: Any) -> WorkerError:
