@@ -566,8 +566,22 @@ class SglSession:
     def pytest_unconfigure(self, config: pytest.Config) -> None:
         if self in _ACTIVE:
             _ACTIVE.remove(self)
+        # An interrupt that lands while pytest starts its session (xdist starting its workers, say) makes pytest
+        # skip pytest_sessionfinish: the session's end (exit status of the signal, the report marked interrupted)
+        # is done here instead. pytest registers its Session as the plugin "session".
+        found = config.pluginmanager.get_plugin("session") if self.exitstatus is None else None
+        session = found if isinstance(found, pytest.Session) else None
+        interrupted = session is not None and (self.interrupted_by is not None
+                                               or int(session.exitstatus) == int(pytest.ExitCode.INTERRUPTED))
+        if session is not None and interrupted:
+            self.exitstatus = int(session.exitstatus)
         self.close()
         self.restore_signal_handlers()
+        if session is not None and interrupted:
+            if self.interrupted_by is not None:
+                session.exitstatus = 128 + self.interrupted_by
+            if not is_xdist_worker(config):
+                self.write_artifacts(int(session.exitstatus))
         set_active_registry(None)
 
     # -- the run report -----------------------------------------------------------------------------------

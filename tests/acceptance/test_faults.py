@@ -1261,6 +1261,38 @@ def test_sigterm_to_pytest_is_an_orderly_interrupt(pytester: pytest.Pytester, si
     assert written["exitstatus"] == 128 + signum and written["interrupted"] is True, written
 
 
+@pytest.mark.parametrize("signame", ["SIGINT", "SIGTERM"])
+def test_an_interrupt_during_pytests_session_start_still_ends_the_session_in_order(
+        pytester: pytest.Pytester, sim_env: dict[str, str], session_factory: Callable[..., Session],
+        signame: str) -> None:
+    """pytest skips pytest_sessionfinish when an interrupt lands in its session start (seen in a loaded CI run:
+    a Ctrl-C while xdist started its workers): the exit status is still the signal's and the report is written,
+    marked interrupted. The signal is sent from a conftest's pytest_sessionstart, so it lands there every time."""
+    pytester.makeconftest(textwrap.dedent(f"""
+        import os
+        import signal
+
+        def pytest_sessionstart(session):
+            os.kill(os.getpid(), signal.{signame})
+    """))
+    pytester.makepyfile("""
+        def test_never_runs(sgl_worker):
+            raise AssertionError("the session was interrupted before its tests")
+    """)
+    report = pytester.path / "report.json"
+    session = session_factory(*SIM, f"--sgl-report={report}")
+    code = session.wait(60)
+    out = session.output()
+    signum = int(getattr(signal, signame))
+    expected = int(pytest.ExitCode.INTERRUPTED) if signame == "SIGINT" else 128 + signum
+    assert code == expected, out
+    assert "INTERNALERROR" not in out and "test_never_runs" not in out, out
+    written = json.loads(report.read_text())
+    assert written["exitstatus"] == expected and written["interrupted"] is True, written
+    assert written["launches"] == [], written
+    assert_nothing_left(sim_env, timeout=15)
+
+
 @pytest.mark.slow
 def test_short_hostile_soak_reports_every_failure_and_leaks_nothing(tmp_path: Path) -> None:
     """bench/soak.py --hostile at a small scale, without the escaped listener (see the next test): trickling,
