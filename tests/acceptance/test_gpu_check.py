@@ -33,7 +33,15 @@ CHECKS = [
 FAKE_RELEASE_DELAY_S = 0.3
 
 
-def run_check(*args: str, env: dict[str, str] | None = None, timeout: float = 90) -> subprocess.CompletedProcess[str]:
+#: The check's own ``--budget`` (its default): it stops its inner sessions and reports within it.
+CHECK_BUDGET_S = 270
+#: What the check needs beyond its budget to stop the session that ran out, sweep its leftovers and write its
+#: report (the inner sessions' SIGINT-then-SIGKILL grace and the leftovers scan, about 20 s, doubled).
+CHECK_EXIT_MARGIN_S = 40
+
+
+def run_check(*args: str, env: dict[str, str] | None = None,
+              timeout: float = CHECK_BUDGET_S + CHECK_EXIT_MARGIN_S) -> subprocess.CompletedProcess[str]:
     full_env = {**os.environ, "GPU_CHECK_PYTHON": sys.executable, **(env or {})}
     return subprocess.run([str(SCRIPT), *args], env=full_env, capture_output=True, text=True, timeout=timeout,
                           stdin=subprocess.DEVNULL, cwd=str(REPO))
@@ -51,7 +59,9 @@ def test_dry_run_passes_every_check(tmp_path: Path) -> None:
     assert doc["schema"] == "pytest-sglworker/gpu-check/v1"
     assert doc["mode"] == "dry-run" and doc["ok"] and doc["failed"] == []
     assert [row["check"] for row in doc["checks"]] == CHECKS
-    assert doc["duration_s"] < 60, done.stdout[-3000:]
+    # no wall-clock bound here: the check bounds itself by its budget (a loaded CI machine took 72 s where an
+    # idle one takes 35 s); bench/ is where speed is measured
+    assert doc["duration_s"] < CHECK_BUDGET_S, done.stdout[-3000:]
     by = rows(doc)
     why = done.stdout[-6000:]  # the table, for any assertion below
     statuses = {name: row["status"] for name, row in by.items()}

@@ -38,6 +38,20 @@ CLUSTER_MARK = "SGLWORKER_RAY_TEST_CLUSTER"
 GPUS = 4
 #: the Ray Client server's port of the module's cluster
 CLIENT_PORT = [0]
+#: The module cluster's --temp-dir (Ray's session logs are under it until the cluster's teardown removes it).
+RAY_TEMP = [""]
+
+
+def ray_client_logs(limit: int = 3000) -> str:
+    """The tails of the Ray Client server's own logs (proxier and each client's server), for a failure message."""
+    logs = Path(RAY_TEMP[0]) / "session_latest" / "logs"
+    parts = []
+    for path in sorted(logs.glob("ray_client_server*")):
+        with contextlib.suppress(OSError):
+            text = path.read_text(errors="replace").strip()
+            if text:
+                parts.append(f"--- {path.name}\n{text[-limit:]}")
+    return "\n".join(parts) or f"(no ray_client_server logs under {logs})"
 
 
 def _free_port() -> int:
@@ -63,6 +77,7 @@ def ray_address() -> Iterator[str]:
     port, client_port = _free_port(), _free_port()
     CLIENT_PORT[0] = client_port
     temp = tempfile.mkdtemp(prefix="sglray-", dir="/tmp")  # short: Ray's socket paths have a length limit
+    RAY_TEMP[0] = temp
     mark = uuid.uuid4().hex
     env = {k: v for k, v in os.environ.items() if k not in ("SGLWORKER_TEST_MARK", "RAY_ADDRESS")}
     env[CLUSTER_MARK] = mark
@@ -187,6 +202,7 @@ def test_ray_client_address(pytester: pytest.Pytester, on_ray: Path, monkeypatch
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:xdist", "--sgl-engine", "sim",
                                            "--sgl-model", "qwen3-0.6b",
                                            "--sgl-cluster", f"ray://127.0.0.1:{CLIENT_PORT[0]}", timeout=120)
+    assert result.ret == 0, "\n".join(result.errlines[-20:]) + "\n" + ray_client_logs()
     result.assert_outcomes(passed=2)
     lives = lifetimes(on_ray)
     assert len(lives) == 1
