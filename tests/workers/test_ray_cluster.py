@@ -85,6 +85,13 @@ def ray_address() -> Iterator[str]:
     # CI runner (both xdist workers busy) that process took longer and test_ray_client_address failed with "Proxy
     # failed to Connect to backend". The plugin's bound for ray:// (120 s) is beyond this one.
     env["RAY_CLIENT_SERVER_CHECK_CHANNEL_TIMEOUT_S"] = "90"
+    # The Ray Client server forks each new client's server process (with a preexec_fn, so a real fork()) while
+    # its own gRPC threads are busy; gRPC's fork handlers then skip their preparation ("Other threads are currently
+    # calling into gRPC, skipping fork() handlers") and the child's post-fork handler can start a gRPC thread that
+    # crashes before the exec: twice in full runs here, dmesg showed "event_engine[PID]: segfault ... in cygrpc" for
+    # the child and the client failed with "Starting Ray client server failed" (the child's logs empty). gRPC's fork
+    # support notes say to turn the handlers off when every fork is followed by an exec, as the server's are.
+    env["GRPC_ENABLE_FORK_SUPPORT"] = "false"
     ray_bin = shutil.which("ray", path=os.path.dirname(sys.executable)) or "ray"
     head = subprocess.Popen(
         [ray_bin, "start", "--head", "--block", f"--num-gpus={GPUS}", f"--num-cpus={GPUS}", f"--port={port}",
@@ -209,8 +216,14 @@ def test_ray_client_address(pytester: pytest.Pytester, on_ray: Path, monkeypatch
     assert_exclusive(lives, gpu_count=GPUS)
 
 
-def test_xdist_sessions_never_share_a_ray_gpu(pytester: pytest.Pytester, on_ray: Path) -> None:
-    """Two xdist workers, each a Ray driver, with tp=2 workers on 4 GPUs and more configurations than fit."""
+def test_xdist_sessions_never_share_a_ray_gpu(pytester: pytest.Pytester, on_ray: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two xdist workers, each a Ray driver, with tp=2 workers on 4 GPUs, six fresh workers (three times what fits).
+
+    The two drivers meet once while each holds a worker (a rendezvous, with a deadline), so that their workers are
+    certainly alive side by side: left to timing, a loaded machine started one xdist worker's workers only after the
+    other's had ended (each lives 0.3 s, a launch through Ray takes seconds), and the exclusivity checked below
+    would have been checked on workers that never overlapped."""
     pytester.makeconftest("""
         from pytest_sglworker import ModelSpec
 
@@ -218,21 +231,36 @@ def test_xdist_sessions_never_share_a_ray_gpu(pytester: pytest.Pytester, on_ray:
             registry.add(ModelSpec("tp2", "org/tp2", 4, tp=2))
     """)
     pytester.makepyfile("""
+        import os
         import time
+        from pathlib import Path
+
         import pytest
+
+        MEET = Path(os.environ["RAY_TEST_RENDEZVOUS"])
 
         @pytest.mark.sgl_worker(fresh=True)
         @pytest.mark.parametrize("i", range(6))
         def test_hold(sgl_worker, i):
+            me = os.environ["PYTEST_XDIST_WORKER"]
+            (MEET / me).touch()  # while this test holds its worker
+            deadline = time.monotonic() + 90
+            while not [p for p in MEET.iterdir() if p.name != me]:
+                assert time.monotonic() < deadline, "the other xdist worker never held a worker within 90 s"
+                time.sleep(0.05)
             time.sleep(0.3)
     """)
+    meet = pytester.path / "rendezvous"
+    meet.mkdir()
+    monkeypatch.setenv("RAY_TEST_RENDEZVOUS", str(meet))
+    # --dist load: xdist's first batch gives each of the two workers tests (configuration affinity could give one all)
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--sgl-engine", "sim", "--sgl-cluster", "ray",
-                                           "--sgl-model", "tp2", "-n", "2", timeout=180)
+                                           "--sgl-model", "tp2", "-n", "2", "--dist", "load", timeout=180)
     result.assert_outcomes(passed=6)
     lives = lifetimes(on_ray)
     assert len(lives) == 6
     assert_exclusive(lives, gpu_count=GPUS)
-    assert max_concurrency(lives) >= 2, "the two xdist workers never ran workers side by side"
+    assert max_concurrency(lives) >= 2, "the two xdist workers' workers were never alive side by side"
 
 
 def test_a_group_is_placed_at_once(pytester: pytest.Pytester, on_ray: Path) -> None:
