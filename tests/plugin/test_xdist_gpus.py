@@ -13,7 +13,6 @@ Every process started here is gone at the end of each test (the leftover check i
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 import socket
@@ -270,32 +269,49 @@ def _environ(pid: int) -> dict[str, str]:
 
 
 def test_gpu_of_a_dead_holder_stays_busy_while_its_workers_run(tmp_path: Path) -> None:
-    """The unit behind the test above: an unlocked GPU whose dead holder left a worker running is not free."""
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])  # the holder: dead, and a zombie not reaped yet
-    deadline = time.monotonic() + 10
-    while psutil.Process(dead.pid).status() != psutil.STATUS_ZOMBIE and time.monotonic() < deadline:
-        time.sleep(0.01)
-    inventory = DeclaredInventory(1, 81920)
-    manager = LeaseManager(tmp_path, inventory, namespace=inventory.namespace)
-    _write_record(_record_path(tmp_path, inventory.namespace, 0), HolderRecord(
-        pid=dead.pid, hostname=socket.gethostname(), holder="tests/x.py::killed", since=time.time(),
-        uuid="GPU-sim-000000000000", memory_mib=4096, index=0, namespace=inventory.namespace, gpus=(0,)))
-    orphan = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
-                              env={**os.environ, OWNER_ENV: f"{dead.pid}-deadbeef:0123456789ab"})
+    """The unit behind the test above: an unlocked GPU whose dead holder left a worker running is not free.
+
+    The dead holder is one whose pid another process took since (the record predates that process's start):
+    a holder that is a zombie or gone would make its planted worker fair game for the janitor of any other plugin
+    session starting on this machine meanwhile (it reaps tagged workers of dead sessions machine-wide, as it
+    should), and one did, in a loaded full run, between the two lease attempts below. A janitor leaves the
+    workers of a pid that looks like a live pytest alone."""
+    # The orphan starts first and takes the holder's tag by exec'ing itself (same pid, same start time), so that
+    # it is older than the process now at the holder's pid, as a worker of the dead holder would be.
+    orphan = subprocess.Popen(
+        [sys.executable, "-c", "import os, sys; tag = sys.stdin.readline().strip(); os.execve(sys.executable, "
+         f"[sys.executable, '-c', 'import time; time.sleep(60)'], {{**os.environ, {OWNER_ENV!r}: tag}})"],
+        stdin=subprocess.PIPE, text=True)
+    holder = None
     try:
-        # Until its exec, the child shows the test's environment: wait until it carries the dead holder's tag.
+        # Start times count clock ticks (10 ms) from boot: the holder starts 5 ticks later, or more.
+        started = time.monotonic()
+        while time.monotonic() < started + 0.05:
+            time.sleep(0.01)
+        holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        assert psutil.Process(holder.pid).create_time() > psutil.Process(orphan.pid).create_time()
+        since = psutil.Process(holder.pid).create_time() - 10  # the lease predates the process at its pid
+        inventory = DeclaredInventory(1, 81920)
+        manager = LeaseManager(tmp_path, inventory, namespace=inventory.namespace)
+        _write_record(_record_path(tmp_path, inventory.namespace, 0), HolderRecord(
+            pid=holder.pid, hostname=socket.gethostname(), holder="tests/x.py::killed", since=since,
+            uuid="GPU-sim-000000000000", memory_mib=4096, index=0, namespace=inventory.namespace, gpus=(0,)))
+        assert orphan.stdin is not None
+        orphan.stdin.write(f"{holder.pid}-deadbeef:0123456789ab\n")
+        orphan.stdin.close()
         deadline = time.monotonic() + 10
         while OWNER_ENV not in _environ(orphan.pid) and time.monotonic() < deadline:
             time.sleep(0.01)
         assert OWNER_ENV in _environ(orphan.pid)
         assert manager.try_acquire(1, 1000, holder="me") is None
         with pytest.raises(LeaseTimeout, match=rf"GPU 0 still used by worker process\(es\) {orphan.pid} of pid "
-                                            rf"{dead.pid}, which died"):
+                                            rf"{holder.pid}, which died"):
             manager.acquire(1, 1000, holder="me", timeout=0.2, poll_interval=0.05)
     finally:
-        orphan.kill()
-        orphan.wait()
-        dead.wait()
+        for proc in (orphan, holder):
+            if proc is not None:
+                proc.kill()
+                proc.wait()
     lease = manager.acquire(1, 1000, holder="me", timeout=5, poll_interval=0.05)
     assert lease.indices == (0,)
     lease.release()
