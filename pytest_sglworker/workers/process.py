@@ -135,7 +135,13 @@ _tls_context: Any = None
 def http_client(url: str, *, connect: float) -> httpx.Client:
     """An ``httpx.Client`` on ``url`` (60 s per read, ``connect`` s to connect) sharing one default TLS context per
     process: httpx builds one per client otherwise, which loads the CA bundle (50-80 ms measured, paid for every
-    worker, router and adopted warm worker a session hands out, though their URLs are plain http)."""
+    worker, router and adopted warm worker a session hands out, though their URLs are plain http).
+
+    It keeps no connection between requests (a loopback connect costs well under a millisecond): a server that
+    answers before it has read a request's body closes the connection afterwards without saying so, and the next
+    request on it fails with "Server disconnected without sending a response". The real router does this to a
+    request it rejects early (a wrong API key) whose body arrives after its answer, which a loaded machine makes
+    likely: seen in a loaded full run, reproduced by sending the body after the 401."""
     global _tls_context
     import httpx
 
@@ -143,7 +149,8 @@ def http_client(url: str, *, connect: float) -> httpx.Client:
         if _tls_context is None:
             _tls_context = httpx.create_ssl_context()
         context = _tls_context
-    return httpx.Client(base_url=url, timeout=httpx.Timeout(60.0, connect=connect), verify=context)
+    return httpx.Client(base_url=url, timeout=httpx.Timeout(60.0, connect=connect), verify=context,
+                        limits=httpx.Limits(max_keepalive_connections=0))
 
 @dataclass(kw_only=True)
 class ManagedProcess:
