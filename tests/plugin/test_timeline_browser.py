@@ -38,6 +38,7 @@ from typing import Any
 
 import psutil
 import pytest
+from loopback_server import LoopbackServer
 
 from pytest_sglworker.plugin.timeline import FAILED_COLOUR, PHASE_COLOURS, TEST_COLOURS, render_html
 
@@ -187,32 +188,20 @@ class PageServer:
         self.httpd.server_close()
 
 
-class Trap:
+class Trap(LoopbackServer):
     """What chromium's proxy points at: records the first line of every connection, then closes it."""
 
+    timeout = 2.0
+
     def __init__(self) -> None:
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(32)
-        self.port = self.sock.getsockname()[1]
         self.seen: list[str] = []
-        threading.Thread(target=self._serve, daemon=True).start()
+        super().__init__()
 
-    def _serve(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            with conn:
-                conn.settimeout(2)
-                try:
-                    self.seen.append(conn.recv(400).split(b"\r\n", 1)[0].decode("latin-1"))
-                except OSError:
-                    self.seen.append("?")
-
-    def close(self) -> None:
-        self.sock.close()
+    def handle(self, conn: socket.socket) -> None:
+        try:
+            self.seen.append(conn.recv(400).split(b"\r\n", 1)[0].decode("latin-1"))
+        except OSError:
+            self.seen.append("?")
 
 
 def _tagged(tag: str) -> list[psutil.Process]:

@@ -12,24 +12,17 @@ and drops the connection when a second one arrives on it.
 from __future__ import annotations
 
 import socket
-import threading
 from collections.abc import Iterator
 
 import httpx
 import pytest
+from loopback_server import LoopbackServer
 
 from pytest_sglworker.workers.process import http_client
 
 
-class OneRequestPerConnection:
+class OneRequestPerConnection(LoopbackServer):
     """Answers the first request of each connection (200, keep-alive implied), closes at the next one's headers."""
-
-    def __init__(self) -> None:
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.port = self.sock.getsockname()[1]
-        self.connections = 0
-        self.thread = threading.Thread(target=self._serve, name="one-request-server", daemon=True)
-        self.thread.start()
 
     def _read_request(self, conn: socket.socket) -> bool:
         data = b""
@@ -48,28 +41,10 @@ class OneRequestPerConnection:
             rest += chunk
         return True
 
-    def _serve(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            self.connections += 1
-            with conn:
-                conn.settimeout(10)
-                try:
-                    if not self._read_request(conn):
-                        continue
-                    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
-                    self._read_request(conn)  # the next request on this connection: dropped unanswered
-                except OSError:
-                    continue
-
-    def close(self) -> None:
-        self.sock.shutdown(socket.SHUT_RDWR)  # wakes the accept() of the serving thread (close alone does not)
-        self.sock.close()
-        self.thread.join(10)
-        assert not self.thread.is_alive()
+    def handle(self, conn: socket.socket) -> None:
+        if self._read_request(conn):
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+            self._read_request(conn)  # the next request on this connection: dropped unanswered
 
 
 @pytest.fixture
