@@ -66,6 +66,17 @@ class _Ahead:
 
 
 @dataclass(frozen=True)
+class _LeaseTimes:
+    """When a lease taken on the main thread for a launch ahead was asked for and granted (wall clock), and
+    the monotonic time it was granted (the start of its GPU-seconds): the launch's records carry the main
+    thread's times, not those of the moment its thread ran."""
+
+    requested: float
+    leased: float | None  # None: no lease manager (attached or unbudgeted workers)
+    leased_monotonic: float
+
+
+@dataclass(frozen=True)
 class _Prepared:
     """What a launch needs that only the main thread may work out (the kind hook, the env hook, the environment):
     made before the launch's threads start, read by them."""
@@ -406,6 +417,7 @@ class WorkerPool:
         lease = None
         environ = inherited_environ() if environ is None else environ
         keeper = self._keeper(fresh=False, environ=environ)
+        requested = time.time()
         if self.leases is not None:
             try:
                 if self.leases.others_waiting():
@@ -419,6 +431,7 @@ class WorkerPool:
                 if keeper is not None:
                     keeper.close()
                 return False
+        times = _LeaseTimes(requested, time.time() if lease is not None else None, time.monotonic())
         try:
             prepared = self._prepare(config, environ)
             envs = self._member_envs(config, prepared, lease)
@@ -433,7 +446,8 @@ class WorkerPool:
         def run() -> None:
             try:
                 group = self._launch(config, holder=holder, fresh=False, options=self.options, lease=lease,
-                                     prepared=prepared, envs=envs, quiet=True, cancel=ahead.cancel, keeper=keeper)
+                                     prepared=prepared, envs=envs, quiet=True, cancel=ahead.cancel, keeper=keeper,
+                                     lease_times=times)
             except BaseException as exc:  # handed to the test that needs it
                 ahead.error = exc
                 return
@@ -524,17 +538,19 @@ class WorkerPool:
     def _launch(self, config: WorkerConfig, *, holder: str, fresh: bool, options: LaunchOptions,
                 environ: Mapping[str, str] | None = None, lease: Lease | None = None,
                 prepared: _Prepared | None = None, envs: list[dict[str, str]] | None = None, quiet: bool = False,
-                cancel: threading.Event | None = None, keeper: KeeperHandle | None = None) -> WorkerGroup:
+                cancel: threading.Event | None = None, keeper: KeeperHandle | None = None,
+                lease_times: _LeaseTimes | None = None) -> WorkerGroup:
         """Lease (unless given), start and register a group. On the main thread, or, with ``lease``,
         ``prepared`` and ``envs`` all made on the main thread (and ``keeper``, when one is wanted), on a
-        launch-ahead thread. A group that may be kept warm has a keeper, whose session its members' tags name."""
+        launch-ahead thread, ``lease_times`` saying when the main thread took ``lease``. A group that may be
+        kept warm has a keeper, whose session its members' tags name."""
         if lease is None and keeper is None:
             keeper = self._keeper(fresh=fresh,
                                   environ=inherited_environ() if environ is None else environ)
         try:
             return self._launch_with(config, holder=holder, fresh=fresh, options=options, environ=environ,
                                      lease=lease, prepared=prepared, envs=envs, quiet=quiet, cancel=cancel,
-                                     keeper=keeper)
+                                     keeper=keeper, lease_times=lease_times)
         except BaseException:
             if keeper is not None:
                 keeper.close()  # it ends whatever its session id still tags, then exits
@@ -543,7 +559,7 @@ class WorkerPool:
     def _launch_with(self, config: WorkerConfig, *, holder: str, fresh: bool, options: LaunchOptions,
                      environ: Mapping[str, str] | None, lease: Lease | None, prepared: _Prepared | None,
                      envs: list[dict[str, str]] | None, quiet: bool, cancel: threading.Event | None,
-                     keeper: KeeperHandle | None) -> WorkerGroup:
+                     keeper: KeeperHandle | None, lease_times: _LeaseTimes | None) -> WorkerGroup:
         stats = self.stats_for(config)
         if keeper is not None:
             options = dataclasses.replace(options, owner_session=keeper.session_id)
@@ -563,9 +579,11 @@ class WorkerPool:
                     if lease is not None:
                         self._give_back(lease, [], time.monotonic(), stats)
                     raise
-        leased_at = time.monotonic()
-        records = [self._record(config, plan, group_id if len(plans) > 1 else None, requested,
-                                time.time() if lease is not None else None) for plan in plans]
+        leased_at, leased = time.monotonic(), time.time() if lease is not None else None
+        if lease_times is not None:  # taken on the main thread, before this launch-ahead thread ran
+            requested, leased, leased_at = lease_times.requested, lease_times.leased, lease_times.leased_monotonic
+        records = [self._record(config, plan, group_id if len(plans) > 1 else None, requested, leased)
+                   for plan in plans]
         if lease is not None:  # each member's share, in order (a failed start has run on them too)
             start = 0
             for record, count in zip(records, counts, strict=True):

@@ -40,6 +40,21 @@ def _report(pytester: pytest.Pytester) -> dict[str, Any]:
     return json.loads((pytester.path / "report.json").read_text())  # type: ignore[no-any-return]
 
 
+def _timeline(launches: dict[str, dict[str, Any]]) -> str:
+    """The launches' times and their tests' calls, in seconds from the first lease request: what a failed
+    ordering assertion shows."""
+    t0 = min(r["t_lease_requested"] for r in launches.values())
+    lines = []
+    for name, r in launches.items():
+        times = " ".join(f"{k[2:]}={r[k] - t0:.2f}" for k in ("t_lease_requested", "t_leased", "t_started",
+                                                              "t_ready", "t_stop_requested", "t_stopped",
+                                                              "t_released") if r.get(k) is not None)
+        tests = ", ".join(f"{t['nodeid'].split('::')[-1]} {t['t_start'] - t0:.2f}-{t['t_end'] - t0:.2f}"
+                          for t in r["tests"])
+        lines.append(f"  {name}: {times}; tests: {tests}")
+    return "\n".join(lines)
+
+
 def test_the_next_configuration_is_ready_when_its_first_test_begins(pytester: pytest.Pytester,
                                                                      sim_env: dict[str, str],
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
@@ -51,7 +66,7 @@ def test_the_next_configuration_is_ready_when_its_first_test_begins(pytester: py
     b = launches["2048"]
     first_b = min(t["t_start"] for t in b["tests"])
     assert b["t_ready"] <= first_b, "B was not ready when its first test began"
-    assert b["t_started"] < max(t["t_end"] for t in launches["1024"]["tests"])  # started during A's tests
+    assert b["t_leased"] < max(t["t_end"] for t in launches["1024"]["tests"])  # started during A's tests
     result.stdout.fnmatch_lines(["qwen3-0.6b --max-total-tokens 2048: 1 launched, 1 reused*"])
 
 
@@ -87,10 +102,16 @@ def test_launches_ahead_start_with_the_first_startup_and_when_a_gpu_comes_free(
                 for r in _report(pytester)["launches"]}
     a, b, c = launches["1024"], launches["2048"], launches["3072"]
     assert len(launches) == 3
-    assert b["t_started"] < a["t_ready"], "B waited for A to be ready before it started"
-    assert c["t_started"] >= max(t["t_end"] for t in a["tests"]), "C started before a GPU was free"
-    assert c["t_started"] < b["t_ready"], "C waited for B's worker instead of starting when A's GPU came free"
-    assert c["t_ready"] <= min(t["t_start"] for t in c["tests"])
+    # Each comparison is between two times the session's main thread took in turn, so that it holds whatever
+    # the machine's load: a lease of a launch ahead is taken there (and its record says so), as are a
+    # launch's readiness, a group's release and the start of a test's call (pytest's CallInfo.start).
+    when = _timeline({"A": a, "B": b, "C": c})
+    assert b["t_leased"] < a["t_ready"], f"B waited for A to be ready before it started\n{when}"
+    assert a["t_released"] <= c["t_leased"], f"C started before a GPU was free\n{when}"
+    b1 = min(t["t_start"] for t in b["tests"])
+    assert c["t_leased"] < b1, f"C waited for B's first test to have its worker instead of starting when A's GPU " \
+                               f"came free\n{when}"
+    assert c["t_ready"] <= min(t["t_start"] for t in c["tests"]), when
 
 
 def test_outcomes_are_the_same_with_and_without_launch_ahead(pytester: pytest.Pytester,
@@ -148,7 +169,7 @@ def test_a_launch_ahead_that_fails_is_reported_on_the_test_that_needed_it(
                                  "ERROR *test_needs_the_broken_one* - Failed: worker qwen3-0.6b: CUDA out of memory*"])
     crashed = [r for r in _report(pytester)["launches"] if r["outcome"] == "startup_failed"]
     first = next(r for r in _report(pytester)["launches"] if r["outcome"] != "startup_failed")
-    assert len(crashed) == 1 and crashed[0]["t_started"] < max(t["t_end"] for t in first["tests"])
+    assert len(crashed) == 1 and crashed[0]["t_leased"] < max(t["t_end"] for t in first["tests"])
 
 
 def test_nothing_launched_ahead_outlives_the_session(pytester: pytest.Pytester, sim_env: dict[str, str],
