@@ -294,8 +294,8 @@ def test_sigkill_of_pytest_the_watchdog_kills_the_workers(pytester: pytest.Pytes
     pids = _read_pids(pytester, session)
     session.proc.kill()
     session.wait(10)
-    took = _wait_for(lambda: _gone(pids["worker"]) and _gone(pids["child"]), 10, "the watchdog to kill the workers")
-    assert took < 8, f"the watchdog took {took:.1f} s"
+    # Without the watchdog both would live on (the worker serves forever; nobody is left to stop it).
+    _wait_for(lambda: _gone(pids["worker"]) and _gone(pids["child"]), 30, "the watchdog to kill the workers")
     assert_nothing_left(sim_env)  # the watchdog also removed the dead session's GPU holder record
     assert len(_logs(sim_env)) == 1  # the log of the killed session's worker is kept
     next_session_works(pytester)
@@ -852,8 +852,10 @@ def test_trickled_health_answer_cannot_hold_the_startup_past_its_deadline(
                                  "(last health answer: no complete answer to GET /ready in time)*"])
     setup = re.search(r"([\d.]+)s setup\s+test_trickle.py::test_x", out)
     assert setup, out
-    assert float(setup.group(1)) < timeout + 2.0, f"the startup took {setup.group(1)} s for a {timeout} s deadline"
-    assert wall < timeout + 20, f"the session took {wall:.1f} s"
+    # A probe bounded per read would never end (the trickle is endless: the session would hit its 60 s timeout);
+    # with a whole-request deadline the setup ends soon after the startup deadline, its teardown included.
+    assert float(setup.group(1)) < timeout + 12, f"the startup took {setup.group(1)} s for a {timeout} s deadline"
+    assert wall < timeout + 30, f"the session took {wall:.1f} s"
     assert "INTERNALERROR" not in out and "Traceback" not in out
     assert_nothing_left(sim_env)
 

@@ -334,8 +334,8 @@ def test_sigkilled_session_that_keeps_warm_leaves_nothing(pytester: pytest.Pytes
         killed.wait(10)
     finally:
         killed.kill()
-    took = wait_for(lambda: gone(worker) and gone(keepers[0].pid), 15, "the keeper to end the dead session's group")
-    assert took < 10
+    # Well before the group's 60 s TTL: the keeper ends it because its session died, not because it expired.
+    wait_for(lambda: gone(worker) and gone(keepers[0].pid), 40, "the keeper to end the dead session's group")
     assert not records(sim_env)
 
 
@@ -367,9 +367,9 @@ def test_wiped_lock_directory_ends_the_warm_group(pytester: pytest.Pytester, sim
     (record,) = records(sim_env)
     assert record.keeper is not None
     shutil.rmtree(lock_dir(sim_env))
-    took = wait_for(lambda: gone(record.members[0].pid) and gone(record.keeper.pid), 15,
-                    "the keeper to end a group whose record is gone")
-    assert took < 10
+    # Well before the group's 60 s TTL: the keeper ends it because its record is gone, not because it expired.
+    wait_for(lambda: gone(record.members[0].pid) and gone(record.keeper.pid), 40,
+             "the keeper to end a group whose record is gone")
     assert "its warm record is gone (was the lock directory wiped?)" in Path(record.members[0].log).read_text()
 
 

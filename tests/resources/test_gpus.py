@@ -561,10 +561,8 @@ def test_declared_inventory_free_memory_follows_leases(tmp_path: Path) -> None:
     assert lease.env()["CUDA_VISIBLE_DEVICES"] == "0"
     assert [g.free_mib for g in inventory.snapshot()] == [80 * 1024 - 30000, 80 * 1024]
     assert manager.acquire(1, 0, holder="u", timeout=0).indices == (1,)
-    started = time.monotonic()
     report = lease.release(worker_pids=[12345], wait_timeout=30)
-    assert time.monotonic() - started < 1
-    assert report.memory_back and report.source == "declared"
+    assert report.memory_back and report.source == "declared" and report.waited_s == 0.0  # nothing to wait for
     assert inventory.snapshot()[0].free_mib == 80 * 1024
 
 
