@@ -94,7 +94,8 @@ or ``{"reset": true, ...}`` (clear all first) changes them at once and restarts 
 answers 400 with the one-line error. Every response carries ``X-SGLSim-Worker: <port>/<pid>``.
 
 Also like the real engine: ``--api-key`` is checked on everything but ``/health*``, ``/ready*`` and
-``/metrics*``; SIGTERM/SIGINT drain in-flight requests (``/health`` answers 503 meanwhile) and exit 0; a
+``/metrics*``; SIGTERM/SIGINT drain in-flight requests (``/health`` answers 503 meanwhile) and exit 0, whichever of its
+threads the kernel hands the signal to (the main thread waits on Python's signal wakeup pipe); a
 ``CUDA_VISIBLE_DEVICES`` with fewer devices than ``--base-gpu-id + --tp-size`` fails the startup (exit 1);
 the router's HTTP/2 probe (``PRI * HTTP/2.0``) gets uvicorn's 404 and 400; PD disaggregation
 (``--disaggregation-mode prefill|decode``) serves sglang's bootstrap server and handshake (:mod:`.pd`);

@@ -1,5 +1,5 @@
-"""The simulated engine's shared pieces: its environment variables, its header and control path, the log and
-the event recorder.
+"""The simulated engine's shared pieces: its environment variables, its header and control path, the log, the
+event recorder and the main thread's wait (:func:`wait_forever`).
 
 Part of :mod:`pytest_sglworker.sim`; stdlib only. The faults are in :mod:`.faults`, the resolved configuration
 (:class:`~.plan.Plan`) in :mod:`.plan`.
@@ -7,12 +7,16 @@ Part of :mod:`pytest_sglworker.sim`; stdlib only. The faults are in :mod:`.fault
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import select
+import signal
 import sys
 import threading
 import time
-from typing import Any
+from collections.abc import Iterator
+from typing import Any, NoReturn
 
 ENV_STARTUP = "SGLSIM_STARTUP_SECONDS"
 ENV_WARMUP = "SGLSIM_WARMUP_SECONDS"
@@ -114,3 +118,41 @@ class Recorder:
                 os.close(fd)
         except OSError as exc:
             sys.stderr.write(f"{ENV_RECORD}: cannot append to {self.path!r}: {exc}\n")
+
+
+_wakeup_fd: int | None = None
+
+
+@contextlib.contextmanager
+def signals_wake_main_thread() -> Iterator[None]:
+    """Main thread only: while inside, a signal wakes the main thread's :func:`wait_forever` whichever thread the
+    kernel hands it to. A process-directed SIGTERM may land on an HTTP thread (right after a SIGCONT, every
+    thread of the process may be marked as having a signal pending, and the kernel then picks another), and
+    Python runs its handler on the main thread only when that thread next runs: asleep in ``time.sleep``, it
+    never would. CPython's C-level handler writes the signal's number to this pipe on any thread; the main
+    thread waits on the pipe, wakes, and runs the handler (sglang's uvicorn loop waits the same way). On exit the
+    previous wakeup fd is back (the engine may run in-process, in a test)."""
+    global _wakeup_fd
+    read_end, write_end = os.pipe()
+    os.set_blocking(write_end, False)
+    previous = signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
+    _wakeup_fd = read_end
+    try:
+        yield
+    finally:
+        signal.set_wakeup_fd(previous)
+        _wakeup_fd = None
+        os.close(read_end)
+        os.close(write_end)
+
+
+def wait_forever() -> NoReturn:
+    """Block the calling thread for good; on the main thread inside :func:`signals_wake_main_thread`, a signal's Python
+    handler runs as soon as the signal arrives, on whichever thread it landed."""
+    while True:
+        fd = _wakeup_fd
+        if fd is None or threading.current_thread() is not threading.main_thread():
+            time.sleep(3600)
+            continue
+        select.select([fd], [], [])
+        os.read(fd, 512)  # the handler runs before the next bytecode; drain for the next wait

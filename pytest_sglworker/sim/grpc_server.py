@@ -36,7 +36,7 @@ from concurrent import futures
 from typing import Any, NoReturn
 
 from ..engine.grpc_facts import INSTALL_HINT, SCHEDULER_SERVICE, grpc_missing_reason
-from .core import ENV_FAULT
+from .core import ENV_FAULT, wait_forever
 from .routes import admin
 from .routes.common import Request, Route
 from .server import Handler, SimHTTPServer
@@ -470,8 +470,7 @@ def serve(sim: Sim, warmup: float) -> GrpcSim | int:
     sim.bound = True
     log.info(f"gRPC server listening on {address}")
     if sim.faults.hang:
-        while True:
-            time.sleep(3600)
+        wait_forever()
     if args["skip_server_warmup"]:
         log.info("Skipping gRPC server warmup (skip_server_warmup=True)")
     else:

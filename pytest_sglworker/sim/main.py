@@ -9,6 +9,7 @@ Part of :mod:`pytest_sglworker.sim`. The parser is :mod:`.cli`'s and the plan :m
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -28,10 +29,12 @@ from .core import (
     ENV_WARMUP,
     Log,
     Recorder,
+    signals_wake_main_thread,
+    wait_forever,
 )
 from .faults import FaultError, FaultState, parse_fault_spec
 from .plan import make_plan, model_facts
-from .startup import StartupExit, run_startup, wait_forever
+from .startup import StartupExit, run_startup
 from .state import Sim
 
 __all__ = ["build_parser", "main", "make_plan", "model_facts"]
@@ -119,10 +122,12 @@ def main(argv: list[str] | None = None) -> int:
         previous[signal.SIGINT] = signal.signal(signal.SIGINT, on_signal)
 
     recorder.record("start")
+    waking = signals_wake_main_thread() if in_main_thread else contextlib.nullcontext()
     try:
         try:
-            run_startup(sim, pre_bind, warmup)
-            wait_forever()
+            with waking:
+                run_startup(sim, pre_bind, warmup)
+                wait_forever()
         except StartupExit as exc:
             return exc.code
     except _Shutdown as stop:

@@ -18,7 +18,7 @@ import time
 from typing import Any, NoReturn
 
 from ..engine.sglang_facts import READY_LINE, WARMUP_PROMPT, decode_capture_sizes, prefill_capture_sizes
-from .core import ENV_ESCAPED, ENV_FAULT, Log
+from .core import ENV_ESCAPED, ENV_FAULT, Log, wait_forever
 from .plan import Plan
 from .server import SimHTTPServer, SimHTTPServer6
 from .state import SITE, Sim, kill_self
@@ -246,11 +246,6 @@ def _spawn_escaped_child(sim: Sim) -> None:
         start_new_session=True,
     )
     sim.log.info(f"spawned scheduler pid={child.pid}")
-
-
-def wait_forever() -> NoReturn:
-    while True:
-        time.sleep(3600)
 
 
 def _cuda_ordinal_error(plan: Plan) -> str | None:

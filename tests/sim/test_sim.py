@@ -545,6 +545,36 @@ def test_sigterm_drains_then_exits_0(launch: Launcher) -> None:
     positions_in_order(log, ["SIGTERM received.", "Gracefully exiting", "INFO:     Finished server process"])
 
 
+def _tgkill(pid: int, tid: int, signum: int) -> None:
+    """Send ``signum`` to one thread of ``pid`` (Linux's tgkill): where a process-directed signal lands when the
+    kernel picks a thread other than the main one."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    sys_tgkill = {"x86_64": 234, "aarch64": 131}[os.uname().machine]
+    if libc.syscall(sys_tgkill, pid, tid, signum) != 0:
+        raise OSError(ctypes.get_errno(), f"tgkill({pid}, {tid}, {signum})")
+
+
+@pytest.mark.skipif(sys.platform != "linux" or os.uname().machine not in ("x86_64", "aarch64"),
+                    reason="tgkill by syscall number")
+@pytest.mark.parametrize("fault", ["", "hang"], ids=["serving", "hang-fault"])
+def test_a_sigterm_that_lands_on_another_thread_still_shuts_it_down(launch: Launcher, fault: str) -> None:
+    """The kernel may hand a process's SIGTERM to any of its threads (after a SIGCONT, the main thread may look
+    busy with a pending signal). Python runs the handler on the main thread only when that thread runs: the
+    engine's main thread must wake for it, or the engine would sleep through its shutdown until SIGKILL."""
+    sim = launch(*CI_ARGS, env={"SGLSIM_FAULT": fault} if fault else None)
+    if fault:
+        sim.wait_log("Uvicorn running on")
+    else:
+        sim.wait_ready()
+    others = [t.id for t in psutil.Process(sim.proc.pid).threads() if t.id != sim.proc.pid]
+    assert others, "the engine has no thread besides its main one"
+    _tgkill(sim.proc.pid, others[0], signal.SIGTERM)
+    assert sim.wait_exit(30) == 0  # without waking, the main thread sleeps on: no exit before a SIGKILL
+    positions_in_order(sim.log(), ["SIGTERM received.", "Gracefully exiting", "INFO:     Finished server process"])
+
+
 def test_recording(launch: Launcher, tmp_path: Path) -> None:
     record = tmp_path / "events.jsonl"
     env = {"SGLSIM_RECORD": str(record), "CUDA_VISIBLE_DEVICES": "2,3"}
