@@ -930,8 +930,9 @@ def test_frozen_pooled_worker_is_replaced_quickly_not_handed_on(pytester: pytest
 
 DEAF_ENGINE = r'''
 """A healthy engine that misses its first SIGTERM, as a multi-threaded engine does when, resumed by SIGCONT, the
-signal lands on a thread other than the one that acts on it (the simulated engine sleeps in its main thread:
-seen in 1 of 10 to 20 teardowns of a stopped sim worker). The second SIGTERM ends it."""
+signal lands on a thread other than the one that acts on it (the simulated engine did, in 1 of 10 to 20
+teardowns of a stopped worker, until its main thread waited on Python's signal wakeup pipe). The second SIGTERM
+ends it."""
 import json, os, signal, socket, sys
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
