@@ -5,6 +5,7 @@ sessions whose pytest is gone; teardown finds renamed session members and childr
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -74,9 +75,15 @@ def test_the_janitor_ends_workers_of_dead_sessions_only() -> None:
     try:
         assert _wait(lambda: bool(find_tagged_processes(f"{dead.pid}-deadbeef:")))
         report = reap_dead_sessions()
-        assert orphan.pid in report.processes and live.pid not in report.processes
+        assert live.pid not in report.processes
         assert _wait(lambda: _gone(orphan)) and live.poll() is None
-        assert "killed 1 worker process(es) of dead sessions" in str(report)
+        assert orphan.returncode == -signal.SIGTERM  # ended by a janitor (SIGTERM first), not killed otherwise
+        if orphan.pid in report.processes:
+            assert f"killed {len(report.processes)} worker process(es) of dead sessions" in str(report)
+        else:
+            # Janitors are machine-wide: a plugin session starting elsewhere on this machine (the suite's other
+            # xdist worker starts many) may have reaped the orphan first, which is right too.
+            assert not report.processes or f"killed {len(report.processes)} worker" in str(report)
     finally:
         for proc in (orphan, live):
             proc.kill()
@@ -108,8 +115,6 @@ def test_teardown_finds_session_members_and_escaped_children() -> None:
 
 @pytest.mark.parametrize("stopped", [False, True], ids=["running", "stopped"])
 def test_a_stopped_tree_is_ended_without_waiting_for_the_kill(stopped: bool) -> None:
-    import signal
-
     tag = f"{os.getpid()}-{uuid.uuid4().hex[:8]}:stop"
     root = _tagged(tag)
     if stopped:
