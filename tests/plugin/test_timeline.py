@@ -15,7 +15,6 @@ import random
 import re
 import stat
 import sys
-import time
 from collections.abc import Iterator, Mapping, Sequence
 from html.parser import HTMLParser
 from pathlib import Path
@@ -657,11 +656,10 @@ def test_three_hundred_launches_stay_reasonable() -> None:
     recs = [launch(f"gw{i % 8}-{i}", at=(i // 8) * 26.0, gpus=(i % 8,), xdist_worker=f"gw{i % 8}", tests=4,
                    outcome="died" if i % 37 == 0 else "ok") for i in range(300)]
     rep = report(*recs)
-    t = time.perf_counter()
+    # How the rendering's time scales with the launches is measured by bench/timeline.py, as a ratio; a test
+    # holds no wall-clock limit.
     text = render_html(rep)
     trace = trace_events(rep)
-    elapsed = time.perf_counter() - t
-    assert elapsed < 3.0, elapsed
     assert len(text) < 3_000_000, len(text)
     d = Dom(text)
     assert len(d.find("lane")) == 8 and len(d.find("bar")) == 300 and len(d.find("test-mark")) == 1200
