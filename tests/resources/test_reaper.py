@@ -120,9 +120,9 @@ def test_a_stopped_tree_is_ended_without_waiting_for_the_kill(stopped: bool) -> 
     if stopped:
         os.kill(root.pid, signal.SIGSTOP)
     start = time.monotonic()
-    killed = terminate_tree(root, lambda: process_tree(root.pid, tag), term_timeout=10, kill_timeout=10)
+    killed = terminate_tree(root, lambda: process_tree(root.pid, tag), term_timeout=60, kill_timeout=10)
     assert root.poll() is not None and killed == []  # SIGTERM (with SIGCONT) sufficed
-    assert time.monotonic() - start < 5
+    assert time.monotonic() - start < 30  # it returned when the tree was gone, not after the 60 s grace
 
 
 # ---------------------------------------------------------------------------------------------- listeners
