@@ -75,6 +75,11 @@ class _LeaseTimes:
     leased: float | None  # None: no lease manager (attached or unbudgeted workers)
     leased_monotonic: float
 
+    @classmethod
+    def taken_now(cls, requested: float, lease: object | None) -> _LeaseTimes:
+        """The times of a lease asked for at ``requested`` and taken now (``lease`` None: none was needed)."""
+        return cls(requested, time.time() if lease is not None else None, time.monotonic())
+
 
 @dataclass(frozen=True)
 class _Prepared:
@@ -431,7 +436,7 @@ class WorkerPool:
                 if keeper is not None:
                     keeper.close()
                 return False
-        times = _LeaseTimes(requested, time.time() if lease is not None else None, time.monotonic())
+        times = _LeaseTimes.taken_now(requested, lease)
         try:
             prepared = self._prepare(config, environ)
             envs = self._member_envs(config, prepared, lease)
@@ -579,11 +584,11 @@ class WorkerPool:
                     if lease is not None:
                         self._give_back(lease, [], time.monotonic(), stats)
                     raise
-        leased_at, leased = time.monotonic(), time.time() if lease is not None else None
-        if lease_times is not None:  # taken on the main thread, before this launch-ahead thread ran
-            requested, leased, leased_at = lease_times.requested, lease_times.leased, lease_times.leased_monotonic
-        records = [self._record(config, plan, group_id if len(plans) > 1 else None, requested, leased)
-                   for plan in plans]
+        if lease_times is None:  # leased here (a launch ahead's lease was taken on the main thread, earlier)
+            lease_times = _LeaseTimes.taken_now(requested, lease)
+        leased_at = lease_times.leased_monotonic
+        records = [self._record(config, plan, group_id if len(plans) > 1 else None, lease_times.requested,
+                                lease_times.leased) for plan in plans]
         if lease is not None:  # each member's share, in order (a failed start has run on them too)
             start = 0
             for record, count in zip(records, counts, strict=True):

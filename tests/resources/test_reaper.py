@@ -78,12 +78,11 @@ def test_the_janitor_ends_workers_of_dead_sessions_only() -> None:
         assert live.pid not in report.processes
         assert _wait(lambda: _gone(orphan)) and live.poll() is None
         assert orphan.returncode == -signal.SIGTERM  # ended by a janitor (SIGTERM first), not killed otherwise
-        if orphan.pid in report.processes:
+        # Janitors are machine-wide: a plugin session starting elsewhere on this machine (the suite's other xdist
+        # worker starts many) may have reaped the orphan first, which is right too; so this report says what this
+        # janitor itself ended, the orphan or not.
+        if report.processes:
             assert f"killed {len(report.processes)} worker process(es) of dead sessions" in str(report)
-        else:
-            # Janitors are machine-wide: a plugin session starting elsewhere on this machine (the suite's other
-            # xdist worker starts many) may have reaped the orphan first, which is right too.
-            assert not report.processes or f"killed {len(report.processes)} worker" in str(report)
     finally:
         for proc in (orphan, live):
             proc.kill()

@@ -13,6 +13,8 @@ from typing import Any
 
 import pytest
 
+from pytest_sglworker.plugin import timeline
+
 SIM = ["--sgl-engine", "sim", "--sgl-model", "qwen3-0.6b", "-p", "no:cacheprovider", "-p", "no:randomly"]
 
 SUITE = """
@@ -46,9 +48,7 @@ def _timeline(launches: dict[str, dict[str, Any]]) -> str:
     t0 = min(r["t_lease_requested"] for r in launches.values())
     lines = []
     for name, r in launches.items():
-        times = " ".join(f"{k[2:]}={r[k] - t0:.2f}" for k in ("t_lease_requested", "t_leased", "t_started",
-                                                              "t_ready", "t_stop_requested", "t_stopped",
-                                                              "t_released") if r.get(k) is not None)
+        times = " ".join(f"{k[2:]}={r[k] - t0:.2f}" for k in timeline._TIME_KEYS if r.get(k) is not None)
         tests = ", ".join(f"{t['nodeid'].split('::')[-1]} {t['t_start'] - t0:.2f}-{t['t_end'] - t0:.2f}"
                           for t in r["tests"])
         lines.append(f"  {name}: {times}; tests: {tests}")
