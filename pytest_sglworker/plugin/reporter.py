@@ -232,17 +232,29 @@ def render_warm(lock_dir: Any, action: str) -> tuple[str, int]:
 
     lines = [f"pytest-sglworker warm workers in {lock_dir}:"]
     if action == "stop":
-        ended, left = stop_warm(lock_dir)
-        lines += [f"  ended {text}" for text in ended] + [f"  left {text}" for text in left]
-        if not ended and not left:
+        done = stop_warm(lock_dir)
+        lines += ([f"  ended {text}" for text in done.ended] + [f"  removed {text}" for text in done.removed]
+                  + [f"  left {text}" for text in done.left] + [f"  {text}" for text in done.others])
+        if done.interrupted is not None:
+            import signal
+
+            lines.append(f"  interrupted ({signal.Signals(done.interrupted).name}) after the group it was ending had "
+                         "ended; the rest are left as they were (run it again to end them)")
+            return "\n".join(lines), int(pytest.ExitCode.INTERRUPTED)
+        if not (done.ended or done.removed or done.left or done.others):
             lines.append("  none")
-        return "\n".join(lines), 1 if left else 0
+        return "\n".join(lines), 1 if done.left else 0
     now = time.time()
     entries = warm_records(lock_dir)
     for entry in entries:
         record = entry.record
+        if entry.owner is not None and not entry.ours:
+            lines.append(f"  {entry.path.name}: belongs to uid {entry.owner} (another user); its GPUs and ports are "
+                         "busy while its keeper holds them, nothing else")
+            continue
         if record is None:
-            lines.append(f"  {entry.path.name}: untrusted ({entry.problem}); ignored")
+            lines.append(f"  {entry.path.name}: untrusted ({entry.problem}); ignored (pytest --sgl-warm stop removes "
+                         "it if it is yours)")
             continue
         if record.state == "adopted" and record.adopter is not None:
             state = f"in use by pytest pid {record.adopter.pid} ({record.adopter.holder})"

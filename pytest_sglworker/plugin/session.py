@@ -139,6 +139,8 @@ class SglSession:
         #: node ids of the last test of each worker configuration: its workers are retired after it
         self.last_users: set[str] = set()
         self.interrupted_by: int | None = None
+        #: a Ctrl-C that landed while the session ended (see pytest_sessionfinish)
+        self.late_interrupt = False
         self._log_dir: Path | None = None
         #: the collected tests in run order (collection sets them; launch ahead reads what comes next)
         self.queue: list[pytest.Item] = []
@@ -550,18 +552,39 @@ class SglSession:
 
     @pytest.hookimpl(trylast=True)  # after the runner's, which tears down the fixtures of an interrupted test
     def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
+        from ..resources.signals import signals_deferred
+
         self.exitstatus = int(exitstatus)
-        self.close()
+        # The session's end runs whole: an interrupt that lands while the workers are torn down or handed to their
+        # keepers is noted (no group more is kept warm) and ends the run as interrupted, with its report and summary,
+        # instead of leaving a traceback, a group half handed over and no report.
+        with signals_deferred(reraise=False, on_signal=self._late_signal):
+            self.close()
         self.restore_signal_handlers()
         if self.interrupted_by is not None:
             session.exitstatus = 128 + self.interrupted_by
+        elif self.late_interrupt:
+            session.exitstatus = pytest.ExitCode.INTERRUPTED
         workeroutput = getattr(session.config, "workeroutput", None)
         if workeroutput is not None and self._source is not None:
             workeroutput["sglworker_stats"] = self.records.stats_dicts()
             workeroutput["sglworker_launches"] = self.records.launch_dicts()
             workeroutput["sglworker_warm"] = self.warm_events()
         if not is_xdist_worker(session.config):
-            self.write_artifacts(int(session.exitstatus))
+            with signals_deferred(reraise=False, on_signal=self._late_signal):
+                self.write_artifacts(int(session.exitstatus))
+            if self.interrupted_by is not None:
+                session.exitstatus = 128 + self.interrupted_by
+
+    def _late_signal(self, signum: int) -> None:
+        """A signal during the session's end: nothing more is kept warm, and the run ends as interrupted (Ctrl-C:
+        pytest's exit status 2; SIGTERM, SIGHUP: 128 + the signal)."""
+        if self._source is not None and hasattr(self._source, "keep_warm_ok"):
+            self._source.keep_warm_ok = False
+        if signum == signal.SIGINT:
+            self.late_interrupt = True
+        elif self.interrupted_by is None:
+            self.interrupted_by = signum
 
     def pytest_unconfigure(self, config: pytest.Config) -> None:
         if self in _ACTIVE:
@@ -627,7 +650,8 @@ class SglSession:
         apply_test_outcomes(launches, {n: o for n, o in outcomes.items() if o is not None})
         return {"schema": SCHEMA, "engine": self.settings.engine, "models": list(self.settings.models),
                 "exitstatus": exitstatus,
-                "interrupted": exitstatus == int(pytest.ExitCode.INTERRUPTED) or self.interrupted_by is not None,
+                "interrupted": exitstatus == int(pytest.ExitCode.INTERRUPTED) or self.interrupted_by is not None
+                or self.late_interrupt,
                 "started_at": round(self.started_at, 3), "finished_at": round(time.time(), 3),
                 "workers": {k: v.as_dict() for k, v in sorted(self.collected_stats().items())},
                 "launches": launches,

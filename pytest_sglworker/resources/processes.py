@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import socket
 import struct
@@ -51,9 +52,12 @@ __all__ = [
     "AdoptedProcess",
     "ProcessHandle",
     "end_process",
+    "find_session_processes",
     "find_tagged_processes",
     "held_socket_inodes",
     "hostname",
+    "is_owner_tag",
+    "is_session_id",
     "listeners",
     "listening_inodes",
     "listening_pids",
@@ -85,6 +89,21 @@ UNKNOWN_EXIT = 1 << 16
 
 
 # ---------------------------------------------------------------------------------------------- tags
+
+
+_SESSION_RE = re.compile(r"^[0-9]{1,7}-[0-9a-f]{8}$")
+_TAG_RE = re.compile(r"^[0-9]{1,7}-[0-9a-f]{8}:[A-Za-z0-9_.-]{1,64}$")
+
+
+def is_owner_tag(value: str) -> bool:
+    """Whether ``value`` has the shape of a whole owner tag (``<pid>-<8 hex>:<worker id>``, the worker id never
+    empty)."""
+    return bool(_TAG_RE.match(value))
+
+
+def is_session_id(value: str) -> bool:
+    """Whether ``value`` has the shape of a session id (``<pid>-<8 hex>``)."""
+    return bool(_SESSION_RE.match(value))
 
 
 def owner_tag(session_id: str = SESSION_ID) -> str:
@@ -175,11 +194,20 @@ def with_session_members(procs: list[psutil.Process]) -> list[psutil.Process]:
 
 
 def find_tagged_processes(tag: str) -> list[psutil.Process]:
-    """Our processes tagged ``tag`` (or, for a session-wide prefix ending in ``:``, any tag of that session),
-    with the members of the sessions they lead."""
-    session_wide = tag.endswith(":")
-    tagged = [proc for proc, value in tagged_processes() if value == tag or (session_wide and value.startswith(tag))]
-    return with_session_members(tagged)
+    """Our processes whose tag is exactly ``tag``, with the members of the sessions they lead. A tag is matched
+    whole, never as a prefix: a record that names ``"<session id>:"`` (or any other part of a tag) finds nothing
+    (:func:`find_session_processes` is the one way to ask for a whole session)."""
+    if not is_owner_tag(tag):
+        return []
+    return with_session_members([proc for proc, value in tagged_processes() if value == tag])
+
+
+def find_session_processes(session_id: str) -> list[psutil.Process]:
+    """Our processes whose tag names session ``session_id`` exactly (any worker of it), with the members of the
+    sessions they lead."""
+    if not _SESSION_RE.match(session_id):
+        return []
+    return with_session_members([proc for proc, value in tagged_processes() if tag_session(value) == session_id])
 
 
 def tagged_sessions() -> dict[str, list[psutil.Process]]:
@@ -585,8 +613,8 @@ def terminate_tree(
 
 def sweep_session(session_id: str = SESSION_ID, *, timeout: float = 10.0) -> list[int]:
     """Kill every process still tagged with this session (the last line of defence at session end)."""
-    tag = f"{session_id}:"
-    return terminate_tree(None, lambda: find_tagged_processes(tag), term_timeout=timeout, kill_timeout=timeout)
+    return terminate_tree(None, lambda: find_session_processes(session_id), term_timeout=timeout,
+                          kill_timeout=timeout)
 
 
 def _alive(proc: psutil.Process) -> bool:

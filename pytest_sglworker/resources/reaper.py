@@ -28,7 +28,7 @@ from pathlib import Path
 from .processes import (
     OWNER_ENV,
     SESSION_ID,
-    find_tagged_processes,
+    find_session_processes,
     hostname,
     process_alive,
     tag_session_pid,
@@ -75,6 +75,7 @@ def remove_stale_holder_records(lock_dir: Path, *, session_pid: int | None = Non
     from filelock import FileLock, Timeout
 
     from .gpus.holders import holder_leftover_pids, read_holder_record
+    from .owned_files import remove_own_entry
 
     removed: list[str] = []
     if not lock_dir.is_dir():
@@ -91,8 +92,7 @@ def remove_stale_holder_records(lock_dir: Path, *, session_pid: int | None = Non
         except Timeout:
             continue
         try:
-            if read_holder_record(path, only_live=False) == record:
-                path.unlink()
+            if read_holder_record(path, only_live=False) == record and remove_own_entry(path) is None:
                 removed.append(path.name)
         except OSError:
             pass
@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
             pass
     # The session is gone (or closed its end after its own teardown): kill whatever still carries its tag.
     lock_dir = Path(args[1]) if len(args) == 2 else None
-    terminate_tree(None, lambda: find_tagged_processes(f"{session_id}:"), term_timeout=10.0, kill_timeout=10.0)
+    terminate_tree(None, lambda: find_session_processes(session_id), term_timeout=10.0, kill_timeout=10.0)
     # A session that died (SIGKILL, os._exit) left its GPU holder records: the kernel dropped its locks, the
     # records say who held the GPUs until its workers were gone, which they now are.
     session_pid = tag_session_pid(session_id)

@@ -31,6 +31,7 @@ __all__ = [
     "describe_file_problem",
     "ensure_private_dir",
     "read_bounded",
+    "read_bounded_owned",
 ]
 
 
@@ -70,6 +71,15 @@ def atomic_write(path: Path | str, data: bytes | str, *, mode: int = 0o644) -> N
     file-system errors, whose ``filename`` is ``path``). ``str`` data is written as UTF-8.
     """
     path = Path(path)
+    try:
+        existing = os.lstat(path)
+    except FileNotFoundError:
+        existing = None
+    if existing is not None and not stat.S_ISREG(existing.st_mode):
+        # a rename would replace a device node, a symlink or a FIFO with this file: never
+        what = "a symlink" if stat.S_ISLNK(existing.st_mode) else (
+            "a directory" if stat.S_ISDIR(existing.st_mode) else "not a regular file")
+        raise OSError(errno.EEXIST, f"{what} is in the way (only a regular file is ever replaced)", str(path))
     payload = data.encode("utf-8") if isinstance(data, str) else bytes(data)
     tmp = path.with_name(f".{path.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp")
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
@@ -98,21 +108,30 @@ def read_bounded(path: Path | str, limit: int) -> tuple[bytes | None, str | None
     """The bytes of the small regular file at ``path``: ``(data, None)``, ``(None, None)`` when there is none, or
     ``(None, why)`` when what lies there cannot be trusted (a directory, a symlink, a FIFO, more than ``limit``
     bytes, unreadable). Never follows a symlink, never blocks on a FIFO, never raises."""
+    data, why, _ = read_bounded_owned(path, limit)
+    return data, why
+
+
+def read_bounded_owned(path: Path | str, limit: int) -> tuple[bytes | None, str | None, int | None]:
+    """:func:`read_bounded`, with the uid that owns the file as the third item (read with ``fstat`` from the
+    descriptor the bytes came from, so it is the owner of those very bytes; None when nothing was opened). A
+    record's owner is that uid, whatever the record says."""
     flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
     try:
         fd = os.open(path, flags)
     except FileNotFoundError:
-        return None, None
+        return None, None, None
     except OSError as exc:
-        return None, describe_file_problem(path, exc)
+        return None, describe_file_problem(path, exc), None
     try:
         st = os.fstat(fd)
+        owner = st.st_uid
         if stat.S_ISDIR(st.st_mode):
-            return None, "is a directory"
+            return None, "is a directory", owner
         if not stat.S_ISREG(st.st_mode):
-            return None, "is not a regular file"
+            return None, "is not a regular file", owner
         if st.st_size > limit:
-            return None, f"is {st.st_size} bytes, larger than {limit}"
+            return None, f"is {st.st_size} bytes, larger than {limit}", owner
         chunks: list[bytes] = []
         size = 0
         while size <= limit:
@@ -122,12 +141,12 @@ def read_bounded(path: Path | str, limit: int) -> tuple[bytes | None, str | None
             chunks.append(chunk)
             size += len(chunk)
         if size > limit:
-            return None, f"is larger than {limit}"  # it grew while being read
+            return None, f"is larger than {limit}", owner  # it grew while being read
     except OSError as exc:
-        return None, f"cannot be read ({exc.strerror or exc})"
+        return None, f"cannot be read ({exc.strerror or exc})", None
     finally:
         os.close(fd)
-    return b"".join(chunks), None
+    return b"".join(chunks), None, owner
 
 
 def _fsync_dir(directory: Path) -> None:

@@ -60,10 +60,13 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from .owned_files import append_owned, entry_problem, remove_own_entry, unlink_owned
 from .processes import AdoptedProcess, find_tagged_processes, hostname, process_alive, prove_process, terminate_tree
 from .retention import keeps
+from .signals import signals_deferred
 from .warm_records import (
     KEEPER_GRACE,
+    WarmEntry,
     WarmRecord,
     claim_path,
     keeper_alive,
@@ -83,6 +86,7 @@ if TYPE_CHECKING:
 __all__ = [
     "BorrowedLease",
     "Claim",
+    "StopResult",
     "dup_lock_fd",
     "end_keeper",
     "end_members",
@@ -171,7 +175,8 @@ class Claim:
         return self._lock is not None
 
     def read(self) -> WarmRecord | None:
-        return read_warm_record(record_path(self.lock_dir, self.id)).record
+        """The group's record, if it is trusted and this user's."""
+        return read_warm_record(record_path(self.lock_dir, self.id)).mine
 
     def write(self, record: WarmRecord) -> None:
         write_warm_record(self.lock_dir, record)
@@ -179,10 +184,8 @@ class Claim:
     def remove(self) -> None:
         """Remove the record and the claim's own lock file (while it is held: a process that opened the old file
         and flocks it after this finds no record, and gives up)."""
-        with contextlib.suppress(OSError):
-            record_path(self.lock_dir, self.id).unlink()
-        with contextlib.suppress(OSError):
-            claim_path(self.lock_dir, self.id).unlink()
+        for path in (record_path(self.lock_dir, self.id), claim_path(self.lock_dir, self.id)):
+            remove_own_entry(path)
 
     def release(self) -> None:
         lock, self._lock = self._lock, None
@@ -195,15 +198,11 @@ class Claim:
 
 def note_in_logs(record: WarmRecord, text: str) -> None:
     """Append one line to each member's log (the reason its warm life ended, or who adopted it): the log is the
-    first place a person looks."""
+    first place a person looks. Only to the file its session created (:mod:`.owned_files`), never to whatever the
+    record's path names now."""
     line = f"[pytest-sglworker {time.strftime('%H:%M:%S')}] {text}\n".encode()
     for member in record.members:
-        with contextlib.suppress(OSError):
-            fd = os.open(member.log, os.O_WRONLY | os.O_APPEND | getattr(os, "O_NOFOLLOW", 0))
-            try:
-                os.write(fd, line)
-            finally:
-                os.close(fd)
+        append_owned(member.log, member.log_id, line)
 
 
 def end_members(record: WarmRecord, *, timeout: float = 10.0) -> list[int]:
@@ -248,9 +247,8 @@ def remove_holder_records(lock_dir: Path, record: WarmRecord) -> None:
     for index in record.gpus:
         path = holder_record_path(Path(lock_dir), record.namespace, index)
         holder = read_holder_record(path, only_live=False)
-        if holder is not None and (holder.pid == keeper_pid or set(holder.workers) & record.tags):
-            with contextlib.suppress(OSError):
-                path.unlink()
+        if holder is not None and (holder.pid == keeper_pid or set(holder.workers) & {*record.tags, f"{record.id}:"}):
+            remove_own_entry(path)
 
 
 def remove_logs(record: WarmRecord, *, spare: Collection[str] = ()) -> None:
@@ -261,51 +259,79 @@ def remove_logs(record: WarmRecord, *, spare: Collection[str] = ()) -> None:
     for member in record.members:
         for path in (member.log, *member.links):
             if path not in spare:
-                with contextlib.suppress(OSError):
-                    os.unlink(path)
+                unlink_owned(path, member.log_id)
 
 
 def end_warm(claim: Claim, record: WarmRecord, why: str, *, note: bool = True,
              spare_logs: Collection[str] = ()) -> None:
     """End a warm group its claim's holder decided to end: the reason into its logs, the record marked
     ``stop`` (its keeper does nothing else from then on), its processes, then its keeper (which unlocks the
-    GPUs and ports as it exits), its holder records, its logs (per its policy), its record and claim."""
-    if note:
-        note_in_logs(record, f"warm worker ended: {why}")
-    with contextlib.suppress(OSError):
-        claim.write(replace(record, state="stop"))
-    try:
-        end_members(record)
-    finally:
-        end_keeper(record)
-        remove_holder_records(claim.lock_dir, record)
-        remove_logs(record, spare=spare_logs)
-        claim.remove()
-        claim.release()
+    GPUs and ports as it exits), its holder records, its logs (per its policy), its record and claim. An interrupt
+    (Ctrl-C, SIGTERM) that arrives meanwhile takes effect once all of that is done (bounded: every wait has its
+    timeout): a group left half-ended would be a worker no record names any more."""
+    with signals_deferred():
+        if note:
+            note_in_logs(record, f"warm worker ended: {why}")
+        with contextlib.suppress(OSError):
+            claim.write(replace(record, state="stop"))
+        try:
+            end_members(record)
+        finally:
+            end_keeper(record)
+            remove_holder_records(claim.lock_dir, record)
+            remove_logs(record, spare=spare_logs)
+            claim.remove()
+            claim.release()
 
 
 def _when(stamp: float) -> str:
     return time.strftime("%H:%M:%S", time.localtime(stamp))
 
 
+def _remove_untrusted(lock_dir: Path, entry: WarmEntry) -> str | None:
+    """Remove an untrusted warm record of this user (and its claim's lock file, a dangling symlink included) while
+    nobody holds its claim. None when removed, else why it stays (in words a person can act on)."""
+    wid = record_id(entry.path)
+    if wid is None:
+        return "its name is no warm record's"
+    why = entry_problem(entry.path)
+    if why is not None:
+        return None if why == "is gone" else why
+    lock = claim_path(lock_dir, wid)
+    if os.path.islink(lock):  # a symlink where the claim's lock file goes: nobody could ever claim the record
+        why = remove_own_entry(lock)
+        if why is not None:
+            return f"{lock.name} is a symlink that {why}"
+    claim = Claim.take(lock_dir, wid)
+    if claim is None:
+        return f"its claim {lock.name} is held by another process or unusable"
+    try:
+        if read_warm_record(entry.path).record is not None:
+            return "it was rewritten meanwhile"
+        why = remove_own_entry(entry.path)
+        if why is None:
+            remove_own_entry(lock)
+        return why
+    finally:
+        claim.release()
+
+
 def reap_warm(lock_dir: Path | None) -> list[str]:
     """The janitor's part: end the warm groups whose keeper is gone, or that outlived their TTL by more than
-    :data:`KEEPER_GRACE` (a keeper that is frozen or stuck), and remove untrusted records nobody claims. Returns
-    what it did, one phrase per group."""
+    :data:`KEEPER_GRACE` (a keeper that is frozen or stuck), and remove untrusted records nobody claims. Only this
+    user's records are acted on: another user's is never a reason to touch a file or a process. Returns what it
+    did, one phrase per group."""
     done: list[str] = []
     if lock_dir is None:
         return done
     now = time.time()
     for entry in warm_records(lock_dir):
+        if not entry.ours and not _ours_by_lstat(entry.path):
+            continue
         record = entry.record
         if record is None:
-            wid = record_id(entry.path)
-            claim = Claim.take(lock_dir, wid) if wid else None
-            if claim is not None:
-                if read_warm_record(entry.path).record is None:
-                    claim.remove()
-                    done.append(f"an untrusted warm record {entry.path.name} ({entry.problem})")
-                claim.release()
+            if _remove_untrusted(lock_dir, entry) is None:
+                done.append(f"an untrusted warm record {entry.path.name} ({entry.problem})")
             continue
         if record.hostname != hostname():
             continue
@@ -329,31 +355,80 @@ def reap_warm(lock_dir: Path | None) -> list[str]:
     return done
 
 
-def stop_warm(lock_dir: Path) -> tuple[list[str], list[str]]:
-    """``pytest --sgl-warm stop``: end every warm group no session uses right now. Returns ``(ended, left)``, one
-    line per group."""
-    ended: list[str] = []
-    left: list[str] = []
-    for entry in warm_records(lock_dir):
-        record = entry.record
-        if record is None:
-            left.append(f"{entry.path.name}: untrusted ({entry.problem}); the next session's janitor removes it")
-            continue
-        if record.hostname != hostname():
-            continue
-        claim = Claim.take(lock_dir, record.id, wait=1.0)
-        current = claim.read() if claim is not None else None
-        if claim is None or current is None:
-            if claim is not None:
-                claim.release()
-                continue  # ended meanwhile
-            who = record.adopter
-            user = f"pytest pid {who.pid} ({who.holder})" if who else "another session"
-            left.append(f"{record.label}: in use by {user}; that session ends it or keeps it warm when it ends")
-            continue
-        end_warm(claim, current, "stopped by pytest --sgl-warm stop")
-        ended.append(current.describe())
-    return ended, left
+def _ours_by_lstat(path: Path) -> bool:
+    """Whether the entry at ``path`` (not followed) belongs to this user: what a record that could not be opened
+    (a symlink, a directory) is judged by."""
+    try:
+        return os.lstat(path).st_uid == os.getuid()
+    except OSError:
+        return False
+
+
+@dataclass
+class StopResult:
+    """What ``pytest --sgl-warm stop`` did, one line per group or record."""
+
+    ended: list[str] = field(default_factory=list)
+    #: why each stays and, where a person can do something, what
+    left: list[str] = field(default_factory=list)
+    #: entries of other users: theirs, left alone
+    others: list[str] = field(default_factory=list)
+    #: untrusted records of this user, removed
+    removed: list[str] = field(default_factory=list)
+    #: the signal that interrupted it (the groups after the one it was ending were left as they were)
+    interrupted: int | None = None
+
+
+def stop_warm(lock_dir: Path) -> StopResult:
+    """``pytest --sgl-warm stop``: end every warm group of this user that no session uses right now, and remove the
+    untrusted records of this user it can. An interrupt (Ctrl-C, SIGTERM) lets the group being ended end whole,
+    then stops."""
+    result = StopResult()
+    with signals_deferred(reraise=False) as received:
+        for entry in warm_records(lock_dir):
+            if received:
+                result.interrupted = received[0]
+                break
+            _stop_one(lock_dir, entry, result)
+        if received and result.interrupted is None:
+            result.interrupted = received[0]
+    return result
+
+
+def _stop_one(lock_dir: Path, entry: WarmEntry, result: StopResult) -> None:
+    record = entry.record
+    if not entry.ours and not _ours_by_lstat(entry.path):
+        owner = entry.owner if entry.owner is not None else _owner(entry.path)
+        result.others.append(f"{entry.path.name}: belongs to uid {owner} (another user): left alone")
+        return
+    if record is None:
+        why = _remove_untrusted(lock_dir, entry)
+        if why is None:
+            result.removed.append(f"{entry.path.name}: untrusted ({entry.problem})")
+        else:
+            result.left.append(f"{entry.path.name}: untrusted ({entry.problem}) and not removed: {why}")
+        return
+    if record.hostname != hostname():
+        return
+    claim = Claim.take(lock_dir, record.id, wait=1.0)
+    current = claim.read() if claim is not None else None
+    if claim is None or current is None:
+        if claim is not None:
+            claim.release()
+            return  # ended meanwhile
+        who = record.adopter
+        user = f"pytest pid {who.pid} ({who.holder})" if who else "another session"
+        result.left.append(f"{record.label}: in use by {user}; that session ends it or keeps it warm when it ends")
+        return
+    end_warm(claim, current, "stopped by pytest --sgl-warm stop")
+    result.ended.append(current.describe())
+
+
+def _owner(path: Path) -> int | str:
+    try:
+        return os.lstat(path).st_uid
+    except OSError:
+        return "?"
 
 
 # ---------------------------------------------------------------------------------------------- borrowed lease

@@ -42,7 +42,7 @@ from dataclasses import replace
 from pathlib import Path
 from types import FrameType
 
-from .processes import OWNER_ENV, find_tagged_processes, hostname, terminate_tree
+from .processes import OWNER_ENV, find_session_processes, hostname, terminate_tree
 from .warm import Claim, end_members, members_alive, note_in_logs, remove_holder_records, remove_logs
 from .warm_records import (
     KEEPER_ENV,
@@ -109,7 +109,10 @@ class KeeperHandle:
             self._sock.settimeout(timeout)
             answer = self._sock.recv(4096).decode("utf-8", errors="replace").strip()
         except (OSError, TimeoutError) as exc:
-            return f"its keeper (pid {self.pid}) did not answer ({type(exc).__name__}: {exc})"
+            # A keeper that does not answer (frozen, wedged) may still hold the descriptors it was sent: it is
+            # killed, so that it neither keeps the locks nor lingers stopped forever.
+            self.kill()
+            return f"its keeper (pid {self.pid}) did not answer ({type(exc).__name__}: {exc}); killed it"
         if answer == "ok":
             return None
         return f"its keeper (pid {self.pid}) refused: {answer or 'no answer (it exited)'}"
@@ -181,9 +184,9 @@ class _Keeper:
         from .gpus.holders import HolderRecord, holder_record_path, read_holder_record, write_holder_record
 
         entry = read_warm_record(record_path(self.lock_dir, self.id))
-        record = entry.record
+        record = entry.mine
         if record is None:
-            return None, f"its warm record {entry.problem or 'is missing'}"
+            return None, f"its warm record {entry.problem or 'belongs to another user'}"
         if record.state != "handover" or record.kept_by.pid != os.getppid():
             return None, f"its warm record is in state {record.state}, kept by pid {record.kept_by.pid}"
         until = time.strftime("%H:%M:%S", time.localtime(record.expires_at))
@@ -242,7 +245,7 @@ class _Keeper:
     def warm(self, record: WarmRecord) -> int:
         while True:
             self.hold_log_dir(record)
-            current = read_warm_record(record_path(self.lock_dir, self.id)).record
+            current = read_warm_record(record_path(self.lock_dir, self.id)).mine
             if self.stop_requested:
                 return self.finish(current or record, None, "its keeper was asked to stop (SIGTERM)")
             if current is None:
@@ -294,7 +297,7 @@ class _Keeper:
 
     def sweep(self) -> None:
         """End whatever its session id still tags (an escaped child of a member)."""
-        terminate_tree(None, lambda: find_tagged_processes(f"{self.id}:"), term_timeout=10.0, kill_timeout=10.0)
+        terminate_tree(None, lambda: find_session_processes(self.id), term_timeout=10.0, kill_timeout=10.0)
 
     def run(self) -> int:
         signal.signal(signal.SIGTERM, self.on_term)

@@ -12,6 +12,7 @@ claim. A pid a record names is trusted only once proven (:func:`keeper_alive`: p
 from __future__ import annotations
 
 import json
+import os
 import re
 import time
 from collections.abc import Mapping, Sequence
@@ -19,7 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .processes import hostname, process_alive, prove_process
+from .owned_files import FileId
+from .processes import hostname, is_owner_tag, process_alive, prove_process, tag_session
 from .retention import POLICIES
 
 __all__ = [
@@ -44,7 +46,8 @@ __all__ = [
     "write_warm_record",
 ]
 
-FORMAT = "pytest-sglworker/warm/v1"
+#: v2: a member's log carries its file's identity (``log_id``), and only its owner's records are acted on
+FORMAT = "pytest-sglworker/warm/v2"
 #: the environment variable that marks a keeper process: the random part of its session id (``<pid>-<random>``),
 #: which is also the id of the group it keeps
 KEEPER_ENV = "SGLWORKER_WARM_KEEPER"
@@ -59,6 +62,9 @@ MAX_RECORD_BYTES = 256 * 1024
 _ID_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,63}$")
 _NAME_RE = re.compile(r"^warm-(?P<id>[a-z0-9][a-z0-9-]{0,63})\.json$")
 _PRINTABLE_RE = re.compile(r"^[\x21-\x7e]+$")
+#: the name of a log file the plugin writes (``sglang-worker-20004.log``, ``sglang-worker-20004-2.log``): an
+#: absolute path to a file of that name is all a member's log or link may be
+_LOG_NAME_RE = re.compile(r"^sglang-worker-[0-9]{1,5}(?:-[0-9]{1,6})?\.log$")
 
 
 # ---------------------------------------------------------------------------------------------- records
@@ -92,6 +98,8 @@ class WarmMember:
     #: its log file, and the hard links later sessions made of it in their own log directories
     log: str
     links: tuple[str, ...] = ()
+    #: the log file's identity when its session created it: a path is touched only while it is that file
+    log_id: FileId | None = None
     #: its argv with secrets masked, for people (the identity compares a digest of the real one)
     argv: str = ""
     started_at: float = 0.0
@@ -159,7 +167,8 @@ class WarmRecord:
             "log_policy": self.log_policy, "tainted": self.tainted, "uses": self.uses,
             "members": [{"role": m.role, "index": m.index, "kind": m.kind, "pid": m.pid, "since": m.since,
                          "tag": m.tag, "port": m.port, "ports": dict(m.ports), "gpus": m.gpus, "log": m.log,
-                         "links": list(m.links), "argv": m.argv, "started_at": m.started_at,
+                         "links": list(m.links), "log_id": m.log_id.as_list() if m.log_id else None,
+                         "argv": m.argv, "started_at": m.started_at,
                          "startup_seconds": m.startup_seconds, "probe_seconds": m.probe_seconds}
                         for m in self.members],
         }
@@ -232,10 +241,22 @@ def _parse_member(raw: Any, i: int) -> WarmMember:
     ports = tuple((_Fields({"n": k}, f"member {i} port").text("n", 32, printable=True),
                    _Fields({"p": v}, f"member {i} port {k!r}").whole("p", 1, 65535)) for k, v in ports_raw.items())
     links = tuple(_Fields({"l": link}, f"member {i} link").text("l", 4096) for link in f.items("links", 16))
+    log = f.text("log", 4096)
+    for path in (log, *links):
+        if not Path(path).is_absolute() or not _LOG_NAME_RE.match(Path(path).name):
+            raise ValueError(f"member {i}: {path[:200]!r} is not the path of a worker log")
+    ident = f.data.get("log_id")
+    if ident is not None:
+        if not isinstance(ident, list) or len(ident) != 2:
+            raise ValueError(f"member {i}: 'log_id' is not a device and an inode")
+        ident = FileId(*(_Fields({"n": n}, f"member {i} log_id").whole("n", 0, (1 << 64) - 1) for n in ident))
+    tag = f.text("tag", 200, printable=True)
+    if not is_owner_tag(tag):
+        raise ValueError(f"member {i}: its tag {tag[:80]!r} is not a whole owner tag")
     return WarmMember(
         role=f.text("role", 32, printable=True), index=f.whole("index", 0, 1 << 16), kind=f.text("kind", 64),
-        pid=f.whole("pid", 1, 1 << 22), since=f.stamp("since"), tag=f.text("tag", 200, printable=True),
-        port=f.whole("port", 1, 65535), ports=ports, gpus=f.text("gpus", 200, optional=True), log=f.text("log", 4096),
+        pid=f.whole("pid", 1, 1 << 22), since=f.stamp("since"), tag=tag, log_id=ident,
+        port=f.whole("port", 1, 65535), ports=ports, gpus=f.text("gpus", 200, optional=True), log=log,
         links=links, argv=f.text("argv", 65536, optional=True), started_at=f.stamp("started_at"),
         startup_seconds=f.number("startup_seconds", 0.0, 1e7, optional=True),
         probe_seconds=f.number("probe_seconds", 0.0, 1e4) or 0.0)
@@ -278,6 +299,9 @@ def parse_warm_record(raw: bytes, name: str | None = None) -> WarmRecord:
     members = tuple(_parse_member(m, i) for i, m in enumerate(f.items("members", 64)))
     if not members:
         raise ValueError("it names no member")
+    strangers = [m.index for m in members if tag_session(m.tag) != wid]
+    if strangers:
+        raise ValueError(f"member(s) {strangers} carry tags of another session than its keeper's ({wid})")
     gpus = tuple(_Fields({"g": g}, "'gpus'").whole("g", 0, 1 << 16) for g in f.items("gpus", 1024))
     uuids = tuple(_Fields({"u": u}, "'gpu_uuids'").text("u", 256) for u in f.items("gpu_uuids", 1024))
     policy = f.text("log_policy", 16)
@@ -316,25 +340,37 @@ def claim_path(lock_dir: Path, wid: str) -> Path:
 
 @dataclass(frozen=True)
 class WarmEntry:
-    """One ``warm-*.json`` of the lock directory: its record, or why it cannot be trusted."""
+    """One ``warm-*.json`` of the lock directory: its record, or why it cannot be trusted, and the uid that owns the
+    file (``fstat`` of the descriptor it was read from; None when nothing could be opened). Only a record of this
+    user (:attr:`ours`) is ever acted on: another user's says at most that a GPU or a port block is busy."""
 
     path: Path
     record: WarmRecord | None
     problem: str | None = None
+    owner: int | None = None
+
+    @property
+    def ours(self) -> bool:
+        return self.owner == os.getuid()
+
+    @property
+    def mine(self) -> WarmRecord | None:
+        """The record, if it is trusted and this user's."""
+        return self.record if self.ours else None
 
 
 def read_warm_record(path: Path) -> WarmEntry:
-    from .state import read_bounded
+    from .state import read_bounded_owned
 
-    raw, problem = read_bounded(path, MAX_RECORD_BYTES)
+    raw, problem, owner = read_bounded_owned(path, MAX_RECORD_BYTES)
     if raw is None:
-        return WarmEntry(path, None, problem or "is gone")
+        return WarmEntry(path, None, problem or "is gone", owner)
     if not raw.strip():
-        return WarmEntry(path, None, "is empty")
+        return WarmEntry(path, None, "is empty", owner)
     try:
-        return WarmEntry(path, parse_warm_record(raw, path.name))
+        return WarmEntry(path, parse_warm_record(raw, path.name), None, owner)
     except (ValueError, TypeError, KeyError) as exc:
-        return WarmEntry(path, None, str(exc))
+        return WarmEntry(path, None, str(exc), owner)
 
 
 def warm_records(lock_dir: Path) -> list[WarmEntry]:
@@ -376,7 +412,7 @@ def matching(records: Sequence[WarmEntry], *, config_key: str, namespace: str,
     """The warm records of this host that a session could adopt for ``config_key``: same lease namespace, every
     GPU among those this session sees (``visible``: index -> UUID), newest use first."""
     here = hostname()
-    found = [e.record for e in records if e.record is not None and e.record.hostname == here
+    found = [e.record for e in records if e.record is not None and e.ours and e.record.hostname == here
              and e.record.config_key == config_key and e.record.namespace == namespace
              and all(visible.get(i) == u for i, u in zip(e.record.gpus, e.record.gpu_uuids, strict=False))
              and len(e.record.gpus) == len(e.record.gpu_uuids)]

@@ -362,10 +362,10 @@ class WorkerPool:
                 if outcome in ("failed", "error", "interrupted"):
                     self.stats_for(entry.config).failed_tests += 1
 
-    def close(self, *, keep_warm: bool = False) -> None:
+    def close(self, *, keep_warm: bool = False, still_keep: Callable[[], bool] | None = None) -> None:
         """Stop every worker (those launched ahead too, used or not) and give back every lease. ``keep_warm``
         (``--sgl-keep-warm``): the idle groups that still answer their readiness check are first handed to the
-        keepers that keep them warm (see :mod:`.warm`)."""
+        keepers that keep them warm (see :mod:`.warm`), while ``still_keep()`` says so."""
         with self._lock:
             aheads = list(self._ahead.values())
             self._ahead.clear()
@@ -376,7 +376,7 @@ class WorkerPool:
                 ahead.thread.join(120)
         if keep_warm and self.warm is not None:
             with contextlib.suppress(Exception):  # keeping warm is an optimisation: the workers are stopped instead
-                self._keep_warm()
+                self._keep_warm(still_keep)
         with self._lock:
             entries = list(self._busy.values()) + list(self._idle.values())
             self._busy.clear()
@@ -385,14 +385,14 @@ class WorkerPool:
             with contextlib.suppress(Exception):
                 self._retire(entry, failed=entry.tainted)
 
-    def _keep_warm(self) -> None:
+    def _keep_warm(self, still: Callable[[], bool] | None = None) -> None:
         from .warm import KeepRequest
 
         assert self.warm is not None
         with self._lock:
             idle = [e for e in self._idle.values() if e.poolable]
         requests = [KeepRequest(e.group, e.lease, e.records, e.envs, e.environ, e.tainted, e.keeper) for e in idle]
-        kept = self.warm.keep(requests)
+        kept = self.warm.keep(requests, still=still)
         for entry in idle:
             if entry.group.id not in kept:
                 continue

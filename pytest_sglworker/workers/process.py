@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from ..engine.log_lines import parse_memory
 from ..engine.log_tail import CondensedTail, condense
 from ..engine.redaction import mask_argv, redact, secret_values
+from ..resources.owned_files import FileId
 from ..resources.processes import (
     OWNER_ENV,
     ProcessHandle,
@@ -175,6 +176,8 @@ class ManagedProcess:
     pids_seen: set[int] = field(default_factory=set)
     #: log lines a failure report quotes
     tail_lines: int = DEFAULT_TAIL_LINES
+    #: its log file's identity when it was created (what a warm record carries, see resources/owned_files.py)
+    log_id: FileId | None = None
     #: every port pinned for it, by name (``http``, ``nccl``, ``bootstrap``, ``prometheus``, ...)
     ports: dict[str, int] = field(default_factory=dict)
     #: wall-clock times of its life, for the run report's launch records
@@ -438,5 +441,5 @@ def start_process(argv: list[str], env: Mapping[str, str], log_path: Path, *,
     log_path = unused_log_path(log_path)
     started = time.time()
     process = popen(argv, full_env, log_path)
-    return {"argv": argv, "log_path": log_path, "process": process, "owner_tag": tag,
+    return {"argv": argv, "log_path": log_path, "log_id": FileId.of(log_path), "process": process, "owner_tag": tag,
             "secrets": secret_values(full_env, argv), "times": {"started": started}}

@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 from ..engine import budget
 from ..engine.redaction import mask_argv, secret_values
 from ..engine.sglang_facts import LOOPBACK_HOST
+from ..resources.owned_files import link_owned, why_not_ours
 from ..resources.processes import SESSION_ID, AdoptedProcess, hostname, prove_process
 from ..resources.warm import BorrowedLease, Claim, dup_lock_fd, end_warm, forget_lock, note_in_logs
 from ..resources.warm_records import (
@@ -181,6 +182,33 @@ def identity(config: WorkerConfig, plans: Sequence[MemberPlan], argvs: Sequence[
         "model": _digest(model_identity(spec.resolve_model_path(environ))),
         "kinds": _digest([[p.role, p.index, type(p.kind).__name__] for p in plans]),
     }
+
+
+def running_differs(pid: int, argv: Sequence[str], env: Mapping[str, str], environ: Mapping[str, str]) -> str | None:
+    """Why the running process ``pid`` is not what this session would launch with ``argv`` and ``env`` over the
+    inherited ``environ`` (None: it is), read from the process itself (``/proc/<pid>/cmdline`` and ``environ``),
+    never from a record. The arguments after the launcher's first word must be the process's last arguments (a
+    launcher script's interpreter may stand before them); every variable the member's env sets, and every engine
+    variable (:data:`ENGINE_ENV_PREFIXES`) of either side, must be equal."""
+    import psutil
+
+    from .process import PER_TEST_VARIABLES
+
+    try:
+        proc = psutil.Process(pid)
+        cmdline, running = proc.cmdline(), proc.environ()
+    except (psutil.Error, OSError) as exc:
+        return f"pid {pid} cannot be read ({type(exc).__name__})"
+    args = list(argv[1:])
+    if len(cmdline) < len(args) or (args and cmdline[-len(args):] != args):
+        diff = _first_difference(" ".join(mask_argv(cmdline)), " ".join(mask_argv(list(argv))))
+        return f"pid {pid} runs other arguments than this session would launch ({diff or 'they differ'})"
+    inherited = {k: v for k, v in environ.items() if k not in PER_TEST_VARIABLES}
+    expected = {**engine_environ(inherited), **env, "PYTHONUNBUFFERED": "1"}
+    for key in sorted(set(expected) | set(engine_environ(running))):
+        if expected.get(key) != running.get(key):
+            return f"pid {pid} runs with another environment than this session would give it ({key} differs)"
+    return None
 
 
 def _first_difference(old: str, new: str) -> str:
@@ -361,10 +389,13 @@ class Warm:
                         words += f" ({m.role} {m.index}: {diff})"
                         break
             return words, []
-        for m in record.members:
-            why = prove_process(m.pid, m.since, m.tag)
+        for m, argv, env in zip(record.members, argvs, envs, strict=True):
+            why = prove_process(m.pid, m.since, m.tag) or running_differs(m.pid, argv, env, environ)
             if why is not None:
                 return f"member {m.role} {m.index} is not the process its record names: {why}", []
+            why = why_not_ours(m.log, m.log_id)
+            if why is not None:
+                return f"member {m.role} {m.index}'s log {m.log} {why}", []
         instances = [self._instance(config.spec, plan, m, argv, env, environ)
                      for plan, m, argv, env in zip(plans, record.members, argvs, envs, strict=True)]
         for instance, m in zip(instances, record.members, strict=True):
@@ -392,15 +423,12 @@ class Warm:
         writing the same file), or, when no link can be made there (another file system), the file where it is."""
         source = Path(member.log)
         target = self.settings.log_dir / log_name("sglang-worker", member.port)
-        with contextlib.suppress(OSError):
-            if target.exists() and os.path.samefile(target, source):
-                return target
+        if why_not_ours(target, member.log_id) is None:
+            return target  # linked already (this session adopted it before)
         target = unused_log_path(target)
-        try:
-            os.link(source, target)
-        except OSError:
-            return source
-        return target
+        if link_owned(source, member.log_id, target) is None:
+            return target
+        return source  # checked by _check: the very file its session created
 
     def _record(self, config: WorkerConfig, plan: MemberPlan, group: str | None, instance: ModelInstance,
                 now: float) -> LaunchRecord:
@@ -415,15 +443,19 @@ class Warm:
         return record
 
     # -- keeping warm -----------------------------------------------------------------------------------------
-    def keep(self, requests: Sequence[KeepRequest]) -> set[str]:
+    def keep(self, requests: Sequence[KeepRequest], *, still: Callable[[], bool] | None = None) -> set[str]:
         """Keep each group warm (when every member still answers its readiness check): an adopted one goes back
         to its keeper with a new expiry; a group of this session goes to the keeper it was launched with, which
-        takes over its lock files. Returns the ids of the groups kept; the pool retires the rest as usual."""
+        takes over its lock files. ``still()``, asked before each group: whether to go on (an interrupt during the
+        session's end says no: the groups not handed over yet are retired). Returns the ids of the groups kept; the
+        pool retires the rest as usual."""
         ttl = self.settings.ttl
         kept: set[str] = set()
         if ttl is None:
             return kept
         for request in requests:
+            if still is not None and not still():
+                break
             if not all(m.is_alive() and not m.stopped and m.responds() for m in request.group):
                 continue
             try:
@@ -490,7 +522,7 @@ class Warm:
             if member.port_block is not None:
                 member.port_block.handed_over()
                 member.port_block = None
-        acked = read_warm_record(record_path(self.settings.lock_dir, keeper.session_id)).record or record
+        acked = read_warm_record(record_path(self.settings.lock_dir, keeper.session_id)).mine or record
         keeper.close()  # its socket: the keeper is warm now and ignores it
         self._kept(request, acked)
         return True
@@ -508,7 +540,7 @@ class Warm:
         members = tuple(WarmMember(
             role=m.role, index=m.index, kind=type(m.kind).__name__, pid=m.pid,
             since=_create_time(m.pid), tag=m.owner_tag, port=m.port,
-            ports=tuple(sorted(m.ports.items())), gpus=m.gpus or "", log=str(m.log_path),
+            ports=tuple(sorted(m.ports.items())), gpus=m.gpus or "", log=str(m.log_path), log_id=m.log_id,
             argv=" ".join(mask_argv(m.argv)), started_at=m.times.get("started", now),
             startup_seconds=m.startup_seconds, probe_seconds=m.ready_probe_seconds) for m in group)
         session_dir = self.settings.session_log_dir

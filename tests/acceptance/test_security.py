@@ -399,25 +399,28 @@ def test_atomic_write_mode_is_exact_whatever_the_umask(tmp_path: Path, umask: in
     assert (tmp_path / "a.json").read_text() == "{}\n" and _temporaries(tmp_path) == []
 
 
-def test_atomic_write_replaces_a_planted_symlink_never_follows_it(tmp_path: Path) -> None:
+@pytest.mark.parametrize("planted", ["symlink", "fifo", "directory"])
+def test_atomic_write_never_replaces_what_is_not_a_regular_file(tmp_path: Path, planted: str) -> None:
+    """A symlink (never followed, never replaced), a FIFO or a device node (``--sgl-report /dev/full`` as root
+    would have become a JSON file), a directory: each stays what it is, the write fails with the reason, and no
+    temporary file is left."""
     from pytest_sglworker.resources.state import atomic_write
 
     victim = tmp_path / "victim"
     victim.write_text("precious")
-    (tmp_path / "report.json").symlink_to(victim)
-    atomic_write(tmp_path / "report.json", "new")
-    assert victim.read_text() == "precious"
-    assert not (tmp_path / "report.json").is_symlink() and (tmp_path / "report.json").read_text() == "new"
-
-
-def test_atomic_write_onto_a_directory_raises_and_leaves_no_temporary(tmp_path: Path) -> None:
-    from pytest_sglworker.resources.state import atomic_write
-
-    (tmp_path / "report.json").mkdir()
-    with pytest.raises(IsADirectoryError) as info:
-        atomic_write(tmp_path / "report.json", "x")
-    assert info.value.strerror
-    assert _temporaries(tmp_path) == [] and (tmp_path / "report.json").is_dir()
+    target = tmp_path / "report.json"
+    if planted == "symlink":
+        target.symlink_to(victim)
+    elif planted == "fifo":
+        os.mkfifo(target)
+    else:
+        target.mkdir()
+    with pytest.raises(OSError) as info:
+        atomic_write(target, "new")
+    assert "in the way (only a regular file is ever replaced)" in str(info.value.strerror)
+    assert victim.read_text() == "precious" and _temporaries(tmp_path) == []
+    kind = os.lstat(target).st_mode
+    assert {"symlink": stat.S_ISLNK, "fifo": stat.S_ISFIFO, "directory": stat.S_ISDIR}[planted](kind)
 
 
 @pytest.mark.parametrize("failure", ["disk full mid-write", "interrupted at fsync"])

@@ -17,7 +17,7 @@ import pytest
 
 from pytest_sglworker.resources.processes import (
     OWNER_ENV,
-    find_tagged_processes,
+    find_session_processes,
     process_tree,
     tag_session,
     tag_session_pid,
@@ -54,7 +54,7 @@ def test_the_watchdog_ends_the_sessions_processes_when_its_pipe_closes() -> None
     session = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
     mine, other = _tagged(f"{session}:w1"), _tagged(f"{os.getpid()}-{uuid.uuid4().hex[:8]}:w2")
     try:
-        assert _wait(lambda: len(find_tagged_processes(f"{session}:")) == 1)
+        assert _wait(lambda: len(find_session_processes(session)) == 1)
         watchdog = Watchdog(session)
         time.sleep(0.2)
         assert mine.poll() is None  # alive while the session holds its end
@@ -73,7 +73,7 @@ def test_the_janitor_ends_workers_of_dead_sessions_only() -> None:
     orphan = _tagged(f"{dead.pid}-deadbeef:w")
     live = _tagged(f"{os.getpid()}-{uuid.uuid4().hex[:8]}:w")
     try:
-        assert _wait(lambda: bool(find_tagged_processes(f"{dead.pid}-deadbeef:")))
+        assert _wait(lambda: bool(find_session_processes(f"{dead.pid}-deadbeef")))
         report = reap_dead_sessions()
         assert live.pid not in report.processes
         assert _wait(lambda: _gone(orphan)) and live.poll() is None

@@ -49,7 +49,8 @@ def test_bad_ttl_values(value: str, why: str) -> None:
 def make_record(wid: str = "4242-abcdef12", **changes: object) -> WarmRecord:
     now = time.time()
     member = WarmMember(role="worker", index=0, kind="HttpWorker", pid=4243, since=now - 10, tag=f"{wid}:beef",
-                        port=20004, ports=(("http", 20004), ("nccl", 20005)), gpus="0", log="/tmp/x.log",
+                        port=20004, ports=(("http", 20004), ("nccl", 20005)), gpus="0",
+                        log="/tmp/sglang-worker-20004.log",
                         argv="python -m sglang.launch_server --api-key ***", started_at=now - 10, startup_seconds=2.0,
                         probe_seconds=0.001)
     record = WarmRecord(id=wid, hostname="host", state="warm", kept_by=Party(4000, now, "4000-aa", "suite (pid 4000)"),
@@ -80,6 +81,12 @@ def test_a_record_survives_its_round_trip(tmp_path: Path) -> None:
     (lambda d: d.update(log_policy="some"), "its log policy 'some' is not one of"),
     (lambda d: d["members"][0].update(tag="has space"), "'tag' is not printable text"),
     (lambda d: d.pop("kept_by"), "missing 'kept_by'"),
+    # what a record may name: whole tags of its own keeper's session, worker logs by absolute path, a file identity
+    (lambda d: d["members"][0].update(tag="4242-abcdef12:"), "is not a whole owner tag"),
+    (lambda d: d["members"][0].update(tag="999-abcdef99:beef"), "carry tags of another session than its keeper's"),
+    (lambda d: d["members"][0].update(log="/root/.ssh/authorized_keys"), "is not the path of a worker log"),
+    (lambda d: d["members"][0].update(links=["sglang-worker-1.log"]), "is not the path of a worker log"),
+    (lambda d: d["members"][0].update(log_id=[1]), "'log_id' is not a device and an inode"),
 ])
 def test_a_record_that_cannot_be_trusted_says_why(tmp_path: Path, mutate: object, why: str) -> None:
     data = make_record().as_dict()

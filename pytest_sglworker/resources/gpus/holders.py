@@ -14,7 +14,6 @@ Plain Python, no pytest; ``fcntl`` and ``psutil`` are imported lazily.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -24,8 +23,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..owned_files import remove_own_entry
 from ..processes import (
     PID_MAX,
+    find_session_processes,
     find_tagged_processes,
     hostname,
     plausible_pid,
@@ -251,9 +252,8 @@ def remove_dead_temporaries(lock_dir: Path) -> None:
             continue
         if pid == os.getpid():
             continue  # ours: being written right now
-        with contextlib.suppress(OSError):
-            if path.is_file() and not path.is_symlink():
-                path.unlink()
+        if path.is_file() and not path.is_symlink():
+            remove_own_entry(path)  # another user's temporary file is theirs
 
 
 def write_holder_record(path: Path, record: HolderRecord) -> None:
@@ -305,6 +305,7 @@ def holder_leftover_pids(record: HolderRecord) -> tuple[int, ...]:
     """The live worker processes a (dead) holder leaves behind: those of its own session
     (:func:`session_worker_pids`) and those its record names by owner tag (``workers``: a warm keeper's)."""
     pids = set(session_worker_pids(record.pid, record.since))
-    for tag in record.workers:
-        pids.update(p.pid for p in find_tagged_processes(tag))
+    for tag in record.workers:  # a whole tag, or a session id followed by ":" (a warm keeper's whole group)
+        found = find_session_processes(tag[:-1]) if tag.endswith(":") else find_tagged_processes(tag)
+        pids.update(p.pid for p in found)
     return tuple(sorted(pids))

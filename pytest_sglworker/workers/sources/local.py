@@ -205,7 +205,8 @@ class PoolSource:
     def close(self) -> None:
         try:
             if self._pool is not None:
-                self._pool.close(keep_warm=self.settings.keep_warm is not None and self.keep_warm_ok)
+                self._pool.close(keep_warm=self.settings.keep_warm is not None and self.keep_warm_ok,
+                                 still_keep=lambda: self.keep_warm_ok)
         finally:
             if self._leases is not None:
                 self._leases.inventory.close()  # NVML shutdown, the Ray connection; a declared inventory: nothing
