@@ -60,12 +60,11 @@ def check_argv(argv: Sequence[str]) -> list[BudgetProblem]:
             fraction = float(last) if last is not None else None
         except ValueError:
             fraction = None
+        why = fraction_problem(fraction)
         if fraction is None:
             problems.append(BudgetProblem(FRACTION_FLAG, f"value {last!r} is not a number"))
-        elif fraction > MAX_FRACTION:
-            problems.append(BudgetProblem(FRACTION_FLAG, f"{fraction:g} is above the budget of {MAX_FRACTION}"))
-        elif not 0 < fraction <= MAX_FRACTION:  # zero, negative, or NaN
-            problems.append(BudgetProblem(FRACTION_FLAG, f"{fraction:g} is not in (0, {MAX_FRACTION}]"))
+        elif why:
+            problems.append(BudgetProblem(FRACTION_FLAG, f"{fraction:g} is {why}"))
     prefills = values.get(PREFILL_FLAG)
     if not prefills:
         problems.append(BudgetProblem(PREFILL_FLAG, "missing (must be 'disabled')"))
@@ -74,6 +73,27 @@ def check_argv(argv: Sequence[str]) -> list[BudgetProblem]:
             BudgetProblem(PREFILL_FLAG, f"{prefills[-1]!r} re-enables the prefill CUDA graph (must be 'disabled')")
         )
     return problems
+
+
+def fraction_problem(fraction: object) -> str | None:
+    """Why a ``--mem-fraction-static`` value, given on an argv or reported by a running worker, breaks the budget
+    (``"above the budget of 0.6"``, ``"not in (0, 0.6]"``, ``"not a number"``), or None when it keeps it. NaN
+    compares false with every bound: only a value each bound allows passes, never one no bound refuses."""
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)):
+        return "not a number"
+    if fraction > MAX_FRACTION:  # infinity too; an int is compared as it is (float() of a huge one overflows)
+        return f"above the budget of {MAX_FRACTION}"
+    if not fraction > 0:  # zero, negative, NaN
+        return f"not in (0, {MAX_FRACTION}]"
+    return None
+
+
+def show_number(value: object) -> str:
+    """A value for a message: ``0.85``, ``nan``, ``inf``; an int too long for a float named as one, anything else
+    by its repr, cut short."""
+    if isinstance(value, float) or (isinstance(value, int) and not isinstance(value, bool) and abs(value) < 10**15):
+        return f"{value:g}"
+    return "a huge integer" if isinstance(value, int) and not isinstance(value, bool) else f"{value!r:.80}"
 
 
 def check_spec(spec: ModelSpec) -> list[BudgetProblem]:

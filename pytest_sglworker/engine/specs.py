@@ -24,7 +24,21 @@ CI_WORKER_ARGS: tuple[str, ...] = ("--mem-fraction-static=0.6", "--cuda-graph-ba
 #: Environment variables naming a directory of local model copies (``<root>/<hf id>``), first match wins.
 MODEL_ROOT_ENV_VARS: tuple[str, ...] = ("SGLWORKER_MODEL_ROOT", "ROUTER_LOCAL_MODEL_PATH")
 
+#: The largest ``memory_gb`` (GiB per GPU) and ``tp`` a spec may say: a thousand times any GPU or node there is,
+#: so a larger one is a typo; said where the spec is made, never as an overflow in a later computation.
+MAX_MEMORY_GB = 1024.0 * 1024.0
+MAX_TP = 4096
+
 _SPEC_DICT_KEYS = frozenset({"model", "memory_gb", "tp", "features", "worker_args", "env", "description"})
+
+
+def _short(value: object) -> str:
+    """``repr(value)``, cut short: a 4000-digit integer in a message helps nobody."""
+    try:
+        text = repr(value)
+    except ValueError:  # an int beyond Python's digit limit for str()
+        return "an integer of thousands of digits"
+    return text if len(text) <= 40 else f"{text[:20]}...{text[-8:]} ({len(text)} characters)"
 
 
 @dataclass(frozen=True)
@@ -51,11 +65,17 @@ class ModelSpec:
             raise SpecError(f"model spec {self.name!r}: 'model' must be a Hugging Face id or a local path")
         memory = self.memory_gb
         # math.isfinite: NaN passes "<= 0" and inf passes everything, and both crash round() in memory_mib later.
-        if isinstance(memory, bool) or not isinstance(memory, (int, float)) or not math.isfinite(memory) or memory <= 0:
+        # An int is compared as it is (math.isfinite of a 400-digit int raises OverflowError).
+        if isinstance(memory, bool) or not isinstance(memory, (int, float)) or memory <= 0 or (
+                isinstance(memory, float) and not math.isfinite(memory)):
             raise SpecError(f"model spec {self.name!r}: 'memory_gb' must be a positive number (finite, in GiB), "
-                            f"got {memory!r}")
-        if isinstance(self.tp, bool) or not isinstance(self.tp, int) or self.tp < 1:
-            raise SpecError(f"model spec {self.name!r}: 'tp' must be an integer >= 1, got {self.tp!r}")
+                            f"got {_short(memory)}")
+        if memory > MAX_MEMORY_GB:
+            raise SpecError(f"model spec {self.name!r}: 'memory_gb' (GiB of memory on each GPU) must be at most "
+                            f"{MAX_MEMORY_GB:.0f}, got {_short(memory)}")
+        if isinstance(self.tp, bool) or not isinstance(self.tp, int) or not 1 <= self.tp <= MAX_TP:
+            raise SpecError(f"model spec {self.name!r}: 'tp' must be an integer from 1 to {MAX_TP} (GPUs per worker), "
+                            f"got {_short(self.tp)}")
         if isinstance(self.worker_args, str):
             raise SpecError(
                 f"model spec {self.name!r}: 'worker_args' must be a list of arguments, not one string "

@@ -8,6 +8,8 @@ filelock and sglang are imported when a worker is first needed.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from ..engine.specs import set_active_registry
@@ -62,11 +64,15 @@ def pytest_cmdline_main(config: pytest.Config) -> int | None:
 
         settings = resolve_settings(config)
         lock_dir = settings.lock_dir or state.default_lock_dir()
-        if not lock_dir.is_dir():
+        if not os.path.lexists(lock_dir):  # a dangling symlink exists: it is refused below, never "none"
             print(f"pytest-sglworker warm workers in {lock_dir}:\n  none (no lock directory)")
             return 0
-        text, code = render_warm(state.ensure_private_dir(lock_dir, what="lock directory",
-                                                          shared_ok=settings.lock_dir is not None), warm)
+        try:  # the check of a session's lock directory, and its usage error (a symlink, writable by others)
+            lock_dir = state.ensure_private_dir(lock_dir, what="lock directory",
+                                                shared_ok=settings.lock_dir is not None)
+        except state.UnsafeDirectory as exc:
+            raise pytest.UsageError(str(exc)) from None
+        text, code = render_warm(lock_dir, warm)
         print(text)
         return code
     if not config.getoption("sgl_list_models"):

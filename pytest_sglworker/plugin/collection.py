@@ -27,10 +27,11 @@ from .keys import (
     router_group_fixture,
     uses_plugin,
 )
-from .markers import MarkerError, RouterMarker, WorkerMarker, opt_out_reason, required_features
+from .markers import MarkerError, RouterMarker, WorkerMarker, WorkersMarker, opt_out_reason, required_features
 from .run_hooks import enable_run_hooks
 
 if TYPE_CHECKING:
+    from ..engine.specs import ModelSpec
     from ..workers.config import KindChooser, WorkerConfig
     from .session import SglSession
 
@@ -74,6 +75,7 @@ def modify_items(session: SglSession, config: pytest.Config, items: list[pytest.
                 required_features(item)
             except MarkerError as exc:
                 item.stash[ITEM_ERROR_KEY] = str(exc)
+    inventory = _GpuBound(session)
     for item in items:
         fixturenames = getattr(item, "fixturenames", ())
         fixture = next((f for f in WORKER_FIXTURES if f in fixturenames), None)
@@ -86,14 +88,22 @@ def modify_items(session: SglSession, config: pytest.Config, items: list[pytest.
             opt_out_reason(item)
             if fixture is None:
                 continue
-            RouterMarker.from_mark(item.get_closest_marker("sgl_router"))
+            router = RouterMarker.from_mark(item.get_closest_marker("sgl_router"))
             spec = item_spec(item)
             if spec is None:
                 continue
             if spec.name in spec_problems:
                 problems[item.nodeid] = spec_problems[spec.name]
                 continue
-            item.stash[CONFIG_KEY] = session.resolve_config(item, spec, fixture)
+            size = 1 if fixture == "sgl_worker" else group_size(item)
+            beyond = inventory.refusal(spec, size) if size > 1 else None
+            if beyond:  # said before the group's members are planned (work in proportion to its size)
+                item.add_marker(pytest.mark.skip(reason=beyond))
+                continue
+            worker_config = session.resolve_config(item, spec, fixture)
+            if "sgl_router" in fixturenames:
+                router.members(range(size))
+            item.stash[CONFIG_KEY] = worker_config
             fault = sim_fault_problem(session, item.stash[CONFIG_KEY])
             if fault:
                 problems[item.nodeid] = f"test {item.nodeid}: {fault}"
@@ -126,6 +136,38 @@ def modify_items(session: SglSession, config: pytest.Config, items: list[pytest.
             if CONFIG_KEY in item.stash:
                 last_users[item.stash[CONFIG_KEY]] = item.nodeid
         session.last_users = set(last_users.values())
+
+
+def group_size(item: pytest.Item) -> int:
+    """How many members the ``sgl_workers`` group of ``item`` has, read from its marker alone."""
+    marker = WorkersMarker.from_mark(item.get_closest_marker("sgl_workers"))
+    return marker.count or marker.prefill + marker.decode
+
+
+class _GpuBound:
+    """The GPUs the session's worker source leases from, read once, when a group first asks: every member of a
+    launched group leases one GPU or more, so a group of more members than that can never start here."""
+
+    def __init__(self, session: SglSession) -> None:
+        self.session = session
+        self._count: int | None = None
+        self._read = False
+
+    def refusal(self, spec: ModelSpec, members: int) -> str | None:
+        """Why a group of ``members`` of ``spec`` can never be leased here (None: it may be; the source's own
+        refusal says more once the group is planned)."""
+        if spec.name in self.session.settings.worker_urls:
+            return None  # attached workers: the attached source counts them
+        if not self._read:
+            self._read = True
+            try:
+                self._count = self.session.source.gpu_count()
+            except (SglWorkerError, ValueError):
+                self._count = None  # an inventory that cannot be read: said by the source's refusal later
+        if self._count is None or members <= self._count:
+            return None
+        return (f"{spec.name}: the group of {members} workers leases at least {members} GPU(s) at once (one or more "
+                f"per member), but the inventory has {self._count}")
 
 
 def raise_or_give(session: SglSession, config: pytest.Config, items: list[pytest.Item],
@@ -251,8 +293,10 @@ def sim_fault_problem(session: SglSession, config: WorkerConfig) -> str | None:
 
 
 def skip_without_router(session: SglSession, items: list[pytest.Item]) -> None:
-    """Skip, before their workers launch, the tests of ``sgl_router`` when the router is not installed."""
-    users = [item for item in items if "sgl_router" in getattr(item, "fixturenames", ())]
+    """Skip, before their workers launch, the tests of ``sgl_router`` when the router is not installed (a test whose
+    marker is wrong keeps its error: it is wrong with the router too)."""
+    users = [item for item in items if "sgl_router" in getattr(item, "fixturenames", ()) and ITEM_ERROR_KEY not in
+             item.stash]
     if not users:
         return
     from ..workers.router import RouterUnavailable, router_launcher

@@ -8,6 +8,7 @@ fix, which the session turns into an error of that test (never of the whole sess
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -85,9 +86,17 @@ def _timeout(name: str, value: Any) -> float | None:
     return float(value)
 
 
+#: the most members one worker group may have, whatever the inventory: far beyond any machine or cluster a test
+#: suite leases, low enough that the per-member work at collection (each member's argv checked) stays small
+MAX_GROUP_MEMBERS = 1024
+
+
 def _count(name: str, key: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise MarkerError(f"{name}({key}=...) must be a whole number, got {value!r}")
+    if value > MAX_GROUP_MEMBERS:
+        raise MarkerError(f"{name}({key}={value}) asks for more than {MAX_GROUP_MEMBERS} workers, the most one group "
+                          "may have (each member is a process with GPUs of its own): give a smaller number")
     return value
 
 
@@ -145,6 +154,9 @@ class WorkersMarker:
             raise MarkerError("sgl_workers(count=0) asks for no worker: give count=1 or more")
         if count and (prefill or decode):
             raise MarkerError("sgl_workers takes count=N (regular workers) or prefill=P, decode=D, not both")
+        if prefill + decode > MAX_GROUP_MEMBERS:
+            raise MarkerError(f"sgl_workers(prefill={prefill}, decode={decode}) asks for more than {MAX_GROUP_MEMBERS} "
+                              "workers, the most one group may have: give smaller numbers")
         if not count and not (prefill and decode):
             raise MarkerError("sgl_workers needs count=N, or both prefill=P and decode=D (each at least 1), "
                               "e.g. @pytest.mark.sgl_workers(prefill=1, decode=1)")
@@ -222,6 +234,15 @@ class RouterMarker:
                                                  for i in workers))):
             raise MarkerError(f"sgl_router(workers=...) must be 'all', 'none', a number of workers or a list of member "
                               f"indices, got {workers!r}")
+        if isinstance(workers, (list, tuple)):
+            twice = sorted(i for i, n in Counter(workers).items() if n > 1)
+            if twice:
+                raise MarkerError(f"sgl_router(workers={list(workers)!r:.200}) names member(s) {twice!r:.200} more "
+                                  "than once: the router takes each worker once; list each index once")
+        asked = len(workers) if isinstance(workers, (list, tuple)) else workers if isinstance(workers, int) else 0
+        if asked > MAX_GROUP_MEMBERS:
+            raise MarkerError(f"sgl_router(workers=...) asks for more than {MAX_GROUP_MEMBERS} workers, the most a "
+                              "group may have")
         chosen: str | tuple[int, ...] = workers if isinstance(workers, str) else (
             tuple(range(workers)) if isinstance(workers, int) else tuple(workers))
         dp_aware = kw.get("dp_aware")
@@ -236,12 +257,15 @@ class RouterMarker:
 
     def members(self, group: Any) -> list[Any] | None:
         """The members of ``group`` the router starts with (None: all of them). An index beyond the group is a
-        :class:`MarkerError`."""
+        :class:`MarkerError`. ``group`` may be the group's indices (``range(size)``): collection checks the marker
+        against the group's size before anything starts."""
         if isinstance(self.workers, str):
             return None if self.workers == "all" else []
         wrong = [i for i in self.workers if i >= len(group)]
         if wrong:
-            raise MarkerError(f"sgl_router(workers=...) names member(s) {wrong} of a group of {len(group)}")
+            indices = "0" if len(group) == 1 else f"0 to {len(group) - 1} (in launch order: prefill members first)"
+            raise MarkerError(f"sgl_router(workers=...) names member(s) {wrong} of a group of {len(group)}: give "
+                              f"indices {indices}")
         return [group[i] for i in self.workers]
 
 

@@ -218,7 +218,7 @@ _UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0}
 def parse_ttl(value: str) -> float | None:
     """A ``--sgl-keep-warm`` value: ``on`` (the default TTL), ``off``, or a TTL ``90s``, ``15m``, ``1h`` or a number of
     seconds; returns the TTL in seconds, None for off."""
-    from ..resources.warm_records import DEFAULT_TTL, MAX_TTL
+    from ..resources.warm_records import DEFAULT_TTL, MAX_TTL, MIN_TTL
 
     text = value.strip().lower()
     if text in ("on", "true", "yes", ""):
@@ -233,8 +233,9 @@ def parse_ttl(value: str) -> float | None:
         raise ValueError(f"{value!r} is not a TTL: give 'on', 'off', or a duration such as 90s, 15m, 1h or 600 "
                          "(seconds); a TTL goes after '=' (--sgl-keep-warm=15m), or the word after the flag would "
                          "be read as one") from None
-    if not 0 < seconds <= MAX_TTL or seconds != seconds:
-        raise ValueError(f"{value!r} is not a TTL between 0 and {MAX_TTL / 86400:g} days")
+    if not MIN_TTL <= seconds <= MAX_TTL:  # NaN too (it compares false)
+        raise ValueError(f"{value!r} is not a TTL between {MIN_TTL:g} s and {MAX_TTL / 86400:g} days: give one "
+                         "such as 90s, 15m or 1h, or 'off'")
     return seconds
 
 

@@ -30,6 +30,7 @@ __all__ = [
     "KEEPER_ENV",
     "KEEPER_GRACE",
     "MAX_TTL",
+    "MIN_TTL",
     "Party",
     "WarmEntry",
     "WarmMember",
@@ -55,6 +56,8 @@ KEEPER_ENV = "SGLWORKER_WARM_KEEPER"
 DEFAULT_TTL = 15 * 60.0
 #: the longest TTL a record may carry (a record naming more is not one of ours)
 MAX_TTL = 7 * 86400.0
+#: the shortest TTL (``--sgl-keep-warm`` refuses less, a record naming less is not one of ours)
+MIN_TTL = 1.0
 STATES = ("handover", "warm", "adopted", "stop")
 #: how long past its expiry a group whose keeper still lives is left to that keeper before the janitor acts
 KEEPER_GRACE = 5.0
@@ -313,7 +316,7 @@ def parse_warm_record(raw: bytes, name: str | None = None) -> WarmRecord:
     return WarmRecord(
         id=wid, hostname=f.text("hostname", 255, printable=True), state=state,
         kept_by=f.party("kept_by", optional=False) or Party(1, 0.0), keeper=f.party("keeper", optional=True),
-        adopter=f.party("adopter", optional=True), ttl=f.number("ttl", 0.001, MAX_TTL) or DEFAULT_TTL,
+        adopter=f.party("adopter", optional=True), ttl=f.number("ttl", MIN_TTL, MAX_TTL) or DEFAULT_TTL,
         created=f.stamp("created"), last_used=f.stamp("last_used"),
         expires_at=f.stamp("expires_at", ahead=MAX_TTL + 86400.0),
         config_key=config.text("key", 512), label=config.text("label", 4096), model=config.text("model", 4096),

@@ -8,6 +8,7 @@ import pytest
 
 from pytest_sglworker import CI_WORKER_ARGS, ModelSpec, SpecRegistry, check_argv
 from pytest_sglworker.engine.budget import describe_violation, flag_values
+from pytest_sglworker.engine.specs import MAX_MEMORY_GB
 from pytest_sglworker.errors import SpecError
 
 
@@ -56,7 +57,7 @@ def test_gateway_dict_specs_are_accepted() -> None:
         ({"model": "m"}, "'model' and 'memory_gb' are required"),
         ({"model": "m", "memory_gb": 4, "gpus": 2}, "unknown key"),
         ({"model": "m", "memory_gb": -1}, "'memory_gb' must be a positive number"),
-        ({"model": "m", "memory_gb": 4, "tp": 0}, "'tp' must be an integer >= 1"),
+        ({"model": "m", "memory_gb": 4, "tp": 0}, "'tp' must be an integer from 1 to 4096"),
         ({"model": "m", "memory_gb": 4, "worker_args": "--mem-fraction-static=0.6"}, "not one string"),
     ],
 )
@@ -176,11 +177,15 @@ def test_json_loaded_dict_spec_with_nan_is_refused() -> None:
         SpecRegistry().update({"bad": data})
 
 
-def test_large_finite_memory_is_a_spec_but_never_fits() -> None:
+def test_large_finite_memory_is_refused_or_never_fits() -> None:
     from pytest_sglworker.resources.gpus import GpuInfo, can_ever_fit
 
-    spec = ModelSpec("huge", "org/huge", 1e300)
-    assert spec.memory_mib > 0  # no crash in round()
+    for memory in (1e300, 1e308, 10**400):  # 1e308 * 1024 overflowed round() in memory_mib: an INTERNALERROR
+        with pytest.raises(SpecError, match=r"model spec 'huge': 'memory_gb' \(GiB of memory on each GPU\) must be "
+                                            r"at most 1048576, got"):
+            ModelSpec("huge", "org/huge", memory)
+    spec = ModelSpec("huge", "org/huge", MAX_MEMORY_GB)
+    assert spec.memory_mib == 1024**3
     gpu = GpuInfo(index=0, uuid="GPU-0", name="sim", total_mib=81920, free_mib=81920)
     assert "can never fit" in (can_ever_fit([gpu], 1, spec.memory_mib) or "")
 

@@ -38,7 +38,8 @@ def test_ttl_values(value: str, seconds: float | None) -> None:
 
 @pytest.mark.parametrize(("value", "why"), [
     ("soon", "is not a TTL: give 'on', 'off', or a duration"), ("tests/", "a TTL goes after '='"),
-    ("-5", "is not a TTL between 0 and 7 days"), ("8d", "is not a TTL"), ("nan", "is not a TTL between"),
+    ("-5", "is not a TTL between 1 s and 7 days"), ("8d", "is not a TTL"), ("nan", "is not a TTL between"),
+    ("0.5", "is not a TTL between 1 s and 7 days"),
 ])
 def test_bad_ttl_values(value: str, why: str) -> None:
     with pytest.raises(ValueError) as info:

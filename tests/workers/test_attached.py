@@ -60,6 +60,14 @@ def test_budget_problems_read_from_server_info() -> None:
     problems = [str(p) for p in budget_problems({"mem_fraction_static": 0.83, "cuda_graph_backend_prefill": None})]
     assert any("0.83, above the budget of 0.6" in p for p in problems)
     assert any("--cuda-graph-backend-prefill" in p for p in problems)
+    for reported, said in [(float("nan"), "runs with nan, not in (0, 0.6]"), (0, "runs with 0, not in (0, 0.6]"),
+                           (float("inf"), "runs with inf, above the budget of 0.6"),
+                           (10**400, "runs with a huge integer, above the budget of 0.6"),
+                           (True, "reports True, not a number"), (None, "reports None, not a number")]:
+        # NaN compares false with every bound: it kept the budget, and the test ran against the worker
+        found = [str(p) for p in budget_problems({"mem_fraction_static": reported,
+                                                  "cuda_graph_backend_prefill": "disabled"})]
+        assert found == [f"--mem-fraction-static: the worker {said}"]
 
 
 def test_tests_run_against_the_attached_worker_which_outlives_the_session(

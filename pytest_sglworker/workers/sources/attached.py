@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 from urllib.parse import urlsplit
 
-from ...engine.budget import MAX_FRACTION, BudgetProblem, describe_violation
+from ...engine.budget import BudgetProblem, describe_violation, fraction_problem, show_number
 from ...engine.sglang_facts import HEALTH_PATH, SERVER_INFO_PATHS
 from ...errors import SglWorkerError
 from ..errors import WorkerError
@@ -129,11 +129,11 @@ def budget_problems(info: Mapping[str, Any]) -> list[BudgetProblem]:
     """Problems with the budget a running worker reports in its server info."""
     problems: list[BudgetProblem] = []
     fraction = info.get("mem_fraction_static")
-    if not isinstance(fraction, int | float):
-        problems.append(BudgetProblem("--mem-fraction-static", f"the worker reports {fraction!r}, not a number"))
-    elif fraction > MAX_FRACTION:
-        problems.append(BudgetProblem("--mem-fraction-static", f"the worker runs with {fraction:g}, above the "
-                                                               f"budget of {MAX_FRACTION}"))
+    why = fraction_problem(fraction)  # NaN, infinity and non-numbers too
+    if why:
+        problems.append(BudgetProblem("--mem-fraction-static", f"the worker reports {show_number(fraction)}, {why}"
+                                      if isinstance(fraction, bool) or not isinstance(fraction, int | float)
+                                      else f"the worker runs with {show_number(fraction)}, {why}"))
     prefill = info.get("cuda_graph_backend_prefill", "<not reported>")
     if prefill != "disabled":
         problems.append(BudgetProblem("--cuda-graph-backend-prefill", f"the worker runs with {prefill!r} (must be "
@@ -273,6 +273,9 @@ def attach(target: WorkerUrl, spec: ModelSpec, *, source: str = "--sgl-worker-ur
             decoded = json.loads(body)
         except ValueError:
             decoded = None
+        except RecursionError:  # brackets nested deeper than the parser's stack: no server info either
+            raise AttachedWorkerError(f"{where}: {path} answers with JSON nested too deeply to read, not server "
+                                      "info; is this an sglang worker?") from None
         if status != 200 or not isinstance(decoded, dict):
             raise AttachedWorkerError(f"{where}: {path} answers {status} with no server info; is this an sglang "
                                       "worker?")
