@@ -299,7 +299,7 @@ def check_launcher(launcher: Sequence[str], env: Mapping[str, str] | None = None
                 code = None  # cannot tell: let the launch itself show what happens
         verdict = (
             f"{exe} cannot import {top!r}, so '{shlex.join(launcher)}' cannot start: {top} is not installed for "
-            f"that python. Install it there (for sglang: pip install sglang, or bash scripts/install-real-engine.sh), "
+            f"that python. Install it there (for sglang: pip install sglang, or sglworker install-real-engine), "
             "point --sgl-launcher / SGLWORKER_LAUNCHER at a python that has it, or use --sgl-engine sim"
         ) if code == 3 else None
         with _LAUNCHER_CHECKS_LOCK:
