@@ -143,8 +143,30 @@ def api_page() -> str:
             what = _constant_doc(module, name)
         else:
             module, what = obj.__module__, _first_paragraph(obj)
-        out.append(f"| `{name}` | {kind} | `{module}` | {_cell(what)} |")
+        shown = f"{name}{_parameters(obj)}" if kind == "function" else name
+        out.append(f"| `{_cell(shown)}` | {kind} | `{module}` | {_cell(what)} |")
     return "\n".join(out) + "\n"
+
+
+def _parameters(function: Any) -> str:
+    """``(spec, *, extra_args=(), ...)``: the parameter names and defaults, without annotations."""
+    signature = inspect.signature(function)
+    parameters = [p.replace(annotation=inspect.Parameter.empty, default=_Shown(p.default))
+                  if p.default is not inspect.Parameter.empty else p.replace(annotation=inspect.Parameter.empty)
+                  for p in signature.parameters.values()]
+    return str(signature.replace(parameters=parameters, return_annotation=inspect.Signature.empty))
+
+
+class _Shown:
+    """A default as the page shows it: a set's items sorted (a set's own order changes from run to run)."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __repr__(self) -> str:
+        if isinstance(self.value, (set, frozenset)):
+            return "{" + ", ".join(sorted(map(repr, self.value))) + "}"
+        return repr(self.value)
 
 
 def _constant_module(name: str) -> str:

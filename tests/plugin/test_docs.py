@@ -40,7 +40,8 @@ def test_the_reference_covers_what_the_code_defines() -> None:
     pages = {p.name: p.read_text(encoding="utf-8") for p in (REPO / "docs" / "reference").glob("*.md")}
     assert all(f"`--sgl-{opt.name}" in pages["options.md"] and f"`{opt.env}`" in pages["options.md"]
                and f"`{opt.ini}`" in pages["options.md"] for opt in OPTIONS)
-    assert all(f"| `{name}` |" in pages["api.md"] for name in pytest_sglworker.__all__)
+    assert all(f"| `{name}` |" in pages["api.md"] or f"| `{name}(" in pages["api.md"]
+               for name in pytest_sglworker.__all__)
     assert all(f"`{fault.name}" in pages["sim-faults.md"] for fault in FAULTS)
     for name in ("sgl_worker", "sgl_workers", "sgl_router", "sgl_requires", "sgl_budget_opt_out"):
         assert f"## `{name}`" in pages["markers.md"], name
