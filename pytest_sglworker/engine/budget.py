@@ -21,7 +21,8 @@ _DESTS = {FRACTION_FLAG: "mem_fraction_static", PREFILL_FLAG: "cuda_graph_backen
 
 FIX = (
     "add CI_WORKER_ARGS to the spec's worker_args "
-    f"({' '.join(CI_WORKER_ARGS)}), or lower the fraction; see 'Why the budget' in the README"
+    f"({' '.join(CI_WORKER_ARGS)}), or lower the fraction; see 'The budget and the memory ledger' in the docs "
+    "(docs/explanation/budget-and-ledger.md)"
 )
 
 

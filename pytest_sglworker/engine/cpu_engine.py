@@ -1,6 +1,6 @@
 """The recipe for running the real sglang server on a CPU through the plugin's normal mechanisms.
 
-sglang 0.5.23 serves a tiny model on a CPU-only machine when (see ``scripts/install-real-engine.sh``):
+sglang 0.5.23 serves a tiny model on a CPU-only machine when (see ``sglworker install-real-engine``):
 
 - its venv has the CPU build of torch, torchvision with two fake-op registrations guarded, and a
   placeholder ``sgl_kernel`` in site-packages (PyPI has no CPU build of it);
@@ -25,14 +25,14 @@ from pathlib import Path
 from types import MappingProxyType
 
 from ..errors import SglWorkerError
+from .install_dirs import default_real_engine_dir
 from .specs import CI_WORKER_ARGS, ModelSpec
 
 __all__ = [
     "CPU_ENGINE_ARGS",
     "CPU_ENGINE_ENV",
     "CPU_ENGINE_FEATURES",
-    "DEFAULT_REAL_ENGINE_DIR",
-    "INSTALL_HINT",
+    "INSTALL_COMMAND",
     "REAL_ENGINE_ENV_VAR",
     "REAL_ENGINE_MARKER",
     "TINY_MODEL_SCRIPT",
@@ -66,21 +66,20 @@ CPU_ENGINE_ARGS: tuple[str, ...] = (
 
 CPU_ENGINE_FEATURES: frozenset[str] = frozenset({"chat", "streaming"})
 
-#: Names the real-engine venv (the folder ``scripts/install-real-engine.sh`` was given).
+#: Names the real-engine venv (the folder ``sglworker install-real-engine`` was given).
 REAL_ENGINE_ENV_VAR = "SGLWORKER_REAL_ENGINE"
 
 #: The file the install script writes last, with the versions it installed.
 REAL_ENGINE_MARKER = ".sglworker-real-engine"
 
-_REPO_ROOT = Path(__file__).resolve().parents[2]
+#: The command that installs it (the ``sglworker`` console script of this package).
+INSTALL_COMMAND = "sglworker install-real-engine"
 
-#: Where ``bash scripts/install-real-engine.sh`` installs by default (in a source checkout).
-DEFAULT_REAL_ENGINE_DIR = _REPO_ROOT / ".cache" / "real-engine"
 
-INSTALL_HINT = (
-    f"install it with 'bash scripts/install-real-engine.sh [VENV_DIR]' and point {REAL_ENGINE_ENV_VAR} at "
-    f"VENV_DIR (default {DEFAULT_REAL_ENGINE_DIR}, found without the variable)"
-)
+def _install_hint() -> str:
+    return (f"install it with '{INSTALL_COMMAND} [VENV_DIR]' and point {REAL_ENGINE_ENV_VAR} at VENV_DIR "
+            f"(default {default_real_engine_dir()}, found without the variable)")
+
 
 #: The standalone tiny-model builder, run with the real engine's python.
 TINY_MODEL_SCRIPT = Path(__file__).resolve().with_name("tiny_model.py")
@@ -127,10 +126,10 @@ def real_engine_python(root: Path | str | None = None, *, environ: Mapping[str, 
     """The python of the installed real-engine venv, or None.
 
     ``root`` names the venv (or a repository root with a finished ``.cache/real-engine``); without it,
-    ``$SGLWORKER_REAL_ENGINE``; without that, the default install location ``<repo>/.cache/real-engine``,
-    used only when the install there finished (its marker file is present). The path is absolute but
-    symlinks are kept: a venv's python is a link to the base interpreter, and only the link's location
-    makes it use the venv.
+    ``$SGLWORKER_REAL_ENGINE``; without that, the default install location
+    (:func:`~pytest_sglworker.engine.install_dirs.default_real_engine_dir`), used only when the install there
+    finished (its marker file is present). The path is absolute but symlinks are kept: a venv's python is a link
+    to the base interpreter, and only the link's location makes it use the venv.
     """
     environ = os.environ if environ is None else environ
     if root is None and environ.get(REAL_ENGINE_ENV_VAR):
@@ -141,9 +140,10 @@ def real_engine_python(root: Path | str | None = None, *, environ: Mapping[str, 
         if found is None and (folder / ".cache" / "real-engine" / REAL_ENGINE_MARKER).is_file():
             found = _venv_python(folder / ".cache" / "real-engine")  # a repository root
         return found
-    if not (DEFAULT_REAL_ENGINE_DIR / REAL_ENGINE_MARKER).is_file():
+    default = default_real_engine_dir()
+    if not (default / REAL_ENGINE_MARKER).is_file():
         return None
-    return _venv_python(DEFAULT_REAL_ENGINE_DIR)
+    return _venv_python(default)
 
 
 def real_engine_missing_reason(root: Path | str | None = None, *, environ: Mapping[str, str] | None = None) -> str:
@@ -151,14 +151,16 @@ def real_engine_missing_reason(root: Path | str | None = None, *, environ: Mappi
     environ = os.environ if environ is None else environ
     if real_engine_python(root, environ=environ) is not None:
         return ""
+    hint = _install_hint()
     if root is not None:
-        return f"no python in the real-engine venv {root} (expected {Path(root) / 'bin' / 'python'}); {INSTALL_HINT}"
+        return f"no python in the real-engine venv {root} (expected {Path(root) / 'bin' / 'python'}); {hint}"
     if environ.get(REAL_ENGINE_ENV_VAR):
         venv = environ[REAL_ENGINE_ENV_VAR]
-        return f"{REAL_ENGINE_ENV_VAR}={venv} has no bin/python; {INSTALL_HINT}"
-    if DEFAULT_REAL_ENGINE_DIR.exists():
-        return f"the real-engine install in {DEFAULT_REAL_ENGINE_DIR} is unfinished (no marker file); {INSTALL_HINT}"
-    return f"the real sglang engine is not installed; {INSTALL_HINT}"
+        return f"{REAL_ENGINE_ENV_VAR}={venv} has no bin/python; {hint}"
+    default = default_real_engine_dir()
+    if default.exists():
+        return f"the real-engine install in {default} is unfinished (no marker file); {hint}"
+    return f"the real sglang engine is not installed; {hint}"
 
 
 def real_engine_launcher(python: Path | str) -> list[str]:

@@ -10,7 +10,7 @@ Cache design: one JSON file per *fingerprint* of the engine install in ``cache_d
 the python path as given (a venv's python is a symlink to the base interpreter, so the realpath alone would
 not tell venvs apart), the realpath and its size/mtime, sglang's dist-info name (it carries the version),
 and the size/mtime of sglang's ``srt/server_args.py``. For a venv whose site-packages holds sglang (the
-usual case, and what ``scripts/install-real-engine.sh`` makes) it is read from the file system next to the
+usual case, and what ``sglworker install-real-engine`` makes) it is read from the file system next to the
 python: a session whose argvs are all cached spawns nothing. Otherwise (sglang on ``PYTHONPATH``, an
 editable install, a system python) a cheap probe subprocess locates sglang without importing it. An
 upgrade of sglang changes the fingerprint and so starts a fresh cache file.

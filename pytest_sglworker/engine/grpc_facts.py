@@ -116,19 +116,21 @@ def grpc_missing_reason(subject: str = "a gRPC worker (--grpc-mode)") -> str:
 ROUTER_VOCAB_FILE = "o200k_base.tiktoken"
 ROUTER_VOCAB_SHA256 = "446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d"
 ROUTER_VOCAB_ENV = "TIKTOKEN_ENCODINGS_BASE"
-ROUTER_VOCAB_HINT = "bash scripts/install-router-vocab.sh"
-_DEFAULT_VOCAB_DIR = Path(__file__).resolve().parents[2] / ".cache" / "tiktoken"
+ROUTER_VOCAB_HINT = "sglworker install-router-vocab"
 
 
 def router_vocab_dir(environ: Mapping[str, str] | None = None) -> Path | None:
-    """The folder for the router's ``TIKTOKEN_ENCODINGS_BASE``: ``$TIKTOKEN_ENCODINGS_BASE``, else
-    ``<repo>/.cache/tiktoken`` (``scripts/install-router-vocab.sh``), when its ``o200k_base.tiktoken`` has the
-    router's hash; None otherwise (the router's gRPC mode then needs the network at startup)."""
+    """The folder for the router's ``TIKTOKEN_ENCODINGS_BASE``: ``$TIKTOKEN_ENCODINGS_BASE``, else the default
+    install folder (``sglworker install-router-vocab``: ``<user cache dir>/pytest-sglworker/tiktoken``), when its
+    ``o200k_base.tiktoken`` has the router's hash; None otherwise (the router's gRPC mode then needs the network
+    at startup)."""
     import hashlib
     import os
 
+    from .install_dirs import default_router_vocab_dir
+
     environ = os.environ if environ is None else environ
-    folder = Path(environ[ROUTER_VOCAB_ENV]) if environ.get(ROUTER_VOCAB_ENV) else _DEFAULT_VOCAB_DIR
+    folder = Path(environ[ROUTER_VOCAB_ENV]) if environ.get(ROUTER_VOCAB_ENV) else default_router_vocab_dir()
     try:
         digest = hashlib.sha256((folder / ROUTER_VOCAB_FILE).read_bytes()).hexdigest()
     except OSError:

@@ -18,7 +18,7 @@ from ..errors import SpecError
 
 #: The mandatory budget every spec carries. With the engine's default ``--mem-fraction-static`` (~0.83 on
 #: an 80 GB card) the KV pool takes the slack that CUDA graph capture needs and the worker dies with -9
-#: during startup; see the README's "Why the budget" section.
+#: during startup; see the docs' explanation "The budget and the memory ledger".
 CI_WORKER_ARGS: tuple[str, ...] = ("--mem-fraction-static=0.6", "--cuda-graph-backend-prefill=disabled")
 
 #: Environment variables naming a directory of local model copies (``<root>/<hf id>``), first match wins.
@@ -164,6 +164,7 @@ class ModelSpec:
         )
 
 
+#: The specs every session's registry starts with (``pytest --sgl-list-models`` shows them).
 BUILTIN_SPECS: tuple[ModelSpec, ...] = (
     ModelSpec("qwen3-0.6b", "Qwen/Qwen3-0.6B", 4, 1, frozenset({"chat", "streaming"})),
     ModelSpec("llama-1b", "meta-llama/Llama-3.2-1B-Instruct", 4, 1, frozenset({"chat", "streaming"})),

@@ -1,7 +1,8 @@
 """The run report (``--sgl-report``), and the timeline and trace drawn from it: the figures and launch records
 of this process and of the xdist workers (sent as plain dicts), merged, and each artifact written atomically.
 
-The JSON schema is in the README; :mod:`.timeline` renders the HTML page and the Chrome trace from the same dict.
+The JSON schema is in the docs (docs/explanation/run-report.md); :mod:`.timeline` renders the HTML page and the
+Chrome trace from the same dict.
 
 Tests are counted as pytest's terminal summary counts them: every report of a test phase in the category pytest's
 ``pytest_report_teststatus`` gives it (a failing setup or teardown is an error, a failing call a failure, a passing
@@ -82,8 +83,8 @@ def apply_test_outcomes(launches: Sequence[dict[str, Any]], outcomes: Mapping[st
 
 
 def write_json(path: Path, report: Mapping[str, Any]) -> None:
-    """``--sgl-report PATH``: the run report as JSON (schema in the README), written atomically (a failed
-    write leaves the previous file, never a partial one), mode 0644."""
+    """``--sgl-report PATH``: the run report as JSON (schema in docs/explanation/run-report.md), written atomically
+    (a failed write leaves the previous file, never a partial one), mode 0644."""
     from ..resources.state import atomic_write
 
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -49,7 +49,14 @@ from .errors import LaunchCancelled, LaunchError, WorkerDied, WorkerStartupError
 from .health import ProgressCallback as ProgressCallback
 from .health import wait_until_ready
 from .kinds import HttpWorker, WorkerKind
-from .process import DEFAULT_TAIL_LINES, ManagedProcess, inherited_environ, log_name, start_process
+from .process import (
+    DEFAULT_TAIL_LINES,
+    SIM_ENGINE_HINT,
+    ManagedProcess,
+    inherited_environ,
+    log_name,
+    start_process,
+)
 
 if TYPE_CHECKING:
     from ..engine.diagnosis import Diagnosis
@@ -273,7 +280,7 @@ def check_launcher(launcher: Sequence[str], env: Mapping[str, str] | None = None
         if os.sep in exe and os.path.exists(exe):
             raise LaunchError(f"launcher {exe!r} is not executable")
         raise LaunchError(f"launcher {exe!r} not found; install sglang, or set --sgl-launcher / SGLWORKER_LAUNCHER, "
-                          "or use --sgl-engine sim")
+                          f"{SIM_ENGINE_HINT}")
     module = python_module(launcher)
     if module is None:
         return
@@ -299,8 +306,8 @@ def check_launcher(launcher: Sequence[str], env: Mapping[str, str] | None = None
                 code = None  # cannot tell: let the launch itself show what happens
         verdict = (
             f"{exe} cannot import {top!r}, so '{shlex.join(launcher)}' cannot start: {top} is not installed for "
-            f"that python. Install it there (for sglang: pip install sglang, or bash scripts/install-real-engine.sh), "
-            "point --sgl-launcher / SGLWORKER_LAUNCHER at a python that has it, or use --sgl-engine sim"
+            f"that python. Install it there (for sglang: pip install sglang, or sglworker install-real-engine), "
+            f"point --sgl-launcher / SGLWORKER_LAUNCHER at a python that has it, {SIM_ENGINE_HINT}"
         ) if code == 3 else None
         with _LAUNCHER_CHECKS_LOCK:
             _LAUNCHER_CHECKS[key] = verdict

@@ -53,8 +53,25 @@ E = TypeVar("E", bound=WorkerError)
 #: and pytest's main thread sets and deletes it around every test phase).
 PER_TEST_VARIABLES = frozenset({"PYTEST_CURRENT_TEST"})
 
-__all__ = ["DEFAULT_TAIL_LINES", "PER_TEST_VARIABLES", "ManagedProcess", "http_client", "inherited_environ", "log_name",
-           "popen", "read_head", "read_log_end", "read_tail", "start_process", "unused_log_path"]
+__all__ = [
+    "DEFAULT_TAIL_LINES",
+    "PER_TEST_VARIABLES",
+    "SIM_ENGINE_HINT",
+    "ManagedProcess",
+    "http_client",
+    "inherited_environ",
+    "log_name",
+    "popen",
+    "read_head",
+    "read_log_end",
+    "read_tail",
+    "start_process",
+    "unused_log_path",
+]
+
+#: The end of a launch error's fix: the simulated engine, named for pytest and for a script outside it.
+SIM_ENGINE_HINT = ("or use the simulated engine (pytest: --sgl-engine sim; a script outside pytest: "
+                   "SGLWORKER_ENGINE=sim)")
 
 
 def inherited_environ() -> dict[str, str]:
@@ -418,7 +435,7 @@ def popen(argv: list[str], env: dict[str, str], log_path: Path) -> subprocess.Po
     except FileNotFoundError:
         raise LaunchError(
             f"launcher {argv[0]!r} not found; install sglang, or set --sgl-launcher / SGLWORKER_LAUNCHER, "
-            "or use --sgl-engine sim", log_path=str(log_path),
+            + SIM_ENGINE_HINT, log_path=str(log_path),
         ) from None
     except PermissionError:
         raise LaunchError(f"launcher {argv[0]!r} is not executable", log_path=str(log_path)) from None

@@ -51,7 +51,7 @@ class ConfigStats:
     kv_tokens_actual: int | None = None
 
     def as_dict(self) -> dict[str, Any]:
-        """JSON-able; the schema of one entry of ``--sgl-report`` (see the README)."""
+        """JSON-able; the schema of one entry of ``--sgl-report`` (docs/explanation/run-report.md)."""
         times = self.startup_seconds
         return {
             "label": self.label,

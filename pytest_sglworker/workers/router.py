@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..engine.diagnosis import Diagnosis, Kind
+from ..engine.grpc_facts import ROUTER_VOCAB_ENV, ROUTER_VOCAB_HINT, router_vocab_dir
 from ..engine.redaction import mask_argv
 from ..engine.sglang_facts import LOOPBACK_HOST
 from ..errors import SglWorkerError
@@ -379,10 +380,8 @@ def _router_stats(records: RunRecords, group: WorkerGroup, policy: str | None) -
 def router_env(group: WorkerGroup, environ: Mapping[str, str] | None = None, *, igw: bool = False) -> dict[str, str]:
     """What the router's environment adds: in front of gRPC workers, or in the gateway mode (``igw``, which makes
     every router kind), ``TIKTOKEN_ENCODINGS_BASE`` naming the installed ``o200k_base.tiktoken``
-    (``scripts/install-router-vocab.sh``) unless it is set already; the router builds its Harmony encoder from it
+    (``sglworker install-router-vocab``) unless it is set already; the router builds its Harmony encoder from it
     whenever it has a gRPC router, and downloads it otherwise."""
-    from ..engine.grpc_facts import ROUTER_VOCAB_ENV, router_vocab_dir
-
     environ = os.environ if environ is None else environ
     if environ.get(ROUTER_VOCAB_ENV) or not (any(url.startswith("grpc://") for url in group.urls) or igw):
         return {}
@@ -394,9 +393,8 @@ def _vocab_hint(router: Router) -> str:
     """The fix, when the router died building its Harmony encoder (no vocab file and no network)."""
     if "Failed to load Harmony encoding" not in router.log_tail(200):
         return ""
-    from ..engine.grpc_facts import ROUTER_VOCAB_ENV, ROUTER_VOCAB_HINT
-
-    return (f"the router's gRPC mode needs OpenAI's o200k_base.tiktoken (it downloads it when it can): run "
+    return (f"the router's gateway and gRPC modes need OpenAI's o200k_base.tiktoken (it downloads it when it "
+            f"can): run "
             f"'{ROUTER_VOCAB_HINT}', or set {ROUTER_VOCAB_ENV} to a folder that holds it")
 
 
@@ -458,7 +456,8 @@ def start_router(group: WorkerGroup, options: RouterOptions, records: RunRecords
             wait_until_ready(router, readiness, timeout=timeout, ready_line=None)
         except WorkerError as exc:
             router.stop()
-            exc.extra = "\n".join(filter(None, (exc.extra, _vocab_hint(router))))
+            vocab_hint = _vocab_hint(router)
+            exc.extra = "\n".join(filter(None, (exc.extra, vocab_hint)))
             record.take_times(router)
             record.failed("startup_failed", exc, replace=True)
             record.exit_code = router.returncode
@@ -467,6 +466,10 @@ def start_router(group: WorkerGroup, options: RouterOptions, records: RunRecords
             stats.failed_logs.append(str(router.log_path))
             if isinstance(exc, WorkerStartupError) and "in use" in router.log_text() and attempt < 3:
                 continue  # the port was taken between reservation and bind: another block
+            if vocab_hint and not environ.get(ROUTER_VOCAB_ENV):
+                # neither installed nor downloadable here: an optional tier's missing piece, skipped with its
+                # install command (a folder the user named that lacks the file stays a failure)
+                raise RouterUnavailable(f"the router died at startup without its vocabulary: {vocab_hint}") from exc
             raise
         except BaseException:
             router.stop()

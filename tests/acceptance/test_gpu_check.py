@@ -1,4 +1,4 @@
-"""``scripts/gpu-check --dry-run`` (fake NVML, fake CUDA, real pytest sessions of the plugin), so that the
+"""``sglworker gpu-check --dry-run`` (fake NVML, fake CUDA, real pytest sessions of the plugin), so that the
 one-command GPU check cannot rot before a GPU machine runs it for real.
 
 The autouse guard of conftest.py checks that nothing the check started (inner sessions, holders) is left:
@@ -22,9 +22,13 @@ from typing import Any
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-SCRIPT = REPO / "scripts" / "gpu-check"
-HOLDER = REPO / "scripts" / "gpu_check" / "holder.py"
-STUB_SOURCE = REPO / "scripts" / "gpu_check" / "testing" / "libcuda_stub.c"
+#: The command as the package installs it (``sglworker``), run with this Python.
+COMMAND = [sys.executable, "-m", "pytest_sglworker.tools", "gpu-check"]
+#: The checkout's wrapper of it (docs/GPU_CHECK.md's command in a clone).
+WRAPPER = REPO / "scripts" / "gpu-check"
+PROGRAM = REPO / "pytest_sglworker" / "tools" / "gpu_check"
+HOLDER = PROGRAM / "holder.py"
+STUB_SOURCE = PROGRAM / "testing" / "libcuda_stub.c"
 CHECKS = [
     "environment", "nvml_inventory", "lease_visibility", "nvml_process_ids", "ledger_input", "lease_exclusivity",
     "release_wait", "sigkill_teardown", "torch_view", "sglang_launch", "leftovers",
@@ -40,10 +44,10 @@ CHECK_BUDGET_S = 270
 CHECK_EXIT_MARGIN_S = 40
 
 
-def run_check(*args: str, env: dict[str, str] | None = None,
+def run_check(*args: str, env: dict[str, str] | None = None, command: list[str] = COMMAND,
               timeout: float = CHECK_BUDGET_S + CHECK_EXIT_MARGIN_S) -> subprocess.CompletedProcess[str]:
-    full_env = {**os.environ, "GPU_CHECK_PYTHON": sys.executable, **(env or {})}
-    return subprocess.run([str(SCRIPT), *args], env=full_env, capture_output=True, text=True, timeout=timeout,
+    full_env = {**os.environ, **(env or {})}
+    return subprocess.run([*command, *args], env=full_env, capture_output=True, text=True, timeout=timeout,
                           stdin=subprocess.DEVNULL, cwd=str(REPO))
 
 
@@ -171,11 +175,14 @@ def test_dry_run_reports_a_holder_that_cannot_allocate(tmp_path: Path) -> None:
     assert by["leftovers"]["status"] == "pass", by["leftovers"]["detail"]  # no lease, lock or process left
 
 
-def test_usage_errors() -> None:
-    done = run_check("--only", "nope", timeout=30)
+@pytest.mark.parametrize("command", [COMMAND, [str(WRAPPER)]], ids=["sglworker", "clone-wrapper"])
+def test_usage_errors(command: list[str]) -> None:
+    """The package's command and the checkout's wrapper run the same check (its own argument parser)."""
+    done = run_check("--only", "nope", command=command, timeout=30)
     assert done.returncode != 0 and "unknown check(s) in --only: nope" in (done.stdout + done.stderr)
-    done = run_check("--fake-fault", "x", timeout=30)
+    done = run_check("--fake-fault", "x", command=command, timeout=30)
     assert done.returncode == 2 and "need --dry-run" in done.stderr
+    assert done.stderr.startswith("usage: sglworker gpu-check"), done.stderr
 
 
 # ------------------------------------------------------------------------------------------------------------

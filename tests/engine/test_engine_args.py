@@ -2,7 +2,7 @@
 
 Most tests use a fake ``sglang`` package (``sglang.srt.server_args.ServerArgs.add_cli_args``) in a throwaway
 venv or on PYTHONPATH, so the logic is tested everywhere; the ``real_engine`` tests run the real parser of
-the installed CPU engine (``bash scripts/install-real-engine.sh``).
+the installed CPU engine (``sglworker install-real-engine``).
 """
 
 from __future__ import annotations

@@ -1,8 +1,16 @@
-"""The README's examples are what the program does: each block marked with an HTML comment is checked here (the
-failure text example is checked against its snapshot in tests/acceptance/test_failure_texts.py)."""
+"""The examples of the README and of the docs site (docs/) are what the program does: each block marked with an
+HTML comment is checked here, wherever it lives (the README's failure text example is checked against its snapshot
+in tests/acceptance/test_failure_texts.py):
+
+- ``<!-- output of: pytest --sgl-list-models ... -->``: the command's output, line for line;
+- ``<!-- run by tests/plugin/test_readme_examples.py with SGLWORKER_ENGINE=sim -->``: a script, run on the sim;
+- ``<!-- test file, run by tests/plugin/test_readme_examples.py with: ARGS -->``: a test file, run by pytest with
+  ARGS in a fresh directory, every test of it passing.
+"""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import subprocess
@@ -11,15 +19,26 @@ from pathlib import Path
 
 import pytest
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+REPO = Path(__file__).resolve().parents[2]
+README = REPO / "README.md"
+PAGES = [README, *sorted((REPO / "docs").rglob("*.md"))]
+
+
+def _blocks(marker: str, lang: str) -> list[tuple[Path, str, str]]:
+    """``(page, the rest of the comment, block)`` of every fenced block right after a comment starting with
+    ``marker``, in the README and the docs pages."""
+    pattern = re.compile(r"<!-- " + re.escape(marker) + r"(.*?)-->\n```" + lang + r"\n(.*?)```", re.S)
+    return [(page, m.group(1), m.group(2)) for page in PAGES for m in pattern.finditer(page.read_text())]
 
 
 def _block(marker: str, lang: str) -> str:
-    """The fenced block right after the README comment that starts with ``marker``."""
-    text = README.read_text()
-    found = re.search(r"<!-- " + re.escape(marker) + r".*?-->\n```" + lang + r"\n(.*?)```", text, re.S)
-    assert found, f"the README has no {lang} block after '<!-- {marker}'"
-    return found.group(1)
+    """The one fenced block right after the comment that starts with ``marker``."""
+    found = _blocks(marker, lang)
+    assert len(found) == 1, f"{len(found)} {lang} blocks after '<!-- {marker}' in the README and docs/: {found}"
+    return found[0][2]
+
+
+TEST_FILES = _blocks("test file, run by tests/plugin/test_readme_examples.py with:", "python")
 
 
 def test_the_list_models_example_is_what_it_prints(pytester: pytest.Pytester) -> None:
@@ -38,3 +57,20 @@ def test_the_outside_pytest_example_runs_on_a_cpu(tmp_path: Path, sim_env: dict[
     done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=120)
     assert (done.returncode, done.stdout) == (0, "Qwen/Qwen3-0.6B\n"), done.stderr[-3000:]
+
+
+def test_the_docs_have_test_files() -> None:
+    assert TEST_FILES, "no test file block in the README or docs/: the marker changed?"
+
+
+@pytest.mark.parametrize("page, args, source", TEST_FILES,
+                         ids=[f"{page.relative_to(REPO)}#{i}" for i, (page, _, _) in enumerate(TEST_FILES)])
+def test_a_test_file_of_the_docs_passes(pytester: pytest.Pytester, sim_env: dict[str, str], page: Path, args: str,
+                                        source: str) -> None:
+    if "sgl_router" in source and importlib.util.find_spec("sglang_router") is None:
+        pytest.skip("the sglang router is not installed: pip install 'pytest-sglworker[router]'")
+    pytester.makepyfile(test_from_the_docs=source)
+    result = pytester.runpytest_subprocess(*args.split(), "-p", "no:cacheprovider", timeout=300)
+    outcomes = result.parseoutcomes()
+    assert result.ret == 0 and outcomes.get("passed", 0) == source.count("    def test_") + source.count(
+        "\ndef test_"), result.stdout.str()[-4000:]

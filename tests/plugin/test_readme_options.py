@@ -1,7 +1,8 @@
-"""The README's options table is the users' contract (their CI configs name these flags, variables and ini
-keys): every row is read from the README itself and resolved in a real session, once from the command line,
-once from the environment, once from an ini file. Renaming a documented name without the README, or the
-README without the code, fails here."""
+"""The docs' options table (docs/reference/options.md, generated from plugin/options.py by
+scripts/gen_reference.py; tests/plugin/test_docs.py keeps it equal to the code) is the users' contract (their CI
+configs name these flags, variables and ini keys): every row is read from the page itself and resolved in a real
+session, once from the command line, once from the environment, once from an ini file. A name the help text
+announces that the session does not read fails here."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+OPTIONS_PAGE = Path(__file__).resolve().parents[2] / "docs" / "reference" / "options.md"
 
 #: a valid value for each documented option, and the resolved setting it must give (None: checked by source)
 VALUES: dict[str, tuple[str, str, object]] = {
@@ -64,8 +65,8 @@ def pytest_configure(config):
 
 
 def documented_rows() -> list[tuple[str, str, str]]:
-    """``(flag, env, ini)`` of every row of the README's options table that has all three."""
-    section = README.read_text().split("## Options reference", 1)[1].split("\n## ", 1)[0]
+    """``(flag, env, ini)`` of every row of the options table that has all three."""
+    section = OPTIONS_PAGE.read_text()
     rows = []
     for line in section.splitlines():
         cells = [c.strip() for c in re.split(r"(?<!\\)\|", line.strip().strip("|"))]  # "real\|sim" is one cell

@@ -390,7 +390,7 @@ def real_grpc_python() -> Path:
                            timeout=60)
     if probe.returncode != 0:
         pytest.skip("the real engine's venv lacks smg-grpc-servicer (sglang's --grpc-mode): rerun "
-                    "'bash scripts/install-real-engine.sh'")
+                    "'sglworker install-real-engine'")
     return python
 
 

@@ -196,6 +196,44 @@ def test_needs_router(sgl_router):
     assert "launched" not in result.stdout.str()  # skipped at collection: no worker was started for it
 
 
+@pytest.mark.parametrize("named_folder", [False, True], ids=["not-installed", "named-folder-lacks-it"])
+def test_a_router_without_its_vocabulary_skips_with_the_install_command(
+        pytester: pytest.Pytester, sim_env: dict[str, str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+        named_folder: bool) -> None:
+    """The gateway mode's router dies at startup when it can neither read nor download o200k_base.tiktoken (a
+    stand-in router prints the real one's panic): with nothing installed, the test is skipped with the install
+    command, as the other optional tiers are; a folder the user named (TIKTOKEN_ENCODINGS_BASE) that lacks the
+    file is the test's error, with the same fix."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "empty-cache"))  # no default install either
+    if named_folder:
+        monkeypatch.setenv("TIKTOKEN_ENCODINGS_BASE", str(tmp_path))
+    else:
+        monkeypatch.delenv("TIKTOKEN_ENCODINGS_BASE", raising=False)
+    pytester.makepyfile(no_vocab_router="""
+import sys
+print("thread 'main' panicked at src/routers/grpc/harmony.rs:42:10:", file=sys.stderr)
+print("Failed to load Harmony encoding: failed to download o200k_base.tiktoken", file=sys.stderr)
+sys.exit(101)
+""")
+    pytester.makepyfile("""
+import pytest
+
+@pytest.mark.sgl_workers(count=1)
+@pytest.mark.sgl_router(args=["--enable-igw"])
+def test_gateway(sgl_router):
+    raise AssertionError("never reached")
+""")
+    result = _run(pytester, "--sgl-gpus", "sim:1", "-rs", "--sgl-router-launcher",
+                  f"{sys.executable} {pytester.path / 'no_vocab_router.py'}", timeout=120)
+    if named_folder:
+        result.assert_outcomes(errors=1)
+    else:
+        result.assert_outcomes(skipped=1)
+        result.stdout.fnmatch_lines(["SKIPPED*the router died at startup without its vocabulary*"])
+    result.stdout.fnmatch_lines(["*o200k_base.tiktoken*run 'sglworker install-router-vocab', or set "
+                                 "TIKTOKEN_ENCODINGS_BASE to a folder that holds it*"])
+
+
 def test_no_port_for_the_router_is_a_clear_error(pytester: pytest.Pytester, sim_env: dict[str, str]) -> None:
     pytester.makepyfile("""
 import pytest

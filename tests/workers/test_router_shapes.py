@@ -90,7 +90,7 @@ def test_the_gateway_mode_router_waits_for_workers_added_through_its_api(pyteste
     from pytest_sglworker.engine.grpc_facts import router_vocab_dir
 
     if router_vocab_dir() is None:
-        pytest.skip("the router's vocabulary file is not installed: bash scripts/install-router-vocab.sh")
+        pytest.skip("the router's vocabulary file is not installed: sglworker install-router-vocab")
     pytester.makepyfile(HELPERS + """
 @pytest.mark.sgl_workers(count=2)
 @pytest.mark.sgl_router(args=["--enable-igw"])
@@ -234,12 +234,23 @@ def test_example_gateway_e2e_suite_runs_on_the_sim(pytester: pytest.Pytester, si
 
     examples = Path(__file__).resolve().parents[2] / "conftest_examples"
     shutil.copytree(examples / "gateway_e2e", pytester.path / "gateway_e2e")
-    result = _run(pytester, "gateway_e2e", "--sgl-gpus", "sim:4", timeout=300)
-    result.assert_outcomes(passed=17)
+    from pytest_sglworker.engine.grpc_facts import router_vocab_dir
+
+    result = _run(pytester, "gateway_e2e", "--sgl-gpus", "sim:4", "-rs", timeout=300)
     out = result.stdout.str()
-    # class-scoped routers: one launch per class, reused by its other tests; module-scoped PD router likewise
+    if router_vocab_dir() is None and "SKIPPED" in out:
+        # the gateway mode's router needs the vocabulary (and cannot download it here): its two tests are skipped
+        # with the install command, as the other optional tiers are, and the rest of the suite runs
+        result.assert_outcomes(passed=15, skipped=2)
+        for line in (14, 24):  # the class's two tests
+            result.stdout.fnmatch_lines([f"SKIPPED [[]1[]] gateway_e2e/test_igw.py:{line}: the router died at startup "
+                                         "without its vocabulary*run 'sglworker install-router-vocab'*"])
+    else:
+        result.assert_outcomes(passed=17)
+        # class-scoped routers: one launch per class, reused by its other tests
+        result.stdout.fnmatch_lines(["router (round_robin) over qwen3-0.6b [[]2x[]]: 2 launched, 2 reused*"])
+    # the module-scoped PD router: one launch, reused by the module's other tests
     result.stdout.fnmatch_lines(["router (round_robin) over qwen3-0.6b [[]1P+1D[]]: 1 launched, 2 reused*"])
-    result.stdout.fnmatch_lines(["router (round_robin) over qwen3-0.6b [[]2x[]]: 2 launched, 2 reused*"])
     # the test that switched a worker's faults on handed it back clean, and the next test reused it
     assert re.search(r"qwen3-0\.6b \[1x\]: 1 launched, \d+ reused, .*, \d+ set back after runtime faults", out), out
     assert "INTERNALERROR" not in out

@@ -385,3 +385,15 @@ def test_outside_pytest_the_readme_example_runs_on_a_cpu(tmp_path: Path) -> None
     done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines()[0] == "Qwen/Qwen3-0.6B"
+
+
+def test_outside_pytest_a_missing_engine_names_the_variable_for_the_sim(tmp_path: Path) -> None:
+    """A script's launch error says how a script picks the simulated engine (an environment variable), not only the
+    pytest option."""
+    from pytest_sglworker import LaunchError, LaunchOptions, get_model_spec, spawn_worker
+
+    options = LaunchOptions(launcher=(str(tmp_path / "no-such-engine"),), log_dir=tmp_path / "logs",
+                            lock_dir=tmp_path / "locks")
+    with pytest.raises(LaunchError) as caught:
+        spawn_worker(get_model_spec("qwen3-0.6b"), options=options)
+    assert "--sgl-engine sim" in str(caught.value) and "SGLWORKER_ENGINE=sim" in str(caught.value), caught.value

@@ -1,4 +1,4 @@
-"""Specs, lease observation and helpers of the inner sessions of ``scripts/gpu-check``.
+"""Specs, lease observation and helpers of the inner sessions of ``sglworker gpu-check``.
 
 The driver (``check.py``) sets, in the environment:
 
@@ -41,7 +41,7 @@ def pytest_sglworker_register_specs(registry: Any) -> None:
         registry.add(ModelSpec(
             name=name, model=f"gpu-check/{name}", memory_gb=gb, tp=1, worker_args=CI_WORKER_ARGS,
             env={"GPU_CHECK_HOLD_MIB": str(round(gb * 1024))},
-            description="scripts/gpu-check GPU memory holder (holder.py)",
+            description="sglworker gpu-check GPU memory holder (holder.py)",
         ))
     tiny = os.environ.get("GPU_CHECK_TINY_MODEL")
     if tiny:

@@ -1,4 +1,4 @@
-"""Helpers shared by the inner tests of scripts/gpu-check and their conftest (events, NVML readings)."""
+"""Helpers shared by the inner tests of sglworker gpu-check and their conftest (events, NVML readings)."""
 
 from __future__ import annotations
 

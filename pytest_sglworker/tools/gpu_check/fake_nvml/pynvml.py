@@ -1,4 +1,4 @@
-"""A fake ``pynvml`` for ``scripts/gpu-check --dry-run``, backed by the shared fake-GPU state (``fakegpu.py``).
+"""A fake ``pynvml`` for ``sglworker gpu-check --dry-run``, backed by the shared fake-GPU state (``fakegpu.py``).
 
 Put first on ``PYTHONPATH``; it answers the NVML calls pytest-sglworker and the check make, from the state
 directory named by ``$GPU_CHECK_FAKE_GPU``, so that the memory the holders "allocate" through the fake CUDA

@@ -1,4 +1,4 @@
-"""GPU memory holder: a tiny sglang stand-in for ``scripts/gpu-check``. Stdlib only (ctypes), so it carries.
+"""GPU memory holder: a tiny sglang stand-in for ``sglworker gpu-check``. Stdlib only (ctypes), so it carries.
 
 Launched by pytest-sglworker as the engine (``--sgl-engine real --sgl-launcher "<python> holder.py"``), it
 takes sglang's argv (``--model-path --host --port --nccl-port --tp-size`` and any other flag, ignored), then:
@@ -206,7 +206,7 @@ def make_handler(holder: Holder) -> type[BaseHTTPRequestHandler]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="GPU memory holder for scripts/gpu-check (an sglang stand-in)")
+    parser = argparse.ArgumentParser(description="GPU memory holder for sglworker gpu-check (an sglang stand-in)")
     parser.add_argument("--model-path", default="")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=30000)

@@ -1,4 +1,4 @@
-"""The simulated GPUs of ``scripts/gpu-check --dry-run``: one state directory shared by every fake.
+"""The simulated GPUs of ``sglworker gpu-check --dry-run``: one state directory shared by every fake.
 
 Stdlib only. Three fakes read and write it, each in its own processes:
 

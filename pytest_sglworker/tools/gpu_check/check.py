@@ -1,11 +1,15 @@
-"""``scripts/gpu-check``: the first GPU run of pytest-sglworker, as one command. See docs/GPU_CHECK.md.
+"""``sglworker gpu-check``: the first GPU run of pytest-sglworker, as one command. See docs/GPU_CHECK.md.
 
-Runs real pytest sessions of the plugin from this working tree (``PYTHONPATH=<repo>``; ``-p
-pytest_sglworker.plugin`` only when the entry point is not installed) whose engine is the GPU memory holder
-(``holder.py``: real ``cuMemAlloc`` through libcuda, no torch), samples NVML every 20 ms meanwhile, and
-judges what it saw: the NVML inventory, that a worker sees exactly the GPU it leased, lease exclusivity under
-``-n 4`` on one GPU, the memory-release wait, a SIGKILLed holder, the ledger's free-memory input, torch's view
-and (when sglang is installed) one real launch of a tiny model. It prints one table and writes
+A program shipped in the package and run by path (``sglworker gpu-check`` runs it with its own Python), not a
+module of it: its pieces (the holder, the inner sessions, the fake ``pynvml``) are scripts and folders that
+other processes run or put on their ``PYTHONPATH``.
+
+Runs real pytest sessions of the plugin it belongs to (the folder that holds this ``pytest_sglworker`` first
+on ``PYTHONPATH``; ``-p pytest_sglworker.plugin`` only when the entry point is not installed) whose engine is
+the GPU memory holder (``holder.py``: real ``cuMemAlloc`` through libcuda, no torch), samples NVML every 20 ms
+meanwhile, and judges what it saw: the NVML inventory, that a worker sees exactly the GPU it leased, lease
+exclusivity under ``-n 4`` on one GPU, the memory-release wait, a SIGKILLed holder, the ledger's free-memory
+input, torch's view and (when sglang is installed) one real launch of a tiny model. It prints one table and writes
 ``$OUT/gpu-check.json`` (``--out``, else ``$OUT``, else ``./gpu-check-out``).
 
 ``--dry-run``: the same sessions against a fake NVML (``fake_nvml/pynvml.py`` first on ``PYTHONPATH``) and
@@ -45,7 +49,8 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-REPO = HERE.parent.parent
+#: The folder that holds the ``pytest_sglworker`` this check belongs to: a checkout, or site-packages.
+PLUGIN_ROOT = HERE.parents[2]
 INNER = HERE / "inner"
 FAKE_DIR = HERE / "fake_nvml"
 HOLDER = HERE / "holder.py"
@@ -62,8 +67,8 @@ MAX_VISIBILITY_GPUS = 8
 RUN_ENV = "GPU_CHECK_RUN"
 
 sys.path.insert(0, str(HERE))
-# The plugin runs from this working tree (it need not be installed): the driver imports it from here too.
-sys.path.insert(1, str(REPO))
+# The plugin this check belongs to (it need not be installed): the driver imports it from there too.
+sys.path.insert(1, str(PLUGIN_ROOT))
 
 
 @dataclass
@@ -300,7 +305,7 @@ class Check:
         env = {k: v for k, v in os.environ.items()
                if not ((k.startswith("SGLWORKER_") and k != "SGLWORKER_TEST_MARK") or k.startswith("PYTEST_")
                        or k.startswith("GPU_CHECK_"))}
-        paths = ([str(FAKE_DIR)] if self.dry else []) + [str(REPO)]
+        paths = ([str(FAKE_DIR)] if self.dry else []) + [str(PLUGIN_ROOT)]
         if os.environ.get("PYTHONPATH"):
             paths.append(os.environ["PYTHONPATH"])
         env["PYTHONPATH"] = os.pathsep.join(paths)
@@ -460,7 +465,7 @@ class Check:
         data: dict[str, Any] = {
             "mode": "dry-run" if self.dry else "real", "python": self.python,
             "python_version": platform.python_version(),
-            "host": socket.gethostname(), "cpus": os.cpu_count(), "repo": str(REPO),
+            "host": socket.gethostname(), "cpus": os.cpu_count(), "repo": str(PLUGIN_ROOT),
             "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "user": os.getuid(),
         }
         versions: dict[str, str | None] = {}
@@ -483,14 +488,15 @@ class Check:
         rc, text = self.run_cmd([self.python, "-c", probe], 60, env=self.env())
         lines = text.strip().splitlines()
         if rc != 0 or len(lines) < 2:
-            problems.append(f"cannot import pytest_sglworker from {REPO}: {first_error(text)}")
+            problems.append(f"cannot import pytest_sglworker from {PLUGIN_ROOT}: {first_error(text)}")
         else:
             data["plugin_file"] = lines[-2]
             via_entry_point = lines[-1].strip() != "0"
             self.plugin_args = [] if via_entry_point else ["-p", "pytest_sglworker.plugin"]
             data["plugin_loaded_by"] = "entry point (installed)" if via_entry_point else "-p pytest_sglworker.plugin"
-            if not Path(lines[-2]).resolve().is_relative_to(REPO):
-                problems.append(f"pytest_sglworker is imported from {lines[-2]}, not from this tree ({REPO})")
+            if not Path(lines[-2]).resolve().is_relative_to(PLUGIN_ROOT):
+                problems.append(f"pytest_sglworker is imported from {lines[-2]}, not from {PLUGIN_ROOT}, where "
+                                "this check is")
         # NVML
         from pytest_sglworker.resources.gpus import resolve_visible_devices
 
@@ -1240,7 +1246,7 @@ def _newest_log(folder: Path, prefix: str) -> str | None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="scripts/gpu-check", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="sglworker gpu-check", description=__doc__.split("\n\n")[0])
     parser.add_argument("--dry-run", action="store_true", help="fake NVML and fake CUDA: no GPU, no libcuda (CI)")
     parser.add_argument("--out", help="results folder (default: $OUT, else ./gpu-check-out)")
     parser.add_argument("--budget", type=float, default=270.0, help="seconds for the whole run (default 270)")
