@@ -1297,6 +1297,43 @@ def test_an_interrupt_during_pytests_session_start_still_ends_the_session_in_ord
     assert_nothing_left(sim_env, timeout=15)
 
 
+@pytest.mark.parametrize("signame", ["SIGINT", "SIGTERM"])
+def test_an_interrupt_that_lands_on_an_instruction_without_a_line_while_xdist_starts_still_ends_in_order(
+        pytester: pytest.Pytester, sim_env: dict[str, str], session_factory: Callable[..., Session],
+        signame: str) -> None:
+    """The stress tier's Ctrl-C at 1.9 s (seed 1) landed while xdist started its workers, on an instruction with no
+    source line (CPython makes many; ``re``'s parser, which the session start runs a lot of, is full of them): pytest's
+    terminal reporter failed rendering that traceback entry (``TypeError: unsupported operand type(s) for -:
+    'NoneType' and 'int'``), which escaped pytest: exit status 1 and no run report. Here a conftest's
+    ``pytest_xdist_setupnodes`` (the controller, as xdist sets its workers up) sends the signal from code compiled
+    without line numbers, so that it lands there every time."""
+    pytester.makeconftest(textwrap.dedent(f"""
+        import os
+        import signal
+
+        _NO_LINES = compile("os.kill(os.getpid(), signal.{signame})\\nsignal.getsignal(signal.SIGINT)\\n",
+                            "<no lines>", "exec").replace(co_linetable=b"")
+
+        def pytest_xdist_setupnodes(config, specs):
+            exec(_NO_LINES, {{"os": os, "signal": signal}})
+    """))
+    pytester.makepyfile("""
+        def test_never_runs(sgl_worker):
+            raise AssertionError("the session was interrupted before its tests")
+    """)
+    report = pytester.path / "report.json"
+    session = session_factory(*SIM, "-n", "2", f"--sgl-report={report}")
+    code = session.wait(60)
+    out = session.output()
+    signum = int(getattr(signal, signame))
+    expected = int(pytest.ExitCode.INTERRUPTED) if signame == "SIGINT" else 128 + signum
+    assert code == expected, out
+    assert "TypeError" not in out and "INTERNALERROR" not in out and "test_never_runs" not in out, out
+    written = json.loads(report.read_text())
+    assert written["exitstatus"] == expected and written["interrupted"] is True, written
+    assert_nothing_left(sim_env, timeout=15)
+
+
 @pytest.mark.slow
 def test_short_hostile_soak_reports_every_failure_and_leaks_nothing(tmp_path: Path) -> None:
     """bench/soak.py --hostile at a small scale, without the escaped listener (see the next test): trickling,
