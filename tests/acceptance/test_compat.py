@@ -575,6 +575,11 @@ def test_a_dying_process_is_told_from_a_running_one() -> None:
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
         assert not _dying(proc.pid)
+        proc.kill()
+        # Killed but not yet reaped: the kernel has torn it down as far as it goes (PF_EXITING stays set on the
+        # zombie). waitid with WNOWAIT returns once it has exited and leaves it unreaped.
+        os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT)
+        assert _dying(proc.pid)
     finally:
         proc.kill()
         proc.wait(10)

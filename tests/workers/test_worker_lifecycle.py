@@ -3,6 +3,7 @@ engine subprocesses on loopback. Every test is also checked for leftover process
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import socket
@@ -62,10 +63,9 @@ def test_startup_exit_fails_fast_with_code_diagnosis_and_tail(pytester: pytest.P
         def test_oom(sgl_worker):
             raise AssertionError("never reached")
     """)
-    start = time.monotonic()
     result = _run(pytester, "--sgl-startup-timeout", "300")
-    elapsed = time.monotonic() - start
     result.assert_outcomes(errors=1)
+    # failing fast: the failure is the exit, seen when it happened, not the 300 s startup timeout running out
     result.stdout.fnmatch_lines([
         "*worker qwen3-0.6b: CUDA out of memory while capturing the prefill CUDA graph — exited during startup "
         "with code -9 (SIGKILL) after * s (on 127.0.0.1:*",
@@ -75,9 +75,12 @@ def test_startup_exit_fails_fast_with_code_diagnosis_and_tail(pytester: pytest.P
         "*last lines of the log*:",
     ])
     out = result.stdout.str()
-    assert "markCaptureEnd" in out  # the tail is there
+    # the tail is there: the assertion as a line of the log's tail (the diagnosis names it too, above the tail)
+    tail = list(itertools.takewhile(lambda line: line.startswith("    "),
+                                    out.split("last lines of the log", 1)[1].splitlines()[1:]))
+    assert any("markCaptureEnd called with no captures in progress" in line for line in tail), out
     assert re.search(r"not the cause: .*markCaptureEnd", out)
-    assert elapsed < 60, f"a startup exit must fail fast, not wait for the 300 s timeout ({elapsed:.1f} s)"
+    assert "did not become healthy within" not in out
     # the failed worker's log is kept and named in the summary
     logs = list(Path(sim_env["SGLWORKER_LOG_DIR"]).glob("sglang-worker-*.log"))
     assert len(logs) == 1 and "Capture" in logs[0].read_text()
