@@ -8,6 +8,7 @@ import os
 import re
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -259,6 +260,25 @@ def test_missing_launcher_is_a_clear_error(pytester: pytest.Pytester, sim_env: d
                                            "--sgl-launcher", "/nonexistent/python -m sglang.launch_server")
     result.assert_outcomes(errors=1)
     result.stdout.fnmatch_lines(["*launcher '/nonexistent/python' not found*"])
+
+
+def test_a_launcher_that_never_flushes_still_has_its_last_line_in_the_failure_tail(
+        pytester: pytest.Pytester, sim_env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Python buffers a stdout that is a file; an engine killed during startup (the OOM killer's SIGKILL) never
+    flushes it. The worker's environment makes Python's stdout unbuffered, so its last words are in the log, and in
+    the failure's tail, instead of an empty log. (The session itself runs without PYTHONUNBUFFERED, as most do:
+    only the plugin can have set it for the worker.)"""
+    monkeypatch.delenv("PYTHONUNBUFFERED", raising=False)
+    script = Path(__file__).resolve().parents[1] / "engine_scripts" / "unflushed.py"
+    pytester.makepyfile("def test_x(sgl_worker): pass")
+    result = pytester.runpytest_subprocess("--sgl-model", "qwen3-0.6b", "--sgl-gpus", "sim:1", "-p", "no:cacheprovider",
+                                           "--sgl-launcher", f"{sys.executable} {script}", timeout=120)
+    result.assert_outcomes(errors=1)
+    result.stdout.fnmatch_lines(["*exited during startup with code -9 (SIGKILL)*", "*last lines of the log*:"])
+    out = result.stdout.str()
+    tail = list(itertools.takewhile(lambda line: line.startswith("    "),
+                                    out.split("last lines of the log", 1)[1].splitlines()[1:]))
+    assert tail and tail[-1].strip() == "unflushed engine: loading the weights failed, dying now", out
 
 
 def test_sgl_spawn_worker_factory(pytester: pytest.Pytester, sim_env: dict[str, str]) -> None:
