@@ -281,6 +281,49 @@ def test_a_launcher_that_never_flushes_still_has_its_last_line_in_the_failure_ta
     assert tail and tail[-1].strip() == "unflushed engine: loading the weights failed, dying now", out
 
 
+def test_a_process_that_left_the_workers_tree_and_session_is_ended_with_the_worker(
+        pytester: pytest.Pytester, sim_env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker's helper that double-forks and calls setsid (as a daemon does) is neither a descendant of the worker
+    nor in its session: only the owner tag it inherited finds it. The worker's own teardown (a fresh worker, ended
+    after its test) ends it, not only the session's sweep at the end."""
+    script = Path(__file__).resolve().parents[1] / "engine_scripts" / "double_fork_engine.py"
+    monkeypatch.setenv("DOUBLE_FORK_PID_FILE", str(pytester.path / "escaped.pid"))
+    pytester.makepyfile("""
+        import json
+        import os
+        import time
+
+        import psutil
+        import pytest
+
+        @pytest.mark.sgl_worker(fresh=True)
+        def test_escaped(sgl_worker):
+            deadline = time.monotonic() + 30
+            while not os.path.exists(os.environ["DOUBLE_FORK_PID_FILE"]) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            pid = int(open(os.environ["DOUBLE_FORK_PID_FILE"]).read())
+            escaped = psutil.Process(pid)
+            assert pid not in [p.pid for p in psutil.Process(sgl_worker.pid).children(recursive=True)]
+            assert os.getsid(pid) not in (sgl_worker.pid, os.getsid(sgl_worker.pid))
+            assert escaped.environ()["SGLWORKER_OWNER"] == psutil.Process(sgl_worker.pid).environ()["SGLWORKER_OWNER"]
+            with open("escaped.json", "w") as fh:
+                json.dump({"pid": pid, "created": escaped.create_time()}, fh)
+
+        def test_gone_after_the_workers_teardown():
+            seen = json.load(open("escaped.json"))
+            try:
+                escaped = psutil.Process(seen["pid"])
+                alive = escaped.create_time() == seen["created"] and escaped.status() != psutil.STATUS_ZOMBIE
+            except psutil.NoSuchProcess:
+                alive = False
+            assert not alive, "the escaped process outlived its worker's teardown"
+    """)
+    result = pytester.runpytest_subprocess("--sgl-model", "qwen3-0.6b", "--sgl-gpus", "sim:1", "-p", "no:cacheprovider",
+                                           "-p", "no:randomly", "--sgl-launcher", f"{sys.executable} {script}",
+                                           timeout=120)
+    result.assert_outcomes(passed=2)
+
+
 def test_sgl_spawn_worker_factory(pytester: pytest.Pytester, sim_env: dict[str, str]) -> None:
     pytester.makepyfile("""
         def test_two(sgl_spawn_worker):
