@@ -325,13 +325,13 @@ def test_janitor_cleans_up_after_a_session_whose_watchdog_died_too(
     assert len(list(Path(sim_env["SGLWORKER_LOCK_DIR"]).glob("gpu-*.json"))) == 1
     result = next_session_works(pytester)
     out = result.stdout.str()
-    cleaned = re.search(r"cleaned up after earlier sessions: (?:killed \d+ worker process\(es\) of dead sessions "
-                        r"\(pids ([\d, ]+)\); )?removed 1 GPU lease record\(s\) of dead sessions", out)
-    assert cleaned, out
-    if cleaned.group(1) is not None:
-        assert {pids["worker"], pids["child"]} <= {int(p) for p in cleaned.group(1).split(", ")}
-    else:  # the janitor is machine-wide: another session started meanwhile on this machine got there first
-        assert _gone(pids["worker"]) and _gone(pids["child"]), out
+    # The lease record is this test's own (its private lock directory): only the next session's janitor removes it.
+    # The orphans are ended by a janitor: the next session's, or (janitors are machine-wide) that of another session
+    # started meanwhile on this machine, so which one's report lists them is not this test's to say; that the
+    # janitor's report lists what it ended is held by tests/resources/test_reaper.py, where only one janitor can.
+    assert re.search(r"cleaned up after earlier sessions: (?:killed \d+ worker process\(es\) of dead sessions "
+                     r"\(pids [\d, ]+\); )?removed 1 GPU lease record\(s\) of dead sessions", out), out
+    assert _gone(pids["worker"]) and _gone(pids["child"]), out
     assert_nothing_left(sim_env, pids=(pids["worker"], pids["child"]))
 
 
