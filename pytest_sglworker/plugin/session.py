@@ -83,6 +83,15 @@ def _plugin_name(plugin: object) -> str:
     return getattr(plugin, "__file__", None) or getattr(plugin, "__name__", None) or repr(plugin)
 
 
+def _has_line(entry: Any) -> bool:
+    """Whether a traceback entry has a source line (pytest's ``TracebackEntry.lineno`` raises TypeError for one
+    whose ``tb_lineno`` is None)."""
+    try:
+        return isinstance(entry.lineno, int)
+    except TypeError:
+        return False
+
+
 def make_source(session: SglSession) -> WorkerSource:
     """The worker source the settings select: attached workers (``--sgl-worker-url``) for the specs they serve, in
     front of a Ray cluster (``--sgl-cluster ray``) or this machine's file-locked leases (the default). A new source
@@ -439,6 +448,17 @@ class SglSession:
             with contextlib.suppress(ValueError, TypeError):
                 signal.signal(signum, handler)
         self._previous_handlers.clear()
+
+    @pytest.hookimpl(tryfirst=True)  # before the terminal reporter renders the traceback
+    def pytest_keyboard_interrupt(self, excinfo: pytest.ExceptionInfo[BaseException]) -> None:
+        """An interrupt lands wherever the main thread is. Where that is an instruction with no source line
+        (CPython has many: in ``re``'s parser, which the plugin's session start runs a lot of, or in the cleanup
+        of a ``with`` statement), the traceback's entry has no line number and pytest's terminal reporter fails on
+        it (``TypeError: unsupported operand type(s) for -: 'NoneType' and 'int'``). That error escaped pytest: a
+        Ctrl-C while xdist started its workers ended the run with exit status 1 and no run report. Such entries
+        have no source to show; they are left out of the traceback pytest renders."""
+        if not all(_has_line(entry) for entry in excinfo.traceback):
+            excinfo.traceback = excinfo.traceback.filter(_has_line)
 
     def launch_ahead(self, item: pytest.Item, nextitem: pytest.Item | None = None) -> None:
         """Start the workers of the next configurations the queue needs after ``item`` (``--sgl-launch-ahead``:

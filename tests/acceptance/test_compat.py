@@ -419,7 +419,7 @@ def test_budget_violation_names_the_class_and_the_fix(inner: InnerRun) -> None:
 def test_startup_failure_raises_the_worker_error_with_its_diagnosis(inner: InnerRun) -> None:
     """A server that dies during startup fails its class at once with the plugin's diagnosis and log tail."""
     assert inner.outcomes("TestF_StartupFailure", "test_never_runs") == {"ERROR"}
-    assert not inner.seen("F_ran") and inner.one("F")["seconds"] < 30
+    assert not inner.seen("F_ran")  # failing at once: the exit (below), not the startup timeout
     text = inner.section("TestF_StartupFailure")
     assert "WorkerStartupError" in text
     assert re.search(r"worker tiny-sim: CUDA out of memory .* — exited during startup .*\(on 127\.0\.0\.1:\d+, "
@@ -575,6 +575,11 @@ def test_a_dying_process_is_told_from_a_running_one() -> None:
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
         assert not _dying(proc.pid)
+        proc.kill()
+        # Killed but not yet reaped: the kernel has torn it down as far as it goes (PF_EXITING stays set on the
+        # zombie). waitid with WNOWAIT returns once it has exited and leaves it unreaped.
+        os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT)
+        assert _dying(proc.pid)
     finally:
         proc.kill()
         proc.wait(10)

@@ -226,11 +226,10 @@ def test_test_killed_by_pytest_timeout(pytester: pytest.Pytester, sim_env: dict[
             record_pids(sgl_worker)
             time.sleep(60)
     """))
-    start = time.monotonic()
-    # timeout_func_only: the 3 s are the test's own, not the worker's startup (slow on a loaded machine).
+    # timeout_func_only: the 3 s are the test's own, not the worker's startup (slow on a loaded machine). The test
+    # sleeps 60 s, as long as the session is given: only pytest-timeout can end it ("Timeout" below).
     result = pytester.runpytest_subprocess(*SIM, "--timeout", "3", "--timeout-method", method,
                                            "-o", "timeout_func_only=true", timeout=60)
-    assert time.monotonic() - start < 30
     pids = json.loads((pytester.path / "pids.json").read_text())
     out = result.stdout.str() + result.stderr.str()
     assert "Timeout" in out
@@ -326,13 +325,13 @@ def test_janitor_cleans_up_after_a_session_whose_watchdog_died_too(
     assert len(list(Path(sim_env["SGLWORKER_LOCK_DIR"]).glob("gpu-*.json"))) == 1
     result = next_session_works(pytester)
     out = result.stdout.str()
-    cleaned = re.search(r"cleaned up after earlier sessions: (?:killed \d+ worker process\(es\) of dead sessions "
-                        r"\(pids ([\d, ]+)\); )?removed 1 GPU lease record\(s\) of dead sessions", out)
-    assert cleaned, out
-    if cleaned.group(1) is not None:
-        assert {pids["worker"], pids["child"]} <= {int(p) for p in cleaned.group(1).split(", ")}
-    else:  # the janitor is machine-wide: another session started meanwhile on this machine got there first
-        assert _gone(pids["worker"]) and _gone(pids["child"]), out
+    # The lease record is this test's own (its private lock directory): only the next session's janitor removes it.
+    # The orphans are ended by a janitor: the next session's, or (janitors are machine-wide) that of another session
+    # started meanwhile on this machine, so which one's report lists them is not this test's to say; that the
+    # janitor's report lists what it ended is held by tests/resources/test_reaper.py, where only one janitor can.
+    assert re.search(r"cleaned up after earlier sessions: (?:killed \d+ worker process\(es\) of dead sessions "
+                     r"\(pids [\d, ]+\); )?removed 1 GPU lease record\(s\) of dead sessions", out), out
+    assert _gone(pids["worker"]) and _gone(pids["child"]), out
     assert_nothing_left(sim_env, pids=(pids["worker"], pids["child"]))
 
 
@@ -491,9 +490,7 @@ def tmpfs(tmp_path: Path) -> Iterator[Callable[[str], Path]]:
 def _clear_error_before_launch(pytester: pytest.Pytester, sim_env: dict[str, str], *args: str,
                                expect: list[str]) -> pytest.RunResult:
     pytester.makepyfile("def test_x(sgl_worker): pass")
-    start = time.monotonic()
     result = pytester.runpytest_subprocess(*args, timeout=60)
-    assert time.monotonic() - start < 20
     result.assert_outcomes(errors=1)
     result.stdout.fnmatch_lines(expect)
     out = result.stdout.str() + result.stderr.str()
@@ -840,22 +837,15 @@ def test_trickled_health_answer_cannot_hold_the_startup_past_its_deadline(
     pytester.makepyfile(test_trickle="def test_x(sgl_worker):\n    raise AssertionError('never healthy')\n")
     monkeypatch.setenv("TRICKLE_MODE", mode)
     timeout = 3
-    start = time.monotonic()
+    # A probe bounded per read would never end (the trickle is endless): the session would run into its 60 s
+    # timeout and never say "did not become healthy". With a whole-request deadline, the startup deadline ends it.
     result = pytester.runpytest_subprocess(
         *SIM, "--sgl-launcher", f"{sys.executable} {pytester.path / 'trickle_engine.py'}",
-        "--sgl-startup-timeout", str(timeout), "--durations=0", "--durations-min=0", "-vv", "test_trickle.py",
-        timeout=60)
-    wall = time.monotonic() - start
+        "--sgl-startup-timeout", str(timeout), "-vv", "test_trickle.py", timeout=60)
     result.assert_outcomes(errors=1)
     out = result.stdout.str()
     result.stdout.fnmatch_lines([f"*worker qwen3-0.6b did not become healthy within {timeout} s "
                                  "(last health answer: no complete answer to GET /ready in time)*"])
-    setup = re.search(r"([\d.]+)s setup\s+test_trickle.py::test_x", out)
-    assert setup, out
-    # A probe bounded per read would never end (the trickle is endless: the session would hit its 60 s timeout);
-    # with a whole-request deadline the setup ends soon after the startup deadline, its teardown included.
-    assert float(setup.group(1)) < timeout + 12, f"the startup took {setup.group(1)} s for a {timeout} s deadline"
-    assert wall < timeout + 30, f"the session took {wall:.1f} s"
     assert "INTERNALERROR" not in out and "Traceback" not in out
     assert_nothing_left(sim_env)
 
@@ -890,14 +880,12 @@ SEEN = {}
 def test_1_freezes_its_pooled_worker(sgl_worker):
     SEEN["pid"] = sgl_worker.pid
     os.kill(sgl_worker.pid, signal.SIGSTOP)
-    SEEN["frozen_at"] = time.monotonic()
 
 def test_2_gets_a_fresh_healthy_worker(sgl_worker):
-    waited = time.monotonic() - SEEN["frozen_at"]
     assert sgl_worker.pid != SEEN["pid"]
     assert sgl_worker.client.get("/health", timeout=5).status_code == 200
     with open("freeze.json", "w") as fh:
-        json.dump({"old": SEEN["pid"], "new": sgl_worker.pid, "waited": waited}, fh)
+        json.dump({"old": SEEN["pid"], "new": sgl_worker.pid}, fh)
 """
 
 
@@ -907,18 +895,12 @@ def test_frozen_pooled_worker_is_replaced_quickly_not_handed_on(pytester: pytest
     with a short whole-request deadline, so the next test gets a fresh worker (not a ReadTimeout after 90 s),
     and the stopped one is torn down at once (SIGCONT with its SIGTERM), not after 15 s more."""
     pytester.makepyfile(test_freeze=FREEZE_TESTS)
-    start = time.monotonic()
     result = pytester.runpytest_subprocess(*SIM, "--sgl-reorder", "off", "-p", "no:randomly", timeout=120)
-    wall = time.monotonic() - start
     result.assert_outcomes(passed=2)
     seen = json.loads((pytester.path / "freeze.json").read_text())
-    # The 2 s reuse probe, the teardown of the stopped worker and one launch, never the 90 s read timeout.
-    # Usually under 3 s (an engine that misses its first SIGTERM adds a second: see
-    # test_stopped_worker_that_misses_its_first_sigterm_is_torn_down_in_seconds); the bound leaves a loaded
-    # machine room and stays far from the read timeout.
-    assert seen["waited"] < 20, f"the next test waited {seen['waited']:.1f} s for its worker"
-    assert wall < 45, f"the session took {wall:.1f} s"
     out = result.stdout.str()
+    # The reuse probe's short whole-request deadline found it (below), never the 90 s read timeout; that the
+    # stopped worker's teardown resumes it with its SIGTERM is held by tests/resources/test_reaper.py.
     # It says why: the worker is alive but does not answer (not "died"): the pool finds it when the test gives it
     # back and reads its runtime faults, to set back what the test changed.
     result.stdout.fnmatch_lines([f"*worker qwen3-0.6b*does not answer (frozen or wedged) (GET /_sim/faults: no "
@@ -933,7 +915,7 @@ DEAF_ENGINE = r'''
 signal lands on a thread other than the one that acts on it (the simulated engine did, in 1 of 10 to 20
 teardowns of a stopped worker, until its main thread waited on Python's signal wakeup pipe). The second SIGTERM
 ends it."""
-import json, os, signal, socket, sys
+import json, os, signal, socket, sys, time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 argv = sys.argv[1:]
@@ -942,8 +924,10 @@ seen = []
 
 
 def on_term(signum, frame):
-    seen.append(signum)
+    seen.append(time.monotonic())
     if len(seen) >= 2:
+        with open(f"{os.environ['DEAF_TERMS']}.{os.getpid()}", "w") as fh:
+            json.dump(seen, fh)
         os._exit(0)
 
 
@@ -971,9 +955,14 @@ server.serve_forever()
 
 @pytest.mark.slow
 def test_stopped_worker_that_misses_its_first_sigterm_is_torn_down_in_seconds(
-        pytester: pytest.Pytester, sim_env: dict[str, str]) -> None:
-    """Item 5: the teardown of a stopped worker must not take 10 to 15 s extra. Today it waits the whole
-    term_timeout (10 s) whenever the engine misses the first SIGTERM."""
+        pytester: pytest.Pytester, sim_env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Item 5: the teardown of a stopped worker must not take 10 to 15 s extra. It waited the whole term_timeout
+    (10 s) whenever the engine missed the first SIGTERM; now the SIGTERM is sent once more after a second."""
+    import inspect
+
+    from pytest_sglworker.workers.process import ManagedProcess
+
+    monkeypatch.setenv("DEAF_TERMS", str(pytester.path / "deaf-terms.json"))
     pytester.makepyfile(deaf_engine=DEAF_ENGINE)
     pytester.makepyfile(test_freeze=FREEZE_TESTS)
     result = pytester.runpytest_subprocess(
@@ -982,7 +971,11 @@ def test_stopped_worker_that_misses_its_first_sigterm_is_torn_down_in_seconds(
     result.assert_outcomes(passed=2)
     seen = json.loads((pytester.path / "freeze.json").read_text())
     assert_nothing_left(sim_env, pids=(seen["old"], seen["new"]))
-    assert seen["waited"] < 6, f"the next test waited {seen['waited']:.1f} s for its worker"
+    # The stopped worker's second SIGTERM (the one that ended it) came from the resend, before its teardown's grace
+    # was over, where otherwise only the group's SIGTERM after that grace would have ended it.
+    grace = inspect.signature(ManagedProcess.stop).parameters["term_timeout"].default
+    first, second = json.loads((pytester.path / f"deaf-terms.json.{seen['old']}").read_text())
+    assert second - first < grace, (second - first, grace)
 
 
 ESCAPING_ENGINE = r'''
@@ -1137,10 +1130,8 @@ def test_record_of_a_live_process_without_the_lock_does_not_stall_the_lease(pyte
         "since": time.time(), "uuid": "GPU-sim-000000000000", "memory_mib": 81920, "index": 0,
         "namespace": "sim-1x80", "gpus": [0]}))
     pytester.makepyfile(NEXT_TEST)
-    start = time.monotonic()
     result = pytester.runpytest_subprocess(*SIM, "--sgl-lease-timeout", "20", timeout=90)
-    result.assert_outcomes(passed=1)
-    assert time.monotonic() - start < 15
+    result.assert_outcomes(passed=1)  # a stalled lease would have timed out: an error, not a pass
     assert "waiting for 1 GPU" not in result.stdout.str()
     assert_nothing_left(sim_env)
 
@@ -1210,10 +1201,8 @@ def test_health_endpoint_slower_than_one_probe_is_still_counted_healthy(pytester
         def test_slow(sgl_worker):
             assert sgl_worker.client.get("/health").status_code == 200
     """)
-    start = time.monotonic()
     result = pytester.runpytest_subprocess(*SIM, "--sgl-startup-timeout", "60", timeout=120)
-    result.assert_outcomes(passed=1)
-    assert time.monotonic() - start < 50
+    result.assert_outcomes(passed=1)  # never counted healthy, it would have failed its 60 s startup deadline
     assert_nothing_left(sim_env)
 
 
@@ -1294,6 +1283,43 @@ def test_an_interrupt_during_pytests_session_start_still_ends_the_session_in_ord
     written = json.loads(report.read_text())
     assert written["exitstatus"] == expected and written["interrupted"] is True, written
     assert written["launches"] == [], written
+    assert_nothing_left(sim_env, timeout=15)
+
+
+@pytest.mark.parametrize("signame", ["SIGINT", "SIGTERM"])
+def test_an_interrupt_that_lands_on_an_instruction_without_a_line_while_xdist_starts_still_ends_in_order(
+        pytester: pytest.Pytester, sim_env: dict[str, str], session_factory: Callable[..., Session],
+        signame: str) -> None:
+    """The stress tier's Ctrl-C at 1.9 s (seed 1) landed while xdist started its workers, on an instruction with no
+    source line (CPython makes many; ``re``'s parser, which the session start runs a lot of, is full of them): pytest's
+    terminal reporter failed rendering that traceback entry (``TypeError: unsupported operand type(s) for -:
+    'NoneType' and 'int'``), which escaped pytest: exit status 1 and no run report. Here a conftest's
+    ``pytest_xdist_setupnodes`` (the controller, as xdist sets its workers up) sends the signal from code compiled
+    without line numbers, so that it lands there every time."""
+    pytester.makeconftest(textwrap.dedent(f"""
+        import os
+        import signal
+
+        _NO_LINES = compile("os.kill(os.getpid(), signal.{signame})\\nsignal.getsignal(signal.SIGINT)\\n",
+                            "<no lines>", "exec").replace(co_linetable=b"")
+
+        def pytest_xdist_setupnodes(config, specs):
+            exec(_NO_LINES, {{"os": os, "signal": signal}})
+    """))
+    pytester.makepyfile("""
+        def test_never_runs(sgl_worker):
+            raise AssertionError("the session was interrupted before its tests")
+    """)
+    report = pytester.path / "report.json"
+    session = session_factory(*SIM, "-n", "2", f"--sgl-report={report}")
+    code = session.wait(60)
+    out = session.output()
+    signum = int(getattr(signal, signame))
+    expected = int(pytest.ExitCode.INTERRUPTED) if signame == "SIGINT" else 128 + signum
+    assert code == expected, out
+    assert "TypeError" not in out and "INTERNALERROR" not in out and "test_never_runs" not in out, out
+    written = json.loads(report.read_text())
+    assert written["exitstatus"] == expected and written["interrupted"] is True, written
     assert_nothing_left(sim_env, timeout=15)
 
 

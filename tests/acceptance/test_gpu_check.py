@@ -118,10 +118,13 @@ def test_dry_run_passes_every_check(tmp_path: Path) -> None:
         assert "problem" not in case, (case, why)
         assert case["memory_back"] is True
         assert case["lease_back_after_exit_s"] >= case["nvml_last_busy_after_exit_s"], (case, why)
-    assert cases["hold-30g-free"]["nvml_free_after_exit_s"] < 0.5, why  # freed by cuMemFree before the exit
+    # freed by cuMemFree before the exit: NVML last saw the memory in use before the holder exited
+    assert cases["hold-30g-free"]["nvml_last_busy_after_exit_s"] < 0, (cases["hold-30g-free"], why)
     for name in ("hold-30g-exit", "hold-big-exit"):
         case = cases[name]
-        assert FAKE_RELEASE_DELAY_S - 0.05 <= case["nvml_free_after_exit_s"] < 10, (case, why)
+        # held until the exit, and back only after the fake driver's delay (a lower bound: load only adds to it)
+        assert case["nvml_last_busy_after_exit_s"] >= 0, (case, why)
+        assert case["nvml_free_after_exit_s"] >= FAKE_RELEASE_DELAY_S - 0.05, (case, why)
         if case["release_started_after_exit_s"] < FAKE_RELEASE_DELAY_S - 0.1:  # (not when this box is slow)
             assert case["lease_waited_s"] > 0, (case, why)  # Lease.release polled until the memory was back
 

@@ -49,8 +49,6 @@ pytestmark = [pytest.mark.real_engine, pytest.mark.xdist_group("real-engine")]
 MARK = "SGLWORKER_TEST_MARK"
 #: Generous: a healthy launch took 27-67 s on a busy 2-core machine (most of it importing sglang).
 STARTUP_TIMEOUT = 300
-#: The missing model fails in the launcher's own process, before the scheduler is started (~20 s).
-FAST_FAILURE_SECONDS = 120
 #: The inner tests that use the pooled good worker (the last two of the inner module do not).
 POOLED_TESTS = 7
 
@@ -543,8 +541,9 @@ def test_real_startup_failure_is_fast_and_diagnosed(real_run: InnerRun) -> None:
     assert text.count(" exited during startup with code ") == 1, "the failure is reported more than once"
     check_goals("the real engine's startup crash", text.strip("\n"), "the model could not be found")
     assert int(m.group(1)) == 1  # the launcher's own uncaught exception
-    assert float(m.group(2)) < FAST_FAILURE_SECONDS, f"took {m.group(2)} s (timeout {STARTUP_TIMEOUT} s)"
-    assert real_run.one("test_h_startup_failure")["seconds"] < FAST_FAILURE_SECONDS
+    # well before the startup timeout: the headline is the exit ("exited during startup", matched above), seen
+    # when it happened, never "did not become healthy within" the timeout
+    assert "did not become healthy within" not in text
     assert re.search(r"first error \(log line \d+\): .*HFValidationError", text), text
     assert str(real_run.missing) in text
     # sglang's own traceback, its frames in sglang's package (the outermost ones, runpy to launch_server, fold)

@@ -12,7 +12,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import time
 import venv
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -253,10 +252,8 @@ def test_crash_is_unavailable_with_reason(fake_pythonpath: Path, tmp_path: Path)
 
 def test_hang_times_out(fake_pythonpath: Path, tmp_path: Path) -> None:
     env = {"PYTHONPATH": str(fake_pythonpath), "FAKE_SGLANG_MODE": "hang"}
-    start = time.monotonic()
     res = check_with_sglang(sys.executable, [GOOD], cache_dir=tmp_path, env=env, timeout=2)
-    assert time.monotonic() - start < 15
-    assert not res.available
+    assert not res.available  # the reason names the 2 s timeout: the check gave up, the fake engine hangs for ever
     assert "did not answer within 2 s" in res.reason
 
 

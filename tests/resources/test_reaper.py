@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -15,6 +16,7 @@ from collections.abc import Callable
 import psutil
 import pytest
 
+from pytest_sglworker.resources import reaper
 from pytest_sglworker.resources.processes import (
     OWNER_ENV,
     find_session_processes,
@@ -67,24 +69,28 @@ def test_the_watchdog_ends_the_sessions_processes_when_its_pipe_closes() -> None
             proc.wait()
 
 
-def test_the_janitor_ends_workers_of_dead_sessions_only() -> None:
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait()  # a pid that no longer runs: its session is dead
-    orphan = _tagged(f"{dead.pid}-deadbeef:w")
+def test_the_janitor_ends_workers_of_dead_sessions_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Janitors are machine-wide: every plugin session starting on this machine runs one (the suite's other xdist
+    # worker starts many). So that this janitor is the one that ends the orphan, the orphan's session is named by a
+    # live process without an owner tag, which every janitor takes for a running pytest and leaves alone; this one
+    # is told that the pid was taken over by an unrelated process since (the janitor's check for a reused pid),
+    # so that for it alone the session is dead.
+    stand_in = subprocess.Popen(SLEEPER)
+    orphan = _tagged(f"{stand_in.pid}-deadbeef:w")
     live = _tagged(f"{os.getpid()}-{uuid.uuid4().hex[:8]}:w")
+    is_pytest_like = reaper._is_pytest_like
+    monkeypatch.setattr(reaper, "_is_pytest_like", lambda pid: pid != stand_in.pid and is_pytest_like(pid))
     try:
-        assert _wait(lambda: bool(find_session_processes(f"{dead.pid}-deadbeef")))
+        assert _wait(lambda: bool(find_session_processes(f"{stand_in.pid}-deadbeef")))
+        assert is_pytest_like(stand_in.pid)  # what every other janitor sees
         report = reap_dead_sessions()
-        assert live.pid not in report.processes
+        assert orphan.pid in report.processes and live.pid not in report.processes
+        assert f"killed {len(report.processes)} worker process(es) of dead sessions (pids " in str(report)
+        assert str(orphan.pid) in str(report)
         assert _wait(lambda: _gone(orphan)) and live.poll() is None
-        assert orphan.returncode == -signal.SIGTERM  # ended by a janitor (SIGTERM first), not killed otherwise
-        # Janitors are machine-wide: a plugin session starting elsewhere on this machine (the suite's other xdist
-        # worker starts many) may have reaped the orphan first, which is right too; so this report says what this
-        # janitor itself ended, the orphan or not.
-        if report.processes:
-            assert f"killed {len(report.processes)} worker process(es) of dead sessions" in str(report)
+        assert orphan.returncode == -signal.SIGTERM  # ended by the janitor (SIGTERM first), not killed otherwise
     finally:
-        for proc in (orphan, live):
+        for proc in (orphan, live, stand_in):
             proc.kill()
             proc.wait()
 
@@ -118,10 +124,19 @@ def test_a_stopped_tree_is_ended_without_waiting_for_the_kill(stopped: bool) -> 
     root = _tagged(tag)
     if stopped:
         os.kill(root.pid, signal.SIGSTOP)
-    start = time.monotonic()
-    killed = terminate_tree(root, lambda: process_tree(root.pid, tag), term_timeout=60, kill_timeout=10)
-    assert root.poll() is not None and killed == []  # SIGTERM (with SIGCONT) sufficed
-    assert time.monotonic() - start < 30  # it returned when the tree was gone, not after the 60 s grace
+    # The grace is an hour: the teardown ends within the test's 60 s wait only by returning once the tree is gone
+    # (a stopped root resumed with its SIGTERM), not by sitting the grace out.
+    result: list[list[int]] = []
+    teardown = threading.Thread(target=lambda: result.append(
+        terminate_tree(root, lambda: process_tree(root.pid, tag), term_timeout=3600, kill_timeout=10)), daemon=True)
+    teardown.start()
+    teardown.join(60)
+    try:
+        assert not teardown.is_alive(), "the teardown was still waiting out its grace"
+        assert root.poll() is not None and result == [[]]  # SIGTERM (with SIGCONT) sufficed
+    finally:
+        root.kill()
+        root.wait()
 
 
 # ---------------------------------------------------------------------------------------------- listeners

@@ -80,12 +80,39 @@ def _chat(**extra: Any) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------- in-process
 
 
-@pytest.mark.parametrize("pattern", [r"(yes|no) [a-c]{2}\d", r"[0-9]{3}-[a-z]{2}", r"(\w+)@\1\.com", r"^\d{4}$",
-                                     r"[^abc]+x?", r"a{3,}b*c+?", r"(?i)hello( world)?", r"\s?[A-F0-9]{8}"])
+PATTERNS = [r"(yes|no) [a-c]{2}\d", r"[0-9]{3}-[a-z]{2}", r"(\w+)@\1\.com", r"^\d{4}$", r"[^abc]+x?", r"a{3,}b*c+?",
+            r"(?i)hello( world)?", r"\s?[A-F0-9]{8}"]
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
 def test_a_regex_output_fully_matches_it(pattern: str) -> None:
     outputs = {regex_text(pattern, seed) for seed in range(20)}
     assert all(re.fullmatch(pattern, out) for out in outputs)
-    assert regex_text(pattern, 7) == regex_text(pattern, 7)  # deterministic
+    assert len(outputs) > 1, outputs  # the seed chooses: not one fixed string per pattern
+
+
+def test_constrained_outputs_are_the_same_in_another_process() -> None:
+    """Deterministic means the same text on every run of the engine, not only twice in one process: another
+    interpreter, with another hash seed (which would change anything drawn from ``hash()`` or from a set's order),
+    computes the same outputs."""
+    import os
+    import subprocess
+    import sys
+
+    def outputs() -> dict[str, list[str]]:
+        return {"regex": [regex_text(p, seed) for p in PATTERNS for seed in range(5)],
+                "json": [json_text(json.dumps(SCHEMA), seed) for seed in range(5)]}
+
+    script = ("import json, sys\n"
+              "from pytest_sglworker.sim.constrained import json_text, regex_text\n"
+              "patterns, schema = json.loads(sys.argv[1]), sys.argv[2]\n"
+              "print(json.dumps({'regex': [regex_text(p, s) for p in patterns for s in range(5)],\n"
+              "                  'json': [json_text(schema, s) for s in range(5)]}))\n")
+    hash_seed = "1" if os.environ.get("PYTHONHASHSEED") != "1" else "2"
+    done = subprocess.run([sys.executable, "-c", script, json.dumps(PATTERNS), json.dumps(SCHEMA)],
+                          env={**os.environ, "PYTHONHASHSEED": hash_seed}, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == outputs()
 
 
 def test_a_json_output_is_valid_against_its_schema() -> None:

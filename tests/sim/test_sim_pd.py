@@ -259,7 +259,7 @@ def test_decode_waits_for_its_peer_then_aborts(tmp_path: Path) -> None:
         tic = time.monotonic()
         r = _post(url, "/generate", {"text": "hi", "bootstrap_host": "127.0.0.1", "bootstrap_port": _free_port(),
                                      "bootstrap_room": 7})
-        assert 0.4 < time.monotonic() - tic < 10
+        assert time.monotonic() - tic > 0.4  # it waited for its peer (a lower bound: load only adds to it)
         assert r.status_code == 500
         body = r.json()
         assert body["type"] == "500" and "Could not fetch prefill parallel info" in body["message"]

@@ -252,10 +252,10 @@ def test_oom(sgl_worker):
 def test_warmup_ids_beyond_the_vocab(sgl_spawn_worker):
     sgl_spawn_worker("tiny-http", args=["--grpc-mode"])  # no --skip-server-warmup: as the real servicer
 """)
-    start = time.monotonic()
     result = _run(pytester, "--sgl-model", "qwen3-0.6b", "--sgl-startup-timeout", "300", "-rA")
-    assert time.monotonic() - start < 60, "a startup exit must fail fast"
     result.assert_outcomes(errors=1, failed=1)
+    # failing fast: the failure is the exit when it happened (below), not the 300 s startup timeout running out
+    assert "did not become healthy within" not in result.stdout.str()
     result.stdout.fnmatch_lines([
         "*worker qwen3-0.6b: CUDA out of memory while capturing the prefill CUDA graph — exited during startup "
         "with code -9 (SIGKILL) after * s (on 127.0.0.1:*",

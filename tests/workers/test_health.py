@@ -4,12 +4,13 @@ target."""
 
 from __future__ import annotations
 
+import re
 import socket
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -89,23 +90,53 @@ def _trickle_body(conn: socket.socket, stop: threading.Event) -> None:
         conn.sendall(b"x")
 
 
+def _raised(call: Callable[[], object], within: float = 60.0) -> BaseException | None:
+    """What ``call`` raised, run on a thread. The test fails if it has not ended after ``within`` seconds: a
+    deadline on the condition "it ended", which without the bound under test never happens (a trickling server,
+    a worker that never becomes ready)."""
+    raised: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            call()
+        except BaseException as exc:  # handed to the test
+            raised.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(within)
+    assert not thread.is_alive(), f"the request was still going after {within:g} s"
+    return raised[0] if raised else None
+
+
 @pytest.mark.parametrize("handler", [_trickle_headers, _trickle_body], ids=["headers", "body"])
 def test_a_trickling_answer_cannot_outlive_the_deadline(serve, handler) -> None:  # type: ignore[no-untyped-def]
+    # the server sends a byte every 0.2 s for ever: every read is quick, only the whole request's deadline ends it
     server = serve(handler)
-    start = time.monotonic()
-    with pytest.raises(ProbeTimeout):
-        http_request("127.0.0.1", server.port, "/health", deadline=time.monotonic() + 1.0)
-    assert time.monotonic() - start < 2.0  # the whole request, not each read, is bounded
+    raised = _raised(lambda: http_request("127.0.0.1", server.port, "/health", deadline=time.monotonic() + 1.0))
+    assert isinstance(raised, ProbeTimeout), raised
+    assert not server.stop.is_set()  # the server was still trickling: the deadline, not the server, ended it
 
 
 def test_abort_ends_a_request_at_once(serve) -> None:  # type: ignore[no-untyped-def]
+    # the deadline is an hour away: only the abort can end the request while the server trickles
     server = serve(_trickle_body)
-    give_up = time.monotonic() + 0.3
-    start = time.monotonic()
-    with pytest.raises(ProbeTimeout):
-        http_request("127.0.0.1", server.port, "/", deadline=time.monotonic() + 30,
-                     abort=lambda: time.monotonic() > give_up)
-    assert time.monotonic() - start < 2.0
+    asked, aborting = threading.Event(), threading.Event()
+
+    def abort() -> bool:
+        asked.set()
+        return aborting.is_set()
+
+    def request() -> None:
+        http_request("127.0.0.1", server.port, "/", deadline=time.monotonic() + 3600, abort=abort)
+
+    def abort_once_asked() -> None:
+        asked.wait(30)
+        aborting.set()
+
+    threading.Thread(target=abort_once_asked, daemon=True).start()
+    raised = _raised(request)
+    assert isinstance(raised, ProbeTimeout) and aborting.is_set(), raised
 
 
 def test_complete_answers_content_length_chunked_and_close(serve) -> None:  # type: ignore[no-untyped-def]
@@ -197,11 +228,12 @@ def test_exit_fails_at_once(tmp_path: Path) -> None:
 
 
 def test_deadline_holds_and_says_the_last_answer(child: _Target) -> None:
-    start = time.monotonic()
-    with pytest.raises(WorkerStartupTimeout,
-                       match=r"did not become healthy within 0.5 s \(last health answer: HTTP 503\)"):
-        wait_until_ready(child, _Scripted(), timeout=0.5)
-    assert time.monotonic() - start < 1.5
+    readiness = _Scripted()
+    raised = _raised(lambda: wait_until_ready(child, readiness, timeout=0.5))
+    assert isinstance(raised, WorkerStartupTimeout), raised
+    assert re.search(r"did not become healthy within 0.5 s \(last health answer: HTTP 503\)", str(raised)), raised
+    # no probe began after the deadline: the wait ended there, whatever the answers were
+    assert readiness.probes and max(readiness.probes) < child.started_at + 0.5, readiness.probes
 
 
 def test_fatal_log_line_fails_after_the_grace(child: _Target, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -214,21 +246,46 @@ def test_fatal_log_line_fails_after_the_grace(child: _Target, monkeypatch: pytes
         wait_until_ready(child, _Scripted(), timeout=60)
 
 
-def test_the_ready_line_triggers_an_immediate_probe(child: _Target) -> None:
-    ready = _Scripted(ready_at=time.monotonic() + 0.5)
+class _ReadyWhenSet(_Scripted):
+    """Not ready until ``ready`` is set, counting its probes (with their times)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ready = threading.Event()
+
+    def probe(self, target, deadline, abort):  # type: ignore[no-untyped-def]
+        self.probes.append(time.monotonic())
+        return Probe(True, "ok") if self.ready.is_set() else Probe(False, "HTTP 503")
+
+
+def test_the_ready_line_triggers_an_immediate_probe(child: _Target, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pause after a "not ready" answer is made an hour long: the only probe that can come after the first one,
+    within the wait's 20 s, is the one the ready line triggers."""
+    import pytest_sglworker.workers.health as health
+
+    monkeypatch.setattr(health, "POLL_NOT_READY", 3600.0)
+    readiness = _ReadyWhenSet()
+    written: list[float] = []
 
     def write_ready_line() -> None:
-        time.sleep(0.5)
+        deadline = time.monotonic() + 20
+        while not readiness.probes and time.monotonic() < deadline:  # the wait is in its pause after a probe
+            time.sleep(0.01)
+        readiness.ready.set()
+        written.append(time.monotonic())
         with open(child.log_path, "a") as fh:
             fh.write("[2026-12-02 10:00:00] The server is fired up and ready to roll!\n")
 
     writer = threading.Thread(target=write_ready_line)
     writer.start()
-    wait_until_ready(child, ready, timeout=30)
-    writer.join()
+    try:
+        wait_until_ready(child, readiness, timeout=20)
+    finally:
+        writer.join()
     assert child.ready_at is not None
-    # after the ready line, the next probe did not wait for the 0.1 s pause after a "not ready" answer
-    assert child.ready_at - ready.ready_at < 0.05, child.ready_at - ready.ready_at
+    # two probes: the first ("not ready"), then the one the ready line caused, after the line and before the
+    # next periodic probe (an hour after the first) was due
+    assert len(readiness.probes) == 2 and readiness.probes[1] >= written[0], (readiness.probes, written)
 
 
 def test_cancel_ends_the_wait(child: _Target) -> None:

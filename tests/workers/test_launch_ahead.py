@@ -191,10 +191,9 @@ def test_nothing_launched_ahead_outlives_the_session(pytester: pytest.Pytester, 
         @pytest.mark.sgl_worker(args=["--max-total-tokens", "4096"], env={"SGLSIM_STARTUP_SECONDS": "300"})
         def test_never_runs_either(sgl_worker): pass
     """)
-    start = time.monotonic()
+    # the session has 120 s: waiting for the 300 s startup ahead instead of calling it off would fail it
     result = pytester.runpytest_subprocess(*SIM, "--sgl-gpus", "sim:4", "--sgl-launch-ahead", "2", "-x", timeout=120)
     result.assert_outcomes(failed=1)
-    assert time.monotonic() - start < 90  # the 300 s startup ahead was called off, not waited for
     events = [json.loads(line) for line in record.read_text().splitlines()]
     started = {e["pid"] for e in events if e["event"] == "start"}
     assert len(started) == 3  # both were launched ahead (and stopped: the autouse guard checks)

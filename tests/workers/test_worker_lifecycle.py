@@ -3,10 +3,12 @@ engine subprocesses on loopback. Every test is also checked for leftover process
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -62,10 +64,9 @@ def test_startup_exit_fails_fast_with_code_diagnosis_and_tail(pytester: pytest.P
         def test_oom(sgl_worker):
             raise AssertionError("never reached")
     """)
-    start = time.monotonic()
     result = _run(pytester, "--sgl-startup-timeout", "300")
-    elapsed = time.monotonic() - start
     result.assert_outcomes(errors=1)
+    # failing fast: the failure is the exit, seen when it happened, not the 300 s startup timeout running out
     result.stdout.fnmatch_lines([
         "*worker qwen3-0.6b: CUDA out of memory while capturing the prefill CUDA graph — exited during startup "
         "with code -9 (SIGKILL) after * s (on 127.0.0.1:*",
@@ -75,9 +76,12 @@ def test_startup_exit_fails_fast_with_code_diagnosis_and_tail(pytester: pytest.P
         "*last lines of the log*:",
     ])
     out = result.stdout.str()
-    assert "markCaptureEnd" in out  # the tail is there
+    # the tail is there: the assertion as a line of the log's tail (the diagnosis names it too, above the tail)
+    tail = list(itertools.takewhile(lambda line: line.startswith("    "),
+                                    out.split("last lines of the log", 1)[1].splitlines()[1:]))
+    assert any("markCaptureEnd called with no captures in progress" in line for line in tail), out
     assert re.search(r"not the cause: .*markCaptureEnd", out)
-    assert elapsed < 60, f"a startup exit must fail fast, not wait for the 300 s timeout ({elapsed:.1f} s)"
+    assert "did not become healthy within" not in out
     # the failed worker's log is kept and named in the summary
     logs = list(Path(sim_env["SGLWORKER_LOG_DIR"]).glob("sglang-worker-*.log"))
     assert len(logs) == 1 and "Capture" in logs[0].read_text()
@@ -256,6 +260,68 @@ def test_missing_launcher_is_a_clear_error(pytester: pytest.Pytester, sim_env: d
                                            "--sgl-launcher", "/nonexistent/python -m sglang.launch_server")
     result.assert_outcomes(errors=1)
     result.stdout.fnmatch_lines(["*launcher '/nonexistent/python' not found*"])
+
+
+def test_a_launcher_that_never_flushes_still_has_its_last_line_in_the_failure_tail(
+        pytester: pytest.Pytester, sim_env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Python buffers a stdout that is a file; an engine killed during startup (the OOM killer's SIGKILL) never
+    flushes it. The worker's environment makes Python's stdout unbuffered, so its last words are in the log, and in
+    the failure's tail, instead of an empty log. (The session itself runs without PYTHONUNBUFFERED, as most do:
+    only the plugin can have set it for the worker.)"""
+    monkeypatch.delenv("PYTHONUNBUFFERED", raising=False)
+    script = Path(__file__).resolve().parents[1] / "engine_scripts" / "unflushed.py"
+    pytester.makepyfile("def test_x(sgl_worker): pass")
+    result = pytester.runpytest_subprocess("--sgl-model", "qwen3-0.6b", "--sgl-gpus", "sim:1", "-p", "no:cacheprovider",
+                                           "--sgl-launcher", f"{sys.executable} {script}", timeout=120)
+    result.assert_outcomes(errors=1)
+    result.stdout.fnmatch_lines(["*exited during startup with code -9 (SIGKILL)*", "*last lines of the log*:"])
+    out = result.stdout.str()
+    tail = list(itertools.takewhile(lambda line: line.startswith("    "),
+                                    out.split("last lines of the log", 1)[1].splitlines()[1:]))
+    assert tail and tail[-1].strip() == "unflushed engine: loading the weights failed, dying now", out
+
+
+def test_a_process_that_left_the_workers_tree_and_session_is_ended_with_the_worker(
+        pytester: pytest.Pytester, sim_env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker's helper that double-forks and calls setsid (as a daemon does) is neither a descendant of the worker
+    nor in its session: only the owner tag it inherited finds it. The worker's own teardown (a fresh worker, ended
+    after its test) ends it, not only the session's sweep at the end."""
+    script = Path(__file__).resolve().parents[1] / "engine_scripts" / "double_fork_engine.py"
+    monkeypatch.setenv("DOUBLE_FORK_PID_FILE", str(pytester.path / "escaped.pid"))
+    pytester.makepyfile("""
+        import json
+        import os
+        import time
+
+        import psutil
+        import pytest
+
+        @pytest.mark.sgl_worker(fresh=True)
+        def test_escaped(sgl_worker):
+            deadline = time.monotonic() + 30
+            while not os.path.exists(os.environ["DOUBLE_FORK_PID_FILE"]) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            pid = int(open(os.environ["DOUBLE_FORK_PID_FILE"]).read())
+            escaped = psutil.Process(pid)
+            assert pid not in [p.pid for p in psutil.Process(sgl_worker.pid).children(recursive=True)]
+            assert os.getsid(pid) not in (sgl_worker.pid, os.getsid(sgl_worker.pid))
+            assert escaped.environ()["SGLWORKER_OWNER"] == psutil.Process(sgl_worker.pid).environ()["SGLWORKER_OWNER"]
+            with open("escaped.json", "w") as fh:
+                json.dump({"pid": pid, "created": escaped.create_time()}, fh)
+
+        def test_gone_after_the_workers_teardown():
+            seen = json.load(open("escaped.json"))
+            try:
+                escaped = psutil.Process(seen["pid"])
+                alive = escaped.create_time() == seen["created"] and escaped.status() != psutil.STATUS_ZOMBIE
+            except psutil.NoSuchProcess:
+                alive = False
+            assert not alive, "the escaped process outlived its worker's teardown"
+    """)
+    result = pytester.runpytest_subprocess("--sgl-model", "qwen3-0.6b", "--sgl-gpus", "sim:1", "-p", "no:cacheprovider",
+                                           "-p", "no:randomly", "--sgl-launcher", f"{sys.executable} {script}",
+                                           timeout=120)
+    result.assert_outcomes(passed=2)
 
 
 def test_sgl_spawn_worker_factory(pytester: pytest.Pytester, sim_env: dict[str, str]) -> None:
