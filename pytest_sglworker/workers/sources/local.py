@@ -174,9 +174,17 @@ class PoolSource:
         return len(self.leases.inventory.static_gpus())
 
     def warm_events(self) -> dict[str, list[dict[str, Any]]]:
-        """What happened to warm groups in this session (adopted, kept warm, refused), for the summary and report."""
+        """What happened to warm groups in this session (adopted, kept warm, refused, and the configurations not kept
+        with why), for the summary and report."""
         warm = self._pool.warm if self._pool is not None else None
-        return {k: list(v) for k, v in warm.events.items()} if warm is not None else {}
+        if warm is None or self._pool is None:
+            return {}
+        events = {k: list(v) for k, v in warm.events.items()}
+        if warm.settings.ttl is not None:  # --sgl-keep-warm: each configuration none of whose groups is kept, and why
+            kept = {e.get("label") for e in events.get("kept", [])}
+            events["not_kept"] = [{"label": label, "why": why} for label, why in self._pool.not_kept.items()
+                                  if label not in kept]
+        return events
 
     def close(self) -> None:
         try:
