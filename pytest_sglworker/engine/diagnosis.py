@@ -34,6 +34,7 @@ reads; what the kinds *are* lives in :mod:`.diagnosis_rules`, one record each.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from .diagnosis_rules import (
@@ -86,6 +87,8 @@ class Diagnosis:
     secondary: tuple[str, ...] = ()
     returncode: int | None = None
     phase: str | None = None
+    #: the text each entry of ``secondary`` quotes (as clipped there), in the same order
+    secondary_text: tuple[str, ...] = ()
 
     @property
     def is_error(self) -> bool:
@@ -526,10 +529,11 @@ def _merge_chain(exceptions: list[_Event], group_start: int) -> _Event:
 # ---------------------------------------------------------------------------------------------- diagnose
 
 
-def diagnose(log_text: str, returncode: int | None = None) -> Diagnosis:
+def diagnose(log_text: str, returncode: int | None = None, argv: Sequence[str] | None = None) -> Diagnosis:
     """Find the first error of a worker log and classify it.
 
-    ``returncode`` is the worker's exit status (``None`` while it runs, negative for a signal). A log with no error
+    ``returncode`` is the worker's exit status (``None`` while it runs, negative for a signal). ``argv``, the
+    worker's command line when known, is what the advice reads before it recommends a flag. A log with no error
     and a returncode of ``None`` or ``0`` gives :attr:`Kind.NONE`. Errors are found whatever the returncode, so a
     worker that hangs after a fatal error (uvicorn's failed bind leaves the process alive) can be diagnosed while it
     still runs.
@@ -568,14 +572,16 @@ def diagnose(log_text: str, returncode: int | None = None) -> Diagnosis:
             cause = soft[0]
     if cause is None:
         return _no_error(lines, events, returncode, phase)
-    secondary = _secondary(events, cause)
+    secondary, quoted = _secondary(events, cause)
     related = [line for e in events if e.kind is cause.kind and e is not cause for line in e.text]
-    return _describe(cause, related, secondary, returncode, phase)
+    return _describe(cause, related, secondary, returncode, phase, quoted, argv)
 
 
 def _no_error(lines: list[_Line], events: list[_Event], returncode: int | None, phase: str | None) -> Diagnosis:
     stopped = any(_SHUTDOWN.search(line.msg) for line in lines if "SIG" in line.msg or "Grace" in line.msg)
-    symptoms = tuple(_secondary_line(e) for e in events if e.role == "symptom")[:MAX_SECONDARY]
+    shown = [e for e in events if e.role == "symptom"][:MAX_SECONDARY]
+    symptoms = tuple(_secondary_line(e) for e in shown)
+    quoted = tuple(_clip(e.text[0]) for e in shown)
     if returncode is not None and returncode < 0:
         name = signal_name(-returncode)
         if stopped:
@@ -593,6 +599,7 @@ def _no_error(lines: list[_Line], events: list[_Event], returncode: int | None, 
             secondary=symptoms,
             returncode=returncode,
             phase=phase,
+            secondary_text=quoted,
         )
     if returncode:
         return Diagnosis(
@@ -602,6 +609,7 @@ def _no_error(lines: list[_Line], events: list[_Event], returncode: int | None, 
             secondary=symptoms,
             returncode=returncode,
             phase=phase,
+            secondary_text=quoted,
         )
     summary = "no error in the log" + (f" (reached: {phase})" if phase else "")
     if stopped:
@@ -609,9 +617,11 @@ def _no_error(lines: list[_Line], events: list[_Event], returncode: int | None, 
     return Diagnosis(Kind.NONE, summary, returncode=returncode, phase=phase)
 
 
-def _secondary(events: list[_Event], cause: _Event) -> tuple[str, ...]:
+def _secondary(events: list[_Event], cause: _Event) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The later errors that are not the cause (as :attr:`Diagnosis.secondary` says them) and the text each quotes."""
     seen = set(cause.text)
     out: list[str] = []
+    texts: list[str] = []
     extra = 0
     for e in events:
         if e is cause or e.line == cause.line or e.text[0] in seen:
@@ -621,11 +631,12 @@ def _secondary(events: list[_Event], cause: _Event) -> tuple[str, ...]:
         seen.add(e.text[0])
         if len(out) < MAX_SECONDARY:
             out.append(_secondary_line(e))
+            texts.append(_clip(e.text[0]))
         else:
             extra += 1
     if extra:
         out.append(f"... and {extra} more")
-    return tuple(out)
+    return tuple(out), tuple(texts)
 
 
 def _secondary_line(e: _Event) -> str:
@@ -653,7 +664,8 @@ def _quote(cause: _Event) -> str:
 
 
 def _describe(
-    cause: _Event, related: list[str], secondary: tuple[str, ...], returncode: int | None, phase: str | None
+    cause: _Event, related: list[str], secondary: tuple[str, ...], returncode: int | None, phase: str | None,
+    quoted: tuple[str, ...] = (), argv: Sequence[str] | None = None,
 ) -> Diagnosis:
     """Summary and advice for the cause, from its kind's rule. ``related`` holds the text of other errors of the
     same kind, where a detail (a port number, a model id) may be when the first error lacks it."""
@@ -670,8 +682,10 @@ def _describe(
         signal=cause.signal,
         only_cleanup="only_cleanup" in cause.detail,
         traceback_line=cause.traceback_start + 1 if cause.traceback_start is not None else None,
+        argv=None if argv is None else tuple(argv),
     )
     rule = rule_for(kind)
     return Diagnosis(
-        kind, rule.summary(facts), rule.advice(facts), _quote(cause), cause.line + 1, secondary, returncode, phase
+        kind, rule.summary(facts), rule.advice(facts), _quote(cause), cause.line + 1, secondary, returncode, phase,
+        quoted,
     )

@@ -77,6 +77,11 @@ class Kind(str, Enum):
         """A memory failure: the memory ledger belongs beside the diagnosis."""
         return rule_for(self).memory
 
+    @property
+    def kv_pool(self) -> bool:
+        """A memory failure where the KV pool found no room (not an allocation that ran out)."""
+        return rule_for(self).kv_pool
+
 
 @dataclass(frozen=True)
 class Scene:
@@ -102,10 +107,23 @@ class Facts:
     signal: int | None  # a child's signal number from "exit code -9"
     only_cleanup: bool  # the log holds only PyTorch's capture-cleanup assertion
     traceback_line: int | None  # 1-based log line where the cause's traceback starts
+    argv: tuple[str, ...] | None = None  # the worker's command line, when known: advice reads it before a flag
 
     @property
     def first(self) -> str:
         return self.text.splitlines()[0] if self.text else ""
+
+    def flag(self, name: str) -> str | None:
+        """The value the argv gives flag ``name`` (``--flag=value`` or ``--flag value``, the last one wins), ``""``
+        for a flag given without a value, None when the argv does not give it (or is not known)."""
+        found = None
+        args = self.argv or ()
+        for i, arg in enumerate(args):
+            if arg == name:
+                found = args[i + 1] if i + 1 < len(args) and not args[i + 1].startswith("--") else ""
+            elif arg.startswith(name + "="):
+                found = arg[len(name) + 1:]
+        return found
 
 
 Describe = Callable[[Facts], str]
@@ -140,6 +158,8 @@ class Rule:
     fallback: Callable[[Scene], bool] | None = None
     fatal: bool = False
     memory: bool = False
+    #: a memory failure where what ran out is the KV pool's room: the ledger's reading of the log says so
+    kv_pool: bool = False
     flags: int = 0
     _hard: re.Pattern[str] | None = field(init=False, repr=False, compare=False, default=None)
     _alone: re.Pattern[str] | None = field(init=False, repr=False, compare=False, default=None)
@@ -368,17 +388,36 @@ def _capture_oom_summary(f: Facts) -> str:
     return f"CUDA out of memory while capturing the {f.graph} CUDA graph" + (f" ({f.bucket})" if f.bucket else "")
 
 
+_SQUEEZE = "graph capture and activations only get free_memory*(1-mem_fraction_static), which the KV pool squeezes"
+_PREFILL_OFF = "--cuda-graph-backend-prefill=disabled"
+
+
+def _prefill_off_yet_captured(f: Facts, meanwhile: str) -> str:
+    return (f"the argv already has {_PREFILL_OFF}, yet the engine captured a prefill graph: check what overrides the "
+            f"flag (a config file, a wrapper script); meanwhile {meanwhile}")
+
+
 def _capture_oom_advice(f: Facts) -> str:
-    if f.graph == "prefill":
+    if f.graph != "prefill":
         return (
-            "keep --cuda-graph-backend-prefill=disabled (part of CI_WORKER_ARGS) and a lower --mem-fraction-static "
-            "such as 0.6: graph capture and activations only get free_memory*(1-mem_fraction_static), which the KV "
-            "pool squeezes at the engine's default"
+            "lower --mem-fraction-static (e.g. 0.6) so that graph capture gets more than "
+            "free_memory*(1-mem_fraction_static), or cap the graph with --cuda-graph-max-bs-decode"
         )
-    return (
-        "lower --mem-fraction-static (e.g. 0.6) so that graph capture gets more than "
-        "free_memory*(1-mem_fraction_static), or cap the graph with --cuda-graph-max-bs-decode"
-    )
+    if f.argv is None:  # the argv is not known: what CI_WORKER_ARGS says
+        return (f"keep {_PREFILL_OFF} (part of CI_WORKER_ARGS) and a lower --mem-fraction-static such as 0.6: "
+                f"{_SQUEEZE} at the engine's default")
+    given = f.flag("--mem-fraction-static")
+    lower = f"lower --mem-fraction-static below its {given}" if given else "lower --mem-fraction-static (e.g. 0.6)"
+    if f.flag("--cuda-graph-backend-prefill") == "disabled":
+        return _prefill_off_yet_captured(f, f"{lower}, or --chunked-prefill-size: {_SQUEEZE}")
+    return f"pass {_PREFILL_OFF} (part of CI_WORKER_ARGS) and {lower}: {_SQUEEZE}"
+
+
+def _capture_error_advice(f: Facts) -> str:
+    if f.graph == "prefill" and f.flag("--cuda-graph-backend-prefill") == "disabled":
+        return _prefill_off_yet_captured(f, "if memory is tight, lower --mem-fraction-static")
+    return (f"disable the graph ({_PREFILL_OFF}, part of CI_WORKER_ARGS) and, if memory is tight, lower "
+            "--mem-fraction-static")
 
 
 def _capture_error_summary(f: Facts) -> str:
@@ -534,6 +573,7 @@ RULES: tuple[Rule, ...] = (
         ),
         fatal=True,
         memory=True,
+        kv_pool=True,
     ),
     Rule(
         Kind.GRAPH_CAPTURE_OOM,
@@ -634,10 +674,7 @@ RULES: tuple[Rule, ...] = (
     Rule(
         Kind.GRAPH_CAPTURE_ERROR,
         _capture_error_summary,
-        _fixed(
-            "disable the graph (--cuda-graph-backend-prefill=disabled, part of CI_WORKER_ARGS) and, if memory is "
-            "tight, lower --mem-fraction-static"
-        ),
+        _capture_error_advice,
         patterns=CAPTURE_FAILED,
         # PyTorch's capture_end() after a failed capture: never the cause (see the diagnosis module docstring)
         symptoms=(r"markCaptureEnd called with no captures in progress|num_active_captures_ > 0",),

@@ -418,14 +418,16 @@ class MemoryLedger:
     def __str__(self) -> str:
         return self.render()
 
-    def against_log(self, memory: LogMemory) -> str:
+    def against_log(self, memory: LogMemory, *, kv_pool: bool = False) -> str:
         """Beside a memory failure: what this prediction said and, when it said ``fits``, which of its
         assumptions the log's memory lines contradict (the memory free when the weights loaded, the weights, the
-        KV pool), or that they agree with it, which means what ran out is memory the ledger does not model."""
+        KV pool), or that they agree with it, which means what ran out is memory the ledger does not model.
+        ``kv_pool``: the failure is the KV pool finding no room (not an allocation that ran out of memory)."""
         if self.verdict is not Verdict.FITS:
             return f"the ledger predicted this failure: {self.verdict.value}: {self.explanation}"
         said = (f"the ledger predicted 'fits' ({self.headroom_mib:+.0f} MiB beyond the engine's reserve + "
-                f"{self.margin:.0%}), but the engine ran out of memory")
+                f"{self.margin:.0%}), but " + ("the engine found no room for the KV pool" if kv_pool else
+                                               "the engine ran out of memory"))
         contradictions = []
         if memory.load_begin_avail_gb is not None:
             free = memory.load_begin_avail_gb * 1024
@@ -444,6 +446,10 @@ class MemoryLedger:
             return f"{said}: the log contradicts its assumptions: " + "; ".join(contradictions)
         if memory.kv_tokens is None and memory.weights_gb is None:
             return f"{said}; the log shows no memory line to check its assumptions against"
+        if kv_pool:
+            return (f"{said}, although the log's memory lines agree with its assumptions (free memory at load, "
+                    "weights): something the ledger does not model took memory between the weights and the pool (a "
+                    "draft model, another process); the engine's error gives its own figures")
         return (f"{said}, and the log's memory lines agree with its assumptions (free memory at load, weights, KV "
                 "pool): what ran out is memory the ledger does not model (activations or graphs beyond the "
                 "engine's own reserve)")

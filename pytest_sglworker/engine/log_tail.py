@@ -10,6 +10,10 @@ of a log into the lines worth reading, within a bound:
 - a very long line is cut, its length said;
 - a long traceback keeps its first frame and its last two, the frames between counted;
 - a parser's usage message keeps its first line, its continuation lines counted;
+- lines that are never a cause (sglang's ``server_args=...`` dump, the simulated engine's note on its token counts)
+  fold into one ``… N setup lines …``;
+- lines the failure text already quotes above the tail (its first error, what is not the cause) are marked there
+  (``… the first error (5 lines), quoted above …``), not repeated;
 - the first error's neighbourhood is kept even when it lies far above the end (with the lines between said
   as skipped), then the end of the log.
 
@@ -19,7 +23,7 @@ Plain Python, stdlib only.
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 __all__ = ["MAX_LINE_CHARS", "CondensedTail", "condense"]
@@ -29,6 +33,7 @@ MAX_LINE_CHARS = 300
 #: Lines kept before and after the first error when it lies above the end of the log.
 ERROR_CONTEXT = (2, 4)
 
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 _STAMP = re.compile(r"^\[\d{4}-\d\d-\d\d[ T]\d\d:\d\d:\d\d(?:[.,]\d+)?(?: [A-Z_]+\d+)*\] ?")
 #: uvicorn's access line for one of the readiness paths the plugin probes
 _PROBE = re.compile(r'INFO: +[\d.:\[\]a-f]+ - "(?P<method>GET|HEAD) (?P<path>/ready|/health_generate|/health|/ping) '
@@ -41,6 +46,10 @@ _FRAME = re.compile(r'^\s*File ".*", line \d+')
 FRAMES_KEPT = (1, 2)
 #: an argparse usage message (``usage: sglang serve [-h] ...``), its continuation lines indented below it
 _USAGE = re.compile(r"^usage: ")
+#: lines that are never a cause: sglang's dump of its arguments, the simulated engine's note on its token counts
+_SETUP = re.compile(r"^(?:server_args=|\(sim\) counting tokens without the model's tokenizer)")
+#: a rank prefix without a time (``[TP0] ``), as the diagnosis strips it from the lines it quotes
+_RANK = re.compile(r"^\[[A-Z_]+\d+(?: [A-Z_]+\d+)*\] ?")
 
 
 @dataclass(frozen=True)
@@ -57,7 +66,10 @@ class CondensedTail:
 
 
 def _shown(line: str) -> str:
-    """What a terminal shows of a line: a progress bar rewrites itself with carriage returns, the last one stays."""
+    """What a terminal shows of a line: a progress bar rewrites itself with carriage returns, the last one stays;
+    colours (the router's) are dropped, as a CI page or a junit report would show them as escape codes."""
+    if "\x1b" in line:
+        line = _ANSI.sub("", line)
     if "\r" not in line:
         return line.rstrip()
     return next((part for part in reversed(line.split("\r")) if part.strip()), "").rstrip()
@@ -65,6 +77,25 @@ def _shown(line: str) -> str:
 
 def _key(line: str) -> str:
     return _STAMP.sub("", line).rstrip()
+
+
+class _Quotes:
+    """The lines a failure text quotes above its tail (text -> what it is quoted as); a quote cut with ``...``
+    stands for every line it begins."""
+
+    def __init__(self, quoted: Mapping[str, str]) -> None:
+        self.exact = {text.strip(): label for text, label in quoted.items() if text.strip()}
+        self.cut = [(text.strip()[:-3], label) for text, label in quoted.items()
+                    if text.strip().endswith("...") and len(text.strip()) > 3]
+
+    def label(self, key: str) -> str | None:
+        if not self.exact:
+            return None
+        text = _RANK.sub("", key).strip()
+        found = self.exact.get(text)
+        if found is None:
+            found = next((label for start, label in self.cut if text.startswith(start)), None)
+        return found
 
 
 def _cut(line: str) -> tuple[str, bool]:
@@ -75,11 +106,11 @@ def _cut(line: str) -> tuple[str, bool]:
 
 @dataclass
 class _Run:
-    kind: str  # "line", "probe", "progress", "frames"
+    kind: str  # "line", "probe", "progress", "frames", "setup", "quoted"
     first: int  # index in the log's lines
     last: int
     text: str
-    probe: str = ""
+    probe: str = ""  # a probe's label ("GET /ready 503"); what a quoted run is quoted as
 
 
 def _frames(lines: Sequence[str], start: int) -> list[tuple[int, int]]:
@@ -97,9 +128,9 @@ def _frames(lines: Sequence[str], start: int) -> list[tuple[int, int]]:
     return frames
 
 
-def _runs(lines: Sequence[str]) -> list[_Run]:
-    """The log's lines, with consecutive probes (same path and status), identical lines, progress bars and the
-    middle frames of a long traceback folded into one run each."""
+def _runs(lines: Sequence[str], quotes: _Quotes) -> list[_Run]:
+    """The log's lines, with consecutive probes (same path and status), identical lines, progress bars, setup lines,
+    lines quoted above (with the same label) and the middle frames of a long traceback folded into one run each."""
     runs: list[_Run] = []
     skip_to = -1
     for i, line in enumerate(lines):
@@ -127,6 +158,15 @@ def _runs(lines: Sequence[str]) -> list[_Run]:
                 skip_to = frames[-1][1]
                 continue
         key = _key(line)
+        label = quotes.label(key)
+        folded = "quoted" if label is not None else "setup" if _SETUP.match(key) else None
+        if folded is not None:
+            label = label or folded
+            if runs and runs[-1].kind == folded and runs[-1].probe == label:
+                runs[-1].last = i
+            else:
+                runs.append(_Run(folded, i, i, line, label))
+            continue
         probe = _PROBE.search(key)
         if probe is not None:
             label = f"{probe.group('method')} {probe.group('path')} {probe.group('status')}"
@@ -156,6 +196,14 @@ def _render(run: _Run, notes: dict[str, int]) -> str:
     if run.kind == "probe":
         notes["probes"] += count
         return f"… {count} x {run.probe} (health probes)"
+    if run.kind == "setup":
+        notes["setup"] += count
+        return f"… {count} setup line{'s' if count > 1 else ''} (the engine's arguments and notes) …"
+    if run.kind == "quoted":
+        notes["quoted"] += count
+        stamp = run.text[:len(run.text) - len(_STAMP.sub("", run.text))]
+        lines = f" ({count} lines)" if count > 1 else ""
+        return f"{stamp}… {run.probe}{lines}, quoted above …"
     text, cut = _cut(run.text)
     notes["cut"] += cut
     if count == 1:
@@ -168,15 +216,17 @@ def _render(run: _Run, notes: dict[str, int]) -> str:
 
 
 def condense(lines: Sequence[str], limit: int, *, first_error_line: int | None = None,
-             line_offset: int = 0) -> CondensedTail:
+             line_offset: int = 0, quoted: Mapping[str, str] | None = None) -> CondensedTail:
     """The last lines of a log worth reading, at most ``limit`` of them. ``lines`` are the log's last lines;
     ``line_offset`` is the number of log lines before ``lines[0]`` (so that ``first_error_line``, a 1-based log
     line number counted in newlines, can be found among them). When the first error lies above the last lines,
-    its neighbourhood is kept first, then ``… N lines …``, then the end."""
+    its neighbourhood is kept first, then ``… N lines …``, then the end. ``quoted``: the lines the failure text
+    quotes above the tail (their text, without the log's time stamp, to what they are quoted as: ``the first
+    error``), marked where they stand instead of repeated."""
     if limit <= 0 or not lines:
         return CondensedTail(())
     lines = [_shown(line) for line in lines]
-    runs = _runs(lines)
+    runs = _runs(lines, _Quotes(quoted or {}))
     chosen: list[_Run | int] = list(runs[-limit:])  # an int: that many log lines skipped
     error = None if first_error_line is None else first_error_line - 1 - line_offset
     if error is not None and 0 <= error < runs[-limit:][0].first:
@@ -188,7 +238,7 @@ def condense(lines: Sequence[str], limit: int, *, first_error_line: int | None =
             tail = [run for run in runs[-room:] if run.first > head[-1].last]
             skipped = (tail[0].first if tail else len(lines)) - head[-1].last - 1
             chosen = [*head, *([skipped] if skipped > 0 else []), *tail]
-    notes = {"probes": 0, "progress": 0, "repeats": 0, "cut": 0, "frames": 0, "usage": 0}
+    notes = {"probes": 0, "progress": 0, "repeats": 0, "cut": 0, "frames": 0, "usage": 0, "setup": 0, "quoted": 0}
     out = [f"… {item} lines …" if isinstance(item, int) else _render(item, notes) for item in chosen]
     said = []
     if notes["probes"]:
@@ -201,6 +251,10 @@ def condense(lines: Sequence[str], limit: int, *, first_error_line: int | None =
         said.append(f"{notes['frames']} traceback lines folded")
     if notes["usage"]:
         said.append(f"{notes['usage']} usage lines folded")
+    if notes["setup"]:
+        said.append(f"{notes['setup']} setup line{'s' if notes['setup'] > 1 else ''} folded")
+    if notes["quoted"]:
+        said.append(f"{notes['quoted']} line{'s' if notes['quoted'] > 1 else ''} quoted above marked")
     if notes["cut"]:
         said.append(f"{notes['cut']} long line{'s' if notes['cut'] > 1 else ''} cut")
     return CondensedTail(tuple(out), tuple(said))

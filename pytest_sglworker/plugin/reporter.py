@@ -52,6 +52,22 @@ class SglReporter:
             lines.append(f"sglworker: {s.keep_warm_note}")
         return lines
 
+    def pytest_report_collectionfinish(self, config: pytest.Config, items: list[pytest.Item]) -> str | None:
+        """After collection, what the header could not know: how many workers sglang's unittest files will launch
+        through the drop-in (``pytest_sglworker.compat``: a server per test class with a setUpClass, in the files
+        that import its ``popen_launch_server``)."""
+        if is_xdist_worker(config):
+            return None
+        classes = {(item.path, getattr(item, "cls", None)) for item in items
+                   if _sets_up_class(getattr(item, "cls", None)) and _compat_module(getattr(item, "module", None))}
+        if not classes:
+            return None
+        files = len({path for path, _ in classes})
+        n = len(classes)
+        return (f"sglworker: pytest_sglworker.compat starts the servers of {n} test class{'es' if n > 1 else ''} in "
+                f"{files} file{'s' if files > 1 else ''} (popen_launch_server in setUpClass): about {n} "
+                f"worker{'s' if n > 1 else ''}, each one's flags checked by sglang's parser as it launches")
+
     def pytest_terminal_summary(self, terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
         if is_xdist_worker(config):
             return
@@ -103,6 +119,22 @@ class SglReporter:
             terminalreporter.write_line(line)
 
 
+def _compat_module(module: Any) -> bool:
+    """Whether a test module starts its servers with the drop-in's ``popen_launch_server`` (told by the function
+    it imported, not by importing the drop-in: it sits above this layer)."""
+    launch = getattr(module, "popen_launch_server", None)
+    return getattr(launch, "__module__", "").startswith("pytest_sglworker.compat")
+
+
+def _sets_up_class(cls: Any) -> bool:
+    """Whether a test class has a ``setUpClass`` of its own (or of a base of the suite's): where sglang's unittest
+    files start their servers."""
+    import unittest
+
+    own = getattr(getattr(cls, "setUpClass", None), "__func__", None)
+    return own is not None and own is not unittest.TestCase.setUpClass.__func__  # type: ignore[attr-defined]
+
+
 def duration(seconds: float) -> str:
     """``15m``, ``90s``, ``1h30m``: a TTL as a person writes it."""
     whole = round(seconds)
@@ -121,7 +153,7 @@ def _clock(stamp: float) -> str:
 
 def warm_lines(events: dict[str, list[dict[str, Any]]]) -> list[str]:
     """The summary's lines about warm workers: adopted (with where their log is), refused (and why), kept warm
-    (until when, and how to end them)."""
+    (until when, and how to end them), and, under ``--sgl-keep-warm``, each configuration not kept and why."""
     lines = []
     for e in events.get("adopted", []):
         lines.append(f"sglworker: adopted warm {e['label']} (pid {', '.join(map(str, e['pids']))}, port "
@@ -140,6 +172,8 @@ def warm_lines(events: dict[str, list[dict[str, Any]]]) -> list[str]:
     if kept:
         lines.append("sglworker: the next run of an unchanged configuration adopts them; pytest --sgl-warm list shows "
                      "them, pytest --sgl-warm stop ends them")
+    for e in events.get("not_kept", []):
+        lines.append(f"sglworker: not kept warm: {e['label']}: {e['why']}")
     return lines
 
 

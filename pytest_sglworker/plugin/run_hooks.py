@@ -16,6 +16,7 @@ import pytest
 
 from ..resources.processes import signal_name
 from ..workers.sources.base import SignalSent
+from .deaths import dead_processes, lead_with_death
 from .keys import (
     CONFIG_KEY,
     ITEM_ERROR_KEY,
@@ -28,6 +29,7 @@ from .keys import (
 )
 
 if TYPE_CHECKING:
+    from ..workers.errors import WorkerDied
     from ..workers.launcher import ModelInstance
     from .session import SglSession
 
@@ -72,11 +74,15 @@ def observe_signals(sent: list[Any]) -> Iterator[None]:
             os.killpg = real_killpg
 
 
+def _title(instance: ModelInstance) -> str:
+    role = "" if instance.role == "worker" else f" {instance.role}"
+    return f"sglang worker {instance.spec.name}{role} {instance.host}:{instance.port}"
+
+
 def worker_section(instance: ModelInstance, tail: int) -> tuple[str, str]:
     """The report section a failed test gets for each worker it used: its log path and its condensed tail, or,
     for a worker that died during the test, its whole failure text (diagnosis included)."""
-    role = "" if instance.role == "worker" else f" {instance.role}"
-    title = f"sglang worker {instance.spec.name}{role} {instance.host}:{instance.port}"
+    title = _title(instance)
     if getattr(instance, "attached", False):
         state = "answers its health check" if instance.responds() else "does NOT answer its health check"
         return f"{title} (attached)", f"{instance.describe()} {state} now\n{instance.log_tail(tail)}"
@@ -84,8 +90,7 @@ def worker_section(instance: ModelInstance, tail: int) -> tuple[str, str]:
         condensed = instance.condensed_tail(tail)
         notes = f" ({'; '.join(condensed.notes)})" if condensed.notes else ""
         return title, f"log: {instance.log_path}\nlast lines of the log{notes}:\n{condensed.text}"
-    return (f"{title} exited with {signal_name(instance.returncode)} during the test",
-            instance.failure_message("exited during the test", lines=tail))
+    return f"{title} exited with {signal_name(instance.returncode)} during the test", str(instance.death(lines=tail))
 
 
 class RunHooks:
@@ -145,13 +150,20 @@ class RunHooks:
         if workers and report.failed:
             junit = bool(getattr(self.session.config.option, "xmlpath", None))
             shown = item.stash.get(SHOWN_KEY, set())
+            led = self._lead_with_death(item, report, call, workers)
+            led_process: Any = led.process if led is not None else None
             for instance in workers:
-                # Nothing twice: a process whose failure text this report shows gets no section; after a failure of
-                # the plugin's own (setup, teardown) only a process that died on its own adds what the reader needs.
+                # Nothing twice: a process whose failure text this report shows gets no section (the one whose
+                # death leads it gets its log's tail only); after a failure of the plugin's own (setup, teardown),
+                # or one a death leads, only a process that died on its own adds what the reader needs.
                 died = not instance.is_alive() and not instance.stopped
-                if id(instance) in shown or (shown and report.when != "call" and not died):
+                if id(instance) in shown or (((shown and report.when != "call") or led is not None) and not died):
                     continue
-                title, body = worker_section(instance, self.session.settings.tail_lines)
+                if led is not None and instance is led_process:  # its death leads the report: its tail here
+                    title = f"{_title(instance)} exited with {signal_name(instance.returncode)} during the test"
+                    body = led.tail_text or f"log: {instance.log_path} (empty)"
+                else:
+                    title, body = worker_section(instance, self.session.settings.tail_lines)
                 report.sections.append((title, body))
                 # CI systems read junitxml, which takes properties and captured output from the teardown report:
                 # the log path as a property, the tail in the test's system-err (not shown twice in the terminal)
@@ -161,6 +173,18 @@ class RunHooks:
                 if junit:
                     item.add_report_section(report.when, "stderr", f"{title}\n{body}\n")
         return report
+
+    def _lead_with_death(self, item: pytest.Item, report: pytest.TestReport, call: pytest.CallInfo[None],
+                         workers: list[Any]) -> WorkerDied | None:
+        """A process the test holds that died during its call leads the call's report (:mod:`.deaths`): the
+        death it leads with, or None."""
+        if report.when != "call" or call.excinfo is None:
+            return None
+        dead = dead_processes(workers, call.excinfo.value)
+        if not dead:
+            return None
+        death = dead[0].death(item.stash.get(SIGNALS_KEY, ()), lines=self.session.settings.tail_lines)
+        return death if lead_with_death(item, report, call.excinfo, death) else None
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         """Each test's time (setup, which includes waiting for its workers, call and teardown), its worker

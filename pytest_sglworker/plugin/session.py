@@ -141,7 +141,7 @@ class SglSession:
         self.records = RunRecords(xdist_worker_id(config) or "main")
         self._source: WorkerSource | None = None
         self._watchdog: Any = None
-        self.flag_check: str = "not needed (no worker test collected)"
+        self.flag_check: str = "checked as each worker is asked for (no model selected up front)"
         self.worker_stats: list[dict[str, Any]] = []  # from xdist workers
         self.worker_launches: list[list[dict[str, Any]]] = []  # from xdist workers
         self.worker_warm: list[dict[str, list[dict[str, Any]]]] = []  # from xdist workers

@@ -17,7 +17,20 @@ if TYPE_CHECKING:
 MAX_SECONDARY_SHOWN = 3
 
 __all__ = ["LaunchCancelled", "LaunchError", "WorkerDied", "WorkerError", "WorkerStartupError",
-           "WorkerStartupTimeout"]
+           "WorkerStartupTimeout", "quoted_lines"]
+
+
+def quoted_lines(diagnosis: Diagnosis | None) -> dict[str, str]:
+    """The log lines a failure text with ``diagnosis`` quotes above its tail (see :class:`WorkerError`): the first
+    error's lines and the later errors it shows as not the cause, to what each is quoted as, so that the tail marks
+    them where they stand instead of repeating them."""
+    if diagnosis is None:
+        return {}
+    quoted = {text: "not the cause" for text in diagnosis.secondary_text[:MAX_SECONDARY_SHOWN]}
+    for line in diagnosis.first_error.splitlines():
+        if not line.startswith("(chained from: "):
+            quoted[line] = "the first error"
+    return quoted
 
 
 class WorkerError(SglWorkerError):
@@ -25,13 +38,15 @@ class WorkerError(SglWorkerError):
     top to bottom, each fact once:
 
     1. the headline: which worker, the cause, then what happened (exit code or signal, when) and where: the cause
-       comes early so that one-line places (pytest's short test summary cuts at the terminal's width) show it;
+       comes early so that one-line places (pytest's short test summary cuts at the terminal's width) show it (a
+       death, :class:`WorkerDied`, says first that it died and how, then why);
     2. the first error of its log with its line number, and the later errors that are not the cause;
     3. notes (``extra``) and the advice;
     4. for a memory failure, the memory ledger, and what the log says about its prediction;
     5. the argv and the log's path;
     6. the log's last lines, condensed (the plugin's own probes and progress bars collapsed, long lines cut, the
-       first error's neighbourhood kept).
+       first error's neighbourhood kept, setup lines folded, and the lines quoted under 1-2 marked, not repeated:
+       :func:`quoted_lines`).
 
     :attr:`summary` is the headline, for one-line places (the run report, the timeline)."""
 
@@ -120,13 +135,26 @@ class WorkerError(SglWorkerError):
         rendered = ledger.render().splitlines()
         out = [f"memory ledger (predicted for this GPU): {rendered[0]}"]
         if self.log_memory is not None:
-            out.append(f"  {ledger.against_log(self.log_memory)}")
+            kv_pool = self.diagnosis is not None and self.diagnosis.kind.kv_pool
+            out.append(f"  {ledger.against_log(self.log_memory, kv_pool=kv_pool)}")
         out.extend(line for line in rendered[1:] if not line.lstrip().startswith("verdict:"))
         if self.log_memory is None:
             out.extend(line for line in rendered[1:] if line.lstrip().startswith("verdict:"))
         return out
 
-    def __str__(self) -> str:
+    @property
+    def tail_text(self) -> str:
+        """The log's last lines as the failure text shows them (its header line, then the lines indented); empty
+        when the error carries no tail."""
+        if self.tail is None:
+            return ""
+        notes = f" ({'; '.join(self.tail_notes)})" if self.tail_notes else ""
+        lines = "\n".join("    " + line for line in self.tail.splitlines()) or "    <empty log>"
+        return f"last lines of the log{notes}:\n{lines}"
+
+    def render(self, *, tail: bool = True) -> str:
+        """The failure text; ``tail=False``: all of it but the log's last lines (:attr:`tail_text`), for a report
+        that puts something between the two (the exception a test met when its worker died)."""
         if not self.worker:
             return str(self.args[0]) if self.args else ""
         try:
@@ -144,11 +172,12 @@ class WorkerError(SglWorkerError):
             parts.append(f"argv: {self.argv}")
         if self.log_path:
             parts.append(f"log: {self.log_path}")
-        if self.tail is not None:
-            notes = f" ({'; '.join(self.tail_notes)})" if self.tail_notes else ""
-            parts.append(f"last lines of the log{notes}:")
-            parts.append("\n".join("    " + line for line in self.tail.splitlines()) or "    <empty log>")
+        if tail and self.tail is not None:
+            parts.append(self.tail_text)
         return "\n".join(parts)
+
+    def __str__(self) -> str:
+        return self.render()
 
 
 class WorkerStartupError(WorkerError):
@@ -160,7 +189,16 @@ class WorkerStartupTimeout(WorkerError):
 
 
 class WorkerDied(WorkerError):
-    """A worker that had been healthy exited (during a test, or while pooled)."""
+    """A worker that had been healthy exited (during a test, or while pooled). Its headline says first that it died
+    and how, then why (``worker X exited with code -9 (SIGKILL) during the test: CAUSE (on ...)``): a death during
+    a test is pytest's crash line for it, which the short summary cuts at the terminal's width."""
+
+    @property
+    def summary(self) -> str:
+        if not self.worker:
+            return super().summary
+        head = f"{self.worker} {self.event}: {self.cause}" if self.cause else f"{self.worker} {self.event}"
+        return f"{head} (on {self.where})" if self.where else head
 
 
 class LaunchError(WorkerError):

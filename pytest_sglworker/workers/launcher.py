@@ -211,7 +211,7 @@ class ModelInstance(ManagedProcess):
 
     def diagnosis(self, *, alive: bool = False) -> Diagnosis:
         """The first error in the log, classified. ``alive``: diagnose the log of a running worker."""
-        return diagnose(self.log_text(), None if alive else self.returncode)
+        return diagnose(self.log_text(), None if alive else self.returncode, self.argv)
 
     # -- what it served -----------------------------------------------------------------------------------
     def requests_served(self) -> int:

@@ -209,6 +209,9 @@ class WorkerPool:
         #: warm groups of earlier sessions: adopted before a launch; this session's kept warm at close
         #: (``--sgl-keep-warm``; see :mod:`.warm`)
         self.warm = warm
+        #: ``--sgl-keep-warm``: why the last group of each configuration was retired, not kept (label -> why)
+        self.not_kept: dict[str, str] = {}
+        self._closing: str | None = None  # "keep" or "stop" once close() has begun
         #: guards the entries (idle, busy, ahead) and the figures: a launch ahead registers its group and counts
         #: its launch from its own thread
         self._lock = threading.RLock()
@@ -374,6 +377,7 @@ class WorkerPool:
         for ahead in aheads:
             if ahead.thread is not None:
                 ahead.thread.join(120)
+        self._closing = "keep" if keep_warm else "stop"
         if keep_warm and self.warm is not None:
             with contextlib.suppress(Exception):  # keeping warm is an optimisation: the workers are stopped instead
                 self._keep_warm(still_keep)
@@ -830,6 +834,15 @@ class WorkerPool:
         with self._lock:
             stats.deaths += len(dead)
             stats.stops += len(stopped)
+        if self.warm is not None and self.warm.settings.ttl is not None:
+            self.not_kept[entry.config.label] = (
+                "a member died during the session" if dead else
+                "a member was stopped on purpose (worker.kill(), or an exit it expected)" if stopped else
+                "its workers were fresh, each for one test" if not entry.poolable else
+                "the session was interrupted: nothing is kept warm then" if self._closing == "stop" else
+                "not taken by its keeper at the session's end (a member did not answer, or the keeper could not "
+                "take it: see the messages above)" if self._closing else
+                "retired during the session (its GPUs were wanted, or what a test changed could not be set back)")
         failed = failed or bool(dead)
         try:
             for member in group:

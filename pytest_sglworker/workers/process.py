@@ -15,11 +15,12 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from ..engine.diagnosis import Kind
 from ..engine.log_lines import parse_memory
 from ..engine.log_tail import CondensedTail, condense
 from ..engine.redaction import mask_argv, redact, secret_values
@@ -34,10 +35,11 @@ from ..resources.processes import (
     listening_pids,
     owner_tag,
     process_tree,
+    signal_name,
     socket_inodes,
     terminate_tree,
 )
-from .errors import LaunchError, WorkerError
+from .errors import LaunchError, WorkerDied, WorkerError, quoted_lines
 
 if TYPE_CHECKING:
     import httpx
@@ -274,14 +276,15 @@ class ManagedProcess:
         """The last lines of the log (secrets redacted)."""
         return redact(read_tail(self.log_path, lines), self.secrets)
 
-    def condensed_tail(self, lines: int | None = None, first_error_line: int | None = None) -> CondensedTail:
+    def condensed_tail(self, lines: int | None = None, first_error_line: int | None = None,
+                       quoted: Mapping[str, str] | None = None) -> CondensedTail:
         """The log's last lines as a failure report quotes them (:func:`~pytest_sglworker.engine.log_tail.condense`:
         probes and progress bars collapsed, long lines cut, the first error's neighbourhood kept), secrets
         redacted, at most ``lines`` (default: :attr:`tail_lines`)."""
         log_lines, before = self.log_end()
         first = first_error_line if before >= 0 else None
         return condense([redact(line, self.secrets) for line in log_lines], self.tail_lines if lines is None else lines,
-                        line_offset=max(before, 0), first_error_line=first)
+                        line_offset=max(before, 0), first_error_line=first, quoted=quoted)
 
     def log_end(self) -> tuple[list[str], int]:
         """The log's last lines (up to 1 MiB of them) and how many lines come before them, for a failure's tail."""
@@ -304,7 +307,11 @@ class ManagedProcess:
             diagnosis = self.diagnosis(alive=alive)
         except Exception:  # a diagnosis must never hide the log
             diagnosis = None
-        tail = self.condensed_tail(lines, diagnosis.first_error_line if diagnosis is not None else None)
+        # what the text quotes above the tail (its first error, what is not the cause), unless it names a cause of
+        # its own: marked in the tail, not repeated
+        quoted = quoted_lines(diagnosis) if cause is None else {}
+        tail = self.condensed_tail(lines, diagnosis.first_error_line if diagnosis is not None else None,
+                                   quoted=quoted)
         memory = parse_memory(self.log_text()) if diagnosis is not None and diagnosis.memory_related else None
         name, _, where = self.describe().partition(" on ")
         error = kind(worker=name, where=where.replace(" (", ", ").rstrip(")"), event=event, diagnosis=diagnosis,
@@ -314,6 +321,28 @@ class ManagedProcess:
                      advice=advice)
         error.process = self
         return error
+
+    def death(self, signals: Sequence[Any] = (), *, lines: int | None = None) -> WorkerDied:
+        """The failure of this process that exited during a test: its diagnosis, unless the test sent it the signal
+        it died of (``signals``: what the test sent through ``os.kill``/``os.killpg``, records with ``pid``,
+        ``signal`` and ``group``): then that is the cause, and the advice is the plugin's way to do it on purpose."""
+        code = self.returncode
+        event = f"exited with {signal_name(code)} during the test"
+        sent = [s for s in signals if s.pid == self.pid and code is not None and code < 0 and s.signal == -code]
+        if sent:
+            name = signal_name(code).split("(")[-1].rstrip(")")
+            call = f"os.killpg({self.pid}, {name})" if sent[0].group else f"os.kill({self.pid}, {name})"
+            return self.failure(
+                WorkerDied, event, lines=lines,
+                cause=f"this test killed it ({call}): a death the test caused, not one of the worker's own",
+                advice="to kill a worker on purpose, call worker.kill() (or worker.expect_exit() before causing the "
+                       "exit): the plugin then counts a deliberate stop, not a death that fails the test")
+        failure = self.failure(WorkerDied, event, lines=lines)
+        diagnosis = failure.diagnosis
+        if code is not None and code < 0 and diagnosis is not None and diagnosis.kind is Kind.KILLED_BY_SIGNAL:
+            failure.extra = ("this test sent it no signal through os.kill/os.killpg; a kill from another process "
+                             "(a subprocess's kill, the host's OOM killer, a CI timeout) the plugin cannot see")
+        return failure
 
     def failure_message(self, what: str, *, lines: int | None = None, extra: str = "") -> str:
         """``<process> <what>`` + diagnosis + log path + the last ``lines`` lines."""

@@ -54,6 +54,10 @@ __all__ = ["ROUTER_MODULE", "Router", "RouterOptions", "RouterReadiness", "Route
 ROUTER_MODULE = "sglang_router.launch_router"
 #: a line of the router's log that says why it stopped: its parser's error, a Rust panic, an error it logged
 _ROUTER_ERROR = re.compile(r"(?:^|\s)(?:\S+: )?(?:error: |ERROR |panicked at )(?P<what>.+)$")
+#: a line the router logs below the error level (``2026-12-04 23:42:36  WARN smg::...: error sending request ...``:
+#: its tokenizer download, offline), which may quote an error it recovered from
+_ROUTER_QUIET = re.compile(r"^\S+[ T]\S+\s+(?:TRACE|DEBUG|INFO|WARN)\b")
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 INSTALL_HINT = "pip install 'pytest-sglworker[router]' (or: pip install sglang-router)"
 #: How long a router may take to report every worker healthy (it starts in about half a second).
 DEFAULT_ROUTER_TIMEOUT = 120.0
@@ -247,10 +251,11 @@ class Router(ManagedProcess):
 
     def diagnosis(self, *, alive: bool = False) -> Diagnosis | None:
         """The router's first error line (its parser's ``error: ...``, a panic, a failed bind), for the headline of
-        its failure; None when its log shows none."""
+        its failure; else, for a router a signal killed, that signal; None when there is nothing to say."""
         for number, line in enumerate(self.log_text().split("\n"), 1):
+            line = _ANSI.sub("", line)
             found = _ROUTER_ERROR.search(line)
-            if found is None:
+            if found is None or _ROUTER_QUIET.match(line):
                 continue
             text = line.strip()
             advice = ("check @pytest.mark.sgl_router(args=...) against the router's own "
@@ -258,6 +263,14 @@ class Router(ManagedProcess):
                       else "read the router's log at that line")
             return Diagnosis(Kind.UNKNOWN, f"the router says: {found.group('what').strip()}", advice, text, number,
                              returncode=None if alive else self.returncode)
+        code = None if alive else self.returncode
+        if code is not None and code < 0:  # killed, and nothing in its log says why: the signal is the news
+            from ..engine.diagnosis_rules import signal_advice
+            from ..engine.diagnosis_rules import signal_name as signal_named
+
+            name = signal_named(-code)
+            return Diagnosis(Kind.KILLED_BY_SIGNAL, f"the router was killed by {name} and its log shows no error",
+                             signal_advice(-code), returncode=code)
         return None
 
     # -- the router's worker API --------------------------------------------------------------------------

@@ -395,7 +395,7 @@ def test_a_server_killed_during_its_tests_is_a_death(inner: InnerRun) -> None:
     diagnosis of its log, and counted as a death; its tearDownClass still runs."""
     assert inner.outcomes("TestG_DiesDuringItsTests", "test_server_killed_under_it") == {"PASSED", "ERROR"}
     text = inner.section("test_server_killed_under_it")
-    assert re.search(r"worker tiny-sim: .* — exited while the tests of test_suite\.py::TestG_DiesDuringItsTests ran "
+    assert re.search(r"worker tiny-sim exited while the tests of test_suite\.py::TestG_DiesDuringItsTests ran: .* "
                      r"\(on 127\.0\.0\.1:\d+, pid \d+", text), text
     assert "log: " in text
     launch = next(la for la in inner.launches() if la["pid"] == inner.one("G")["pid"])

@@ -9,7 +9,9 @@ Two inner sessions produce them, as users meet the plugin (``runpytest_subproces
 - **the simulated engine's faults and the plugin's own scenes**: startup faults (a capture OOM, a KV pool that does
   not fit, an exit, a hang after and before the bind, a flood of log lines, faults the engine refuses), a worker
   that dies during its test, one the test kills itself, a group member that dies, a PD decode side that never gets
-  ready, and a router that dies at startup.
+  ready, and a router that dies at startup; and the deaths a test meets at run time, which lead its report: a
+  worker that dies on the test's request, one that died between two requests, a group member that dies on its
+  request, and a router another process kills.
 
 (The real CPU engine's crash is held to the same goals in the real-engine tier:
 ``tests/acceptance/test_real_engine.py``.)
@@ -75,11 +77,18 @@ SCENES = {
     "group_member_dies": "simulated death after 1 requests",
     "pd_decode_never_ready": "its log shows no error",
     "router_dies_at_startup": "router",
+    # run-time deaths: the death leads the test's report, what the test met follows in its own frames
+    "death_mid_request": "exited with code -9 (SIGKILL) during the test: RuntimeError: simulated death on request 1",
+    "death_between_requests": "exited with code -9 (SIGKILL) during the test: RuntimeError: simulated death after 1",
+    "group_member_dies_mid_request": "during the test: RuntimeError: simulated death on request 1",
+    "router_dies_during_test": "exited with code -9 (SIGKILL) during the test: the router was killed by SIGKILL",
 }
 
 SIM_SUITE = """
 import os
 import signal
+import subprocess
+import sys
 
 import pytest
 
@@ -143,6 +152,37 @@ def test_pd_decode_never_ready(sgl_workers):
 @pytest.mark.sgl_router(args=["--no-such-router-flag"])
 def test_router_dies_at_startup(sgl_router):
     pass
+
+
+GENERATE = {"text": "hi", "sampling_params": {"max_new_tokens": 2}}
+
+
+@pytest.mark.sgl_worker(env={"SGLSIM_FAULT": "die_on_request=1"})
+def test_death_mid_request(sgl_worker):
+    answer = sgl_worker.client.post("/generate", json=GENERATE)
+    assert answer.status_code == 200
+
+
+@pytest.mark.sgl_worker(env={"SGLSIM_FAULT": "die_after=1"})
+def test_death_between_requests(sgl_worker):
+    sgl_worker.client.post("/generate", json=GENERATE)
+    sgl_worker.process.wait(10)
+    sgl_worker.client.post("/generate", json=GENERATE)
+
+
+@pytest.mark.sgl_workers(count=2, worker_env=[{}, {"SGLSIM_FAULT": "die_on_request=1"}])
+def test_group_member_dies_mid_request(sgl_workers):
+    for worker in sgl_workers:
+        worker.client.post("/generate", json=GENERATE)
+
+
+@pytest.mark.sgl_workers(count=2)
+@pytest.mark.sgl_router(args=["--log-level", "error"])  # its info lines name random ids, in no set order
+def test_router_dies_during_test(sgl_workers, sgl_router):
+    # another process kills it (the host's OOM killer, a CI timeout): nothing the test itself sent
+    subprocess.run([sys.executable, "-c", f"import os; os.kill({sgl_router.pid}, 9)"], check=True)
+    sgl_router.process.wait(10)
+    sgl_router.client.post("/generate", json=GENERATE)
 """
 
 HEADER = re.compile(r"^_{3,} (?:ERROR at (?:setup|teardown) of )?(test_\w+)(?:\[[^\]]*\])? _{3,}$")
@@ -179,6 +219,10 @@ def normalise(text: str, root: Path) -> str:
     # how many health probes a wait took, and so the line numbers after them, vary with the machine's load
     text = re.sub(r"\b\d+ health probe lines collapsed", "<N> health probe lines collapsed", text)
     text = re.sub(r"… \d+ x (GET|HEAD) ", r"… <N> x \1 ", text)
+    # the carets under the failing expression of a test's own frame: Python 3.11+ only
+    text = re.sub(r"\n *\^+\n(?=E )", "\n", text)
+    if "x GET /ready 200 (health probes)" in text:  # it became ready: whether a probe met its warm-up is timing
+        text = re.sub(r"\n *… <N> x GET /ready 503 \(health probes\)(?=\n)", "", text)
     text = re.sub(r"\blog line \d+", "log line <N>", text)
     text = re.sub(r"\bGPUs \d+(?:,\d+)*", "GPUs <G>", text)  # which free GPU a lease got depends on the order
     text = re.sub(r"\bCUDA_VISIBLE_DEVICES=\d+(?:,\d+)*", "CUDA_VISIBLE_DEVICES=<G>", text)

@@ -396,17 +396,19 @@ def test_worker_death_during_tests(pytester: pytest.Pytester, sim_env: dict[str,
     out = result.stdout.str()
     result.stdout.fnmatch_lines([
         "*ERROR at teardown of test_1_dies_test_passes*",
-        "*worker qwen3-0.6b: * — exited with code -9 (SIGKILL) during the test (on 127.0.0.1:*",
+        "*worker qwen3-0.6b exited with code -9 (SIGKILL) during the test: * (on 127.0.0.1:*",
         "log: *sglang-worker-*.log",
         "last lines of the log*:",
         "*spawned scheduler pid=*",
     ])
-    result.stdout.fnmatch_lines([
+    result.stdout.fnmatch_lines([  # the death leads the failed test's report, its assertion follows
         "*_ test_2_dies_test_fails*",
+        "worker qwen3-0.6b exited with code -9 (SIGKILL) during the test: RuntimeError: simulated death after 1 "
+        "requests* (on 127.0.0.1:*",
+        "log: *sglang-worker-*.log",
+        "what the test met, in its own frames*",
         "*the router saw a connection reset*",
         "*- sglang worker qwen3-0.6b 127.0.0.1:* exited with code -9 (SIGKILL) during the test -*",
-        "worker qwen3-0.6b: RuntimeError: simulated death after 1 requests* — exited during the test (on 127.0.0.1:*",
-        "log: *sglang-worker-*.log",
         "last lines of the log*:",
     ])
     result.stdout.fnmatch_lines([

@@ -900,3 +900,18 @@ def test_negative_profile_warning_is_not_an_error() -> None:
     assert diagnose(text, None).kind is Kind.NONE
     d = diagnose(text, 1)
     assert d.kind is Kind.UNKNOWN and d.first_error_line is None and "code 1" in d.summary
+
+
+def test_capture_oom_advice_reads_the_argv_before_it_recommends_a_flag() -> None:
+    """Advice never tells a worker to keep a flag its argv already has: with --cuda-graph-backend-prefill=disabled
+    given (CI_WORKER_ARGS) it says what else to try, below the argv's own --mem-fraction-static; without the flag it
+    says to pass it; with no argv known, what CI_WORKER_ARGS say."""
+    log = read("seed_prefill_capture_oom.log")
+    ci = ["python", "-m", "sglang.launch_server", "--mem-fraction-static=0.6", "--cuda-graph-backend-prefill",
+          "disabled"]
+    given = diagnose(log, -9, ci).advice
+    assert not given.startswith("keep") and "already has --cuda-graph-backend-prefill=disabled" in given
+    assert "lower --mem-fraction-static below its 0.6" in given
+    bare = diagnose(log, -9, ["python", "-m", "sglang.launch_server"]).advice
+    assert bare.startswith("pass --cuda-graph-backend-prefill=disabled") and "lower --mem-fraction-static (e.g." in bare
+    assert diagnose(log, -9).advice.startswith("keep --cuda-graph-backend-prefill=disabled (part of CI_WORKER_ARGS)")

@@ -420,3 +420,21 @@ def test_bad_inputs() -> None:
         predict_memory(QWEN, 0)
     with pytest.raises(ValueError, match="gpu_free_mib"):
         predict_memory(QWEN, H100, gpu_free_mib=-1)
+
+
+def test_the_ledgers_reading_of_the_log_agrees_with_a_kv_pool_that_does_not_fit() -> None:
+    """Beside a KV pool that found no room, the ledger's reading of agreeing memory lines speaks of the pool, not of
+    "memory the ledger does not model (activations or graphs)", which is what it says beside an allocation that ran
+    out."""
+    import dataclasses
+
+    # a pool that did not fit logs no "KV Cache is allocated" line: free memory at load and the weights only
+    mem = dataclasses.replace(parse_memory((LOGS / "healthy.log").read_text()), kv_tokens=None)
+    assert mem.load_begin_avail_gb is not None and mem.weights_gb is not None
+    led = predict_memory(QWEN, H100, gpu_free_mib=round(mem.load_begin_avail_gb * 1024), argv=list(CI))
+    assert led.verdict is Verdict.FITS
+    pool = led.against_log(mem, kv_pool=True)
+    assert "found no room for the KV pool" in pool and "activations or graphs" not in pool
+    assert "ran out of memory" not in pool
+    ran_out = led.against_log(mem)
+    assert "the engine ran out of memory" in ran_out and "activations or graphs" in ran_out

@@ -41,10 +41,40 @@ def test_a_carriage_return_progress_line_shows_what_a_terminal_shows() -> None:
 
 
 def test_a_long_line_is_cut_and_its_length_said() -> None:
-    long = "server_args={" + "x" * 15_000 + "}"
+    long = "cuda_graph_bs=[" + "x" * 15_000 + "]"
     tail = condense([long], 3)
-    assert tail.lines[0].startswith(long[:MAX_LINE_CHARS]) and tail.lines[0].endswith("(15,014 characters, cut)")
+    assert tail.lines[0].startswith(long[:MAX_LINE_CHARS]) and tail.lines[0].endswith("(15,016 characters, cut)")
     assert tail.notes == ("1 long line cut",)
+
+
+def test_lines_that_are_never_a_cause_fold_into_one_setup_line() -> None:
+    """sglang's dump of its arguments (15 KB) and the simulated engine's note on its token counts say nothing about
+    a failure: one line counts them."""
+    lines = [f"{STAMP}server_args=ServerArgs(model_path='Qwen/Qwen3-0.6B', " + "x" * 15_000 + ")",
+             f"{STAMP}(sim) counting tokens without the model's tokenizer: no tokenizer.json for Qwen/Qwen3-0.6B",
+             f"{STAMP}Init parallel begin.", f"{STAMP}(sim) request faults set: {{\"die_after\": 1}}"]
+    tail = condense(lines, 10)
+    assert tail.lines == ("… 2 setup lines (the engine's arguments and notes) …", lines[2], lines[3])
+    assert tail.notes == ("2 setup lines folded",)
+
+
+def test_lines_the_text_quotes_above_are_marked_where_they_stand() -> None:
+    """What the failure text quotes above the tail (its first error, what is not the cause) is not repeated: each
+    run of such lines becomes one mark, at its place, with its time stamp; a quote cut with '...' marks every line
+    it begins; a rank prefix does not hide a quoted line."""
+    error = ["torch.AcceleratorError: CUDA error: out of memory",
+             "For debugging consider passing CUDA_LAUNCH_BLOCKING=1"]
+    cleanup = "RuntimeError: num_active_captures_ > 0 INTERNAL ASSERT FAILED " + "y" * 500
+    lines = [f"{STAMP}Capture begin", f"{STAMP}{cleanup}", "  File \"x.py\", line 1, in f", *error, "",
+             f"[TP0] {cleanup}", f"{STAMP}kill_process_tree called", f"{STAMP}Received sigquit"]
+    quoted = {error[0]: "the first error", error[1]: "the first error", cleanup[:397] + "...": "not the cause",
+              "Received sigquit": "not the cause"}
+    tail = condense(lines, 20, quoted=quoted)
+    assert tail.lines == (f"{STAMP}Capture begin", f"{STAMP}… not the cause, quoted above …", lines[2],
+                          "… the first error (2 lines), quoted above …", "", "… not the cause, quoted above …",
+                          lines[7], f"{STAMP}… not the cause, quoted above …")
+    assert tail.notes == ("5 lines quoted above marked",)
+    assert condense(lines, 20).lines[3] == error[0]  # nothing quoted: nothing marked
 
 
 def test_a_long_traceback_keeps_its_first_and_last_frames() -> None:

@@ -222,8 +222,8 @@ def test_a_member_that_dies_during_a_test_fails_it(pytester: pytest.Pytester, si
     """)
     result = _run(pytester, "--sgl-gpus", "sim:2")
     result.assert_outcomes(passed=2, errors=1)
-    result.stdout.fnmatch_lines(["*worker qwen3-0.6b: this test killed it (os.kill(*, SIGKILL))* — exited with code -9 "
-                                 "(SIGKILL) during the test*"])
+    result.stdout.fnmatch_lines(["*worker qwen3-0.6b exited with code -9 (SIGKILL) during the test: this test killed "
+                                 "it (os.kill(*, SIGKILL))*"])
     result.stdout.fnmatch_lines(["*[[]2x[]]: 2 launched, 0 reused*1 died*"])
 
 

@@ -14,19 +14,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ...engine.diagnosis import Kind
 from ...engine.specs import ModelSpec
-from ...resources.processes import signal_name
 from ..config import KindChooser, WorkerConfig, default_kind
 from ..errors import WorkerDied
 from ..launcher import LaunchOptions, ProgressCallback
 from ..pool import WorkerPool
 from ..records import RunRecords
-from .base import GroupRequest, GroupUse, Refusal, SignalSent
+from .base import GroupRequest, GroupUse, Refusal
 
 if TYPE_CHECKING:
     from ..group import WorkerGroup
-    from ..launcher import ModelInstance
     from ..warm import Warm
 
 __all__ = ["LocalSource", "PoolHooks", "PoolSettings", "PoolSource"]
@@ -161,33 +158,12 @@ class PoolSource:
         if dead or not group.is_alive():
             pool.discard(group, failed=use.failed or bool(dead))
             if dead and not use.failed and use.check_deaths:
-                return self._death(dead[0], use.signals)
+                return dead[0].death(use.signals, lines=self.settings.tail_lines)
         elif use.last_use and self.settings.keep_warm is None:
             pool.discard(group, failed=use.failed)  # no later test needs this configuration (kept for --sgl-keep-warm)
         else:
             pool.release(group, failed=use.failed)  # a fresh group is retired there too
         return None
-
-    def _death(self, member: ModelInstance, signals: tuple[SignalSent, ...]) -> WorkerDied:
-        """The failure of a member that died during a passing test: its diagnosis, unless the test sent it the
-        signal it died of (then that is the cause, and the advice is the plugin's way to do it on purpose)."""
-        event = f"exited with {signal_name(member.returncode)} during the test"
-        code = member.returncode
-        sent = [s for s in signals if s.pid == member.pid and code is not None and code < 0 and s.signal == -code]
-        if sent:
-            name = signal_name(code).split("(")[-1].rstrip(")")
-            call = f"os.killpg({member.pid}, {name})" if sent[0].group else f"os.kill({member.pid}, {name})"
-            return member.failure(
-                WorkerDied, event, lines=self.settings.tail_lines,
-                cause=f"this test killed it ({call}): a death the test caused, not one of the worker's own",
-                advice="to kill a worker on purpose, call worker.kill() (or worker.expect_exit() before causing the "
-                       "exit): the plugin then counts a deliberate stop, not a death that fails the test")
-        failure = member.failure(WorkerDied, event, lines=self.settings.tail_lines)
-        if code is not None and code < 0 and failure.diagnosis is not None and \
-                failure.diagnosis.kind is Kind.KILLED_BY_SIGNAL:
-            failure.extra = ("this test sent it no signal through os.kill/os.killpg; a kill from another process "
-                             "(a subprocess's kill, the host's OOM killer, a CI timeout) the plugin cannot see")
-        return failure
 
     def launch_ahead(self, config: WorkerConfig, *, holder: str, environ: Mapping[str, str]) -> bool:
         if self._pool is None or not self.settings.reuse:
@@ -198,9 +174,17 @@ class PoolSource:
         return len(self.leases.inventory.static_gpus())
 
     def warm_events(self) -> dict[str, list[dict[str, Any]]]:
-        """What happened to warm groups in this session (adopted, kept warm, refused), for the summary and report."""
+        """What happened to warm groups in this session (adopted, kept warm, refused, and the configurations not kept
+        with why), for the summary and report."""
         warm = self._pool.warm if self._pool is not None else None
-        return {k: list(v) for k, v in warm.events.items()} if warm is not None else {}
+        if warm is None or self._pool is None:
+            return {}
+        events = {k: list(v) for k, v in warm.events.items()}
+        if warm.settings.ttl is not None:  # --sgl-keep-warm: each configuration none of whose groups is kept, and why
+            kept = {e.get("label") for e in events.get("kept", [])}
+            events["not_kept"] = [{"label": label, "why": why} for label, why in self._pool.not_kept.items()
+                                  if label not in kept]
+        return events
 
     def close(self) -> None:
         try:
