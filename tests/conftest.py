@@ -11,6 +11,7 @@ import os
 import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import psutil
 import pytest
@@ -24,10 +25,13 @@ def pytest_configure(config: pytest.Config) -> None:
     fresh clone every process the suite starts (inner pytest sessions, simulated engines, watchdogs, keepers:
     thousands) compiled the plugin from source again: about 0.5 s each on a loaded 2-core machine. Python still
     reads bytecode that exists, and the timestamps keep it in step with the sources."""
+    # pytester gives every inner session a HOME of its own; the optional installs of the README's commands (the real
+    # CPU engine, the router's vocabulary) live in the user's cache directory of the real HOME, which
+    # XDG_CACHE_HOME keeps naming for them (platformdirs reads it first).
+    os.environ.setdefault("XDG_CACHE_HOME", str(Path.home() / ".cache"))
     if hasattr(config, "workerinput"):
         return
     import compileall
-    from pathlib import Path
 
     import pytest_sglworker
 

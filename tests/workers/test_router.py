@@ -150,7 +150,8 @@ def test_bad_router(sgl_router):
     result = _run(pytester, "--sgl-gpus", "sim:1", "--sgl-startup-timeout", "300", timeout=120)
     result.assert_outcomes(errors=1)
     result.stdout.fnmatch_lines(["*router (regular) over qwen3-0.6b*exited during startup with code 2*",
-                                 "*log: *sglang-router-*.log", "*invalid choice: 'no-such-policy'*"])
+                                 "*first error*invalid choice: 'no-such-policy'*", "*log: *sglang-router-*.log",
+                                 "*… the first error, quoted above …"])
 
 
 def test_a_router_that_never_gets_ready_times_out(pytester: pytest.Pytester, sim_env: dict[str, str]) -> None:
