@@ -83,7 +83,14 @@ def server_features(sim: Sim, req: dict[str, Any], sampling: dict[str, Any] | No
 
 
 def flat_logprobs(req: dict[str, Any]) -> None:
-    """``GenerateReqInput``'s own checks of the flat raw top-logprob options."""
+    """``GenerateReqInput``'s own checks of the flat raw top-logprob options, and pydantic's of
+    ``num_items_assigned`` (keyed by a modality enum of ints, which no JSON object key can be)."""
+    assigned = req.get("num_items_assigned")
+    if isinstance(assigned, dict) and assigned:
+        key = next(iter(assigned))
+        raise BadRequest(f"1 validation error:\n  {{'type': 'enum', 'loc': ('body', 'num_items_assigned', {key!r}, "
+                         f"'[key]'), 'msg': 'Input should be 1, 2 or 3', 'input': {key!r}, 'ctx': {{'expected': "
+                         "'1, 2 or 3'}}\n\n    POST /generate", validation=True)
     if req.get("return_flat_raw_output_top_logprobs") and req.get("stream"):
         raise BadRequest("return_flat_raw_output_top_logprobs is only set on the finished response and does not "
                          "support stream=True.")
