@@ -2,7 +2,8 @@
 
 One launch of the real sglang 0.5.23 on the CPU with the tiny random-weight model (the recipe of
 :func:`cpu_engine_spec`) and, started at the same time, one of it with ``--is-embedding``; one simulated
-engine for each, over the same model directory. Every request of :data:`CORPUS` goes to both; what is
+engine for each, over the same model directory (``real_pair.py``; started once per session by ``conftest.py``'s
+``servers``, which ``test_sim_fidelity.py`` shares). Every request of :data:`CORPUS` goes to both; what is
 compared is the status code, the content type, the error envelope (and its message where the sim claims
 the same text), and the *shape* of every JSON object and stream chunk: its keys, recursively, and the type
 of every value (:func:`shape`), never the generated text. Token counts, ``/tokenize`` and ``max_model_len``
