@@ -5,7 +5,9 @@ Part of :mod:`pytest_sglworker.sim`; stdlib only. Both take ``text`` or ``input_
 check them as sglang does, and answer sglang's ``meta_info``; a PD server's ``/generate`` goes through the
 handshake of :mod:`.pd` (the prefill side answers with its first token only). A grammar that does not compile
 (:mod:`pytest_sglworker.sim.constrained`) is sglang's abort: 400, or one chunk finished with the abort when
-streamed.
+streamed. A refusal after the body is read (a sampling param out of range, a LoRA adapter on a server without
+LoRA, ...) is, streamed, sglang's one error event; an unknown ``sampling_params`` key is msgspec's 400 either way.
+A batch may give each prompt its own ``sampling_params``.
 """
 
 from __future__ import annotations

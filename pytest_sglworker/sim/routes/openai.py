@@ -6,7 +6,10 @@ Part of :mod:`pytest_sglworker.sim`; stdlib only. Requests are checked as sglang
 adapters do (the error envelopes of :mod:`.common`); a PD server's completions go through the handshake of
 :mod:`.pd` (the prefill side answers with its first token only). A chat whose last message is the assistant's
 is continued with ``continue_final_message`` (:func:`final_message`, as sglang 0.5.23's
-``_handle_last_assistant_message``).
+``_handle_last_assistant_message``). sglang's extras are honoured as it honours them: ``input_ids`` (the chat's
+prompt), ``stop_token_ids`` and ``stop_regex``, ``return_token_ids`` / ``return_prompt_token_ids`` /
+``return_meta_info`` and the ``sglext`` ids, ``stream_options.continuous_usage_stats``; what the server was not
+launched for is refused (:mod:`.checks`).
 """
 
 from __future__ import annotations
