@@ -178,3 +178,14 @@ def test_greedy_requests_take_any_top_k(tiny: SimProc) -> None:
     assert _post(tiny, "/generate", {**GENERATE, "sampling_params": {"temperature": 0, "top_k": 0}})[0] == 200
     status, body = _post(tiny, "/generate", {**GENERATE, "sampling_params": {"temperature": 0.5, "top_k": 0}})
     assert status == 400 and body["error"]["message"] == "top_k must be -1 (disable) or at least 1, got 0."
+
+
+def test_detokenize_takes_batches_and_answers_a_bad_id_with_sglangs_500(tiny: SimProc) -> None:
+    # upstream's test_srt_endpoint.py::TestTokenizeDetokenize::test_detokenize_invalid_tokens: 400, then 500
+    assert _post(tiny, "/detokenize", {"tokens": ["a", "b"]})[0] == 400
+    status, body = _post(tiny, "/detokenize", {"tokens": [1, -1, 2]})
+    assert (status, body["type"]) == (500, "InternalServerError")
+    assert body["message"].startswith("Internal server error during detokenization: ")
+    status, body = _post(tiny, "/detokenize", {"tokens": [HELLO_THERE, HELLO_THERE[:1]]})
+    assert status == 200 and body["text"] == ["hello there", "hello"]
+    assert tiny.status("/health") == 200
