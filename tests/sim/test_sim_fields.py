@@ -189,3 +189,16 @@ def test_detokenize_takes_batches_and_answers_a_bad_id_with_sglangs_500(tiny: Si
     status, body = _post(tiny, "/detokenize", {"tokens": [HELLO_THERE, HELLO_THERE[:1]]})
     assert status == 200 and body["text"] == ["hello there", "hello"]
     assert tiny.status("/health") == 200
+
+
+def test_token_ids_logprob_is_a_flat_list_of_ids_in_the_vocabulary(tiny: SimProc) -> None:
+    asks = {"return_logprob": True, "sampling_params": {"max_new_tokens": 1}}
+    status, body = _post(tiny, "/generate", {"text": "hi", **asks, "token_ids_logprob": [-1]})
+    assert (status, body["error"]["message"]) == (400, "token_ids_logprob contains out-of-vocabulary token id -1; "
+                                                       "valid range is [0, 512).")
+    status, body = _post(tiny, "/generate", {"text": "hi", **asks, "token_ids_logprob": [[0]]})
+    assert (status, body["error"]["message"]) == (400, "token_ids_logprob must be a flat list of integers.")
+    status, body = _post(tiny, "/generate", {"text": ["hi", "hi"], **asks, "token_ids_logprob": [[0], [600]]})
+    assert status == 400 and "out-of-vocabulary token id 600" in body["error"]["message"]
+    assert _post(tiny, "/generate", {"text": ["hi", "hi"], **asks, "token_ids_logprob": [[0], [1]]})[0] == 200
+

@@ -82,6 +82,22 @@ def server_features(sim: Sim, req: dict[str, Any], sampling: dict[str, Any] | No
         raise BadRequest("max_thinking_tokens requires the server to be launched with --enable-strict-thinking")
 
 
+def token_ids_logprob(req: dict[str, Any], vocab_size: int, *, batch: bool) -> None:
+    """The tokenizer manager's check of ``token_ids_logprob``, per request of a batch: a flat list of ids in the
+    vocabulary."""
+    asked = req.get("token_ids_logprob")
+    if not asked:
+        return
+    rows = asked if batch and isinstance(asked, list) and all(isinstance(r, list) for r in asked) else [asked]
+    for row in rows:
+        if not isinstance(row, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in row):
+            raise BadRequest("token_ids_logprob must be a flat list of integers.")
+        for token in row:
+            if not 0 <= token < vocab_size:
+                raise BadRequest(f"token_ids_logprob contains out-of-vocabulary token id {token}; valid range is "
+                                 f"[0, {vocab_size}).")
+
+
 def flat_logprobs(req: dict[str, Any]) -> None:
     """``GenerateReqInput``'s own checks of the flat raw top-logprob options, and pydantic's of
     ``num_items_assigned`` (keyed by a modality enum of ints, which no JSON object key can be)."""

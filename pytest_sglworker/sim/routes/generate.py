@@ -22,7 +22,7 @@ from typing import Any
 from ..constrained import ConstraintError, constrained_text, grammar_of
 from ..state import Sim
 from ..tokens import Generation, embedding, logprobs, prompt_seed, token_ids_logprobs
-from .checks import UnknownSamplingKey, flat_logprobs, sampling_keys, server_features
+from .checks import UnknownSamplingKey, flat_logprobs, sampling_keys, server_features, token_ids_logprob
 from .common import (
     NOT_EMBEDDING,
     Abort,
@@ -58,6 +58,7 @@ def generate(ctx: Request) -> None:
         server_features(sim, req, per_prompt[0])
         prompts, batch = _generate_prompts(sim, req)
         flat_logprobs(req)
+        token_ids_logprob(req, sim.vocab.vocab_size, batch=batch)
         session = req.get("session_params")
         if isinstance(session, dict) and session.get("id") is not None:  # the sim keeps no sessions
             raise ConstraintError(f"Invalid request: session id {session['id']} does not exist")
@@ -73,8 +74,9 @@ def generate(ctx: Request) -> None:
         start_len = req.get("logprob_start_len")
         start_len = -1 if start_len is None else int(start_len)
         with_text = bool(req.get("return_text_in_logprobs", False))
-        asked = req.get("token_ids_logprob")
-        lp = Asked(return_logprob, top_n, start_len, with_text, tuple(asked) if isinstance(asked, list) else (),
+        asked = req.get("token_ids_logprob") or []
+        asked = asked[0] if asked and isinstance(asked[0], list) else asked  # a batch's: the first request's
+        lp = Asked(return_logprob, top_n, start_len, with_text, tuple(asked),
                    bool(req.get("return_sampling_mask")), _flat_asks(req), settings[0].get("beam_width"))
         gens = [_generation(sim, ids, params) for ids, params in zip(prompts, settings, strict=True)]
         handshake(sim, req, rid, gens[0])
