@@ -75,7 +75,7 @@ class Sim:
 
     def generate(self, prompt_ids: list[int], source_ids: list[int] | None, max_new_tokens: int | None,
                  stop: list[str], ignore_eos: bool, stop_token_ids: list[int] | None = None,
-                 constraint: str | None = None) -> Generation:
+                 constraint: str | None = None, stop_regex: list[str] | None = None) -> Generation:
         """One generation of a prompt (``constraint``: the output a regex or JSON schema allows, see
         :mod:`.constrained`), counted in the metrics, the prefix cache and the loads, and logged as sglang logs
         a prefill batch."""
@@ -83,7 +83,7 @@ class Sim:
             gen = constrained(self.vocab, prompt_ids, constraint, max_new_tokens, stop, stop_token_ids or ())
         else:
             gen = generate(self.vocab, prompt_ids, prompt_ids if source_ids is None else source_ids, max_new_tokens,
-                           stop, ignore_eos, stop_token_ids or ())
+                           stop, ignore_eos, stop_token_ids or (), stop_regex or ())
         key = tuple(prompt_ids)
         with self.lock:
             best = 0

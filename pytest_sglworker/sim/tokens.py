@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import base64
 import math
+import re
 import struct
 import zlib
 from collections.abc import Sequence
@@ -74,10 +75,12 @@ def prompt_seed(ids: Sequence[int]) -> int:
 
 
 def generate(vocab: Vocab, prompt_ids: list[int], source_ids: list[int], max_new_tokens: int | None,
-             stop: list[str], ignore_eos: bool, stop_token_ids: Sequence[int] = ()) -> Generation:
+             stop: list[str], ignore_eos: bool, stop_token_ids: Sequence[int] = (),
+             stop_regex: Sequence[str] = ()) -> Generation:
     """The prompt's tokens (``source_ids``, special ones left out), cycled, then EOS after 16 tokens;
-    ``max_new_tokens`` (None: up to the EOS), stop strings (trimmed from the text) and ``ignore_eos`` as in
-    sglang; ``output_ids`` includes a matched EOS, the text does not."""
+    ``max_new_tokens`` (None: up to the EOS), stop strings (trimmed from the text), stop regexes (matched
+    anywhere in the text, which keeps the match; ``matched`` is the pattern) and ``ignore_eos`` as in sglang;
+    ``output_ids`` includes a matched EOS, the text does not."""
     seed = prompt_seed(prompt_ids)
     source = [i for i in source_ids if i not in vocab.special_ids] or [
         next(i for i in range(seed % vocab.vocab_size, seed % vocab.vocab_size + vocab.vocab_size)
@@ -110,6 +113,8 @@ def generate(vocab: Vocab, prompt_ids: list[int], source_ids: list[int], max_new
                 text = text[:at].rstrip() if not vocab.real else text[:at]
                 finish = {"type": "stop", "matched": s}
                 break
+        if finish is None:
+            finish = next(({"type": "stop", "matched": p} for p in stop_regex if re.search(p, text)), None)
         texts.append(text)
     return Generation(list(prompt_ids), output, texts, finish, 0, seed)
 
@@ -188,7 +193,7 @@ class Logprobs:
 def logprobs(vocab: Vocab, gen: Generation, *, start_len: int, top_n: int, with_text: bool,
              input_side: bool = True) -> Logprobs:
     """The logprobs of ``gen``: ``[logprob, token_id, text_or_null]`` per token, from prompt position
-    ``start_len`` (-1: none of the prompt; the first prompt token's logprob is null); ``top_n`` alternatives
+    ``start_len`` (-1: none of the prompt; the first reported prompt token's logprob is null); ``top_n`` alternatives
     per position when > 0; ``input_side=False`` (a decode node in PD) has no prompt logprobs at all."""
 
     def entry(lp: float | None, token: int) -> list[Any]:
@@ -198,9 +203,10 @@ def logprobs(vocab: Vocab, gen: Generation, *, start_len: int, top_n: int, with_
     input_token: list[list[Any]] = []
     input_top: list[Any] = []
     if input_side and start_len >= 0:
-        for pos in range(min(start_len, len(prompt)), len(prompt)):
+        first = min(start_len, len(prompt))
+        for pos in range(first, len(prompt)):
             token = prompt[pos]
-            if pos == 0:
+            if pos == first:  # sglang has no logprob for the first position it reports
                 input_token.append(entry(None, token))
                 input_top.append(None)
                 continue
@@ -212,6 +218,17 @@ def logprobs(vocab: Vocab, gen: Generation, *, start_len: int, top_n: int, with_
         output_token.append(entry(_logprob(gen.seed, pos, token), token))
         output_top.append([entry(lp, t) for lp, t in top_candidates(vocab, gen.seed, pos, token, top_n)])
     return Logprobs(input_token, output_token, input_top, output_top)
+
+
+def token_ids_logprobs(gen: Generation, token_ids: Sequence[int], start_len: int) -> tuple[list[Any], list[Any]]:
+    """sglang's ``token_ids_logprob``: for each reported prompt position (from ``start_len``; -1: none) and each
+    generated token, ``[logprob, token_id, null]`` of every asked token id."""
+    prompt = gen.prompt_ids
+    first = len(prompt) if start_len < 0 else min(start_len, len(prompt))
+    inputs = [[[_logprob(gen.seed, pos, t), t, None] for t in token_ids] for pos in range(first, len(prompt))]
+    outputs = [[[_logprob(gen.seed, len(prompt) + k, t), t, None] for t in token_ids]
+               for k in range(len(gen.output_ids))]
+    return inputs, outputs
 
 
 def openai_chat_logprob(vocab: Vocab, gen: Generation, index: int, top_n: int) -> dict[str, Any]:

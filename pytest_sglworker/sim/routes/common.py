@@ -13,6 +13,7 @@ status (a PD handshake timeout) has ``"type": "<status>"``.
 from __future__ import annotations
 
 import json
+import re
 import socketserver
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -222,6 +223,23 @@ def as_stop_list(value: Any) -> list[str]:
                      validation=True)
 
 
+def stop_options(params: dict[str, Any]) -> tuple[list[int] | None, list[str]]:
+    """A request's ``stop_token_ids`` and ``stop_regex`` (one pattern or a list; the sim leaves out a pattern
+    Python's ``re`` cannot compile)."""
+    ids = params.get("stop_token_ids")
+    raw = params.get("stop_regex")
+    patterns = [raw] if isinstance(raw, str) else raw if isinstance(raw, list) else []
+    usable = []
+    for pattern in patterns:
+        try:
+            if isinstance(pattern, str) and pattern and re.compile(pattern):
+                usable.append(pattern)
+        except re.error:
+            continue
+    tokens = [i for i in ids if isinstance(i, int)] if isinstance(ids, list) else None
+    return tokens, usable
+
+
 def int_field(value: Any, name: str) -> int | None:
     if value is None:
         return None
@@ -254,6 +272,8 @@ def verify_sampling(params: dict[str, Any], vocab_size: int, *, as_float: bool) 
     if min_p is not None and num(min_p) and not 0.0 <= min_p <= 1.0:
         raise BadRequest(f"min_p must be in [0, 1], got {shown(min_p)}.")
     top_k = params.get("top_k", -1)
+    if num(temperature) and 0 <= temperature < 1e-6:
+        top_k = 1  # sglang's normalization: a greedy request samples the top token, whatever its top_k
     if top_k is not None and num(top_k) and top_k != -1 and top_k < 1:
         raise BadRequest(f"top_k must be -1 (disable) or at least 1, got {top_k}.")
     for name in ("frequency_penalty", "presence_penalty"):

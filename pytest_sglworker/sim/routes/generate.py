@@ -5,18 +5,24 @@ Part of :mod:`pytest_sglworker.sim`; stdlib only. Both take ``text`` or ``input_
 check them as sglang does, and answer sglang's ``meta_info``; a PD server's ``/generate`` goes through the
 handshake of :mod:`.pd` (the prefill side answers with its first token only). A grammar that does not compile
 (:mod:`pytest_sglworker.sim.constrained`) is sglang's abort: 400, or one chunk finished with the abort when
-streamed.
+streamed. A refusal after the body is read (a sampling param out of range, a LoRA adapter on a server without
+LoRA, ...) is, streamed, sglang's one error event; an unknown ``sampling_params`` key is msgspec's 400 either way.
+A batch may give each prompt its own ``sampling_params``.
 """
 
 from __future__ import annotations
 
+import base64
+import struct
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from ..constrained import ConstraintError, constrained_text, grammar_of
 from ..state import Sim
-from ..tokens import Generation, embedding, logprobs, prompt_seed
+from ..tokens import Generation, embedding, logprobs, prompt_seed, token_ids_logprobs
+from .checks import UnknownSamplingKey, flat_logprobs, sampling_keys, server_features, token_ids_logprob
 from .common import (
     NOT_EMBEDDING,
     Abort,
@@ -29,6 +35,7 @@ from .common import (
     not_generation,
     num,
     pace,
+    stop_options,
     verify_sampling,
 )
 from .pd import handshake
@@ -37,43 +44,57 @@ from .pd import handshake
 def generate(ctx: Request) -> None:
     sim = ctx.sim
     rid = sim.new_id()
+    req: dict[str, Any] = {}
     try:
         req = ctx.parse_json(require_json_type=False, endpoint="/generate")
-        not_generation(sim)
-        prompts, batch = _generate_prompts(sim, req)
-        params = req.get("sampling_params") or {}
-        if isinstance(params, list):
-            params = params[0] if params and isinstance(params[0], dict) else {}
-        if not isinstance(params, dict):
+        raw = req.get("sampling_params") or {}
+        per_prompt = raw if isinstance(raw, list) else [raw]  # a batch may give each prompt its own
+        if not per_prompt or not all(isinstance(p, dict) for p in per_prompt):
             raise BadRequest("1 validation error:\n  sampling_params: Input should be a valid dictionary",
                              validation=True)
-        for ids in prompts:
+        for params in per_prompt:
+            sampling_keys(params)
+        not_generation(sim)
+        server_features(sim, req, per_prompt[0])
+        prompts, batch = _generate_prompts(sim, req)
+        flat_logprobs(req)
+        token_ids_logprob(req, sim.vocab.vocab_size, batch=batch)
+        session = req.get("session_params")
+        if isinstance(session, dict) and session.get("id") is not None:  # the sim keeps no sessions
+            raise ConstraintError(f"Invalid request: session id {session['id']} does not exist")
+        settings = [per_prompt[k] if k < len(per_prompt) else per_prompt[0] for k in range(len(prompts))]
+        for ids, params in zip(prompts, settings, strict=True):
             check_length(sim, ids, params.get("max_new_tokens"))
-        verify_sampling(params, sim.vocab.vocab_size, as_float=False)
-        grammar = request_grammar(params)
-        max_new = int_field(params.get("max_new_tokens", 128), "max_new_tokens")
-        stop = as_stop_list(params.get("stop"))
-        ignore_eos = bool(params.get("ignore_eos", False))
-        stop_ids = params.get("stop_token_ids") if isinstance(params.get("stop_token_ids"), list) else None
-        n = params.get("n", 1) if num(params.get("n", 1)) else 1
+            verify_sampling(params, sim.vocab.vocab_size, as_float=False)
+        n = settings[0].get("n", 1) if num(settings[0].get("n", 1)) else 1
         if n > 1 and not batch:
-            prompts, batch = prompts * int(n), True
+            prompts, settings, batch = prompts * int(n), settings * int(n), True
         return_logprob = bool(req.get("return_logprob", False))
         top_n = int(req.get("top_logprobs_num") or 0)
         start_len = req.get("logprob_start_len")
         start_len = -1 if start_len is None else int(start_len)
         with_text = bool(req.get("return_text_in_logprobs", False))
-        outputs = [constrained_text(grammar, prompt_seed(ids)) for ids in prompts]
-        gens = [sim.generate(ids, None, max_new, stop, ignore_eos, stop_ids, constraint=out)
-                for ids, out in zip(prompts, outputs, strict=True)]
+        asked = req.get("token_ids_logprob") or []
+        asked = asked[0] if asked and isinstance(asked[0], list) else asked  # a batch's: the first request's
+        lp = Asked(return_logprob, top_n, start_len, with_text, tuple(asked),
+                   bool(req.get("return_sampling_mask")), _flat_asks(req), settings[0].get("beam_width"))
+        gens = [_generation(sim, ids, params) for ids, params in zip(prompts, settings, strict=True)]
         handshake(sim, req, rid, gens[0])
+    except UnknownSamplingKey as exc:  # msgspec's, before anything streams
+        ctx.json(400, {"error": str(exc)})
+        return
     except BadRequest as exc:
-        ctx.bad(exc, openai=False)
+        if req.get("stream") is True and not exc.validation:  # the tokenizer manager's: an error event
+            sim.log.error(f"[http_server] Error: {exc}")
+            ctx.stream(iter([{"error": {"message": str(exc), "type": "invalid_request_error", "code": 400,
+                                        "retryable": False}}]))
+        else:
+            ctx.bad(exc, openai=False)
         return
     except Abort as exc:
         ctx.abort(exc)
         return
-    except ConstraintError as exc:  # the grammar does not compile: the scheduler aborts the request with 400
+    except ConstraintError as exc:  # the scheduler aborts the request with 400 (a grammar, a session)
         sim.log.error(f"{exc}, self.rid={rid!r}")
         if req.get("stream"):
             ctx.stream(iter([_grammar_abort(sim, rid, str(exc))]))
@@ -81,20 +102,61 @@ def generate(ctx: Request) -> None:
             ctx.bad(BadRequest(str(exc)), openai=False)
         return
     started = time.perf_counter()
-    lp = (return_logprob, top_n, start_len, with_text)
     if sim.mode == "prefill":  # the prefill side stops after its first token (sglang: FINISH_LENGTH(0))
         for gen in gens:
             gen.output_ids, gen.texts = gen.output_ids[:1], gen.texts[:1]
             gen.finish = {"type": "length", "length": 0}
+    with_prompt = bool(req.get("return_prompt_token_ids"))
     if req.get("stream"):
-        ctx.stream(_generate_events(sim, gens, batch, started, lp, rid))
+        events = _generate_events(sim, gens, batch, started, lp, rid)
+        ctx.stream(({**e, "prompt_token_ids": gens[e.get("index", 0)].prompt_ids} for e in events) if with_prompt
+                   else events)
         return
     outs = []
     for gen in gens:
         pace(sim, gen.completion_tokens)
         outs.append(_generate_out(sim, gen, gen.completion_tokens, started, lp, rid if len(gens) == 1 else None,
                                   final=True))
+        if with_prompt:
+            outs[-1]["prompt_token_ids"] = gen.prompt_ids
     ctx.json(200, outs if batch else outs[0])
+
+
+def _generation(sim: Sim, ids: list[int], params: dict[str, Any]) -> Generation:
+    """One prompt's generation under its sampling params (its grammar, max new tokens, stops)."""
+    output = constrained_text(request_grammar(params), prompt_seed(ids))
+    stop_ids, stop_regex = stop_options(params)
+    return sim.generate(ids, None, int_field(params.get("max_new_tokens", 128), "max_new_tokens"),
+                        as_stop_list(params.get("stop")), bool(params.get("ignore_eos", False)), stop_ids,
+                        constraint=output, stop_regex=stop_regex)
+
+
+def _flat_asks(req: dict[str, Any]) -> tuple[bool, bool, bool]:
+    """(input side flat, output side flat, base64): the flat raw top-logprob format sglang offers trainers."""
+    return (bool(req.get("return_flat_raw_top_logprobs")), bool(req.get("return_flat_raw_output_top_logprobs")),
+            bool(req.get("return_flat_raw_top_logprobs_b64")))
+
+
+def _flat(side: str, rows: list[Any], top_n: int, b64: bool) -> dict[str, Any]:
+    """sglang's flat raw form of one side's top logprobs: the leading null rows counted, the rest as two flat
+    arrays (values, token ids; little-endian float32 and int32 in base64 with ``b64``) and their shape."""
+    prefix = 0
+    while prefix < len(rows) and not rows[prefix]:
+        prefix += 1
+    values = [e[0] for row in rows[prefix:] for e in row]
+    ids = [e[1] for row in rows[prefix:] for e in row]
+    out: dict[str, Any] = {}
+    if b64:
+        out[f"{side}_top_logprobs_val_flat_b64"] = base64.b64encode(struct.pack(f"<{len(values)}f", *values)).decode()
+        out[f"{side}_top_logprobs_idx_flat_b64"] = base64.b64encode(struct.pack(f"<{len(ids)}i", *ids)).decode()
+        out[f"{side}_top_logprobs_val_flat_b64_dtype"] = "float32"
+        out[f"{side}_top_logprobs_idx_flat_b64_dtype"] = "int32"
+    else:
+        out[f"{side}_top_logprobs_val_flat"] = values
+        out[f"{side}_top_logprobs_idx_flat"] = ids
+    out[f"{side}_top_logprobs_shape"] = [len(rows) - prefix, top_n]
+    out[f"{side}_top_logprobs_null_prefix"] = prefix
+    return out
 
 
 def request_grammar(params: dict[str, Any]) -> tuple[str, str] | None:
@@ -138,9 +200,26 @@ def _generate_prompts(sim: Sim, req: dict[str, Any]) -> tuple[list[list[int]], b
     raise BadRequest("Either text, input_ids or input_embeds should be provided.")
 
 
-def _generate_out(sim: Sim, gen: Generation, k: int, started: float, lp: tuple[bool, int, int, bool],
+@dataclass(frozen=True)
+class Asked:
+    """What a ``/generate`` request asks of its ``meta_info`` beyond the counts: logprobs (``return_logprob``,
+    ``top_logprobs_num``, ``logprob_start_len``, ``return_text_in_logprobs``, ``token_ids_logprob``) and the
+    sampling mask (``return_sampling_mask``: greedy, so each step's mask is its one token), the flat raw top
+    logprobs (:func:`_flat`), a beam search (``beam_width``: its one beam is the generation)."""
+
+    logprob: bool
+    top_n: int
+    start_len: int
+    with_text: bool
+    token_ids: tuple[int, ...]
+    sampling_mask: bool
+    flat: tuple[bool, bool, bool] = (False, False, False)
+    beam_width: Any = None
+
+
+def _generate_out(sim: Sim, gen: Generation, k: int, started: float, lp: Asked,
                   rid: str | None, *, final: bool) -> dict[str, Any]:
-    return_logprob, top_n, start_len, with_text = lp
+    return_logprob, top_n, start_len, with_text = lp.logprob, lp.top_n, lp.start_len, lp.with_text
     meta: dict[str, Any] = {
         "id": rid or sim.new_id(),
         "finish_reason": gen.finish if final else None,
@@ -155,22 +234,38 @@ def _generate_out(sim: Sim, gen: Generation, k: int, started: float, lp: tuple[b
         meta["output_token_logprobs"] = probs.output_token[:k]
         meta["output_token_logprobs_length"] = k
         if top_n > 0:
-            meta["input_top_logprobs"] = probs.input_top
-            meta["output_top_logprobs"] = probs.output_top[:k]
+            flat_in, flat_out, b64 = lp.flat
+            meta.update(_flat("input", probs.input_top, top_n, b64) if flat_in
+                        else {"input_top_logprobs": probs.input_top})
+            meta.update(_flat("output", probs.output_top[:k], top_n, b64) if flat_out
+                        else {"output_top_logprobs": probs.output_top[:k]})
+        if lp.token_ids:
+            inputs, outputs = token_ids_logprobs(gen, lp.token_ids, start_len if sim.mode != "decode" else -1)
+            meta["input_token_ids_logprobs"] = inputs
+            meta["output_token_ids_logprobs"] = outputs[:k]
+    if lp.sampling_mask:
+        meta["output_token_sampling_mask"] = [[t] for t in gen.output_ids[:k]]
+        meta["output_token_sampling_logprobs"] = [0.0] * k
+        meta["output_token_sampling_mask_length"] = k
     meta.update(reasoning_tokens=0, completion_tokens=k, cached_tokens=gen.cached_tokens)
     if final:
         meta["weight_versions"] = [{"version": "default", "start": 0, "end": k}]
     meta["cached_tokens_details"] = {"device": gen.cached_tokens, "host": 0} if gen.cached_tokens else None
     meta["dp_rank"] = None
-    if final:
+    text = gen.texts[k - 1] if k else ""
+    if final and num(lp.beam_width) and lp.beam_width > 1:  # the beam search's answer: its beams, no latency
+        meta["sequence_score"] = sum(e[0] for e in logprobs(sim.vocab, gen, start_len=-1, top_n=0,
+                                                             with_text=False).output_token)
+        meta["beam_results"] = [{"output_ids": gen.output_ids[:k], "text": text, "meta_info": dict(meta)}]
+    elif final:
         meta["e2e_latency"] = time.perf_counter() - started
     else:
         meta["response_sent_to_client_ts"] = time.time()
-    return {"text": gen.texts[k - 1] if k else "", "output_ids": gen.output_ids[:k], "meta_info": meta}
+    return {"text": text, "output_ids": gen.output_ids[:k], "meta_info": meta}
 
 
 def _generate_events(sim: Sim, gens: list[Generation], batch: bool, started: float,
-                     lp: tuple[bool, int, int, bool], rid: str) -> Iterator[dict[str, Any]]:
+                     lp: Asked, rid: str) -> Iterator[dict[str, Any]]:
     for index, gen in enumerate(gens):
         request_id = rid if len(gens) == 1 else sim.new_id()
         n = gen.completion_tokens

@@ -6,7 +6,10 @@ Part of :mod:`pytest_sglworker.sim`; stdlib only. Requests are checked as sglang
 adapters do (the error envelopes of :mod:`.common`); a PD server's completions go through the handshake of
 :mod:`.pd` (the prefill side answers with its first token only). A chat whose last message is the assistant's
 is continued with ``continue_final_message`` (:func:`final_message`, as sglang 0.5.23's
-``_handle_last_assistant_message``).
+``_handle_last_assistant_message``). sglang's extras are honoured as it honours them: ``input_ids`` (the chat's
+prompt), ``stop_token_ids`` and ``stop_regex``, ``return_token_ids`` / ``return_prompt_token_ids`` /
+``return_meta_info`` and the ``sglext`` ids, ``stream_options.continuous_usage_stats``; what the server was not
+launched for is refused (:mod:`.checks`).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from ..tokens import (
     prompt_seed,
     render_chat,
 )
+from .checks import chat_options, embedding_options, server_features
 from .common import (
     NOT_EMBEDDING,
     Abort,
@@ -43,6 +47,7 @@ from .common import (
     num,
     openai_usage,
     pace,
+    stop_options,
     verify_sampling,
 )
 from .generate import request_grammar
@@ -76,6 +81,10 @@ def _openai_params(req: dict[str, Any]) -> tuple[int | None, list[str], bool, in
         max_tokens = int_field(req.get("max_tokens"), "max_tokens")
     n = req.get("n", 1)
     n = 1 if n is None else n
+    if n == 0 and not isinstance(n, bool):  # sglang 0.5.23 lets it through: one choice streamed, a range() step
+        if req.get("stream"):                # error otherwise
+            return max_tokens, as_stop_list(req.get("stop")), bool(req.get("ignore_eos", False)), 1
+        raise BadRequest("range() arg 3 must not be zero", kind="BadRequest")
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise BadRequest(f"1 validation error:\n  n: Input should be greater than or equal to 1, got {n!r}",
                          validation=True)
@@ -88,6 +97,15 @@ def _openai_sampling(req: dict[str, Any], max_tokens: int | None) -> dict[str, A
     if max_tokens is not None:
         params["max_new_tokens"] = max_tokens
     return params
+
+
+def _stream_usage(sim: Sim, req: dict[str, Any]) -> tuple[bool, bool]:
+    """sglang's ``should_include_usage``: (a usage chunk at the end, usage in every content chunk)."""
+    options = req.get("stream_options")
+    default = bool(sim.plan.args.get("stream_response_default_include_usage"))
+    if isinstance(options, dict) and options:
+        return bool(options.get("include_usage")) or default, bool(options.get("continuous_usage_stats"))
+    return default, False
 
 
 _FORMATS = ("text", "json_object", "json_schema", "structural_tag")
@@ -167,13 +185,17 @@ def chat(ctx: Request) -> None:
                              validation=True)
         not_generation(sim)
         max_tokens, stop, ignore_eos, n = _openai_params(req)
+        chat_options(req)
         grammar = openai_grammar(req, chat=True)
         texts = [message_text(m) for m in messages]
         messages, prefix = final_message(messages, bool(req.get("continue_final_message")))
         if not messages:
             raise BadRequest("Cannot apply chat template to an empty conversation. Provide at least one message.",
                              kind="BadRequest")
-        if sim.vocab.real:
+        ids = req.get("input_ids")
+        if isinstance(ids, list) and ids and all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+            prompt = source = list(ids)  # sglang's extra: the prompt's tokens, in place of the rendered template
+        elif sim.vocab.real:
             prompt = sim.vocab.encode(render_chat(messages, sim.plan.model.chat_template), add_special_tokens=False)
             if prefix:
                 prompt += sim.vocab.encode(prefix, add_special_tokens=False)
@@ -183,10 +205,13 @@ def chat(ctx: Request) -> None:
             source = prompt
         check_length(sim, prompt, max_tokens)
         verify_sampling(_openai_sampling(req, max_tokens), sim.vocab.vocab_size, as_float=True)
+        server_features(sim, req)
         want_logprobs = bool(req.get("logprobs"))
         top_n = int(req.get("top_logprobs") or 0)
         output = constrained_text(grammar, prompt_seed(prompt))
-        gens = [sim.generate(prompt, source, max_tokens, stop, ignore_eos, constraint=output) for _ in range(n)]
+        stop_ids, stop_regex = stop_options(req)
+        gens = [sim.generate(prompt, source, max_tokens, stop, ignore_eos, stop_ids, constraint=output,
+                             stop_regex=stop_regex) for _ in range(n)]
         handshake(sim, req, rid, gens[0])
     except BadRequest as exc:
         ctx.bad(exc, openai=True)
@@ -203,12 +228,17 @@ def chat(ctx: Request) -> None:
     model = req.get("model") or sim.plan.served_model_name
     created = int(time.time())
     usage = openai_usage(gens[0].prompt_tokens, sum(g.completion_tokens for g in gens))
+    sglext: dict[str, Any] = {}
+    if req.get("return_input_ids_in_sglext"):
+        sglext["input_ids"] = prompt
+    if req.get("return_output_ids_in_sglext"):
+        sglext["output_ids"] = [g.output_ids for g in gens]
     if req.get("stream"):
-        options = req.get("stream_options") or {}
-        include_usage = isinstance(options, dict) and bool(options.get("include_usage"))
+        include_usage, continuous = _stream_usage(sim, req)
         ctx.stream(_chat_events(sim, gens, rid, created, model, usage if include_usage else None,
-                                want_logprobs, top_n))
+                                want_logprobs, top_n, continuous=continuous, sglext=sglext))
         return
+    started = time.perf_counter()
     pace(sim, max(g.completion_tokens for g in gens))
     choices = []
     for index, gen in enumerate(gens):
@@ -220,14 +250,33 @@ def chat(ctx: Request) -> None:
         choices.append({"index": index, "message": {"role": "assistant", "content": gen.text,
                                                     "reasoning_content": None},
                         "logprobs": probs, "finish_reason": reason, "matched_stop": matched})
-    ctx.json(200, {"id": rid, "object": "chat.completion", "created": created, "model": model,
-                   "choices": choices, "usage": usage,
-                   "metadata": {"weight_version": "default", "weight_versions": [
-                       {"version": "default", "start": 0, "end": gens[0].completion_tokens}]}})
+        if req.get("return_prompt_token_ids") or req.get("return_token_ids"):
+            choices[-1]["prompt_token_ids"] = gen.prompt_ids
+        if req.get("return_token_ids"):
+            choices[-1]["response_token_ids"] = gen.output_ids
+        if req.get("return_meta_info"):
+            choices[-1]["meta_info"] = _meta_info(rid, gen, started)
+    answer = {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices,
+              "usage": usage, "metadata": {"weight_version": "default", "weight_versions": [
+                  {"version": "default", "start": 0, "end": gens[0].completion_tokens}]}}
+    if sglext:
+        answer["sglext"] = sglext
+    ctx.json(200, answer)
+
+
+def _meta_info(rid: str, gen: Generation, started: float) -> dict[str, Any]:
+    """A choice's ``meta_info`` (``return_meta_info``): the engine's, as ``/generate`` answers it."""
+    k = gen.completion_tokens
+    return {"id": rid, "finish_reason": gen.finish, "prompt_tokens": gen.prompt_tokens, "weight_version": "default",
+            "num_retractions": 0, "reasoning_tokens": 0, "completion_tokens": k, "cached_tokens": gen.cached_tokens,
+            "weight_versions": [{"version": "default", "start": 0, "end": k}],
+            "cached_tokens_details": {"device": gen.cached_tokens, "host": 0} if gen.cached_tokens else None,
+            "dp_rank": None, "e2e_latency": time.perf_counter() - started, "response_sent_to_client_ts": time.time()}
 
 
 def _chat_events(sim: Sim, gens: list[Generation], rid: str, created: int, model: str, usage: dict[str, Any] | None,
-                 want_logprobs: bool, top_n: int) -> Iterator[dict[str, Any]]:
+                 want_logprobs: bool, top_n: int, *, continuous: bool = False,
+                 sglext: dict[str, Any] | None = None) -> Iterator[dict[str, Any]]:
     def chunk(index: int, delta: dict[str, Any], probs: Any = None, reason: str | None = None,
               matched: Any = None) -> dict[str, Any]:
         return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
@@ -243,9 +292,15 @@ def _chat_events(sim: Sim, gens: list[Generation], rid: str, created: int, model
                 continue
             pace(sim, 1)
             probs = {"content": [openai_chat_logprob(vocab, gen, k, top_n)]} if want_logprobs else None
-            yield chunk(index, {"reasoning_content": None, "content": text}, probs)
+            event = chunk(index, {"reasoning_content": None, "content": text}, probs)
+            if continuous:
+                event["usage"] = openai_usage(gen.prompt_tokens, k + 1)
+            yield event
         reason, matched = gen.openai_finish()
         yield chunk(index, {"reasoning_content": None}, None, reason, matched)
+    if sglext:
+        yield {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [],
+               "usage": None, "sglext": sglext}
     if usage is not None:
         yield {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [],
                "usage": usage}
@@ -278,19 +333,27 @@ def completions(ctx: Request) -> None:
         max_tokens, stop, ignore_eos, n = _openai_params(req)
         if max_tokens is None:
             max_tokens = 16  # the OpenAI completions default
+        if max_tokens <= 0:
+            raise BadRequest("1 validation error:\n  {'type': 'value_error', 'loc': ('body', 'max_tokens'), 'msg': "
+                             "'Value error, max_tokens must be positive', 'input': " f"{max_tokens}, 'ctx': "
+                             "{'error': ValueError('max_tokens must be positive')}}\n\n    POST /v1/completions",
+                             validation=True)
         for _, ids in prompts:
             check_length(sim, ids, max_tokens)
         verify_sampling(_openai_sampling(req, max_tokens), sim.vocab.vocab_size, as_float=True)
+        server_features(sim, req)
         grammar = openai_grammar(req, chat=False)
         echo = bool(req.get("echo", False))
         top = req.get("logprobs")
         want_logprobs = top is not None and top is not False
         top_n = int(top) if num(top) else 0
         gens: list[tuple[str, Generation]] = []
+        stop_ids, stop_regex = stop_options(req)
         for text, ids in prompts:
             output = constrained_text(grammar, prompt_seed(ids))
             for _ in range(n):
-                gens.append((text, sim.generate(ids, None, max_tokens, stop, ignore_eos, constraint=output)))
+                gens.append((text, sim.generate(ids, None, max_tokens, stop, ignore_eos, stop_ids, constraint=output,
+                                                stop_regex=stop_regex)))
         handshake(sim, req, rid, gens[0][1])
     except BadRequest as exc:
         ctx.bad(exc, openai=True)
@@ -307,12 +370,13 @@ def completions(ctx: Request) -> None:
     model = req.get("model") or sim.plan.served_model_name
     created = int(time.time())
     usage = openai_usage(sum(g.prompt_tokens for _, g in gens[::n]), sum(g.completion_tokens for _, g in gens))
+    token_ids = bool(req.get("return_token_ids"))
     if req.get("stream"):
-        options = req.get("stream_options") or {}
-        include_usage = isinstance(options, dict) and bool(options.get("include_usage"))
+        include_usage, continuous = _stream_usage(sim, req)
         stream_usage = openai_usage(usage["prompt_tokens"], usage["completion_tokens"], details=False)
         ctx.stream(_completion_events(sim, gens, echo, rid, created, model,
-                                      stream_usage if include_usage else None, want_logprobs, top_n))
+                                      stream_usage if include_usage else None, want_logprobs, top_n,
+                                      continuous=continuous, token_ids=token_ids))
         return
     pace(sim, max(g.completion_tokens for _, g in gens))
     choices = []
@@ -322,6 +386,8 @@ def completions(ctx: Request) -> None:
         probs = openai_completion_logprobs(sim.vocab, gen, top_n, echo=echo) if want_logprobs else None
         choices.append({"index": index, "text": out, "logprobs": probs, "finish_reason": reason,
                         "matched_stop": matched})
+        if token_ids:
+            choices[-1].update(token_ids=gen.output_ids, prompt_token_ids=gen.prompt_ids)
     ctx.json(200, {"id": rid, "object": "text_completion", "created": created, "model": model,
                    "choices": choices, "usage": usage,
                    "metadata": {"weight_version": "default", "weight_versions": [
@@ -329,8 +395,8 @@ def completions(ctx: Request) -> None:
 
 
 def _completion_events(sim: Sim, gens: list[tuple[str, Generation]], echo: bool, rid: str, created: int, model: str,
-                       usage: dict[str, Any] | None, want_logprobs: bool,
-                       top_n: int) -> Iterator[dict[str, Any]]:
+                       usage: dict[str, Any] | None, want_logprobs: bool, top_n: int, *,
+                       continuous: bool = False, token_ids: bool = False) -> Iterator[dict[str, Any]]:
     def chunk(index: int, text: str, probs: Any, reason: str | None = None, matched: Any = None) -> dict[str, Any]:
         return {"id": rid, "object": "text_completion", "created": created, "model": model,
                 "choices": [{"index": index, "text": text, "logprobs": probs, "finish_reason": reason,
@@ -345,9 +411,16 @@ def _completion_events(sim: Sim, gens: list[tuple[str, Generation]], echo: bool,
             last = k == len(deltas) - 1
             if echo and k == 0:
                 delta = text + delta
-            probs = (openai_completion_logprobs(vocab, gen, top_n, echo=False, indices=[k])
+            probs = (openai_completion_logprobs(vocab, gen, top_n, echo=echo and k == 0, indices=[k])
                      if want_logprobs and gen.output_ids else None)
-            yield chunk(index, delta, probs, reason if last else None, matched if last else None)
+            event = chunk(index, delta, probs, reason if last else None, matched if last else None)
+            if token_ids:
+                event["choices"][0]["token_ids"] = gen.output_ids[k:k + 1]
+                if k == 0:
+                    event["choices"][0]["prompt_token_ids"] = gen.prompt_ids
+            if continuous:
+                event["usage"] = openai_usage(gen.prompt_tokens, min(k + 1, gen.completion_tokens))
+            yield event
     if usage is not None:
         yield {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [],
                "usage": usage}
@@ -432,6 +505,8 @@ def embeddings(ctx: Request) -> None:
             raise missing("input", "/v1/embeddings", req)
         if not plan.is_embedding:
             raise BadRequest(NOT_EMBEDDING)
+        embedding_options(req)
+        server_features(sim, req)
         if req.get("dimensions") is not None:
             raise BadRequest(f"Model '{plan.served_model_name}' does not support matryoshka representation, "
                              "changing output dimensions will lead to poor results.")

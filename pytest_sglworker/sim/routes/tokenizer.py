@@ -42,14 +42,26 @@ def detokenize(ctx: Request) -> None:
         if "tokens" not in req:
             raise missing("tokens", "/detokenize", req)
         tokens = req["tokens"]
-        if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+
+        def ints(row: Any) -> bool:
+            return isinstance(row, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in row)
+
+        if not ints(tokens) and not (isinstance(tokens, list) and all(ints(row) for row in tokens)):
             raise BadRequest("1 validation error:\n  tokens: Input should be a valid list of integers",
                              validation=True)
     except BadRequest as exc:
         ctx.bad(exc, openai=True)
         return
     skip = bool(req.get("skip_special_tokens", True))
-    ctx.json(200, {"text": sim.vocab.decode(tokens, skip_special_tokens=skip)})
+    try:
+        if tokens and isinstance(tokens[0], list):  # a batch: one text per list
+            text: Any = [sim.vocab.decode(row, skip_special_tokens=skip) for row in tokens]
+        else:
+            text = sim.vocab.decode(tokens, skip_special_tokens=skip) if tokens else ""
+    except (OverflowError, ValueError, TypeError, IndexError, KeyError) as exc:  # e.g. a negative id: sglang's 500
+        ctx.openai_error(500, f"Internal server error during detokenization: {exc}", "InternalServerError")
+        return
+    ctx.json(200, {"text": text})
 
 
 def score(ctx: Request) -> None:
