@@ -641,6 +641,8 @@ class WorkerPool:
             self._busy[group_id] = _Entry(group, lease, leased_at, records, poolable=not fresh, envs=envs,
                                           environ=prepared.environ, keeper=keeper)
             stats.launches += 1
+            # a wait for a port block is a wait for the launch's resources, as the GPU lease's is
+            stats.lease_wait_seconds += sum(m.port_block.waited for m in members if m.port_block is not None)
             if ready:
                 stats.startup_seconds.append(max(ready))  # a group is ready when its slowest member is
             with contextlib.suppress(Exception):  # bookkeeping for the report must never fail a test
