@@ -284,15 +284,18 @@ class WorkerPool:
             self._read_states(entry)
         return group
 
-    def release(self, group: WorkerGroup, *, failed: bool = False) -> None:
-        """Give a group back after a test; it stays pooled when reuse is on and every member is alive."""
+    def release(self, group: WorkerGroup, *, failed: bool = False, needed_next: bool = False) -> None:
+        """Give a group back after a test; it stays pooled when reuse is on and every member is alive, and no other
+        process waits for a GPU, unless ``needed_next`` (the next test of this process needs it: given back to a
+        waiter, it would be launched again at once, a startup per test for as long as anyone waits)."""
         with self._lock:
             entry = self._busy.pop(group.id, None)
         if entry is None:
             return
         entry.tainted = entry.tainted or failed
         entry.last_used = time.monotonic()
-        if self.reuse and entry.poolable and group.is_alive() and not self._others_wait() and self._set_back(entry):
+        if self.reuse and entry.poolable and group.is_alive() and (needed_next or not self._others_wait()) \
+                and self._set_back(entry):
             with self._lock:
                 self._idle[group.id] = entry
         else:
@@ -492,6 +495,21 @@ class WorkerPool:
         if adopted is None:
             return None
         return _Entry(adopted.group, adopted.lease, time.monotonic(), adopted.records)
+
+    def yield_idle(self, *, keep: WorkerConfig | None = None) -> None:
+        """When another process waits for a GPU, retire the idle groups this process has no known use for: not
+        ``keep`` (the next test's configuration), not one launched ahead for a test to come. Called after each
+        test: an idle group pooled before anyone waited would otherwise hold its GPUs while this process runs
+        other configurations (under xdist a process rarely knows a configuration's last test of its own)."""
+        with self._lock:
+            spare = [key for key, e in self._idle.items() if e.config != keep and not e.launched_ahead]
+        if not spare or not self._others_wait():
+            return
+        for key in spare:
+            with self._lock:
+                entry = self._idle.pop(key, None)
+            if entry is not None:
+                self._retire(entry, failed=entry.tainted)
 
     def groups(self) -> list[WorkerGroup]:
         with self._lock:
