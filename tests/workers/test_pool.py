@@ -329,3 +329,16 @@ def test_a_session_keeps_the_group_its_next_test_needs_while_another_process_wai
     result.assert_outcomes(passed=4)
     launches = {w["label"]: w["launches"] for w in json.loads(report.read_text())["workers"].values()}
     assert launches == {"qwen3-0.6b --max-total-tokens 512": 1, "qwen3-0.6b --max-total-tokens 1024": 1}, launches
+
+
+def test_a_process_that_comes_to_wait_during_a_startup_gets_the_idle_groups(  # type: ignore[no-untyped-def]
+        make_pool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An idle group is given back to a process that starts waiting for a GPU while this one starts another
+    configuration (a startup of seconds: nothing else would hand it back before the next test's end)."""
+    pool = make_pool(gpus=2)
+    idle = pool.acquire(WorkerConfig.of(QWEN, ["--max-total-tokens", "256"]), holder="a")
+    pool.release(idle)
+    _another_process_waits(tmp_path / "locks", 2)
+    monkeypatch.setenv("SGLSIM_STARTUP_SECONDS", "1.5")  # the launch's wait reports its progress once a second
+    started = pool.acquire(WorkerConfig.of(QWEN, ["--max-total-tokens", "512"]), holder="b")
+    assert started[0].is_alive() and not idle[0].is_alive() and idle not in pool.groups()
