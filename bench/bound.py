@@ -25,11 +25,11 @@ sim:8``), startups and test times scaled by :data:`SCALE` from what they would b
 
 Each under ``-n 8`` and ``-n 4``, with the plugin's scheduler (plain ``-n``), the same with the pool as it was
 before issue 33's fixes (``before``: bench/previous_pool.py patched into each pytest process), xdist's ``--dist
-load`` and ``--dist loadgroup``, in rounds, the order rotated from round to round, so that load on the machine hits every
-variant alike. From each run's ``--sgl-report`` the script also reads where the time went: the GPUs' busy share
-of the run (GPU-seconds leased over GPUs x the span from the first lease request to the last release), the
-launches, the seconds the launches waited for a lease, and the *tail*: how long the last configuration ran
-alone after every other GPU had been given back.
+load`` and ``--dist loadgroup``, in rounds, the order rotated from round to round, so that load on the machine hits
+every variant alike. From each run's ``--sgl-report`` the script also reads where the time went: the GPUs' busy
+share of the run (GPU-seconds leased over GPUs x the span from the first lease request to the last release), the
+launches, the seconds the launches waited for a lease, and the *tail*: how long the last configuration ran alone
+after every other GPU had been given back.
 """
 
 from __future__ import annotations
