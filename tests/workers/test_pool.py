@@ -335,10 +335,14 @@ def test_a_process_that_comes_to_wait_during_a_startup_gets_the_idle_groups(  # 
         make_pool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """An idle group is given back to a process that starts waiting for a GPU while this one starts another
     configuration (a startup of seconds: nothing else would hand it back before the next test's end)."""
-    pool = make_pool(gpus=2)
+    pool = make_pool(gpus=4)
     idle = pool.acquire(WorkerConfig.of(QWEN, ["--max-total-tokens", "256"]), holder="a")
     pool.release(idle)
-    _another_process_waits(tmp_path / "locks", 2)
-    monkeypatch.setenv("SGLSIM_STARTUP_SECONDS", "1.5")  # the launch's wait reports its progress once a second
+    _another_process_waits(tmp_path / "locks", 4)
+    monkeypatch.setenv("SGLSIM_STARTUP_SECONDS", "1.5")  # the launch's wait looks about once a second
     started = pool.acquire(WorkerConfig.of(QWEN, ["--max-total-tokens", "512"]), holder="b")
     assert started[0].is_alive() and not idle[0].is_alive() and idle not in pool.groups()
+    # a group's members start on threads of their own; the main thread looks while it waits for them
+    pool.release(started, needed_next=True)
+    group = pool.acquire(WorkerConfig.of(QWEN, group=GroupShape(prefill=1, decode=1)), holder="pd")
+    assert group.is_alive() and not started[0].is_alive() and started not in pool.groups()
