@@ -1,8 +1,12 @@
 """A launcher script for the tests of a port taken between its reservation and the bind: before it runs the
 real module, it lets a foreign process (no owner tag, not a descendant) listen on the port it was given, once
-(the file named by ``GRAB_FLAG`` records the port and the foreign pid)."""
+(the file named by ``GRAB_FLAG`` records the port and the foreign pid). And :func:`free_port_block`, for tests that
+pin a port themselves (a ``base_url``)."""
 
 from __future__ import annotations
+
+import random
+import socket
 
 _TEMPLATE = r'''
 """A launcher that lets a foreign process take the port just before @MODULE@ binds it (once)."""
@@ -55,3 +59,21 @@ runpy.run_module("@MODULE@", run_name="__main__", alter_sys=True)
 def grab_launcher(module: str) -> str:
     """The launcher's source: it grabs the ``--port`` it is given, then runs ``python -m module``."""
     return _TEMPLATE.replace("@MODULE@", module)
+
+
+def free_port_block() -> int:
+    """An aligned port whose block of 4 is free now, below the ephemeral range (the plugin's default range)."""
+    rng = random.Random()
+    for _ in range(200):
+        port = 20000 + 4 * rng.randrange(0, 3000)
+        ok = True
+        for p in range(port, port + 4):
+            with socket.socket() as sock:
+                try:
+                    sock.bind(("127.0.0.1", p))
+                except OSError:
+                    ok = False
+                    break
+        if ok:
+            return port
+    raise RuntimeError("no free port block found")

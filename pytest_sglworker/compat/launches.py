@@ -209,24 +209,6 @@ def _settle(worker: ModelInstance) -> bool:
     return worker.is_alive()
 
 
-def _only_closed_connections(port: int) -> bool:
-    """Whether ``port`` cannot be bound plainly yet nobody listens there: connections of an earlier server linger
-    in TIME_WAIT (sglang binds with SO_REUSEADDR and would start; the plugin's port check waits them out)."""
-    import errno
-    import socket
-
-    def bindable(reuse: bool) -> bool:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, int(reuse))
-            try:
-                sock.bind((LOOPBACK_HOST, port))
-            except OSError as exc:
-                return exc.errno != errno.EADDRINUSE
-            return True
-
-    return bindable(True) and not bindable(False)
-
-
 def _tee(path: Path, sink: Any, stop: threading.Event) -> None:
     """Copy the worker's log, from its start, into ``sink`` (``return_stdout_stderr``) until ``stop`` is set."""
     try:
@@ -363,11 +345,7 @@ class CompatRuntime:
             rejected = session.check_flags({f"popen_launch_server({model!r}) in {where}": (spec, tuple(args))})
             if rejected:
                 raise CompatError("\n".join(rejected.values()))
-        if _only_closed_connections(port):
-            session.terminal.message(
-                f"pytest_sglworker.compat: {where}: port {port} of {base_url} still holds closed connections of an "
-                "earlier server (TIME_WAIT, up to 60 s); the plugin's port check waits for them to expire")
-        options, guards = self._pinned(port, timeout)
+        options, guards = self._pinned(port, timeout, base_url=base_url, where=where)
         request = GroupRequest(config, f"{owner} (pid {os.getpid()})", fresh=True, launch=True, options=options,
                                budget_opt_out=bool(reason), environ=environ)
         try:
@@ -397,28 +375,62 @@ class CompatRuntime:
                              name=f"sglworker-compat-tee-{port}", daemon=True).start()
         return ServerProcess(self, launch.worker, base_url)
 
-    def _pinned(self, port: int, timeout: float) -> tuple[Any, list[PortBlock]]:
+    def _pinned(self, port: int, timeout: float, *, base_url: str, where: str) -> tuple[Any, list[PortBlock]]:
         """The launch options that pin the worker's port block to ``port`` and the ports after it, and the guard
-        blocks: the session's own aligned blocks that overlap it, held so that no pooled worker is handed them."""
+        blocks: the session's own aligned blocks that overlap it, held so that no pooled worker is handed them.
+
+        The ports are checked as the engine binds them (``SO_REUSEADDR``): the closed connections that the
+        previous class's server on the same URL left (``TIME_WAIT``) do not hold the next one up. A wait for the
+        block (another process's server on the same URL) is said whatever the verbosity, and counted as a lease
+        wait. A second launch on ports this session's own server still holds is an error at once."""
         base = self.session.launch_options()
         low, high = base.port_range or default_port_range()
-        guards: list[PortBlock] = []
         last = port + PORT_BLOCK_SIZE - 1
+        starts: list[int] = []
         if port <= high and last >= low:
             first = low + (max(port, low) - low) // PORT_BLOCK_SIZE * PORT_BLOCK_SIZE
-            try:
-                for start in range(first, last + 1, PORT_BLOCK_SIZE):
-                    if start != port and start + PORT_BLOCK_SIZE - 1 <= high:
-                        guards.append(reserve_port_block(
-                            self.session.lock_dir(), size=PORT_BLOCK_SIZE,
-                            port_range=(start, start + PORT_BLOCK_SIZE - 1), timeout=base.port_wait_timeout,
-                            on_wait=base.on_port_wait))
-            except BaseException:
-                for guard in guards:
-                    guard.release()
-                raise
+            starts = [start for start in range(first, last + 1, PORT_BLOCK_SIZE)
+                      if start != port and start + PORT_BLOCK_SIZE - 1 <= high]
+        self._check_not_held([(port, last)] + [(start, start + PORT_BLOCK_SIZE - 1) for start in starts],
+                             base_url=base_url, where=where)
+
+        def on_wait(text: str) -> None:
+            self.session.terminal.message(f"pytest_sglworker.compat: {where}: port {port} of {base_url}: {text}",
+                                          always=True)
+
+        guards: list[PortBlock] = []
+        try:
+            for start in starts:
+                guards.append(reserve_port_block(
+                    self.session.lock_dir(), size=PORT_BLOCK_SIZE, port_range=(start, start + PORT_BLOCK_SIZE - 1),
+                    timeout=base.port_wait_timeout, on_wait=on_wait, reuse_addr=True))
+        except BaseException:
+            for guard in guards:
+                guard.release()
+            raise
         startup = float(timeout) if timeout and float(timeout) > 0 else base.startup_timeout
-        return dataclasses.replace(base, port_range=(port, last), port_retries=1, startup_timeout=startup), guards
+        return dataclasses.replace(base, port_range=(port, last), port_retries=1, startup_timeout=startup,
+                                   reuse_addr=True, on_port_wait=on_wait), guards
+
+    def _check_not_held(self, ranges: Sequence[tuple[int, int]], *, base_url: str, where: str) -> None:
+        """Refuse at once a launch on ports a server of this session still holds: its port block would wait for
+        this very process until the lease timeout. A server that is gone already (ended by sglang's own
+        ``kill_process_tree``) is given back now, a stop, and its ports are free again."""
+        def overlaps(launch: _Launch) -> bool:
+            held = [(launch.worker.port, launch.worker.port + PORT_BLOCK_SIZE - 1)]
+            held += [(guard.ports[0], guard.ports[-1]) for guard in launch.guards if not guard.released]
+            return any(lo <= h_hi and hi >= h_lo for lo, hi in ranges for h_lo, h_hi in held)
+
+        for launch in [launch for launch in self.launches.values() if overlaps(launch)]:
+            worker = launch.worker
+            if worker.stopped or not _settle(worker):
+                self._give_back(launch, after=f"a new launch on {base_url}")
+                continue
+            raise CompatError(
+                f"popen_launch_server in {where}: base_url {base_url} is still served by {worker.describe()}, "
+                f"which {launch.owner} launched: this test already holds that port, and a second server there "
+                "would wait for it until the lease timeout. End the first server before launching again "
+                "(kill_process_tree(process.pid)), or give the second one another base_url")
 
     def _remember_on(self, item: pytest.Item) -> None:
         seen = item.stash.setdefault(WORKERS_KEY, [])

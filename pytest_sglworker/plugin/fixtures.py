@@ -24,6 +24,7 @@ from ..errors import InventoryUnavailable, SglWorkerError
 from ..workers.sources.base import GroupRequest, GroupUse, SourceRefusal
 from .keys import (
     CONFIG_KEY,
+    NEXT_KEY,
     REPORTS_KEY,
     SHOWN_KEY,
     SIGNALS_KEY,
@@ -32,7 +33,7 @@ from .keys import (
     item_spec,
     router_group_fixture,
 )
-from .markers import RouterMarker, WorkerMarker, WorkersMarker, opt_out_reason
+from .markers import RouterMarker, WorkerMarker, WorkersMarker, opt_out_reason, poolable
 from .session import SglSession, state_of
 
 if TYPE_CHECKING:
@@ -131,11 +132,18 @@ def _give_back(request: pytest.FixtureRequest, group: WorkerGroup, *, check_deat
     # keep the logs, and do not raise from here (a failure raised at session finish crashes pytest).
     use = GroupUse(request.node.nodeid, "interrupted" if call is None else call.outcome,
                    getattr(call, "start", None), getattr(call, "stop", None),
-                   last_use=request.node.nodeid in session.last_users, check_deaths=check_deaths,
+                   last_use=request.node.nodeid in session.last_users, next_config=_next_config(request.node),
+                   check_deaths=check_deaths,
                    signals=tuple(request.node.stash.get(SIGNALS_KEY, ())))
     failure = session.source.give_back(group, use)
     if failure is not None:
         _fail_from(request, failure)
+
+
+def _next_config(item: pytest.Item) -> WorkerConfig | None:
+    """The configuration the test this process runs next takes from the pool, if any."""
+    nextitem = item.stash.get(NEXT_KEY, None)
+    return nextitem.stash.get(CONFIG_KEY, None) if nextitem is not None and poolable(nextitem) else None
 
 
 @contextlib.contextmanager

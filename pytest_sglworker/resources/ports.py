@@ -10,6 +10,12 @@ again before the block is handed out: a port somebody else listens on (or that l
 ``TIME_WAIT``) makes the block skipped. The first port is the HTTP port, the second the NCCL port
 (``--nccl-port``); the rest are spare for ports the engine derives.
 
+A caller that must have one particular block (a port pinned by a test's URL) and whose engine binds its ports with
+``SO_REUSEADDR`` (uvicorn, zmq and torch's store all do) passes ``reuse_addr=True``: the check binds the same way,
+so a port that holds only closed connections of an earlier server (``TIME_WAIT``, up to 60 s after it ended)
+counts as free, as it is for the engine, while a port somebody listens on still does not. How long a reservation
+waited is :attr:`PortBlock.waited`.
+
 A process that finds no free block may wait for one (``timeout``), as GPU leases do: it says so with a flag
 file ``<lock_dir>/waiting-ports-<pid>`` (:func:`others_waiting_for_ports`; the bookkeeping, shared with the GPU
 leases, is :mod:`~pytest_sglworker.resources.waiters`), so that holders of idle pooled workers give their blocks
@@ -87,10 +93,13 @@ WAITING_PREFIX = PORTS_WAITING_PREFIX  # the flag prefix of a port waiter (see r
 class PortBlock:
     """A reserved block of ports: ``port`` (HTTP), ``nccl_port``, and ``ports`` (the whole block)."""
 
-    def __init__(self, ports: tuple[int, ...], *, host: str, lock: BaseFileLock, lock_path: Path) -> None:
+    def __init__(self, ports: tuple[int, ...], *, host: str, lock: BaseFileLock, lock_path: Path,
+                 waited: float = 0.0) -> None:
         self.ports = ports
         self.host = host
         self.lock_path = lock_path
+        #: seconds :func:`reserve_port_block` waited for this block (0 when it was free at once)
+        self.waited = waited
         self._lock: BaseFileLock | None = lock
         _HELD_BLOCKS.add(self)
 
@@ -180,8 +189,11 @@ def default_port_range(ephemeral_file: Path = _EPHEMERAL_FILE) -> tuple[int, int
     return _FALLBACK_RANGE
 
 
-def _port_is_free(host: str, port: int) -> bool:
-    """Bind ``port`` on every address of ``host`` (no SO_REUSEADDR), close at once; ``False`` if in use."""
+def _port_is_free(host: str, port: int, *, reuse_addr: bool = False) -> bool:
+    """Bind ``port`` on every address of ``host``, close at once; ``False`` if in use. Without ``reuse_addr`` the
+    bind is plain (a port in ``TIME_WAIT`` is in use); with it, ``SO_REUSEADDR`` as the engine's own bind (a port
+    somebody listens on, or holds bound without ``SO_REUSEADDR``, is in use; one with only closed connections is
+    not)."""
     import socket
 
     try:
@@ -195,7 +207,7 @@ def _port_is_free(host: str, port: int) -> bool:
         except OSError:
             continue  # address family not supported here (e.g. IPv6 disabled)
         with sock:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 0)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, int(reuse_addr))
             try:
                 sock.bind(address)
             except OSError as exc:
@@ -276,6 +288,7 @@ def reserve_port_block(
     notice_interval: float = 30.0,
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
+    reuse_addr: bool = False,
 ) -> PortBlock:
     """Reserve ``size`` consecutive free ports for one worker; hold them until ``release()``.
 
@@ -284,7 +297,9 @@ def reserve_port_block(
     <pytest_sglworker.resources.gpus.LeaseManager.acquire>` waits for GPUs: flagged in the lock directory (see
     :func:`others_waiting_for_ports`), with ``on_wait`` told when the wait starts and every
     ``notice_interval`` seconds. Raises :class:`PortUnavailable` naming the range and why each block was
-    skipped (reserved, in use, quarantined, an unusable lock file) when the time is up.
+    skipped (reserved, in use, quarantined, an unusable lock file) when the time is up. ``reuse_addr``: the
+    ports are checked the way an engine that binds with ``SO_REUSEADDR`` finds them (see the module docstring).
+    The block's :attr:`~PortBlock.waited` says how long the wait took.
     """
     if size < 2:
         raise ValueError(f"a port block needs at least 2 ports (HTTP and NCCL), not {size}")
@@ -305,10 +320,12 @@ def reserve_port_block(
     what = f"block of {size} ports in {low}-{high} on {host}"
     try:
         while True:
-            block, scan = _scan(lock_dir, low, size, blocks, host, avoid=FOREIGN_PORTS if port_range is None else ())
-            if block is not None:
-                return block
+            block, scan = _scan(lock_dir, low, size, blocks, host, avoid=FOREIGN_PORTS if port_range is None else (),
+                                reuse_addr=reuse_addr)
             now = clock()
+            if block is not None:
+                block.waited = now - start if waiting_flag is not None else 0.0
+                return block
             waited = now - start
             if waited >= timeout:
                 within = f" within {timeout:g} s" if timeout > 0 else ""
@@ -325,7 +342,7 @@ def reserve_port_block(
 
 
 def _scan(lock_dir: Path, low: int, size: int, blocks: int, host: str,
-          avoid: tuple[tuple[int, int], ...] = ()) -> tuple[PortBlock | None, _Scan]:
+          avoid: tuple[tuple[int, int], ...] = (), *, reuse_addr: bool = False) -> tuple[PortBlock | None, _Scan]:
     """One pass over the blocks, from a per-process start: the first free one, locked, or why there is none.
     Blocks that overlap a range of ``avoid`` are not looked at."""
     from filelock import FileLock, Timeout
@@ -352,7 +369,7 @@ def _scan(lock_dir: Path, low: int, size: int, blocks: int, host: str,
             continue
         ports = tuple(range(base, base + size))
         try:
-            busy = next((p for p in ports if not _port_is_free(host, p)), None)
+            busy = next((p for p in ports if not _port_is_free(host, p, reuse_addr=reuse_addr)), None)
         except BaseException:
             lock.release(force=True)
             raise

@@ -333,6 +333,9 @@ class LaunchOptions:
     #: how long to wait for a free port block when every block is held (the plugin uses the lease timeout)
     port_wait_timeout: float = 0.0
     on_port_wait: Callable[[str], None] | None = field(default=None, compare=False)
+    #: check the port block the way the engine binds it (``SO_REUSEADDR``): a port holding only closed connections
+    #: of an earlier server is free (for a port pinned by a test's URL, which the previous server just left)
+    reuse_addr: bool = False
     #: the session id the workers' owner tags name (None: this pytest process's); a group that may be kept warm
     #: (``--sgl-keep-warm``) names its keeper's, so that no janitor takes it for an orphan once the session ends
     owner_session: str | None = field(default=None, compare=False)
@@ -388,7 +391,7 @@ def spawn_worker(
                 state.ensure_private_dir(options.lock_dir or state.default_lock_dir(), what="lock directory",
                                          shared_ok=options.lock_dir is not None),  # as the plugin's GPU leases
                 port_range=options.port_range, size=PORT_BLOCK_SIZE, timeout=options.port_wait_timeout,
-                on_wait=options.on_port_wait,
+                on_wait=options.on_port_wait, reuse_addr=options.reuse_addr,
             )
             ports = dict(zip(kind.port_names, block.ports, strict=False))
         else:

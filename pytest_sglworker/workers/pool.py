@@ -287,15 +287,18 @@ class WorkerPool:
             self._read_states(entry)
         return group
 
-    def release(self, group: WorkerGroup, *, failed: bool = False) -> None:
-        """Give a group back after a test; it stays pooled when reuse is on and every member is alive."""
+    def release(self, group: WorkerGroup, *, failed: bool = False, needed_next: bool = False) -> None:
+        """Give a group back after a test; it stays pooled when reuse is on and every member is alive, and no other
+        process waits for a GPU, unless ``needed_next`` (the next test of this process needs it: given back to a
+        waiter, it would be launched again at once, a startup per test for as long as anyone waits)."""
         with self._lock:
             entry = self._busy.pop(group.id, None)
         if entry is None:
             return
         entry.tainted = entry.tainted or failed
         entry.last_used = time.monotonic()
-        if self.reuse and entry.poolable and group.is_alive() and not self._others_wait() and self._set_back(entry):
+        if self.reuse and entry.poolable and group.is_alive() and (needed_next or not self._others_wait()) \
+                and self._set_back(entry):
             with self._lock:
                 self._idle[group.id] = entry
         else:
@@ -497,6 +500,18 @@ class WorkerPool:
             return None
         return _Entry(adopted.group, adopted.lease, time.monotonic(), adopted.records)
 
+    def yield_idle(self, *, keep: WorkerConfig | None = None) -> None:
+        """When another process waits for a GPU, retire the idle groups with no known use (not ``keep``, the next
+        test's configuration, nor one launched ahead): pooled before anyone waited, they would hold their GPUs while
+        this process runs other configurations (under xdist it rarely knows a configuration's last test)."""
+        with self._lock:
+            spare = [key for key, e in self._idle.items() if e.config != keep and not e.launched_ahead]
+        if spare and self._others_wait():
+            with self._lock:
+                entries = [self._idle.pop(key) for key in spare if key in self._idle]
+            for entry in entries:
+                self._retire(entry, failed=entry.tainted)
+
     def groups(self) -> list[WorkerGroup]:
         with self._lock:
             return [e.group for e in list(self._busy.values()) + list(self._idle.values())]
@@ -645,6 +660,8 @@ class WorkerPool:
             self._busy[group_id] = _Entry(group, lease, leased_at, records, poolable=not fresh, envs=envs,
                                           environ=prepared.environ, keeper=keeper)
             stats.launches += 1
+            # a wait for a port block is a wait for the launch's resources, as the GPU lease's is
+            stats.lease_wait_seconds += sum(m.port_block.waited for m in members if m.port_block is not None)
             if ready:
                 stats.startup_seconds.append(max(ready))  # a group is ready when its slowest member is
             with contextlib.suppress(Exception):  # bookkeeping for the report must never fail a test
@@ -662,14 +679,22 @@ class WorkerPool:
                        lease: Lease | None = None) -> list[ModelInstance]:
         """Start every member; a group is ready after its slowest member, not the sum of their startups. The
         first member that fails stops the others at once and is the error raised. A lease that places its
-        members itself (``spawner``: a Ray placement group's bundles) starts member ``i`` in its part ``i``."""
+        members itself (``spawner``: a Ray placement group's bundles) starts member ``i`` in its part ``i``.
+        While a test's own launch starts (not ``quiet``: on the main thread), idle groups are given back to a
+        process that comes to wait for a GPU meanwhile (:meth:`yield_idle`), about once a second."""
+        def while_starting(target: Any, elapsed: float) -> None:  # a single member's wait, on the main thread
+            if self.on_progress is not None:
+                self.on_progress(target, elapsed)
+            self.yield_idle(keep=config)
+
         def spawn(i: int, cancel: threading.Event | None) -> ModelInstance:
             plan, env = plans[i], envs[i]
             placed = getattr(lease, "spawner", None)
             launch = placed(i) if placed is not None else spawn_worker
+            progress = None if quiet else while_starting if len(plans) == 1 else self.on_progress
             try:
                 return launch(config.spec, extra_args=plan.extra_args, env=env, options=options,
-                              on_progress=None if quiet else self.on_progress,
+                              on_progress=progress,
                               gpus=env.get("CUDA_VISIBLE_DEVICES"), kind=plan.kind, index=plan.index,
                               cancel=cancel, environ=environ)
             except SglWorkerError as exc:  # a memory failure gets the ledger of this member's own args
@@ -699,12 +724,16 @@ class WorkerPool:
                    for i in range(len(plans))]
         for thread in threads:
             thread.start()
+        yielded = time.monotonic()
         try:
             for thread in threads:
                 while thread.is_alive():
                     thread.join(0.1)
                     if not quiet:
                         self.on_tick()  # on the main thread: what the member threads queued for the terminal
+                        if time.monotonic() - yielded >= 1.0:
+                            yielded = time.monotonic()
+                            self.yield_idle(keep=config)
                     if outer is not None and outer.is_set():
                         cancel.set()  # a launch ahead called off at the session's end: every member stops
         except BaseException:  # Ctrl-C: the members stop, then the interrupt goes on

@@ -26,7 +26,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -34,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from port_grab import free_port_block
 
 from pytest_sglworker import ModelSpec, SpecRegistry
 from pytest_sglworker.compat import CompatError, ServerProcess
@@ -235,26 +235,6 @@ class TestH_Refused(unittest.TestCase):
 '''
 
 
-def _free_port() -> int:
-    """An aligned port whose block of 4 is free now, below the ephemeral range (the plugin's default range)."""
-    import random
-
-    rng = random.Random(os.getpid())
-    for _ in range(200):
-        port = 20000 + 4 * rng.randrange(0, 3000)
-        ok = True
-        for p in range(port, port + 4):
-            with socket.socket() as sock:
-                try:
-                    sock.bind(("127.0.0.1", p))
-                except OSError:
-                    ok = False
-                    break
-        if ok:
-            return port
-    raise RuntimeError("no free port block found")
-
-
 @dataclass
 class InnerRun:
     ret: int
@@ -295,7 +275,7 @@ _RUN_KEY = pytest.StashKey[Any]()
 
 def _run_inner(pytester: pytest.Pytester, sim_env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> InnerRun:
     obs, report = pytester.path / "obs.jsonl", pytester.path / "report.json"
-    port = _free_port()
+    port = free_port_block()
     monkeypatch.setenv("COMPAT_PORT", str(port))
     monkeypatch.setenv("COMPAT_OBS", str(obs))
     for key in ("SGLWORKER_MODELS", "SGLWORKER_LAUNCHER", "SGLWORKER_GPUS", "SGLWORKER_REPORT",

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from port_grab import grab_launcher
+from port_grab import free_port_block, grab_launcher
 from session_helpers import Session
 
 from pytest_sglworker.plugin import options as plugin_options
@@ -1139,21 +1139,8 @@ def test_record_of_a_live_process_without_the_lock_does_not_stall_the_lease(pyte
 
 
 def _free_block() -> tuple[int, int]:
-    import random
-    import socket
-
-    for _ in range(200):
-        low = random.randrange(20000, 32000, 4)
-        ok = True
-        for port in range(low, low + 4):
-            with socket.socket() as sock:
-                try:
-                    sock.bind(("127.0.0.1", port))
-                except OSError:
-                    ok = False
-        if ok:
-            return low, low + 3
-    pytest.skip("no free port block found")
+    low = free_port_block()
+    return low, low + 3
 
 
 def test_a_second_session_queues_for_the_only_port_block(pytester: pytest.Pytester, sim_env: dict[str, str],

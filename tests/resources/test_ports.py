@@ -158,6 +158,39 @@ def test_port_in_use_is_skipped(tmp_path: Path) -> None:
     block.release()
 
 
+def _closed_connection_on(port: int) -> None:
+    """Leave a connection of a server that listened on ``port`` (with ``SO_REUSEADDR``, as uvicorn does) in
+    ``TIME_WAIT`` there: the server's side closes first, then the client's, then the listener goes."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as server:
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        server.bind(("127.0.0.1", port))
+        server.listen(1)
+        client = socket.create_connection(("127.0.0.1", port))
+        accepted, _ = server.accept()
+        accepted.close()
+        client.recv(1)  # the server's FIN has arrived
+        client.close()
+
+
+def test_a_port_with_only_closed_connections_is_free_to_an_engine_that_binds_with_reuse_addr(
+        tmp_path: Path) -> None:
+    """A port whose earlier server left connections in TIME_WAIT is in use for a plain bind (the pool takes
+    another block) but free for the engine's SO_REUSEADDR bind (a pinned port need not wait up to 60 s); a port
+    somebody listens on is in use either way."""
+    low, high = free_range(1, 4)
+    _closed_connection_on(low)
+    with pytest.raises(PortUnavailable, match=rf"1 with a port already in use \(e.g. {low}\)"):
+        reserve_port_block(tmp_path, port_range=(low, high))
+    with reserve_port_block(tmp_path, port_range=(low, high), reuse_addr=True) as block:
+        assert block.ports == (low, low + 1, low + 2, low + 3) and block.waited == 0.0
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", low + 1))
+        listener.listen(1)
+        with pytest.raises(PortUnavailable, match=rf"1 with a port already in use \(e.g. {low + 1}\)"):
+            reserve_port_block(tmp_path, port_range=(low, high), reuse_addr=True)
+
+
 def _lock_is_free(path: Path) -> bool:
     from filelock import FileLock, Timeout
 
@@ -300,6 +333,23 @@ def test_wait_times_out_with_notices_in_the_lease_style(tmp_path: Path) -> None:
                                  "1 of 1 block(s) reserved by other workers")
     assert not list(tmp_path.glob("waiting-*"))  # the flag goes with the wait
     held.release()
+
+
+def test_a_block_says_how_long_its_reservation_waited(tmp_path: Path) -> None:
+    low, high = free_range(1, 4)
+    held = reserve_port_block(tmp_path, port_range=(low, high))
+    assert held.waited == 0.0
+    clock = FakeClock()
+
+    def sleep(seconds: float) -> None:
+        clock.sleep(seconds)
+        if clock.now >= 2.0:
+            held.release()
+
+    block = reserve_port_block(tmp_path, port_range=(low, high), timeout=60, poll_interval=0.5, clock=clock,
+                               sleep=sleep)
+    assert block.port == low and block.waited == 2.0
+    block.release()
 
 
 WAITER_SCRIPT = textwrap.dedent(

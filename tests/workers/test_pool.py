@@ -3,6 +3,7 @@ over real simulated engines and real file-locked leases of a declared inventory 
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -280,3 +281,76 @@ def test_requests_served_counts_a_workers_inference_requests_from_its_log(  # ty
 
     assert counted() == 4
     assert worker._served is not None and worker._served.refused == {"/generate": 1}
+
+
+def _another_process_waits(lock_dir: Path, gpus: int) -> None:
+    """Flag a live process other than this one (our parent) as waiting for a lease of the pool's inventory."""
+    lock_dir.mkdir(parents=True, exist_ok=True)
+    (lock_dir / f"waiting-sim-{gpus}x80-{os.getppid()}").touch()
+
+
+def test_while_another_process_waits_only_the_group_the_next_test_needs_stays_pooled(  # type: ignore[no-untyped-def]
+        make_pool, tmp_path: Path) -> None:
+    """Another process waits for a GPU: a group the next test needs stays pooled (given back, it would be launched
+    again at once); every other idle group goes back to the waiter after the test, not only the one released."""
+    pool = make_pool(gpus=3)
+    first, needed, other = (WorkerConfig.of(QWEN, ["--max-total-tokens", str(n)]) for n in (256, 512, 1024))
+    a = pool.acquire(first, holder="a")
+    b = pool.acquire(needed, holder="b")
+    pool.release(a)  # pooled: nobody waits yet
+    _another_process_waits(tmp_path / "locks", 3)
+    pool.release(b, needed_next=True)
+    assert b in pool.groups() and b[0].is_alive()
+    pool.yield_idle(keep=needed)
+    assert not a[0].is_alive() and a not in pool.groups()  # idle, no known use: the waiter's now
+    assert b[0].is_alive() and pool.acquire(needed, holder="b2") is b
+    c = pool.acquire(other, holder="c")
+    pool.release(c)
+    assert not c[0].is_alive()  # not needed next while someone waits: retired, as before
+    assert pool.stats[needed.key].launches == 1
+
+
+SUITE_NEXT_TEST = '''
+import pytest
+
+@pytest.mark.sgl_worker(args=["--max-total-tokens", "512"])
+@pytest.mark.parametrize("i", range(3))
+def test_a(sgl_worker, i):
+    pass
+
+@pytest.mark.sgl_worker(args=["--max-total-tokens", "1024"])
+def test_b(sgl_worker):
+    pass
+'''
+
+
+def test_a_session_keeps_the_group_its_next_test_needs_while_another_process_waits(
+        pytester: pytest.Pytester, sim_env: dict[str, str]) -> None:
+    """Through the fixtures: with another process waiting for a GPU all along, the three tests of one
+    configuration share one launch (each test's give-back knows the next test's configuration)."""
+    _another_process_waits(Path(sim_env["SGLWORKER_LOCK_DIR"]), 2)
+    pytester.makepyfile(test_suite=SUITE_NEXT_TEST)
+    report = pytester.path / "report.json"
+    result = pytester.runpytest_subprocess("-p", "no:xdist", "-p", "no:cacheprovider", "--sgl-engine", "sim",
+                                           "--sgl-gpus", "sim:2", "--sgl-model", "qwen3-0.6b", "--sgl-report",
+                                           str(report), timeout=120)
+    result.assert_outcomes(passed=4)
+    launches = {w["label"]: w["launches"] for w in json.loads(report.read_text())["workers"].values()}
+    assert launches == {"qwen3-0.6b --max-total-tokens 512": 1, "qwen3-0.6b --max-total-tokens 1024": 1}, launches
+
+
+def test_a_process_that_comes_to_wait_during_a_startup_gets_the_idle_groups(  # type: ignore[no-untyped-def]
+        make_pool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An idle group is given back to a process that starts waiting for a GPU while this one starts another
+    configuration (a startup of seconds: nothing else would hand it back before the next test's end)."""
+    pool = make_pool(gpus=4)
+    idle = pool.acquire(WorkerConfig.of(QWEN, ["--max-total-tokens", "256"]), holder="a")
+    pool.release(idle)
+    _another_process_waits(tmp_path / "locks", 4)
+    monkeypatch.setenv("SGLSIM_STARTUP_SECONDS", "1.5")  # the launch's wait looks about once a second
+    started = pool.acquire(WorkerConfig.of(QWEN, ["--max-total-tokens", "512"]), holder="b")
+    assert started[0].is_alive() and not idle[0].is_alive() and idle not in pool.groups()
+    # a group's members start on threads of their own; the main thread looks while it waits for them
+    pool.release(started, needed_next=True)
+    group = pool.acquire(WorkerConfig.of(QWEN, group=GroupShape(prefill=1, decode=1)), holder="pd")
+    assert group.is_alive() and not started[0].is_alive() and started not in pool.groups()

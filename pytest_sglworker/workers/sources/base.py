@@ -75,6 +75,10 @@ class GroupUse:
     t_end: float | None = None
     #: no later test of this session needs the configuration: its workers are retired, not pooled
     last_use: bool = False
+    #: the configuration the next test of this process takes from the pool (None: none, or not known). Its group
+    #: stays pooled even while another process waits for a GPU (given back, it would only be launched again for
+    #: that test); the other idle groups are given back to that waiter
+    next_config: WorkerConfig | None = None
     #: a member that died during a passing test is that test's failure (not for ``sgl_spawn_worker``'s workers,
     #: whose test owns their life)
     check_deaths: bool = True

@@ -161,8 +161,9 @@ class PoolSource:
                 return dead[0].death(use.signals, lines=self.settings.tail_lines)
         elif use.last_use and self.settings.keep_warm is None:
             pool.discard(group, failed=use.failed)  # no later test needs this configuration (kept for --sgl-keep-warm)
-        else:
-            pool.release(group, failed=use.failed)  # a fresh group is retired there too
+        else:  # a fresh group is retired there too
+            pool.release(group, failed=use.failed, needed_next=use.next_config == group.config)
+        pool.yield_idle(keep=use.next_config)
         return None
 
     def launch_ahead(self, config: WorkerConfig, *, holder: str, environ: Mapping[str, str]) -> bool:
