@@ -1,12 +1,11 @@
 """The session pool: running workers and worker groups, keyed by their full configuration.
 
 Plain Python: no pytest here. Everything the pool holds is a :class:`WorkerGroup` (a single worker is a
-group of one): its members start together (concurrently; one member's failure stops the others at once),
-share one GPU lease (all GPUs at once, split among the members in order, so that two groups never each
-hold half of what the other needs), and are reused together by later tests of the same configuration after
-a health check of every member. A dead or frozen member makes the whole group be replaced. When a lease is
-needed for another configuration, idle groups are evicted least recently used first. A lease is given back
-only after its memory is released.
+group of one): its members start together (one member's failure stops the others at once), share one GPU
+lease (all GPUs at once, split among the members in order: two groups never each hold half of what the other
+needs), and are reused together by later tests of the same configuration after a health check of every member
+(a dead or frozen member replaces the whole group). Idle groups are evicted least recently used first; a lease
+is given back only after its memory is released.
 
 Why one module of this size: the pool's promises (one lease per group, parallel member starts with one failure
 stopping the rest, reuse after health, eviction, launch ahead) all act on the same entries under one lock;
@@ -41,6 +40,7 @@ from .member_ledger import attach_ledger, record_kv_tokens
 from .process import inherited_environ
 from .records import ConfigStats, LaunchRecord, RunRecords
 from .reset import ResetFailed, Snapshot, restore, snapshot
+from .warm import KeepRequest, Warm, not_kept_reason
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -48,7 +48,6 @@ if TYPE_CHECKING:
     from ..resources.gpus import Lease, LeaseManager
     from ..resources.warm import BorrowedLease
     from ..resources.warm_keeper import KeeperHandle
-    from .warm import Warm
 
 __all__ = ["WorkerGroup", "WorkerPool"]
 
@@ -209,8 +208,7 @@ class WorkerPool:
         #: warm groups of earlier sessions: adopted before a launch; this session's kept warm at close
         #: (``--sgl-keep-warm``; see :mod:`.warm`)
         self.warm = warm
-        #: ``--sgl-keep-warm``: why the last group of each configuration was retired, not kept (label -> why)
-        self.not_kept: dict[str, str] = {}
+        self.not_kept: dict[str, str] = {}  # --sgl-keep-warm: why each configuration's last group was not kept
         self._closing: str | None = None  # "keep" or "stop" once close() has begun
         #: guards the entries (idle, busy, ahead) and the figures: a launch ahead registers its group and counts
         #: its launch from its own thread
@@ -288,9 +286,8 @@ class WorkerPool:
         return group
 
     def release(self, group: WorkerGroup, *, failed: bool = False, needed_next: bool = False) -> None:
-        """Give a group back after a test; it stays pooled when reuse is on and every member is alive, and no other
-        process waits for a GPU, unless ``needed_next`` (the next test of this process needs it: given back to a
-        waiter, it would be launched again at once, a startup per test for as long as anyone waits)."""
+        """Give a group back after a test; it stays pooled when reuse is on, every member is alive and no other process
+        waits for a GPU, unless ``needed_next`` (this process's next test needs it: it would launch it again)."""
         with self._lock:
             entry = self._busy.pop(group.id, None)
         if entry is None:
@@ -393,8 +390,6 @@ class WorkerPool:
                 self._retire(entry, failed=entry.tainted)
 
     def _keep_warm(self, still: Callable[[], bool] | None = None) -> None:
-        from .warm import KeepRequest
-
         assert self.warm is not None
         with self._lock:
             idle = [e for e in self._idle.values() if e.poolable]
@@ -502,8 +497,7 @@ class WorkerPool:
 
     def yield_idle(self, *, keep: WorkerConfig | None = None) -> None:
         """When another process waits for a GPU, retire the idle groups with no known use (not ``keep``, the next
-        test's configuration, nor one launched ahead): pooled before anyone waited, they would hold their GPUs while
-        this process runs other configurations (under xdist it rarely knows a configuration's last test)."""
+        test's configuration, nor one launched ahead), which would hold their GPUs while this process runs others."""
         with self._lock:
             spare = [key for key, e in self._idle.items() if e.config != keep and not e.launched_ahead]
         if spare and self._others_wait():
@@ -679,9 +673,8 @@ class WorkerPool:
                        lease: Lease | None = None) -> list[ModelInstance]:
         """Start every member; a group is ready after its slowest member, not the sum of their startups. The
         first member that fails stops the others at once and is the error raised. A lease that places its
-        members itself (``spawner``: a Ray placement group's bundles) starts member ``i`` in its part ``i``.
-        While a test's own launch starts (not ``quiet``: on the main thread), idle groups are given back to a
-        process that comes to wait for a GPU meanwhile (:meth:`yield_idle`), about once a second."""
+        members itself (``spawner``: a Ray placement group's bundles) starts member ``i`` in its part ``i``. While a
+        test's own launch starts (on the main thread), idle groups go to a process that comes to wait for a GPU."""
         def while_starting(target: Any, elapsed: float) -> None:  # a single member's wait, on the main thread
             if self.on_progress is not None:
                 self.on_progress(target, elapsed)
@@ -864,14 +857,8 @@ class WorkerPool:
             stats.deaths += len(dead)
             stats.stops += len(stopped)
         if self.warm is not None and self.warm.settings.ttl is not None:
-            self.not_kept[entry.config.label] = (
-                "a member died during the session" if dead else
-                "a member was stopped on purpose (worker.kill(), or an exit it expected)" if stopped else
-                "its workers were fresh, each for one test" if not entry.poolable else
-                "the session was interrupted: nothing is kept warm then" if self._closing == "stop" else
-                "not taken by its keeper at the session's end (a member did not answer, or the keeper could not "
-                "take it: see the messages above)" if self._closing else
-                "retired during the session (its GPUs were wanted, or what a test changed could not be set back)")
+            self.not_kept[entry.config.label] = not_kept_reason(bool(dead), bool(stopped), entry.poolable,
+                                                                self._closing)
         failed = failed or bool(dead)
         try:
             for member in group:

@@ -72,7 +72,7 @@ if TYPE_CHECKING:
     from .config import WorkerConfig
     from .records import LaunchRecord, RunRecords
 
-__all__ = ["ENGINE_ENV_PREFIXES", "Adopted", "KeepRequest", "Warm", "WarmSettings", "identity"]
+__all__ = ["ENGINE_ENV_PREFIXES", "Adopted", "KeepRequest", "Warm", "WarmSettings", "identity", "not_kept_reason"]
 
 #: Inherited environment variables that change what an engine does: part of a warm group's identity. The rest of
 #: the environment (a shell's, the CI's, pytest's own, the plugin's ``SGLWORKER_*`` options) is not.
@@ -577,3 +577,20 @@ def _create_time(pid: int) -> float:
     import psutil
 
     return float(psutil.Process(pid).create_time())
+
+
+def not_kept_reason(dead: bool, stopped: bool, poolable: bool, closing: str | None) -> str:
+    """Why a retired group of a ``--sgl-keep-warm`` session was not kept warm, for the summary (``closing``: None
+    during the session, ``"keep"`` or ``"stop"`` once the pool closes)."""
+    if dead:
+        return "a member died during the session"
+    if stopped:
+        return "a member was stopped on purpose (worker.kill(), or an exit it expected)"
+    if not poolable:
+        return "its workers were fresh, each for one test"
+    if closing == "stop":
+        return "the session was interrupted: nothing is kept warm then"
+    if closing:
+        return ("not taken by its keeper at the session's end (a member did not answer, or the keeper could not take "
+                "it: see the messages above)")
+    return "retired during the session (its GPUs were wanted, or what a test changed could not be set back)"
