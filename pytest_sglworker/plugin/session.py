@@ -150,6 +150,8 @@ class SglSession:
         self.interrupted_by: int | None = None
         #: a Ctrl-C that landed while the session ended (see pytest_sessionfinish)
         self.late_interrupt = False
+        #: a Ctrl-C reached this process (see _on_sigint)
+        self.sigint_seen = False
         self._log_dir: Path | None = None
         #: the collected tests in run order (collection sets them; launch ahead reads what comes next)
         self.queue: list[pytest.Item] = []
@@ -437,6 +439,22 @@ class SglSession:
         for signum in (signal.SIGTERM, signal.SIGHUP):
             if signal.getsignal(signum) is signal.SIG_DFL:
                 self._previous_handlers[signum] = signal.signal(signum, self._on_signal)
+        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            self._previous_handlers[signal.SIGINT] = signal.signal(signal.SIGINT, self._on_sigint)
+
+    def _on_sigint(self, signum: int, frame: FrameType | None) -> None:
+        """Python's own Ctrl-C (a KeyboardInterrupt), noted: when xdist loses that KeyboardInterrupt (a worker
+        spawned a moment before died of the same Ctrl-C, and execnet fails reading from it), the internal error
+        that follows is the interrupt it was (:meth:`_as_interrupt`)."""
+        self.sigint_seen = True
+        raise KeyboardInterrupt
+
+    def _as_interrupt(self, session: pytest.Session) -> bool:
+        """Turn an internal error that follows a Ctrl-C into the interrupted run it was; whether it did."""
+        if self.sigint_seen and int(session.exitstatus) == int(pytest.ExitCode.INTERNAL_ERROR):
+            session.exitstatus = pytest.ExitCode.INTERRUPTED
+            return True
+        return False
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         if self.interrupted_by is None:
@@ -574,6 +592,8 @@ class SglSession:
     def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
         from ..resources.signals import signals_deferred
 
+        if self._as_interrupt(session):
+            exitstatus = int(pytest.ExitCode.INTERRUPTED)
         self.exitstatus = int(exitstatus)
         # The session's end runs whole: an interrupt that lands while the workers are torn down or handed to their
         # keepers is noted (no group more is kept warm) and ends the run as interrupted, with its report and summary,
@@ -614,6 +634,8 @@ class SglSession:
         # is done here instead. pytest registers its Session as the plugin "session".
         found = config.pluginmanager.get_plugin("session") if self.exitstatus is None else None
         session = found if isinstance(found, pytest.Session) else None
+        if session is not None:
+            self._as_interrupt(session)
         interrupted = session is not None and (self.interrupted_by is not None
                                                or int(session.exitstatus) == int(pytest.ExitCode.INTERRUPTED))
         if session is not None and interrupted:

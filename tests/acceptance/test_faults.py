@@ -1312,6 +1312,41 @@ def test_an_interrupt_that_lands_on_an_instruction_without_a_line_while_xdist_st
     assert_nothing_left(sim_env, timeout=15)
 
 
+def test_a_ctrl_c_whose_interrupt_xdist_lost_still_ends_the_run_as_interrupted(
+        pytester: pytest.Pytester, sim_env: dict[str, str], session_factory: Callable[..., Session]) -> None:
+    """A terminal's Ctrl-C reaches the whole process group: an xdist worker spawned a moment before dies of it first,
+    and the controller's execnet then fails reading from it (``EOFError: couldn't load message header``) while the
+    controller's own KeyboardInterrupt is lost on the way: pytest ended that run with INTERNALERROR (exit 3) and no
+    report. Here the controller's ``pytest_xdist_setupnodes`` receives a SIGINT whose KeyboardInterrupt is lost in
+    the same way, then meets the same EOFError: the run must end as the interrupt it was (exit 2, report marked
+    interrupted, nothing left)."""
+    pytester.makeconftest(textwrap.dedent("""
+        import os
+        import signal
+
+        def pytest_xdist_setupnodes(config, specs):
+            try:
+                os.kill(os.getpid(), signal.SIGINT)
+                signal.getsignal(signal.SIGINT)  # the handler runs at the next instruction
+            except KeyboardInterrupt:
+                pass  # lost, as execnet loses it when its worker died of the same Ctrl-C
+            raise EOFError("couldn't load message header, expected 9 bytes, got 0")
+    """))
+    pytester.makepyfile("""
+        def test_never_runs(sgl_worker):
+            raise AssertionError("the session was interrupted before its tests")
+    """)
+    report = pytester.path / "report.json"
+    session = session_factory(*SIM, "-n", "2", f"--sgl-report={report}")
+    code = session.wait(60)
+    out = session.output()
+    assert code == int(pytest.ExitCode.INTERRUPTED), out
+    assert "test_never_runs" not in out, out
+    written = json.loads(report.read_text())
+    assert written["exitstatus"] == int(pytest.ExitCode.INTERRUPTED) and written["interrupted"] is True, written
+    assert_nothing_left(sim_env, timeout=15)
+
+
 @pytest.mark.slow
 def test_short_hostile_soak_reports_every_failure_and_leaks_nothing(tmp_path: Path) -> None:
     """bench/soak.py --hostile at a small scale, without the escaped listener (see the next test): trickling,

@@ -97,8 +97,9 @@ def test_an_interrupt_waits_for_the_block_then_takes_effect() -> None:
 
 def test_an_interrupt_can_be_noted_without_being_raised() -> None:
     noted: list[int] = []
+    before = signal.getsignal(signal.SIGINT)
     with signals_deferred(reraise=False, on_signal=noted.append) as received:
         os.kill(os.getpid(), signal.SIGTERM)
         os.kill(os.getpid(), signal.SIGINT)
     assert received == [signal.SIGTERM, signal.SIGINT] and noted == received
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert signal.getsignal(signal.SIGINT) is before  # the handler is back
