@@ -1275,6 +1275,25 @@ def test_an_interrupt_during_pytests_session_start_still_ends_the_session_in_ord
     assert_nothing_left(sim_env, timeout=15)
 
 
+def _interrupted_while_xdist_starts(pytester: pytest.Pytester, session_factory: Callable[..., Session],
+                                    conftest: str, expected: int) -> str:
+    """A session under ``-n 2`` whose ``conftest`` interrupts it while xdist sets its workers up: it must end with
+    ``expected``, its report marked interrupted, no test run. Returns its output."""
+    pytester.makeconftest(conftest)
+    pytester.makepyfile("""
+        def test_never_runs(sgl_worker):
+            raise AssertionError("the session was interrupted before its tests")
+    """)
+    report = pytester.path / "report.json"
+    session = session_factory(*SIM, "-n", "2", f"--sgl-report={report}")
+    code = session.wait(60)
+    out = session.output()
+    assert code == expected and "test_never_runs" not in out, out
+    written = json.loads(report.read_text())
+    assert written["exitstatus"] == expected and written["interrupted"] is True, written
+    return out
+
+
 @pytest.mark.parametrize("signame", ["SIGINT", "SIGTERM"])
 def test_an_interrupt_that_lands_on_an_instruction_without_a_line_while_xdist_starts_still_ends_in_order(
         pytester: pytest.Pytester, sim_env: dict[str, str], session_factory: Callable[..., Session],
@@ -1285,7 +1304,7 @@ def test_an_interrupt_that_lands_on_an_instruction_without_a_line_while_xdist_st
     'NoneType' and 'int'``), which escaped pytest: exit status 1 and no run report. Here a conftest's
     ``pytest_xdist_setupnodes`` (the controller, as xdist sets its workers up) sends the signal from code compiled
     without line numbers, so that it lands there every time."""
-    pytester.makeconftest(textwrap.dedent(f"""
+    conftest = textwrap.dedent(f"""
         import os
         import signal
 
@@ -1294,21 +1313,11 @@ def test_an_interrupt_that_lands_on_an_instruction_without_a_line_while_xdist_st
 
         def pytest_xdist_setupnodes(config, specs):
             exec(_NO_LINES, {{"os": os, "signal": signal}})
-    """))
-    pytester.makepyfile("""
-        def test_never_runs(sgl_worker):
-            raise AssertionError("the session was interrupted before its tests")
     """)
-    report = pytester.path / "report.json"
-    session = session_factory(*SIM, "-n", "2", f"--sgl-report={report}")
-    code = session.wait(60)
-    out = session.output()
     signum = int(getattr(signal, signame))
     expected = int(pytest.ExitCode.INTERRUPTED) if signame == "SIGINT" else 128 + signum
-    assert code == expected, out
-    assert "TypeError" not in out and "INTERNALERROR" not in out and "test_never_runs" not in out, out
-    written = json.loads(report.read_text())
-    assert written["exitstatus"] == expected and written["interrupted"] is True, written
+    out = _interrupted_while_xdist_starts(pytester, session_factory, conftest, expected)
+    assert "TypeError" not in out and "INTERNALERROR" not in out, out
     assert_nothing_left(sim_env, timeout=15)
 
 
@@ -1320,7 +1329,7 @@ def test_a_ctrl_c_whose_interrupt_xdist_lost_still_ends_the_run_as_interrupted(
     report. Here the controller's ``pytest_xdist_setupnodes`` receives a SIGINT whose KeyboardInterrupt is lost in
     the same way, then meets the same EOFError: the run must end as the interrupt it was (exit 2, report marked
     interrupted, nothing left)."""
-    pytester.makeconftest(textwrap.dedent("""
+    conftest = textwrap.dedent("""
         import os
         import signal
 
@@ -1331,19 +1340,8 @@ def test_a_ctrl_c_whose_interrupt_xdist_lost_still_ends_the_run_as_interrupted(
             except KeyboardInterrupt:
                 pass  # lost, as execnet loses it when its worker died of the same Ctrl-C
             raise EOFError("couldn't load message header, expected 9 bytes, got 0")
-    """))
-    pytester.makepyfile("""
-        def test_never_runs(sgl_worker):
-            raise AssertionError("the session was interrupted before its tests")
     """)
-    report = pytester.path / "report.json"
-    session = session_factory(*SIM, "-n", "2", f"--sgl-report={report}")
-    code = session.wait(60)
-    out = session.output()
-    assert code == int(pytest.ExitCode.INTERRUPTED), out
-    assert "test_never_runs" not in out, out
-    written = json.loads(report.read_text())
-    assert written["exitstatus"] == int(pytest.ExitCode.INTERRUPTED) and written["interrupted"] is True, written
+    _interrupted_while_xdist_starts(pytester, session_factory, conftest, int(pytest.ExitCode.INTERRUPTED))
     assert_nothing_left(sim_env, timeout=15)
 
 
