@@ -82,15 +82,22 @@ def _directory_problem(path: Path) -> str | None:
     return None
 
 
-def why_not_ours(path: Path | str, ident: FileId | None) -> str | None:
-    """Why the file at ``path`` is not provably the file of identity ``ident`` that this user created (None: it
-    is). Never follows a symlink, never blocks on a FIFO."""
+def _lstat(path: Path | str) -> os.stat_result | str:
+    """The entry at ``path`` (a symlink not followed), or why there is none to look at: ``"is gone"``, ..."""
     try:
-        st = os.lstat(path)
+        return os.lstat(path)
     except FileNotFoundError:
         return "is gone"
     except OSError as exc:
         return f"cannot be inspected ({exc.strerror or exc})"
+
+
+def why_not_ours(path: Path | str, ident: FileId | None) -> str | None:
+    """Why the file at ``path`` is not provably the file of identity ``ident`` that this user created (None: it
+    is). Never follows a symlink, never blocks on a FIFO."""
+    st = _lstat(path)
+    if isinstance(st, str):
+        return st
     return _why_not(st, ident) or _directory_problem(Path(path))
 
 
@@ -151,12 +158,9 @@ def entry_problem(path: Path | str) -> str | None:
     """Why the lock directory's entry ``path`` is not this user's to remove (``"is gone"`` when there is none), or
     None: another user's entry is theirs whatever its name says (and as root the sticky bit would not stop us), and a
     directory is never removed."""
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return "is gone"
-    except OSError as exc:
-        return f"cannot be inspected ({exc.strerror or exc})"
+    st = _lstat(path)
+    if isinstance(st, str):
+        return st
     if st.st_uid != os.getuid():
         return f"belongs to uid {st.st_uid} (another user): left alone"
     if stat.S_ISDIR(st.st_mode):
