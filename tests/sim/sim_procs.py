@@ -10,7 +10,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -180,3 +180,15 @@ def positions_in_order(log: str, needles: list[str]) -> None:
         found = log.find(needle, at + 1)
         assert found > at, f"{needle!r} missing or out of order in:\n{log[-4000:]}"
         at = found
+
+
+def tiny_sim(tmp_path_factory: Any, name: str) -> Iterator[SimProc]:
+    """A running sim over the tiny Llama's config and tokenizer (its own tokens when ``tokenizers`` is importable),
+    for a module's fixture (``yield from tiny_sim(tmp_path_factory, "name")``); ended after the module."""
+    launcher = Launcher(tmp_path_factory.mktemp(name))
+    try:
+        sim = launcher(*CI_ARGS, "--skip-server-warmup", "--max-total-tokens", "1024", model=TINY)
+        sim.wait_ready()
+        yield sim
+    finally:
+        launcher.cleanup()

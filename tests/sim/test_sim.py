@@ -30,6 +30,7 @@ from sim_procs import (
     positions_in_order,
     run_cli,
     sse,
+    tiny_sim,
     wait_for,
 )
 
@@ -768,13 +769,7 @@ def test_bad_fault_exits_2_with_one_line_on_stderr_and_in_the_log() -> None:
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimProc]:
     """A sim over the tiny Llama's config and tokenizer (tokens for real when ``tokenizers`` is importable)."""
-    launcher = Launcher(tmp_path_factory.mktemp("tiny-sim"))
-    try:
-        sim = launcher(*CI_ARGS, "--skip-server-warmup", "--max-total-tokens", "1024", model=TINY)
-        sim.wait_ready()
-        yield sim
-    finally:
-        launcher.cleanup()
+    yield from tiny_sim(tmp_path_factory, "tiny-sim")
 
 
 def _needs_tokenizers() -> None:

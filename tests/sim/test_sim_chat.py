@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from sim_procs import CI_ARGS, TINY, Launcher, SimProc, sse
+from sim_procs import SimProc, sse, tiny_sim
 
 from pytest_sglworker.sim.routes.openai import final_message
 
@@ -23,13 +23,7 @@ ASSISTANT = {"role": "assistant", "content": PREFIX}
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimProc]:
     pytest.importorskip("tokenizers", reason="the tiny Llama's chat template is tokenized with tokenizers")
-    launcher = Launcher(tmp_path_factory.mktemp("chat-tiny"))
-    try:
-        sim = launcher(*CI_ARGS, "--skip-server-warmup", "--max-total-tokens", "1024", model=TINY)
-        sim.wait_ready()
-        yield sim
-    finally:
-        launcher.cleanup()
+    yield from tiny_sim(tmp_path_factory, "chat-tiny")
 
 
 def _chat(sim: SimProc, messages: list[dict[str, Any]], **extra: Any) -> tuple[int, dict[str, Any]]:

@@ -12,7 +12,7 @@ from typing import Any
 
 import httpx
 import pytest
-from sim_procs import CI_ARGS, TINY, Launcher, SimProc, sse
+from sim_procs import CI_ARGS, Launcher, SimProc, sse, tiny_sim
 
 from pytest_sglworker.sim.constrained import ConstraintError, json_text, regex_text
 
@@ -64,13 +64,7 @@ def words(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimProc]:
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimProc]:
     """A sim over the tiny Llama (its own tokenizer when the tokenizers package is installed)."""
-    launcher = Launcher(tmp_path_factory.mktemp("constrained-tiny"))
-    try:
-        sim = launcher(*CI_ARGS, "--skip-server-warmup", "--max-total-tokens", "1024", model=TINY)
-        sim.wait_ready()
-        yield sim
-    finally:
-        launcher.cleanup()
+    yield from tiny_sim(tmp_path_factory, "constrained-tiny")
 
 
 def _chat(**extra: Any) -> dict[str, Any]:

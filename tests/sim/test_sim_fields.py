@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from sim_procs import CI_ARGS, TINY, Launcher, SimProc, sse
+from sim_procs import SimProc, sse, tiny_sim
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 3, "temperature": 0,
         "ignore_eos": True}
@@ -29,13 +29,7 @@ HIDDEN = ("The server is not configured to return hidden states. Please set `--r
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimProc]:
     pytest.importorskip("tokenizers", reason="the tiny Llama's prompts are tokenized with tokenizers")
-    launcher = Launcher(tmp_path_factory.mktemp("fields-tiny"))
-    try:
-        sim = launcher(*CI_ARGS, "--skip-server-warmup", "--max-total-tokens", "1024", model=TINY)
-        sim.wait_ready()
-        yield sim
-    finally:
-        launcher.cleanup()
+    yield from tiny_sim(tmp_path_factory, "fields-tiny")
 
 
 def _post(sim: SimProc, path: str, body: dict[str, Any]) -> tuple[int, Any]:
