@@ -29,6 +29,7 @@ import psutil
 import pytest
 from port_grab import free_port_block, grab_launcher
 from session_helpers import Session
+from warm_helpers import wait_for
 
 from pytest_sglworker.plugin import options as plugin_options
 
@@ -82,15 +83,6 @@ def _gone(pid: int) -> bool:
         return True
 
 
-def _wait_for(predicate: Callable[[], object], timeout: float, what: str) -> float:
-    """Poll until ``predicate()`` is true; returns the seconds it took."""
-    start = time.monotonic()
-    while not predicate():
-        assert time.monotonic() - start < timeout, f"timed out after {timeout:g} s waiting for {what}"
-        time.sleep(0.05)
-    return time.monotonic() - start
-
-
 def _unlocked(path: Path) -> bool:
     from filelock import FileLock, Timeout
 
@@ -105,7 +97,7 @@ def _unlocked(path: Path) -> bool:
 
 def assert_nothing_left(sim_env: dict[str, str], *, timeout: float = 10.0, pids: tuple[int, ...] = ()) -> None:
     """No process of this test alive, no holder record, no lock held."""
-    _wait_for(lambda: not _marked_alive(), timeout, "the processes of this test to end")
+    wait_for(lambda: not _marked_alive(), timeout, "the processes of this test to end")
     for pid in pids:
         assert _gone(pid), f"pid {pid} still runs"
     lock_dir = Path(sim_env["SGLWORKER_LOCK_DIR"])
@@ -139,7 +131,7 @@ def session_factory(pytester: pytest.Pytester) -> Iterator[Callable[..., Session
 
 def _read_pids(pytester: pytest.Pytester, session: Session, timeout: float = 30.0) -> dict[str, int]:
     path = pytester.path / "pids.json"
-    _wait_for(lambda: path.exists() or session.proc.poll() is not None, timeout, "the test to record its pids")
+    wait_for(lambda: path.exists() or session.proc.poll() is not None, timeout, "the test to record its pids")
     assert path.exists(), f"the inner test did not start:\n{session.output()}"
     return json.loads(path.read_text())
 
@@ -172,7 +164,7 @@ def test_ctrl_c_during_worker_startup(pytester: pytest.Pytester, sim_env: dict[s
                 return int(found.group(1))
         return None
 
-    _wait_for(lambda: escaped_child() or session.proc.poll() is not None, 30, "the worker to start")
+    wait_for(lambda: escaped_child() or session.proc.poll() is not None, 30, "the worker to start")
     child = escaped_child()
     assert child is not None, session.output()
     session.proc.send_signal(signal.SIGINT)
@@ -294,7 +286,7 @@ def test_sigkill_of_pytest_the_watchdog_kills_the_workers(pytester: pytest.Pytes
     session.proc.kill()
     session.wait(10)
     # Without the watchdog both would live on (the worker serves forever; nobody is left to stop it).
-    _wait_for(lambda: _gone(pids["worker"]) and _gone(pids["child"]), 30, "the watchdog to kill the workers")
+    wait_for(lambda: _gone(pids["worker"]) and _gone(pids["child"]), 30, "the watchdog to kill the workers")
     assert_nothing_left(sim_env)  # the watchdog also removed the dead session's GPU holder record
     assert len(_logs(sim_env)) == 1  # the log of the killed session's worker is kept
     next_session_works(pytester)
@@ -316,7 +308,7 @@ def test_janitor_cleans_up_after_a_session_whose_watchdog_died_too(
     (watchdog,) = [p for p in psutil.Process(session.proc.pid).children()
                    if "pytest_sglworker.resources.reaper" in " ".join(p.cmdline())]
     watchdog.kill()
-    _wait_for(lambda: _gone(watchdog.pid), 5, "the watchdog to die")
+    wait_for(lambda: _gone(watchdog.pid), 5, "the watchdog to die")
     session.proc.kill()
     session.wait(10)
     time.sleep(0.3)
@@ -1166,7 +1158,7 @@ def test_a_second_session_queues_for_the_only_port_block(pytester: pytest.Pytest
     _read_pids(pytester, first)
     second = session_factory("second", *args)
     lock_dir = Path(sim_env["SGLWORKER_LOCK_DIR"])
-    _wait_for(lambda: list(lock_dir.glob(f"waiting-ports-{second.proc.pid}")) or second.proc.poll() is not None,
+    wait_for(lambda: list(lock_dir.glob(f"waiting-ports-{second.proc.pid}")) or second.proc.poll() is not None,
               30, "the second session to wait for the block")
     queued = second.proc.poll() is None
     (pytester.path / "go").write_text("")
