@@ -225,40 +225,54 @@ def _leftovers(mark: str, since: float, needles: Iterable[str]) -> dict[int, str
     return found
 
 
-def _run_inner(pytester: pytest.Pytester, python: Path, model: Path, sources: dict[str, Path]) -> InnerRun:
+def _prepare_inner(pytester: pytest.Pytester, python: Path, model: Path,
+                   sources: dict[str, Path]) -> tuple[dict[str, str], list[str]]:
+    """The inner session's conftest and copies of the upstream files in the pytester directory, its environment,
+    and its command up to the options of its engine: ``(env, command)``. Skips when the engine's Python cannot
+    import what the files import (``sglang.test.test_utils`` needs ``datasets``)."""
     base = pytester.path
     pytester.makeconftest(INNER_CONFTEST.format(model=str(model)))
     for name, path in sources.items():
         (base / name).write_text(_with_one_import_changed(path.read_text(encoding="utf-8")), encoding="utf-8")
     env = _inner_env(model, base)
-    # Can the engine's Python import what the files import (sglang.test.test_utils needs `datasets`)?
     probe = subprocess.run([str(python), "-c", "import sglang.test.test_utils"], env=env, capture_output=True,
                            text=True, timeout=600, check=False)
     if probe.returncode != 0:
         pytest.skip(f"{python} cannot import sglang.test.test_utils, which the files import: "
                     f"{(probe.stderr.strip().splitlines() or ['?'])[-1]} (install the missing package into the "
                     "engine's venv, e.g. 'pip install datasets', or put a folder holding it on PYTHONPATH)")
-    import pytest as this_pytest
+    site = str(Path(pytest.__file__).resolve().parents[1])
+    return env, [str(python), "-c", BOOT.format(site=site), "-p", "pytest_sglworker.plugin", "-rA", "-p",
+                 "no:cacheprovider"]
 
-    site = str(Path(this_pytest.__file__).resolve().parents[1])
-    report = base / "report.json"
-    args = [str(python), "-c", BOOT.format(site=site), "-p", "pytest_sglworker.plugin", "-rA", "-p", "no:cacheprovider",
-            "--sgl-launcher", shlex.join(real_engine_launcher(python)), "--sgl-gpus", "sim:1",
-            "--sgl-startup-timeout", str(STARTUP_TIMEOUT), "--sgl-lease-timeout", "600", "--sgl-report", str(report),
-            *[f"--deselect={nodeid}" for nodeid in DESELECTED], *sources]
+
+def _finish_inner(args: list[str], base: Path, env: dict[str, str], model: Path, *, timeout: float,
+                  report: Path | None = None) -> InnerRun:
+    """Run the inner session ``args`` to its end (``timeout``: the most it may take), then wait (bounded) until
+    nothing it started is left; its output, its ``--sgl-report`` (``report``) and what was left."""
     since = time.time()
     start = time.monotonic()
     result = subprocess.run(args, cwd=base, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, errors="replace",
-                            timeout=len(LAUNCHED) * (STARTUP_TIMEOUT + 300), check=False)
+                            stderr=subprocess.STDOUT, text=True, errors="replace", timeout=timeout, check=False)
     run = InnerRun(ret=result.returncode, lines=result.stdout.splitlines(), seconds=time.monotonic() - start,
-                   report=json.loads(report.read_text()) if report.is_file() else {}, base=base)
+                   report=json.loads(report.read_text()) if report is not None and report.is_file() else {},
+                   base=base)
     deadline = time.monotonic() + 15
     while True:
         run.leftovers = _leftovers(os.environ[MARK], since, [str(model)])
         if not run.leftovers or time.monotonic() > deadline:
             return run
         time.sleep(0.2)
+
+
+def _run_inner(pytester: pytest.Pytester, python: Path, model: Path, sources: dict[str, Path]) -> InnerRun:
+    env, command = _prepare_inner(pytester, python, model, sources)
+    report = pytester.path / "report.json"
+    args = [*command, "--sgl-launcher", shlex.join(real_engine_launcher(python)), "--sgl-gpus", "sim:1",
+            "--sgl-startup-timeout", str(STARTUP_TIMEOUT), "--sgl-lease-timeout", "600", "--sgl-report", str(report),
+            *[f"--deselect={nodeid}" for nodeid in DESELECTED], *sources]
+    return _finish_inner(args, pytester.path, env, model, timeout=len(LAUNCHED) * (STARTUP_TIMEOUT + 300),
+                         report=report)
 
 
 _RUN_KEY = pytest.StashKey[Any]()

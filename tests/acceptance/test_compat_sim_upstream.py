@@ -10,27 +10,20 @@ inner session for both files (``slow``: five classes, five servers, one after th
 
 from __future__ import annotations
 
-import os
-import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from test_compat_real_engine import (
-    BOOT,
-    INNER_CONFTEST,
-    LAUNCHED,
-    MANIFEST,
-    MARK,
-    InnerRun,
-    _inner_env,
-    _leftovers,
-    _upstream_file,
-    _with_one_import_changed,
+    DESELECTED as REAL_DESELECTED,
 )
 from test_compat_real_engine import (
-    DESELECTED as REAL_DESELECTED,
+    LAUNCHED,
+    MANIFEST,
+    InnerRun,
+    _finish_inner,
+    _prepare_inner,
+    _upstream_file,
 )
 
 from pytest_sglworker.engine.cpu_engine import build_tiny_model, real_engine_missing_reason, real_engine_python
@@ -48,34 +41,10 @@ DESELECTED: dict[str, str] = {
 
 
 def _run(pytester: pytest.Pytester, python: Path, model: Path, sources: dict[str, Path]) -> InnerRun:
-    base = pytester.path
-    pytester.makeconftest(INNER_CONFTEST.format(model=str(model)))
-    for name, path in sources.items():
-        (base / name).write_text(_with_one_import_changed(path.read_text(encoding="utf-8")), encoding="utf-8")
-    env = _inner_env(model, base)
-    probe = subprocess.run([str(python), "-c", "import sglang.test.test_utils"], env=env, capture_output=True,
-                           text=True, timeout=600, check=False)
-    if probe.returncode != 0:
-        pytest.skip(f"{python} cannot import sglang.test.test_utils, which the files import: "
-                    f"{(probe.stderr.strip().splitlines() or ['?'])[-1]} (install the missing package into the "
-                    "engine's venv, e.g. 'pip install datasets', or put a folder holding it on PYTHONPATH)")
-    site = str(Path(pytest.__file__).resolve().parents[1])
-    args = [str(python), "-c", BOOT.format(site=site), "-p", "pytest_sglworker.plugin", "-rA", "-p", "no:cacheprovider",
-            "--sgl-engine", "sim", "--sgl-gpus", "sim:1", "--sgl-startup-timeout", "120", "--sgl-lease-timeout", "600",
-            *[f"--deselect={nodeid}" for nodeid in DESELECTED], *sources]
-    since = time.time()
-    start = time.monotonic()
-    result = subprocess.run(args, cwd=base, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, errors="replace",
-                            timeout=len(LAUNCHED) * 300, check=False)
-    run = InnerRun(ret=result.returncode, lines=result.stdout.splitlines(), seconds=time.monotonic() - start,
-                   report={}, base=base)
-    deadline = time.monotonic() + 15
-    while True:
-        run.leftovers = _leftovers(os.environ[MARK], since, [str(model)])
-        if not run.leftovers or time.monotonic() > deadline:
-            return run
-        time.sleep(0.2)
+    env, command = _prepare_inner(pytester, python, model, sources)
+    args = [*command, "--sgl-engine", "sim", "--sgl-gpus", "sim:1", "--sgl-startup-timeout", "120",
+            "--sgl-lease-timeout", "600", *[f"--deselect={nodeid}" for nodeid in DESELECTED], *sources]
+    return _finish_inner(args, pytester.path, env, model, timeout=len(LAUNCHED) * 300)
 
 
 @pytest.fixture
