@@ -71,6 +71,28 @@ def _cluster_processes(mark: str) -> list[psutil.Process]:
     return found
 
 
+#: Run by :func:`_cluster_guard`: block until the test process's end of the pipe closes, then kill, by PID, every
+#: process that carries the cluster's mark (``ray start --block`` alone did not always stop its cluster on SIGTERM).
+GUARD = """
+import os, sys, psutil
+sys.stdin.buffer.read()
+for proc in psutil.process_iter(["pid"]):
+    try:
+        if proc.pid != os.getpid() and proc.environ().get(sys.argv[1]) == sys.argv[2]:
+            proc.kill()
+    except (psutil.Error, OSError):
+        pass
+"""
+
+
+def _cluster_guard(mark: str) -> subprocess.Popen[bytes]:
+    """A process that ends the module's cluster when this test process ends by any means (a SIGTERM or SIGKILL
+    that skips the fixture's teardown included): the kernel closes the pipe's write end, which only we hold."""
+    return subprocess.Popen([sys.executable, "-c", GUARD, CLUSTER_MARK, mark], stdin=subprocess.PIPE,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+                            env={k: v for k, v in os.environ.items() if k != "SGLWORKER_TEST_MARK"})
+
+
 @pytest.fixture(scope="module")
 def ray_address() -> Iterator[str]:
     """One local Ray cluster for the module; its GCS address."""
@@ -93,6 +115,7 @@ def ray_address() -> Iterator[str]:
     # support notes say to turn the handlers off when every fork is followed by an exec, as the server's are.
     env["GRPC_ENABLE_FORK_SUPPORT"] = "false"
     ray_bin = shutil.which("ray", path=os.path.dirname(sys.executable)) or "ray"
+    guard = _cluster_guard(mark)
     head = subprocess.Popen(
         [ray_bin, "start", "--head", "--block", f"--num-gpus={GPUS}", f"--num-cpus={GPUS}", f"--port={port}",
          "--disable-usage-stats", "--include-dashboard=false", f"--temp-dir={temp}",
@@ -138,6 +161,8 @@ def ray_address() -> Iterator[str]:
                 proc.kill()
         with contextlib.suppress(subprocess.TimeoutExpired):
             head.wait(10)
+        guard.stdin.close()  # type: ignore[union-attr]
+        guard.wait(30)
         deadline = time.monotonic() + 10
         while _cluster_processes(mark) and time.monotonic() < deadline:
             time.sleep(0.2)
