@@ -475,14 +475,15 @@ def start_router(group: WorkerGroup, options: RouterOptions, records: RunRecords
             record.failed("startup_failed", exc, replace=True)
             record.exit_code = router.returncode
             record.t_released = time.time()
-            stats.failures += 1
             stats.failed_logs.append(str(router.log_path))
-            if isinstance(exc, WorkerStartupError) and "in use" in router.log_text() and attempt < 3:
-                continue  # the port was taken between reservation and bind: another block
             if vocab_hint and not environ.get(ROUTER_VOCAB_ENV):
                 # neither installed nor downloadable here: an optional tier's missing piece, skipped with its
-                # install command (a folder the user named that lacks the file stays a failure)
+                # install command (a folder the user named that lacks the file stays a failure); the summary
+                # counts no failed start for it, and its log is kept
                 raise RouterUnavailable(f"the router died at startup without its vocabulary: {vocab_hint}") from exc
+            stats.failures += 1
+            if isinstance(exc, WorkerStartupError) and "in use" in router.log_text() and attempt < 3:
+                continue  # the port was taken between reservation and bind: another block
             raise
         except BaseException:
             router.stop()
