@@ -226,3 +226,25 @@ def test_the_programs_run_by_path_are_not_modules() -> None:
     assert f"{ROOT}.tools.cli" in MODULES
     assert (PACKAGE / "tools" / "gpu_check" / "check.py").is_file()
     assert not [m for m in MODULES if ".gpu_check" in m or m.endswith(".pynvml")]
+
+
+def test_the_architecture_docs_table_says_the_layers_as_they_are() -> None:
+    """docs/ARCHITECTURE.md's layer table: each layer's "may import" cell is :data:`ALLOWED` (so the doc and the
+    check cannot disagree), and its approximate size is within a fifth of the lines its modules have now."""
+    import re
+
+    doc = (PACKAGE.parent / "docs" / "ARCHITECTURE.md").read_text(encoding="utf-8")
+    rows = {m["layer"].removesuffix(".py"): (m["lines"], m["imports"]) for m in re.finditer(
+        r"^\| `(?P<layer>[a-z_.]+)` \| ~?(?P<lines>[\d,]+) \| (?P<imports>[^|]*) \|$", doc, re.MULTILINE)}
+    assert set(rows) == set(ALLOWED), f"layers in the doc's table: {sorted(rows)}, in the check: {sorted(ALLOWED)}"
+    wrong = []
+    for layer, (stated, imports) in rows.items():
+        actual = sum(len(path.read_text(encoding="utf-8").splitlines())
+                     for module, path in MODULES.items() if (layer_of(module) or "") == layer)
+        said = set(re.findall(r"`([a-z]+)`", imports))
+        if said != ALLOWED[layer]:
+            wrong.append(f"{layer}: the doc says it may import {sorted(said)}, "
+                         f"the check allows {sorted(ALLOWED[layer])}")
+        if abs(int(stated.replace(",", "")) - actual) > actual / 5:
+            wrong.append(f"{layer}: the doc says ~{stated} lines, its modules have {actual}")
+    assert not wrong, "update the layer table of docs/ARCHITECTURE.md:\n" + "\n".join(wrong)
