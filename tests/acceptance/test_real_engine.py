@@ -534,13 +534,17 @@ def test_real_startup_failure_is_fast_and_diagnosed(real_run: InnerRun) -> None:
     """4. A missing model directory is reported well before the startup timeout, with sglang's own traceback
     in the tail and the plugin's diagnosis."""
     text = real_run.section("test_h_startup_failure")
-    m = re.search(r"worker tiny-missing: the model could not be found.* — exited during startup with code (-?\d+) "
-                  r"after ([\d.]+) s \(on 127\.0\.0\.1:\d+, pid \d+(?:, GPUs \w+)?\)", text)
+    # Either the process exited (its code is the launcher's own uncaught exception's, 1) or, on a machine too loaded
+    # for sglang to end its children within the plugin's grace, it was seen logging its fatal error and not exiting:
+    # both are the crash, told when it happened; which one depends on how fast the engine ends, not on the plugin.
+    m = re.search(r"worker tiny-missing: the model could not be found.* — (?:exited during startup with code "
+                  r"(?P<code>-?\d+) after [\d.]+ s|logged a fatal error during startup and did not exit within "
+                  r"[\d.]+ s \(after [\d.]+ s\)) \(on 127\.0\.0\.1:\d+, pid \d+(?:, GPUs \w+)?\)", text)
     assert m, text
     # One failure text, its headline once, within the goals of every failure text.
-    assert text.count(" exited during startup with code ") == 1, "the failure is reported more than once"
+    assert text.count(" during startup ") == 1, "the failure is reported more than once"
     check_goals("the real engine's startup crash", text.strip("\n"), "the model could not be found")
-    assert int(m.group(1)) == 1  # the launcher's own uncaught exception
+    assert m["code"] is None or int(m["code"]) == 1  # the launcher's own uncaught exception
     # well before the startup timeout: the headline is the exit ("exited during startup", matched above), seen
     # when it happened, never "did not become healthy within" the timeout
     assert "did not become healthy within" not in text
