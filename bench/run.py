@@ -49,6 +49,7 @@ import os
 import platform
 import re
 import resource
+import shlex
 import shutil
 import signal
 import socket
@@ -278,6 +279,34 @@ def machine() -> dict[str, Any]:
     return {"cpu": cpu, "cores": os.cpu_count(), "mem_gib": mem_gib, "python": platform.python_version(),
             "platform": platform.platform(), "commit": git("rev-parse", "--short=7", "HEAD").strip() or "unknown",
             "dirty": dirty}
+
+
+def start_meta(argv: Sequence[str]) -> dict[str, Any]:
+    """The provenance every benchmark's JSON carries, as its run begins: the date, the machine (``machine()``: the
+    commit and what differs from it), the settings (the script's command line) and the load average before."""
+    return {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "machine": machine(), "argv": shlex.join(argv), "load_before": round(os.getloadavg()[0], 2)}
+
+
+def finish_meta(meta: dict[str, Any], seconds: float) -> None:
+    """The rest of it, as the run ends: the load average after and the run's duration."""
+    meta["load_after"] = round(os.getloadavg()[0], 2)
+    meta["total_seconds"] = round(seconds, 1)
+
+
+def provenance_line(meta: dict[str, Any], script: str) -> str:
+    """The line under every rendered section that says where its figures ran (``start_meta``, ``finish_meta``)."""
+    return where_and_when(meta, f"`{script}{' ' + meta['argv'] if meta['argv'] else ''}`")
+
+
+def where_and_when(meta: dict[str, Any], settings: str) -> str:
+    m = meta["machine"]
+    commit = f"commit `{m['commit']}`"
+    if m["dirty"]:
+        commit += f" plus uncommitted changes in {', '.join(f'`{p}`' for p in m['dirty'])}"
+    return (f"{m['cpu']}, {m['cores']} cores, {m['mem_gib']} GiB, Python {m['python']}; {commit}; {settings}; "
+            f"{meta['date']}, {meta['total_seconds']:.0f} s, load average {meta['load_before']} before, "
+            f"{meta['load_after']} after.")
 
 
 # ---------------------------------------------------------------------------------------------- 1. readiness
@@ -637,8 +666,8 @@ def log_path_of_next_start(watcher: LogWatcher) -> Iterator[None]:
 
     original = launcher_mod.start_process
 
-    def start_process(argv: list[str], env: Any, log_path: Path) -> dict[str, Any]:
-        started = original(argv, env, log_path)
+    def start_process(argv: list[str], env: Any, log_path: Path, **kwargs: Any) -> dict[str, Any]:
+        started = original(argv, env, log_path, **kwargs)  # environ, session_id: as the launcher passes them
         watcher.path = started["log_path"]
         return started
 
@@ -1154,17 +1183,11 @@ def goal(met: bool | None) -> str:
 
 def machine_line(results: dict[str, Any]) -> str:
     meta = results["meta"]
-    m = meta["machine"]
-    commit = f"commit `{m['commit']}`"
-    if m["dirty"]:
-        commit += f" plus uncommitted changes in {', '.join(f'`{p}`' for p in m['dirty'])}"
     settings = ("`bench/run.py --quick` (smaller samples: NOT the README's figures)" if meta["quick"]
                 else "`bench/run.py` full settings")
     if meta["parts"] != sorted(DEFAULT_PARTS):
         settings += f", parts {', '.join(meta['parts'])}"
-    return (f"{m['cpu']}, {m['cores']} cores, {m['mem_gib']} GiB, Python {m['python']}; {commit}; {settings}; "
-            f"{meta['date']}, {meta['total_seconds']:.0f} s, load average {meta['load_before']} before, "
-            f"{meta['load_after']} after.")
+    return where_and_when(meta, settings)
 
 
 def real_goal(launch: dict[str, Any]) -> bool | None:
