@@ -273,9 +273,10 @@ def machine() -> dict[str, Any]:
         except (OSError, subprocess.CalledProcessError):
             return ""
 
-    # what the measured code (the package, the bench) has that the commit has not
+    # what the measured code (the package, the bench) has that the commit has not; not the figures' JSON
+    # (bench/results/, bench/bound.json), which bench/all.py writes while the later benchmarks run
     dirty = [line[3:] for line in git("status", "--porcelain", "--", "pytest_sglworker", "bench").splitlines()
-             if len(line) > 3 and not line[3:].endswith((".pyc", "/"))]
+             if len(line) > 3 and not line[3:].endswith((".pyc", "/", ".json"))]
     return {"cpu": cpu, "cores": os.cpu_count(), "mem_gib": mem_gib, "python": platform.python_version(),
             "platform": platform.platform(), "commit": git("rev-parse", "--short=7", "HEAD").strip() or "unknown",
             "dirty": dirty}
