@@ -61,6 +61,7 @@ REGIONS: dict[str, Region] = {
 _OPEN = re.compile(r"^<!-- figures:([A-Za-z0-9_-]+) -->$")
 _CLOSE = re.compile(r"^<!-- /figures:([A-Za-z0-9_-]+) -->$")
 _ANY_MARK = re.compile(r"<!--\s*/?\s*figures\b")
+_CODE_SPAN = re.compile(r"`[^`]*`")
 
 
 class FiguresError(Exception):
@@ -143,7 +144,7 @@ def regions_of(text: str, where: str) -> list[tuple[str, int, int]]:
     for i, line in enumerate(lines):
         opened, closed = _OPEN.match(line), _CLOSE.match(line)
         if not opened and not closed:
-            if _ANY_MARK.search(line):
+            if _ANY_MARK.search(_CODE_SPAN.sub("", line)):  # a mark quoted as `code` is prose
                 raise FiguresError(f"{where}:{i + 1}: a figures mark must be a line of its own, exactly "
                                    "'<!-- figures:NAME -->' or '<!-- /figures:NAME -->'")
             continue
