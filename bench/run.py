@@ -1393,13 +1393,16 @@ def readme_notes(results: dict[str, Any]) -> list[str]:
         if len(added) >= 2 and added[-1][0] != added[0][0]:
             per_test = (added[-1][1] - added[0][1]) / (added[-1][0] - added[0][0])
             fixed = added[0][1] - per_test * added[0][0]
-            text += (f": about {fmt_s(fixed)} fixed and {per_test * 1e6:.0f} µs a test" if per_test > 0
-                     else ": a fixed cost, no measurable part per test")
+            text += (": a fixed cost, no measurable part per test" if per_test <= 0
+                     else f": about {fmt_s(fixed)} fixed and {per_test * 1e6:.0f} µs a test" if fixed >= 0
+                     else ", which no fixed cost fits (the load moved more than the plugin adds)")
+        cpu = ", ".join(f"{fmt_s(v['cpu_with_median'] - v['cpu_without_median'])} to {n} tests" for n, v in sizes
+                        if v.get("cpu_with_median") is not None and v.get("cpu_without_median") is not None)
         mods = o["import"].get("package_modules_in_unused_run") or []
         notes.append(
-            f"- **Installed but unused over 1.03x:** the plugin adds {text} (by median wall; CPU time alike). Of "
-            f"the fixed part, {sum(m['self_us'] for m in mods) / 1000:.0f} ms is the execution of the "
-            f"{len(mods)} package modules a run that uses no worker imports (`-X importtime`; listed in "
+            f"- **Installed but unused over 1.03x:** the plugin adds {text} (by median wall; by median CPU time "
+            f"{cpu or '-'}). Of its fixed part, {sum(m['self_us'] for m in mods) / 1000:.0f} ms is the execution of "
+            f"the {len(mods)} package modules a run that uses no worker imports (`-X importtime`; listed in "
             f"bench/README.md); the rest is the plugin's hooks (configure, collection, the terminal summary) and "
             f"the per-test hook calls.")
     return notes
