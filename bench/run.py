@@ -49,6 +49,7 @@ import os
 import platform
 import re
 import resource
+import shlex
 import shutil
 import signal
 import socket
@@ -272,12 +273,41 @@ def machine() -> dict[str, Any]:
         except (OSError, subprocess.CalledProcessError):
             return ""
 
-    # what the measured code (the package, the bench) has that the commit has not
+    # what the measured code (the package, the bench) has that the commit has not; not the figures' JSON
+    # (bench/results/, bench/bound.json), which bench/all.py writes while the later benchmarks run
     dirty = [line[3:] for line in git("status", "--porcelain", "--", "pytest_sglworker", "bench").splitlines()
-             if len(line) > 3 and not line[3:].endswith((".pyc", "/"))]
+             if len(line) > 3 and not line[3:].endswith((".pyc", "/", ".json"))]
     return {"cpu": cpu, "cores": os.cpu_count(), "mem_gib": mem_gib, "python": platform.python_version(),
             "platform": platform.platform(), "commit": git("rev-parse", "--short=7", "HEAD").strip() or "unknown",
             "dirty": dirty}
+
+
+def start_meta(argv: Sequence[str]) -> dict[str, Any]:
+    """The provenance every benchmark's JSON carries, as its run begins: the date, the machine (``machine()``: the
+    commit and what differs from it), the settings (the script's command line) and the load average before."""
+    return {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "machine": machine(), "argv": shlex.join(argv), "load_before": round(os.getloadavg()[0], 2)}
+
+
+def finish_meta(meta: dict[str, Any], seconds: float) -> None:
+    """The rest of it, as the run ends: the load average after and the run's duration."""
+    meta["load_after"] = round(os.getloadavg()[0], 2)
+    meta["total_seconds"] = round(seconds, 1)
+
+
+def provenance_line(meta: dict[str, Any], script: str) -> str:
+    """The line under every rendered section that says where its figures ran (``start_meta``, ``finish_meta``)."""
+    return where_and_when(meta, f"`{script}{' ' + meta['argv'] if meta['argv'] else ''}`")
+
+
+def where_and_when(meta: dict[str, Any], settings: str) -> str:
+    m = meta["machine"]
+    commit = f"commit `{m['commit']}`"
+    if m["dirty"]:
+        commit += f" plus uncommitted changes in {', '.join(f'`{p}`' for p in m['dirty'])}"
+    return (f"{m['cpu']}, {m['cores']} cores, {m['mem_gib']} GiB, Python {m['python']}; {commit}; {settings}; "
+            f"{meta['date']}, {meta['total_seconds']:.0f} s, load average {meta['load_before']} before, "
+            f"{meta['load_after']} after.")
 
 
 # ---------------------------------------------------------------------------------------------- 1. readiness
@@ -637,8 +667,8 @@ def log_path_of_next_start(watcher: LogWatcher) -> Iterator[None]:
 
     original = launcher_mod.start_process
 
-    def start_process(argv: list[str], env: Any, log_path: Path) -> dict[str, Any]:
-        started = original(argv, env, log_path)
+    def start_process(argv: list[str], env: Any, log_path: Path, **kwargs: Any) -> dict[str, Any]:
+        started = original(argv, env, log_path, **kwargs)  # environ, session_id: as the launcher passes them
         watcher.path = started["log_path"]
         return started
 
@@ -1154,17 +1184,11 @@ def goal(met: bool | None) -> str:
 
 def machine_line(results: dict[str, Any]) -> str:
     meta = results["meta"]
-    m = meta["machine"]
-    commit = f"commit `{m['commit']}`"
-    if m["dirty"]:
-        commit += f" plus uncommitted changes in {', '.join(f'`{p}`' for p in m['dirty'])}"
     settings = ("`bench/run.py --quick` (smaller samples: NOT the README's figures)" if meta["quick"]
                 else "`bench/run.py` full settings")
     if meta["parts"] != sorted(DEFAULT_PARTS):
         settings += f", parts {', '.join(meta['parts'])}"
-    return (f"{m['cpu']}, {m['cores']} cores, {m['mem_gib']} GiB, Python {m['python']}; {commit}; {settings}; "
-            f"{meta['date']}, {meta['total_seconds']:.0f} s, load average {meta['load_before']} before, "
-            f"{meta['load_after']} after.")
+    return where_and_when(meta, settings)
 
 
 def real_goal(launch: dict[str, Any]) -> bool | None:
@@ -1182,7 +1206,8 @@ def readme_section(results: dict[str, Any]) -> str:
         "`bench/run.py` measures what the plugin costs and saves against the simulated engine: each figure is a",
         "ratio, ours / a baseline measured in the same run, the two interleaved so that load hits both alike; the",
         "median, with the range of the per-round ratios in brackets (below 1: ours takes less). Every sample and",
-        "what each figure means: `bench/README.md`. This is the script's own output, from:",
+        "what each figure means: `bench/README.md`. Rendered from the run's `bench/results/run.json` (by",
+        "`bench/render.py`; `bench/all.py` measures again), which ran on:",
         "",
         machine_line(results),
         "",
@@ -1368,13 +1393,16 @@ def readme_notes(results: dict[str, Any]) -> list[str]:
         if len(added) >= 2 and added[-1][0] != added[0][0]:
             per_test = (added[-1][1] - added[0][1]) / (added[-1][0] - added[0][0])
             fixed = added[0][1] - per_test * added[0][0]
-            text += (f": about {fmt_s(fixed)} fixed and {per_test * 1e6:.0f} µs a test" if per_test > 0
-                     else ": a fixed cost, no measurable part per test")
+            text += (": a fixed cost, no measurable part per test" if per_test <= 0
+                     else f": about {fmt_s(fixed)} fixed and {per_test * 1e6:.0f} µs a test" if fixed >= 0
+                     else ", which no fixed cost fits (the load moved more than the plugin adds)")
+        cpu = ", ".join(f"{fmt_s(v['cpu_with_median'] - v['cpu_without_median'])} to {n} tests" for n, v in sizes
+                        if v.get("cpu_with_median") is not None and v.get("cpu_without_median") is not None)
         mods = o["import"].get("package_modules_in_unused_run") or []
         notes.append(
-            f"- **Installed but unused over 1.03x:** the plugin adds {text} (by median wall; CPU time alike). Of "
-            f"the fixed part, {sum(m['self_us'] for m in mods) / 1000:.0f} ms is the execution of the "
-            f"{len(mods)} package modules a run that uses no worker imports (`-X importtime`; listed in "
+            f"- **Installed but unused over 1.03x:** the plugin adds {text} (by median wall; by median CPU time "
+            f"{cpu or '-'}). Of its fixed part, {sum(m['self_us'] for m in mods) / 1000:.0f} ms is the execution of "
+            f"the {len(mods)} package modules a run that uses no worker imports (`-X importtime`; listed in "
             f"bench/README.md); the rest is the plugin's hooks (configure, collection, the terminal summary) and "
             f"the per-test hook calls.")
     return notes

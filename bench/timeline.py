@@ -4,17 +4,20 @@ number of launches: ratios measured side by side in one run, as bench/README.md 
 
     .venv/bin/python bench/timeline.py                 # 30 vs 300 launches, 7 interleaved rounds
     .venv/bin/python bench/timeline.py --small 50 --large 500 --rounds 11
+    .venv/bin/python bench/timeline.py --json bench/results/timeline.json   # also every sample, with provenance
+    .venv/bin/python bench/timeline.py --render bench/results/timeline.json # measure nothing: print it again
 
 A run's report of N launches (8 xdist workers on 8 GPUs, 4 tests each, one death in 37) is rendered once per
 round at each size, the order alternating from round to round. The figure is the ratio of the median render
 times, large / small, with the range of the per-round ratios: a renderer linear in the launches gives about
-large / small (10x by default), a quadratic one its square. Progress goes to stderr, the table to stdout.
+large / small (10x by default), a quadratic one its square. Progress goes to stderr, the table (and the line
+saying where it ran, as every bench/ section) to stdout.
 """
 
 from __future__ import annotations
 
 import argparse
-import platform
+import json
 import statistics
 import sys
 import time
@@ -22,6 +25,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from run import finish_meta, provenance_line, start_meta  # bench/run.py: the provenance of every figure
 
 from pytest_sglworker.plugin.timeline import render_html, trace_events
 
@@ -59,31 +64,54 @@ def _render_seconds(report: dict[str, Any]) -> float:
     return time.perf_counter() - start
 
 
+def measure(small_n: int, large_n: int, rounds: int) -> dict[str, Any]:
+    """Render times of a ``small_n``- and a ``large_n``-launch report, ``rounds`` rounds interleaved."""
+    small, large = _report(small_n), _report(large_n)
+    _render_seconds(small)  # imports and caches warmed before the first measured round
+    times: dict[str, list[float]] = {"small": [], "large": []}
+    for round_ in range(rounds):
+        order = ("small", "large") if round_ % 2 == 0 else ("large", "small")
+        for name in order:
+            times[name].append(_render_seconds(small if name == "small" else large))
+        print(f"round {round_ + 1}/{rounds}: {small_n} launches {times['small'][-1] * 1000:.0f} ms, "
+              f"{large_n} launches {times['large'][-1] * 1000:.0f} ms", file=sys.stderr)
+    return {"small": small_n, "large": large_n, "rounds": rounds, "times": times}
+
+
+def render(data: dict[str, Any]) -> str:
+    """The markdown section of bench/README.md ("The run timeline's rendering"), from ``measure``'s JSON."""
+    small, large, times = data["small"], data["large"], data["times"]
+    per_round = [b / a for a, b in zip(times["small"], times["large"], strict=True)]
+    ratio = statistics.median(times["large"]) / statistics.median(times["small"])
+    return "\n".join([
+        f"| launches | median render (HTML + trace) | ratio to {small} | linear would be |",
+        "|---:|---:|---:|---:|",
+        f"| {small} | {statistics.median(times['small']) * 1000:.0f} ms | 1.00x | 1.00x |",
+        f"| {large} | {statistics.median(times['large']) * 1000:.0f} ms | **{ratio:.2f}x** "
+        f"({min(per_round):.2f}-{max(per_round):.2f}) | {large / small:.2f}x |",
+        "", f"{data['rounds']} rounds; {provenance_line(data['meta'], 'bench/timeline.py')}", ""])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--small", type=int, default=30, help="launches of the baseline report (default 30)")
     parser.add_argument("--large", type=int, default=300, help="launches of the measured report (default 300)")
     parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds (default 7)")
+    parser.add_argument("--json", type=Path, default=None, help="also write every sample as JSON")
+    parser.add_argument("--render", type=Path, default=None, metavar="JSON",
+                        help="measure nothing: print the section again from an earlier --json file")
     args = parser.parse_args(argv)
-    small, large = _report(args.small), _report(args.large)
-    _render_seconds(small)  # imports and caches warmed before the first measured round
-    times: dict[str, list[float]] = {"small": [], "large": []}
-    for round_ in range(args.rounds):
-        order = ("small", "large") if round_ % 2 == 0 else ("large", "small")
-        for name in order:
-            times[name].append(_render_seconds(small if name == "small" else large))
-        print(f"round {round_ + 1}/{args.rounds}: {args.small} launches {times['small'][-1] * 1000:.0f} ms, "
-              f"{args.large} launches {times['large'][-1] * 1000:.0f} ms", file=sys.stderr)
-    per_round = [b / a for a, b in zip(times["small"], times["large"], strict=True)]
-    ratio = statistics.median(times["large"]) / statistics.median(times["small"])
-    linear = args.large / args.small
-    print(f"| launches | median render (HTML + trace) | ratio to {args.small} | linear would be |")
-    print("|---:|---:|---:|---:|")
-    print(f"| {args.small} | {statistics.median(times['small']) * 1000:.0f} ms | 1.00x | 1.00x |")
-    print(f"| {args.large} | {statistics.median(times['large']) * 1000:.0f} ms | **{ratio:.2f}x** "
-          f"({min(per_round):.2f}-{max(per_round):.2f}) | {linear:.2f}x |")
-    print(f"\n{platform.processor() or platform.machine()}, Python {platform.python_version()}, "
-          f"{args.rounds} rounds, {time.strftime('%Y-%m-%d')}")
+    if args.render is not None:
+        sys.stdout.write(render(json.loads(args.render.read_text())))
+        return 0
+    t0 = time.perf_counter()
+    meta = start_meta(argv if argv is not None else sys.argv[1:])
+    data = {"meta": meta, **measure(args.small, args.large, args.rounds)}
+    finish_meta(meta, time.perf_counter() - t0)
+    sys.stdout.write(render(data))
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
     return 0
 
 

@@ -6,6 +6,7 @@ Run by hand from the repository root::
     .venv/bin/python bench/warm.py                    # 3 rounds on the simulated engine, then 1 on the real engine
     .venv/bin/python bench/warm.py --no-real          # the simulated engine only (about 5 minutes)
     .venv/bin/python bench/warm.py --rounds 1 --json warm.json
+    .venv/bin/python bench/warm.py --render bench/results/warm.json   # measure nothing: print the section again
 
 The suite is ``bench/suites/warm``: 3 worker configurations, ``BENCH_WARM_TESTS`` tests each (4), every test sending
 ``/generate`` requests for ``BENCH_WARM_TEST_SECONDS`` (1.0 s), so that its own time is the same whatever the engine.
@@ -31,7 +32,6 @@ markdown section (bench/README.md, "Warm between runs"); ``--json PATH`` writes 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import re
@@ -48,12 +48,14 @@ from run import (  # bench/run.py: the conventions and the machine line of every
     REPO,
     SUITES,
     clean_env,
+    finish_meta,
     fmt_ratio,
     fmt_s,
-    machine,
     median,
     progress,
+    provenance_line,
     ratio,
+    start_meta,
     warm_bytecode,
 )
 
@@ -160,14 +162,9 @@ def _range(values: list[float]) -> tuple[float, float] | None:
     return (min(values), max(values)) if len(values) > 1 else None
 
 
-def section(results: dict[str, Any]) -> str:
-    meta = results["meta"]
-    m = meta["machine"]
-    commit = f"commit `{m['commit']}`" + (f" plus uncommitted changes in {', '.join(m['dirty'])}" if m["dirty"] else "")
-    lines = ["### Warm between runs (`bench/warm.py`)", "",
-             f"{m['cpu']}, {m['cores']} cores, {m['mem_gib']} GiB, Python {m['python']}; {commit}; "
-             f"`bench/warm.py {meta['argv']}`; {meta['date']}, {meta['total_seconds']:.0f} s, load average "
-             f"{meta['load_before']} before, {meta['load_after']} after.", ""]
+def render(results: dict[str, Any]) -> str:
+    """The markdown section of bench/README.md ("Warm between runs"), from ``--json``'s file."""
+    lines = ["### Warm between runs (`bench/warm.py`)", "", provenance_line(results["meta"], "bench/warm.py"), ""]
     for part in ("sim", "real"):
         r = results.get(part)
         if r is None:
@@ -228,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep", action="store_true", help="keep the work directory")
     ns = parser.parse_args(argv)
     if ns.render is not None:
-        sys.stdout.write(section(json.loads(ns.render.read_text())))
+        sys.stdout.write(render(json.loads(ns.render.read_text())))
         return 0
     real_engine = ns.real_engine or os.environ.get("SGLWORKER_REAL_ENGINE")
     for key in list(os.environ):
@@ -238,11 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(REPO))
     t_start = time.perf_counter()
     workdir = Path(tempfile.mkdtemp(prefix="sglworker-bench-warm-"))
-    results: dict[str, Any] = {"meta": {
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "machine": machine(), "argv": shlex.join(argv if argv is not None else sys.argv[1:]),
-        "load_before": round(os.getloadavg()[0], 2), "test_seconds": ns.test_seconds,
-    }}
+    results: dict[str, Any] = {"meta": {**start_meta(argv if argv is not None else sys.argv[1:]),
+                                        "test_seconds": ns.test_seconds}}
     tests = 3 * ns.tests
     env = {"BENCH_WARM_TESTS": str(ns.tests), "BENCH_WARM_TEST_SECONDS": str(ns.test_seconds)}
     try:
@@ -257,10 +251,10 @@ def main(argv: list[str] | None = None) -> int:
             progress(f"work directory kept: {workdir}")
         else:
             shutil.rmtree(workdir, ignore_errors=True)
-    results["meta"]["load_after"] = round(os.getloadavg()[0], 2)
-    results["meta"]["total_seconds"] = round(time.perf_counter() - t_start, 1)
-    sys.stdout.write(section(results))
+    finish_meta(results["meta"], time.perf_counter() - t_start)
+    sys.stdout.write(render(results))
     if ns.json is not None:
+        ns.json.parent.mkdir(parents=True, exist_ok=True)
         ns.json.write_text(json.dumps(results, indent=2, sort_keys=True, default=str) + "\n")
         progress(f"figures written to {ns.json}")
     bad = [part for part in ("sim", "real") if part in results and not results[part].get("ok", True)]

@@ -5,6 +5,7 @@ in one run.
     .venv/bin/python bench/xdist_sched.py            # 3 runs of each variant of each suite, about 4 minutes
     .venv/bin/python bench/xdist_sched.py --quick    # 1 run each, about a minute and a half
     .venv/bin/python bench/xdist_sched.py --json figures.json --reps 5
+    .venv/bin/python bench/xdist_sched.py --render bench/results/xdist_sched.json   # measure nothing: print it again
 
 Two suites, each under ``-n 4 --sgl-gpus sim:4`` with xdist's ``--dist load``, xdist's ``--dist loadgroup`` and
 ours (plain ``-n 4``: ``--sgl-dist auto``), repetitions interleaved (a burst of load hits every variant alike):
@@ -25,18 +26,24 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import re
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+from run import (  # bench/run.py: the conventions and the provenance of every figure of the bench
+    clean_env,
+    finish_meta,
+    fmt_x,
+    median,
+    progress,
+    provenance_line,
+    start_meta,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 SUITES: dict[str, dict[str, Any]] = {
@@ -52,8 +59,6 @@ VARIANTS: dict[str, list[str]] = {
 }
 WORKERS = 4
 STARTUP = 1.0
-_DROPPED_ENV = ("PYTHONDONTWRITEBYTECODE", "PYTEST_ADDOPTS", "PYTEST_PLUGINS", "PYTEST_DISABLE_PLUGIN_AUTOLOAD")
-_DROPPED_PREFIXES = ("SGLWORKER_", "SGLSIM_")
 
 
 @dataclass
@@ -66,17 +71,6 @@ class Run:
     launches: int
     steals: int | None
     tail: str
-
-
-def clean_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in _DROPPED_ENV and not k.startswith(_DROPPED_PREFIXES)}
-    env.update(extra)
-    return env
-
-
-def progress(text: str) -> None:
-    sys.stderr.write(f"  .. {text}\n")
-    sys.stderr.flush()
 
 
 def run_once(workdir: Path, suite: str, variant: str) -> Run:
@@ -99,12 +93,55 @@ def run_once(workdir: Path, suite: str, variant: str) -> Run:
     return Run(suite, variant, wall, proc.returncode, passed, launches, steals, "\n".join(out.splitlines()[-15:]))
 
 
-def median(values: Sequence[float]) -> float | None:
-    return statistics.median(values) if values else None
+def summarize(runs: list[Run], suites: list[str], reps: int) -> dict[str, Any]:
+    """Every figure of the section, from the runs (medians over the repetitions, the goals)."""
+    figures: dict[str, Any] = {"workers": WORKERS, "startup": STARTUP, "reps": reps, "suites": {}}
+    for suite in suites:
+        spec = SUITES[suite]
+        bound = spec["configurations"] + WORKERS - 1
+        summary: dict[str, Any] = {}
+        for variant in VARIANTS:
+            mine = [r for r in runs if r.suite == suite and r.variant == variant]
+            summary[variant] = {"wall": median([r.wall for r in mine]), "samples": [round(r.wall, 2) for r in mine],
+                                "launches": median([r.launches for r in mine]),
+                                "steals": median([r.steals for r in mine if r.steals is not None]),
+                                "ok": all(r.rc == 0 and r.passed == spec["tests"] for r in mine)}
+        ours = summary["ours"]["wall"]
+        best = min(summary["load"]["wall"] or float("inf"), summary["loadgroup"]["wall"] or float("inf"))
+        for s in summary.values():
+            s["ours_over_variant_wall"] = None if not s["wall"] or ours is None else ours / s["wall"]
+        figures["suites"][suite] = {
+            "configurations": spec["configurations"], "tests": spec["tests"], "bound": bound, "variants": summary,
+            "goal_launches": summary["ours"]["launches"] is not None and summary["ours"]["launches"] <= bound,
+            "goal_wall": ours is not None and ours <= best,
+            "ours_over_best_wall": None if ours is None or best == float("inf") else ours / best}
+    figures["runs"] = [{k: v for k, v in asdict(r).items() if k != "tail"} for r in runs]
+    return figures
 
 
-def fmt_x(value: float | None) -> str:
-    return "-" if value is None else f"{value:.2f}x"
+def render(figures: dict[str, Any]) -> str:
+    """The markdown section of bench/README.md ("The xdist scheduler on two suites"), from ``--json``'s file."""
+    workers = figures["workers"]
+    lines = [f"xdist scheduling by worker configuration: `-n {workers} --sgl-gpus sim:{workers}`, simulated startup "
+             f"{figures['startup']:g} s, {figures['reps']} run(s) of each variant, interleaved, median wall; "
+             + provenance_line(figures["meta"], "bench/xdist_sched.py"), "",
+             "| suite | variant | wall (median) | samples | launches | goal: launches <= | ours / variant (wall) |",
+             "|---|---|---|---|---|---|---|"]
+    for suite, f in figures["suites"].items():
+        for variant, s in f["variants"].items():
+            samples = ", ".join(f"{w:.1f}" for w in s["samples"])
+            steals = f" ({s['steals']:g} stolen)" if variant == "ours" and s["steals"] is not None else ""
+            wall = "-" if s["wall"] is None else f"{s['wall']:.2f} s"
+            failed = "" if s["ok"] else " (**a run failed**)"
+            lines.append(f"| {suite} ({f['tests']} tests, {f['configurations']} configs) | {variant}{failed} | "
+                         f"{wall} | {samples} | {s['launches']:g}{steals} | {f['bound']} | "
+                         f"{'1' if variant == 'ours' else fmt_x(s['ours_over_variant_wall'])} |")
+    lines.append("")
+    for suite, f in figures["suites"].items():
+        lines.append(f"- {suite}: launches {f['variants']['ours']['launches']:g} <= {f['bound']}: "
+                     f"{'met' if f['goal_launches'] else '**missed**'}; wall ours / best of load and loadgroup = "
+                     f"{fmt_x(f['ours_over_best_wall'])}: {'met' if f['goal_wall'] else '**missed**'}")
+    return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -112,15 +149,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="1 run of each variant (default 3)")
     parser.add_argument("--reps", type=int, default=None, help="runs of each variant of each suite")
     parser.add_argument("--json", type=Path, default=None, help="also write every figure and sample as JSON")
+    parser.add_argument("--render", type=Path, default=None, metavar="JSON",
+                        help="measure nothing: print the section again from an earlier --json file")
     parser.add_argument("--only", default=",".join(SUITES), help=f"suites, comma-separated ({', '.join(SUITES)})")
     args = parser.parse_args(argv)
+    if args.render is not None:
+        sys.stdout.write(render(json.loads(args.render.read_text())))
+        return 0
     reps = args.reps or (1 if args.quick else 3)
     suites = [s.strip() for s in args.only.split(",") if s.strip()]
     unknown = set(suites) - set(SUITES)
     if unknown:
         parser.error(f"unknown suite(s): {', '.join(sorted(unknown))}")
-    started = time.time()
-    load_before = os.getloadavg()[0]
+    t0 = time.perf_counter()
+    meta = start_meta(argv if argv is not None else sys.argv[1:])
     runs: list[Run] = []
     with tempfile.TemporaryDirectory(prefix="sglworker-xdist-sched-") as tmp:
         workdir = Path(tmp)
@@ -134,53 +176,14 @@ def main(argv: list[str] | None = None) -> int:
                     if run.rc != 0:
                         progress(f"{suite} {variant} exited {run.rc}:\n{run.tail}")
                     runs.append(run)
-    figures: dict[str, Any] = {
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(started)), "seconds": round(time.time() - started),
-        "cpus": os.cpu_count(), "python": platform.python_version(), "load_before": round(load_before, 2),
-        "load_after": round(os.getloadavg()[0], 2), "workers": WORKERS, "startup": STARTUP, "reps": reps, "suites": {},
-    }
-    ok = all(r.rc == 0 for r in runs)
-    print(f"xdist scheduling by worker configuration: -n {WORKERS} --sgl-gpus sim:{WORKERS}, simulated startup "
-          f"{STARTUP:g} s, {reps} run(s) each, median wall; {figures['cpus']} CPUs, load {figures['load_before']} -> "
-          f"{figures['load_after']}")
-    print()
-    print("| suite | variant | wall (median) | samples | launches | goal: launches <= | ours / variant (wall) |")
-    print("|---|---|---|---|---|---|---|")
-    for suite in suites:
-        spec = SUITES[suite]
-        bound = spec["configurations"] + WORKERS - 1
-        summary: dict[str, Any] = {}
-        for variant in VARIANTS:
-            mine = [r for r in runs if r.suite == suite and r.variant == variant]
-            summary[variant] = {"wall": median([r.wall for r in mine]), "samples": [round(r.wall, 2) for r in mine],
-                                "launches": median([r.launches for r in mine]),
-                                "steals": median([r.steals for r in mine if r.steals is not None]),
-                                "ok": all(r.rc == 0 and r.passed == spec["tests"] for r in mine)}
-        ours = summary["ours"]["wall"]
-        best = min(summary["load"]["wall"] or float("inf"), summary["loadgroup"]["wall"] or float("inf"))
-        for variant, s in summary.items():
-            ratio = None if not s["wall"] or ours is None else ours / s["wall"]
-            s["ours_over_variant_wall"] = ratio
-            samples = ", ".join(f"{w:.1f}" for w in s["samples"])
-            steals = f" ({s['steals']:g} stolen)" if variant == "ours" and s["steals"] is not None else ""
-            print(f"| {suite} ({spec['tests']} tests, {spec['configurations']} configs) | {variant} | "
-                  f"{s['wall']:.2f} s | {samples} | {s['launches']:g}{steals} | {bound} | "
-                  f"{'1' if variant == 'ours' else fmt_x(ratio)} |")
-        goal_launches = summary["ours"]["launches"] is not None and summary["ours"]["launches"] <= bound
-        goal_wall = ours is not None and ours <= best
-        figures["suites"][suite] = {"configurations": spec["configurations"], "tests": spec["tests"], "bound": bound,
-                                    "variants": summary, "goal_launches": goal_launches, "goal_wall": goal_wall,
-                                    "ours_over_best_wall": None if ours is None or best == float("inf")
-                                    else ours / best}
-        ok = ok and all(s["ok"] for s in summary.values())
-    print()
-    for suite, f in figures["suites"].items():
-        print(f"{suite}: launches {f['variants']['ours']['launches']:g} <= {f['bound']}: "
-              f"{'met' if f['goal_launches'] else 'MISSED'}; wall ours / best of load and loadgroup = "
-              f"{fmt_x(f['ours_over_best_wall'])}: {'met' if f['goal_wall'] else 'MISSED'}")
+    finish_meta(meta, time.perf_counter() - t0)
+    figures = {"meta": meta, **summarize(runs, suites, reps)}
+    sys.stdout.write(render(figures))
     if args.json is not None:
-        figures["runs"] = [{k: v for k, v in asdict(r).items() if k != "tail"} for r in runs]
-        args.json.write_text(json.dumps(figures, indent=2))
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(figures, indent=2, sort_keys=True) + "\n")
+    ok = all(r.rc == 0 for r in runs) and all(
+        s["ok"] for f in figures["suites"].values() for s in f["variants"].values())
     return 0 if ok else 1
 
 

@@ -1,0 +1,246 @@
+#!/usr/bin/env python
+"""Every figure the documents quote, rendered from the committed JSON of the run that measured it.
+
+    .venv/bin/python bench/render.py            # rewrite every marked region of the documents from its JSON
+    .venv/bin/python bench/render.py --check    # write nothing; exit 1 with a diff when a region differs
+    .venv/bin/python bench/render.py --check --root DIR   # the documents and JSON of another checkout
+
+A document quotes figures only inside a marked region::
+
+    <!-- figures:NAME -->
+
+    (what the renderer of NAME makes of its JSON: never edited by hand)
+
+    <!-- /figures:NAME -->
+
+``REGIONS`` says, for each NAME, which JSON (every one of them names the commit, the machine, the settings, the
+date and the load average of its run) and which benchmark's ``render`` make it. The documents are ``README.md``,
+``bench/README.md`` and every page under ``docs/``. ``bench/all.py`` re-runs the benchmarks, writes their JSON
+and then renders; CI and ``tests/test_bench_figures.py`` run ``--check``, so a document whose figures are not
+what its committed JSON renders fails the test run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import importlib
+import json
+import re
+import sys
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+BENCH = Path(__file__).resolve().parent
+REPO = BENCH.parent
+RESULTS = BENCH / "results"
+if str(BENCH) not in sys.path:  # the benchmarks import each other as bench/run.py's siblings
+    sys.path.insert(0, str(BENCH))
+
+
+@dataclass(frozen=True)
+class Region:
+    json: str  # relative to the repository root
+    renderer: str  # "module:function" of bench/, called with the JSON's content; returns markdown
+    produced_by: str  # the bench/all.py part that writes the JSON
+
+
+REGIONS: dict[str, Region] = {
+    "speed": Region("bench/results/run.json", "run:readme_section", "run"),
+    "latest": Region("bench/results/run.json", "run:details_section", "run"),
+    "warm": Region("bench/results/warm.json", "warm:render", "warm"),
+    "timeline": Region("bench/results/timeline.json", "timeline:render", "timeline"),
+    "xdist-sched": Region("bench/results/xdist_sched.json", "xdist_sched:render", "xdist_sched"),
+    "ray": Region("bench/results/ray_cluster.json", "ray_cluster:markdown", "ray_cluster"),
+    "ray-summary": Region("bench/results/ray_cluster.json", "render:ray_summary", "ray_cluster"),
+    "bound": Region("bench/bound.json", "bound:render", "bound"),
+}
+
+_OPEN = re.compile(r"^<!-- figures:([A-Za-z0-9_-]+) -->$")
+_CLOSE = re.compile(r"^<!-- /figures:([A-Za-z0-9_-]+) -->$")
+_ANY_MARK = re.compile(r"<!--\s*/?\s*figures\b")
+_CODE_SPAN = re.compile(r"`[^`]*`")
+
+
+class FiguresError(Exception):
+    """A region, a document or a JSON the renderer cannot work with; the message names it and the fix."""
+
+
+def documents(root: Path = REPO) -> list[Path]:
+    """The documents that may quote figures: the two READMEs and every page of the docs site."""
+    return [path for path in (root / "README.md", root / "bench" / "README.md") if path.is_file()] + sorted(
+        (root / "docs").rglob("*.md"))
+
+
+def ray_summary(results: dict[str, Any]) -> str:
+    """The Ray path's cost and the shard balance in one paragraph (README.md, docs/RAY.md)."""
+    from run import fmt_ratio, fmt_s
+
+    meta = results["meta"]
+    m = meta["machine"]
+    commit = f"commit `{m['commit']}`" + (" plus uncommitted changes" if m["dirty"] else "")
+    parts = [f"Measured by `bench/ray_cluster.py` on {m['cores']} CPUs ({commit}, {meta['date']}, {meta['reps']} "
+             f"rounds, simulated startup 1 s, load average {meta['load_before']} before):"]
+    r = results.get("ray")
+    if r:
+        rows = r["rows"]
+        total, spawn = rows["total"], rows["spawn"]
+        extra = None if total["ray"] is None or total["local"] is None else total["ray"] - total["local"]
+        parts.append(f"8 worker configurations under `-n 4` on a local Ray cluster with 4 declared GPUs against local "
+                     f"file leases: a launch from its lease request to ready takes "
+                     f"**{fmt_ratio(total['ratio'], total['range'])}** as long on Ray ({fmt_s(extra)} more a worker, "
+                     f"medians; from the lease to the engine's process start, where Ray starts the worker's actor, "
+                     f"{fmt_s(spawn['ray'])} against {fmt_s(spawn['local'])}), the whole run "
+                     f"**{fmt_ratio(rows['wall']['ratio'], rows['wall']['range'])}**.")
+    s = results.get("shard")
+    if s:
+        plans = s["plans"]
+
+        def balance(plan: str) -> str:
+            p = plans[plan]
+            return f"**{p['balance']:.2f}** ({p['balance_range'][0]:.2f}-{p['balance_range'][1]:.2f})"
+
+        whole = all(p["union_is_selection"] and p["disjoint"] and p["configs_whole"] for p in plans.values())
+        parts.append(f"`--sgl-shard k/4` on that suite: the largest shard's measured cost over a quarter of the "
+                     f"total is {balance('measured')} balanced by an earlier run's report, against "
+                     f"{balance('count')} by test count; the union of the shards is the unsharded selection: "
+                     f"{'yes' if whole else '**no**'}.")
+    return " ".join(parts) + "\n"
+
+
+def _renderer(name: str) -> Callable[[dict[str, Any]], str]:
+    module, function = REGIONS[name].renderer.split(":")
+    if module == "render":
+        return globals()[function]  # type: ignore[no-any-return]
+    return getattr(importlib.import_module(module), function)  # type: ignore[no-any-return]
+
+
+def render_region(name: str, root: Path = REPO, cache: dict[str, Any] | None = None) -> str:
+    """The text of region ``name`` as its committed JSON renders it."""
+    region = REGIONS[name]
+    cache = {} if cache is None else cache
+    if region.json not in cache:
+        path = root / region.json
+        if not path.is_file():
+            raise FiguresError(f"region {name!r} renders from {region.json}, which does not exist; measure it: "
+                               f".venv/bin/python bench/all.py --only {region.produced_by}")
+        try:
+            cache[region.json] = json.loads(path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as exc:
+            raise FiguresError(f"{region.json} (region {name!r}) is not JSON: {exc}") from exc
+    return _renderer(name)(cache[region.json])
+
+
+def regions_of(text: str, where: str) -> list[tuple[str, int, int]]:
+    """The regions of a document: (name, the line of its opening mark, the line of its closing mark), 0-based.
+    A mark that is not on a line of its own, an unknown name, a region left open, nested or closed under another
+    name is an error naming the document's line."""
+    found: list[tuple[str, int, int]] = []
+    lines = text.splitlines()
+    open_at: tuple[str, int] | None = None
+    for i, line in enumerate(lines):
+        opened, closed = _OPEN.match(line), _CLOSE.match(line)
+        if not opened and not closed:
+            if _ANY_MARK.search(_CODE_SPAN.sub("", line)):  # a mark quoted as `code` is prose
+                raise FiguresError(f"{where}:{i + 1}: a figures mark must be a line of its own, exactly "
+                                   "'<!-- figures:NAME -->' or '<!-- /figures:NAME -->'")
+            continue
+        name = (opened or closed).group(1)  # type: ignore[union-attr]
+        if name not in REGIONS:
+            raise FiguresError(f"{where}:{i + 1}: unknown figures region {name!r}; known: {', '.join(REGIONS)} "
+                               "(bench/render.py's REGIONS)")
+        if opened:
+            if open_at is not None:
+                raise FiguresError(f"{where}:{i + 1}: region {name!r} opens inside region {open_at[0]!r} (opened "
+                                   f"on line {open_at[1] + 1}); close that one first")
+            open_at = (name, i)
+        else:
+            if open_at is None or open_at[0] != name:
+                raise FiguresError(f"{where}:{i + 1}: '<!-- /figures:{name} -->' closes no open region {name!r}")
+            found.append((name, open_at[1], i))
+            open_at = None
+    if open_at is not None:
+        raise FiguresError(f"{where}:{open_at[1] + 1}: region {open_at[0]!r} is never closed; add "
+                           f"'<!-- /figures:{open_at[0]} -->' after it")
+    return found
+
+
+def rendered_document(text: str, where: str, root: Path = REPO, cache: dict[str, Any] | None = None) -> str:
+    """The document with every region's body replaced by what its JSON renders (a blank line around it)."""
+    lines = text.splitlines(keepends=True)
+    out: list[str] = []
+    last = 0
+    cache = {} if cache is None else cache
+    for name, start, end in regions_of(text, where):
+        body = render_region(name, root, cache).strip("\n")
+        out += lines[last:start + 1]
+        out.append("\n" + body + "\n\n")
+        last = end
+    out += lines[last:]
+    return "".join(out)
+
+
+def stale(paths: Iterable[Path], root: Path = REPO) -> dict[Path, str]:
+    """Per document whose committed text differs from its rendering: the unified diff (committed -> rendered)."""
+    cache: dict[str, Any] = {}
+    diffs: dict[Path, str] = {}
+    for path in paths:
+        where = _where(path, root)
+        text = path.read_text(encoding="utf-8")
+        new = rendered_document(text, where, root, cache)
+        if new != text:
+            diffs[path] = "".join(difflib.unified_diff(text.splitlines(keepends=True), new.splitlines(keepends=True),
+                                                       f"{where} (committed)", f"{where} (rendered from its JSON)"))
+    return diffs
+
+
+def _where(path: Path, root: Path) -> str:
+    return str(path.relative_to(root)) if path.is_relative_to(root) else str(path)
+
+
+def unused_regions(paths: Iterable[Path], root: Path = REPO) -> list[str]:
+    """The names of ``REGIONS`` that no document quotes (a JSON measured for nothing, or a region lost)."""
+    used = {name for path in paths for name, _, _ in regions_of(path.read_text(encoding="utf-8"), _where(path, root))}
+    return [name for name in REGIONS if name not in used]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--check", action="store_true",
+                        help="write nothing; exit 1 with a diff when a document's figures differ from its JSON's")
+    parser.add_argument("--root", type=Path, default=REPO,
+                        help="the repository whose documents and JSON to use (default: this one)")
+    args = parser.parse_args(argv)
+    root = args.root.resolve()
+    paths = documents(root)
+    try:
+        diffs = stale(paths, root)
+        unused = unused_regions(paths, root)
+    except FiguresError as exc:
+        print(f"bench/render.py: {exc}", file=sys.stderr)
+        return 2
+    if unused:
+        print(f"bench/render.py: no document quotes the region(s) {', '.join(unused)}: mark where they belong, or "
+              "drop them from REGIONS", file=sys.stderr)
+        return 1
+    if args.check:
+        for diff in diffs.values():
+            sys.stdout.write(diff)
+        if diffs:
+            print(f"stale figures in {', '.join(str(p.relative_to(root)) for p in diffs)}: not what their "
+                  "committed JSON renders; rerender them: .venv/bin/python bench/render.py", file=sys.stderr)
+            return 1
+        return 0
+    cache: dict[str, Any] = {}
+    for path in paths:
+        if path in diffs:
+            text = rendered_document(path.read_text(encoding="utf-8"), str(path.relative_to(root)), root, cache)
+            path.write_text(text, encoding="utf-8")
+            print(f"rendered {path.relative_to(root)}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
