@@ -27,8 +27,9 @@ from pytest_sglworker import CI_WORKER_ARGS, ModelSpec
 
 def pytest_sglworker_register_specs(registry):
     extra = tuple(os.environ.get("WARM_EXTRA_ARGS", "").split())
+    # the spec sets an engine variable, as the CPU recipe's SGLANG_USE_CPU_ENGINE does: adoption must expect it
     registry.add(ModelSpec(name="w", model=os.environ.get("WARM_MODEL", "Qwen/Qwen3-0.6B"), memory_gb=4, tp=1,
-                           worker_args=(*CI_WORKER_ARGS, *extra)))
+                           worker_args=(*CI_WORKER_ARGS, *extra), env={"SGLANG_WARM_SPEC": "1"}))
     registry.add(ModelSpec(name="other", model="other/model", memory_gb=4, tp=1, worker_args=CI_WORKER_ARGS))
 '''
 

@@ -390,7 +390,9 @@ class Warm:
                         break
             return words, []
         for m, argv, env in zip(record.members, argvs, envs, strict=True):
-            why = prove_process(m.pid, m.since, m.tag) or running_differs(m.pid, argv, env, environ)
+            # the member was launched with the spec's env under its own (as launcher.launch_worker gives it)
+            launched_env = {**config.spec.env, **env}
+            why = prove_process(m.pid, m.since, m.tag) or running_differs(m.pid, argv, launched_env, environ)
             if why is not None:
                 return f"member {m.role} {m.index} is not the process its record names: {why}", []
             why = why_not_ours(m.log, m.log_id)

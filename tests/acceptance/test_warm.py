@@ -73,7 +73,7 @@ def test_second_run_adopts_the_warm_worker_and_launches_nothing(pytester: pytest
     stopped = pytester.runpytest_subprocess("--sgl-warm", "stop", "-p", "no:cacheprovider")
     assert stopped.ret == 0
     stopped.stdout.fnmatch_lines([f"*ended w: pid {record.members[0].pid} (port *"])
-    wait_for(lambda: gone(record.members[0].pid) and gone(record.keeper.pid), 20, "the warm group to end")
+    wait_for(lambda: gone(record.members[0].pid) and gone(record.keeper.pid), 60, "the warm group to end")
     assert not records(sim_env) and not list(lock_dir(sim_env).glob("gpu-*.json"))
     assert "warm worker ended: stopped by pytest --sgl-warm stop" in Path(adopted["logs"][0]).read_text()
 
@@ -84,7 +84,7 @@ def test_a_run_without_the_option_adopts_and_then_ends_it(pytester: pytest.Pytes
     (record,) = records(sim_env)
     _, report = run(pytester, "r2")
     assert launches(report) == 0 and len(report["warm"]["adopted"]) == 1 and report["warm"]["kept"] == []
-    wait_for(lambda: gone(record.members[0].pid) and record.keeper and gone(record.keeper.pid), 20,
+    wait_for(lambda: gone(record.members[0].pid) and record.keeper and gone(record.keeper.pid), 60,
              "the adopted group to end with the session that did not keep it")
     assert not records(sim_env)
 
@@ -135,7 +135,7 @@ def test_dead_warm_worker_is_refused(pytester: pytest.Pytester, sim_env: dict[st
     (refused,) = report["warm"]["refused"]
     assert "is not the process its record names" in refused["why"] and "has exited" in refused["why"]
     assert launches(report) == 1
-    wait_for(lambda: gone(keeper.pid), 15, "the frozen keeper to be ended")
+    wait_for(lambda: gone(keeper.pid), 60, "the frozen keeper to be ended")
     assert not records(sim_env)
 
 
@@ -148,7 +148,7 @@ def test_frozen_warm_worker_is_refused(pytester: pytest.Pytester, sim_env: dict[
     assert refused["why"] == f"member pid {record.members[0].pid} does not answer its readiness check (frozen or " \
                              "wedged)", result.stdout.str()
     assert launches(report) == 1
-    wait_for(lambda: gone(record.members[0].pid), 20, "the frozen warm worker to be torn down")
+    wait_for(lambda: gone(record.members[0].pid), 60, "the frozen warm worker to be torn down")
 
 
 def test_warm_worker_another_session_holds_is_left_to_it(pytester: pytest.Pytester, sim_env: dict[str, str],
@@ -189,7 +189,7 @@ def test_keeper_ends_the_group_at_its_ttl_without_a_later_session(pytester: pyte
     (record,) = records(sim_env)
     assert record.keeper is not None
     # the keeper ends it, for its TTL (its own log line says so), with no session to do it
-    wait_for(lambda: gone(record.members[0].pid) and gone(record.keeper.pid), 20, "the keeper to end the group")
+    wait_for(lambda: gone(record.members[0].pid) and gone(record.keeper.pid), 60, "the keeper to end the group")
     assert not records(sim_env) and not list(lock_dir(sim_env).glob("gpu-*.json"))
     assert "warm worker ended: its TTL ran out" in Path(kept["logs"][0]).read_text()
 
@@ -216,7 +216,7 @@ def test_a_later_session_ends_an_expired_group_its_keeper_did_not(pytester: pyte
     out = result.stdout.str()
     why = "did not end it" if keeper_fate == "frozen" else "its keeper is gone"
     assert re.search(rf"cleaned up after earlier sessions: ended 1 warm worker group\(s\): w \(.*{why}", out), out
-    wait_for(lambda: gone(record.members[0].pid) and gone(keeper.pid), 20, "the expired group and its keeper to end")
+    wait_for(lambda: gone(record.members[0].pid) and gone(keeper.pid), 60, "the expired group and its keeper to end")
     assert not records(sim_env)
 
 
@@ -392,7 +392,7 @@ def test_warm_stop_says_which_group_a_session_uses(pytester: pytest.Pytester, si
     finally:
         gate.write_text("")
         user.kill()
-    wait_for(lambda: not records(sim_env), 20, "the session that used it to end it")
+    wait_for(lambda: not records(sim_env), 60, "the session that used it to end it")
 
 
 def test_the_run_report_and_a_fresh_lock_directory(pytester: pytest.Pytester, warm: None) -> None:
