@@ -56,8 +56,8 @@ class SglReporter:
         """After collection, what the header could not know: how many workers sglang's unittest files will launch
         through the drop-in (``pytest_sglworker.compat``: a server per test class with a setUpClass, in the files
         that import its ``popen_launch_server``)."""
-        if is_xdist_worker(config):
-            return None
+        if is_xdist_worker(config) or "pytest_sglworker.compat" not in sys.modules:
+            return None  # no test module imported the drop-in (a name in sys.modules: no import of it here)
         classes = {(item.path, getattr(item, "cls", None)) for item in items
                    if _sets_up_class(getattr(item, "cls", None)) and _compat_module(getattr(item, "module", None))}
         if not classes:
