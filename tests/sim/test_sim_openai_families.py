@@ -7,7 +7,7 @@ they were recorded on the CPU with the tiny model (``--enable-return-hidden-stat
   choice's end (chat: a delta of ``role``/``content``/``reasoning_content`` null and ``hidden_states``;
   completions: ``text`` "" and ``hidden_states``), before the usage chunk;
 - ``ebnf``: the output is a string the grammar allows (real: ``Hi`` for ``root ::= "Hello" | "Hi" | "Hey"``, then
-  EOS: finish ``stop``, ``matched_stop`` 2);
+  EOS: finish ``stop``, ``matched_stop`` 2; with ``ignore_eos``, finish ``length`` at ``max_tokens``);
 - chat ``max_tokens`` over ``--context-length``: ``max_completion_tokens is too large: N.This model supports at
   most C completion tokens.`` (sglang's ``_validate_request``, only when the flag is given; without it the length
   check's ``Requested token count exceeds ...``);
@@ -131,6 +131,12 @@ def test_ebnf_output_is_a_string_the_grammar_allows(tiny: SimProc) -> None:
     choice = answer["choices"][0]
     assert (choice["message"]["content"] in ("Hello", "Hi", "Hey"), choice["finish_reason"],
             choice["matched_stop"]) == (True, "stop", 2), choice
+    # ignore_eos: the EOS the finished grammar allows does not end it (the real engine's: finish length, as the
+    # fidelity table's ebnf probe shows)
+    answer = tiny.client.post("/v1/chat/completions", json=_chat(max_tokens=8, ebnf=GREETING, ignore_eos=True)).json()
+    choice = answer["choices"][0]
+    assert (choice["message"]["content"] in ("Hello", "Hi", "Hey"), choice["finish_reason"], choice["matched_stop"],
+            answer["usage"]["completion_tokens"]) == (True, "length", None, 8), answer
 
 
 def test_a_longer_context_length_than_the_models_is_refused_at_startup(tmp_path: Path) -> None:
