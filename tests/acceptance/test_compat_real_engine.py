@@ -254,6 +254,7 @@ def _finish_inner(args: list[str], base: Path, env: dict[str, str], model: Path,
     start = time.monotonic()
     result = subprocess.run(args, cwd=base, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, errors="replace", timeout=timeout, check=False)
+    (base / "inner-session.txt").write_text(result.stdout, encoding="utf-8")  # kept for a failure's reader
     run = InnerRun(ret=result.returncode, lines=result.stdout.splitlines(), seconds=time.monotonic() - start,
                    report=json.loads(report.read_text()) if report is not None and report.is_file() else {},
                    base=base)
