@@ -106,9 +106,10 @@ _EBNF_TOKEN = re.compile(r'\s+|#[^\n]*|(?P<str>"(?:[^"\\]|\\.)*")|(?P<cls>\[(?:[
 def ebnf_text(source: str, seed: int) -> str | None:
     """A string the GBNF grammar ``source`` (xgrammar's EBNF) allows from its ``root``: the grammar becomes a regex
     (string literals, character classes, groups, ``|``, ``* + ? {m,n}``, references to other rules), which
-    :func:`regex_text` walks. None (not simulated: the usual echo) for a recursive grammar, a rule it does not
-    define or syntax it does not know."""
+    :func:`regex_text` walks. A reference to a rule it does not define is xgrammar's compile error (a 400); None
+    (not simulated: the usual echo) for a recursive grammar or syntax it does not know."""
     rules: dict[str, list[tuple[str, str]]] = {}
+    refs: list[tuple[str, int]] = []
     current: list[tuple[str, str]] | None = None
     pos = 0
     while pos < len(source):
@@ -123,6 +124,14 @@ def ebnf_text(source: str, seed: int) -> str | None:
             if current is None:
                 return None
             current.append((kind, m.group(kind)))
+            if kind == "name":
+                refs.append((m.group(kind), m.start()))
+    for name, at in refs:
+        if name not in rules:
+            line = source.count("\n", 0, at) + 1
+            column = at - (source.rfind("\n", 0, at) + 1) + 1
+            raise ConstraintError(f"Failed to compile ebnf grammar: [{_stamp()}] /project/cpp/grammar_parser.cc:820: "
+                                  f'EBNF parser error at line {line}, column {column}: Rule "{name}" is not defined\n')
     try:
         pattern = _ebnf_regex(rules, "root", ())
     except (KeyError, ValueError):

@@ -6,7 +6,8 @@ they were recorded on the CPU with the tiny model (``--enable-return-hidden-stat
   ``hidden_size`` floats per choice (``[]`` for a one-token answer); streamed, one chunk per choice after every
   choice's end (chat: a delta of ``role``/``content``/``reasoning_content`` null and ``hidden_states``;
   completions: ``text`` "" and ``hidden_states``), before the usage chunk;
-- ``ebnf``: the output is a string the grammar allows (real: ``Hi`` for ``root ::= "Hello" | "Hi" | "Hey"``, then
+- ``ebnf``: a reference to a rule the grammar does not define is xgrammar's ``Failed to compile ebnf grammar``
+  (400); else the output is a string the grammar allows (real: ``Hi`` for ``root ::= "Hello" | "Hi" | "Hey"``, then
   EOS: finish ``stop``, ``matched_stop`` 2; with ``ignore_eos``, finish ``length`` at ``max_tokens``);
 - chat ``max_tokens`` over ``--context-length``: ``max_completion_tokens is too large: N.This model supports at
   most C completion tokens.`` (sglang's ``_validate_request``, only when the flag is given; without it the length
@@ -124,9 +125,14 @@ def test_ebnf_output_is_a_string_the_grammar_allows(tiny: SimProc) -> None:
         assert ebnf_text(GREETING, seed) in ("Hello", "Hi", "Hey")
         assert re.fullmatch(r'\{"name":"[A-Za-z]+"\}', ebnf_text(STRICT_JSON, seed) or "")
     assert re.fullmatch(r"x|[0-9]{2,3}y?", ebnf_text('root ::= "x" # a comment\n  | [0-9]{2,3} "y"?', 1) or "")
-    # not simulated (the usual echo): a recursive grammar, a rule it does not define
+    # not simulated (the usual echo): a recursive grammar
     assert ebnf_text('root ::= item+\nitem ::= "a" | "b" root', 1) is None
-    assert ebnf_text("root ::= undefined", 1) is None
+    # a rule it does not define: xgrammar's compile error, a 400 (as recorded from the real engine)
+    refused = tiny.client.post("/v1/chat/completions", json=_chat(max_tokens=32, ebnf="root ::= undefined_rule"))
+    assert refused.status_code == 400 and refused.json()["type"] == "BadRequestError"
+    assert re.fullmatch(r'Failed to compile ebnf grammar: \[\d\d:\d\d:\d\d\] /project/cpp/grammar_parser\.cc:820: EBNF '
+                        r'parser error at line 1, column 10: Rule "undefined_rule" is not defined\n',
+                        refused.json()["message"]), refused.json()
     answer = tiny.client.post("/v1/chat/completions", json=_chat(max_tokens=32, ebnf=GREETING)).json()
     choice = answer["choices"][0]
     assert (choice["message"]["content"] in ("Hello", "Hi", "Hey"), choice["finish_reason"],
