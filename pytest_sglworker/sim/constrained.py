@@ -21,7 +21,8 @@ and anchors are checked, not generated: a regex whose only matches need them is 
 generate); JSON Schema ``type`` (one or a list), ``properties``, ``required``, ``items``, ``prefixItems``,
 ``minItems``/``maxItems``, ``enum``, ``const``, ``minLength``/``maxLength``, ``pattern``, ``format`` (xgrammar's
 list), ``minimum``/``maximum`` (and exclusive), ``anyOf``/``oneOf``/``allOf``, ``$ref`` into ``$defs`` or
-``definitions``. ``ebnf`` and ``structural_tag`` are accepted and not simulated (the output is the usual echo).
+``definitions``; an ``ebnf`` grammar that is not recursive (:func:`ebnf_text`: its rules become one regex).
+A recursive ``ebnf`` and ``structural_tag`` are accepted and not simulated (the output is the usual echo).
 """
 
 from __future__ import annotations
@@ -89,7 +90,69 @@ def constrained_text(grammar: tuple[str, str] | None, seed: int) -> str | None:
         return regex_text(value, seed)
     if kind == "json":
         return json_text(value, seed)
+    if kind == "ebnf":
+        return ebnf_text(value, seed)
     return None
+
+
+# ---------------------------------------------------------------------------------------------- EBNF
+
+#: GBNF's tokens: a string literal, a character class, a rule's head, a rule name, an operator, a comment
+_EBNF_TOKEN = re.compile(r'\s+|#[^\n]*|(?P<str>"(?:[^"\\]|\\.)*")|(?P<cls>\[(?:[^\]\\]|\\.)*\])'
+                         r"|(?P<head>[A-Za-z_][\w-]*)\s*::=|(?P<name>[A-Za-z_][\w-]*)"
+                         r"|(?P<op>[()|*+?]|\{\d*(?:,\d*)?\})")
+
+
+def ebnf_text(source: str, seed: int) -> str | None:
+    """A string the GBNF grammar ``source`` (xgrammar's EBNF) allows from its ``root``: the grammar becomes a regex
+    (string literals, character classes, groups, ``|``, ``* + ? {m,n}``, references to other rules), which
+    :func:`regex_text` walks. A reference to a rule it does not define is xgrammar's compile error (a 400); None
+    (not simulated: the usual echo) for a recursive grammar or syntax it does not know."""
+    rules: dict[str, list[tuple[str, str]]] = {}
+    refs: list[tuple[str, int]] = []
+    current: list[tuple[str, str]] | None = None
+    pos = 0
+    while pos < len(source):
+        m = _EBNF_TOKEN.match(source, pos)
+        if m is None:
+            return None
+        pos = m.end()
+        kind = m.lastgroup
+        if kind == "head":
+            current = rules.setdefault(m.group("head"), [])
+        elif kind is not None:
+            if current is None:
+                return None
+            current.append((kind, m.group(kind)))
+            if kind == "name":
+                refs.append((m.group(kind), m.start()))
+    for name, at in refs:
+        if name not in rules:
+            line = source.count("\n", 0, at) + 1
+            column = at - (source.rfind("\n", 0, at) + 1) + 1
+            raise ConstraintError(f"Failed to compile ebnf grammar: [{_stamp()}] /project/cpp/grammar_parser.cc:820: "
+                                  f'EBNF parser error at line {line}, column {column}: Rule "{name}" is not defined\n')
+    try:
+        pattern = _ebnf_regex(rules, "root", ())
+    except (KeyError, ValueError):
+        return None
+    return regex_text(pattern, seed)
+
+
+def _ebnf_regex(rules: dict[str, list[tuple[str, str]]], name: str, seen: tuple[str, ...]) -> str:
+    if name in seen:
+        raise ValueError(f"rule {name!r} is recursive")
+    parts = []
+    for kind, text in rules[name]:
+        if kind == "str":
+            parts.append(re.escape(json.loads(text)))
+        elif kind == "name":
+            parts.append(f"(?:{_ebnf_regex(rules, text, (*seen, name))})")
+        elif kind == "op" and text in "()":
+            parts.append("(?:" if text == "(" else ")")
+        else:  # a character class, | and the repeats mean the same in a regex
+            parts.append(text)
+    return "".join(parts)
 
 
 # ---------------------------------------------------------------------------------------------- regex

@@ -67,6 +67,26 @@ def _shutdown(sim: Sim, signum: int) -> int:
     return 0
 
 
+def _longer_context_error(asked: int | None, derived: int | None) -> str:
+    """sglang's ``ModelConfig._derive_context_length``: a ``--context-length`` above the model's own is refused
+    before anything starts (the launcher's traceback, exit 1) unless ``SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN``
+    (or ``SGLANG_IS_IN_CI``) is true; then it is used as given."""
+    if not asked or not derived or asked <= derived:
+        return ""
+    if any(os.environ.get(name, "").lower() in ("true", "1", "yes", "y")
+           for name in ("SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN", "SGLANG_IS_IN_CI")):
+        return ""
+    return ("Traceback (most recent call last):\n"
+            '  File "sglang/launch_server.py", line 29, in run_server\n'
+            "    server_args.resolve_once()\n"
+            '  File "sglang/srt/configs/model_config.py", line 1314, in _derive_context_length\n'
+            "    raise ValueError(\n"
+            f"ValueError: Warning: User-specified context_length ({asked}) is greater than the derived "
+            f"context_length ({derived}). This may lead to incorrect model outputs or CUDA errors. Note that the "
+            "derived context_length may differ from max_position_embeddings in the model's config. To allow "
+            "overriding this maximum, set the env var SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the simulated server; returns the exit code (never returns on the SIGKILL faults)."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -95,6 +115,11 @@ def main(argv: list[str] | None = None) -> int:
         if missing:
             return config_error(missing)
     plan = make_plan(ns, total_gib, free_mib=free_mib, argv=argv)
+    longer = _longer_context_error(ns.context_length, plan.model.context_len or plan.facts.context_len)
+    if longer:
+        sys.stderr.write(longer)
+        sys.stderr.flush()
+        return 1
     log = Log(ns.log_level, ns.log_level_http or ns.log_level, plan.args["tp_size"])
     args = plan.args
     recorder = Recorder(os.environ.get(ENV_RECORD) or None, {

@@ -80,7 +80,8 @@ class Sim:
         :mod:`.constrained`), counted in the metrics, the prefix cache and the loads, and logged as sglang logs
         a prefill batch."""
         if constraint is not None:
-            gen = constrained(self.vocab, prompt_ids, constraint, max_new_tokens, stop, stop_token_ids or ())
+            gen = constrained(self.vocab, prompt_ids, constraint, max_new_tokens, stop, stop_token_ids or (),
+                              ignore_eos)
         else:
             gen = generate(self.vocab, prompt_ids, prompt_ids if source_ids is None else source_ids, max_new_tokens,
                            stop, ignore_eos, stop_token_ids or (), stop_regex or ())

@@ -120,10 +120,12 @@ def generate(vocab: Vocab, prompt_ids: list[int], source_ids: list[int], max_new
 
 
 def constrained(vocab: Vocab, prompt_ids: list[int], text: str, max_new_tokens: int | None, stop: list[str],
-                stop_token_ids: Sequence[int] = ()) -> Generation:
+                stop_token_ids: Sequence[int] = (), ignore_eos: bool = False) -> Generation:
     """A constrained decoding's generation: the tokens of ``text`` (the output its grammar allows, see
     :mod:`.constrained`), then EOS once the grammar is done; ``max_new_tokens``, stop strings and stop tokens cut it
-    as they cut any generation. Each text is an exact prefix of ``text``."""
+    as they cut any generation. With ``ignore_eos`` (and ``max_new_tokens``), the EOS the finished grammar allows
+    does not end it: EOS tokens (no text) until the limit, finish ``length``, as the real engine's.
+    Each text is an exact prefix of ``text``."""
     seed = prompt_seed(prompt_ids)
     pieces = vocab.split(text)
     limit = len(pieces) + 1 if max_new_tokens is None else max_new_tokens
@@ -149,6 +151,11 @@ def constrained(vocab: Vocab, prompt_ids: list[int], text: str, max_new_tokens: 
         texts.append(done)
     if finish is None:
         if len(output) >= limit:
+            finish = {"type": "length", "length": limit}
+        elif ignore_eos and max_new_tokens is not None:
+            while len(output) < limit:
+                output.append(vocab.eos_token_id)
+                texts.append(texts[-1] if texts else "")
             finish = {"type": "length", "length": limit}
         else:
             output.append(vocab.eos_token_id)

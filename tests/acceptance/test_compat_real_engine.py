@@ -225,13 +225,13 @@ def _leftovers(mark: str, since: float, needles: Iterable[str]) -> dict[int, str
     return found
 
 
-def _prepare_inner(pytester: pytest.Pytester, python: Path, model: Path,
-                   sources: dict[str, Path]) -> tuple[dict[str, str], list[str]]:
-    """The inner session's conftest and copies of the upstream files in the pytester directory, its environment,
+def _prepare_inner(base: Path, python: Path, model: Path, sources: dict[str, Path], *,
+                   conftest: str = INNER_CONFTEST) -> tuple[dict[str, str], list[str]]:
+    """The inner session's ``conftest`` and copies of the upstream files in the folder ``base``, its environment,
     and its command up to the options of its engine: ``(env, command)``. Skips when the engine's Python cannot
     import what the files import (``sglang.test.test_utils`` needs ``datasets``)."""
-    base = pytester.path
-    pytester.makeconftest(INNER_CONFTEST.format(model=str(model)))
+    base.mkdir(parents=True, exist_ok=True)
+    (base / "conftest.py").write_text(conftest.format(model=str(model)), encoding="utf-8")
     for name, path in sources.items():
         (base / name).write_text(_with_one_import_changed(path.read_text(encoding="utf-8")), encoding="utf-8")
     env = _inner_env(model, base)
@@ -254,6 +254,7 @@ def _finish_inner(args: list[str], base: Path, env: dict[str, str], model: Path,
     start = time.monotonic()
     result = subprocess.run(args, cwd=base, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, errors="replace", timeout=timeout, check=False)
+    (base / "inner-session.txt").write_text(result.stdout, encoding="utf-8")  # kept for a failure's reader
     run = InnerRun(ret=result.returncode, lines=result.stdout.splitlines(), seconds=time.monotonic() - start,
                    report=json.loads(report.read_text()) if report is not None and report.is_file() else {},
                    base=base)
@@ -266,7 +267,7 @@ def _finish_inner(args: list[str], base: Path, env: dict[str, str], model: Path,
 
 
 def _run_inner(pytester: pytest.Pytester, python: Path, model: Path, sources: dict[str, Path]) -> InnerRun:
-    env, command = _prepare_inner(pytester, python, model, sources)
+    env, command = _prepare_inner(pytester.path, python, model, sources)
     report = pytester.path / "report.json"
     args = [*command, "--sgl-launcher", shlex.join(real_engine_launcher(python)), "--sgl-gpus", "sim:1",
             "--sgl-startup-timeout", str(STARTUP_TIMEOUT), "--sgl-lease-timeout", "600", "--sgl-report", str(report),

@@ -41,7 +41,7 @@ DESELECTED: dict[str, str] = {
 
 
 def _run(pytester: pytest.Pytester, python: Path, model: Path, sources: dict[str, Path]) -> InnerRun:
-    env, command = _prepare_inner(pytester, python, model, sources)
+    env, command = _prepare_inner(pytester.path, python, model, sources)
     args = [*command, "--sgl-engine", "sim", "--sgl-gpus", "sim:1", "--sgl-startup-timeout", "120",
             "--sgl-lease-timeout", "600", *[f"--deselect={nodeid}" for nodeid in DESELECTED], *sources]
     return _finish_inner(args, pytester.path, env, model, timeout=len(LAUNCHED) * 300)

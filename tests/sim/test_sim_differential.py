@@ -160,6 +160,10 @@ CORPUS: list[Case] = [
         "type": "json_schema", "json_schema": {"name": "x"}}), message=True),
     Case("chat_response_format_bad_type", "POST", "/v1/chat/completions", _chat("hi", response_format={"type": "xml"})),
     Case("chat_regex", "POST", "/v1/chat/completions", _chat("hi", max_tokens=10, regex="[0-9]{3}-[a-z]{2}")),
+    # a grammar of three words: both engines write one, then EOS (upstream's test_openai_server_ebnf.py's)
+    Case("chat_ebnf", "POST", "/v1/chat/completions",
+         _chat("hi", max_tokens=32, ebnf='root ::= "Hello" | "Hi" | "Hey"'),
+         values=("choices.0.finish_reason", "choices.0.matched_stop")),
     Case("chat_regex_bad", "POST", "/v1/chat/completions", _chat("hi", regex="(ab")),
     Case("chat_regex_bad_stream", "POST", "/v1/chat/completions", _chat("hi", regex="(ab", stream=True)),
     Case("chat_regex_and_response_format", "POST", "/v1/chat/completions",

@@ -108,6 +108,13 @@ def _stream_usage(sim: Sim, req: dict[str, Any]) -> tuple[bool, bool]:
     return default, False
 
 
+def _hidden_state(sim: Sim, gen: Generation) -> list[float]:
+    """A choice's ``hidden_states`` (``return_hidden_states``, on a server started with
+    ``--enable-return-hidden-states``): its last token's hidden state, ``hidden_size`` floats, or ``[]`` for a
+    one-token answer (sglang's ``process_hidden_states_for_response``); the values are the sim's own."""
+    return embedding([*gen.prompt_ids, *gen.output_ids], sim.plan.hidden_size) if gen.completion_tokens > 1 else []
+
+
 _FORMATS = ("text", "json_object", "json_schema", "structural_tag")
 
 
@@ -186,6 +193,11 @@ def chat(ctx: Request) -> None:
         not_generation(sim)
         max_tokens, stop, ignore_eos, n = _openai_params(req)
         chat_options(req)
+        context = sim.plan.args.get("context_length")  # the flag's value: None without --context-length
+        if max_tokens and context and max_tokens > context and not sim.plan.args.get("allow_auto_truncate"):
+            # serving_chat's _validate_request, before the prompt is tokenized (its missing space included)
+            raise BadRequest(f"max_completion_tokens is too large: {max_tokens}.This model supports at most "
+                             f"{context} completion tokens.")
         grammar = openai_grammar(req, chat=True)
         texts = [message_text(m) for m in messages]
         messages, prefix = final_message(messages, bool(req.get("continue_final_message")))
@@ -236,7 +248,8 @@ def chat(ctx: Request) -> None:
     if req.get("stream"):
         include_usage, continuous = _stream_usage(sim, req)
         ctx.stream(_chat_events(sim, gens, rid, created, model, usage if include_usage else None,
-                                want_logprobs, top_n, continuous=continuous, sglext=sglext))
+                                want_logprobs, top_n, continuous=continuous, sglext=sglext,
+                                hidden=bool(req.get("return_hidden_states"))))
         return
     started = time.perf_counter()
     pace(sim, max(g.completion_tokens for g in gens))
@@ -256,6 +269,8 @@ def chat(ctx: Request) -> None:
             choices[-1]["response_token_ids"] = gen.output_ids
         if req.get("return_meta_info"):
             choices[-1]["meta_info"] = _meta_info(rid, gen, started)
+        if req.get("return_hidden_states"):
+            choices[-1]["hidden_states"] = _hidden_state(sim, gen)
     answer = {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices,
               "usage": usage, "metadata": {"weight_version": "default", "weight_versions": [
                   {"version": "default", "start": 0, "end": gens[0].completion_tokens}]}}
@@ -276,7 +291,7 @@ def _meta_info(rid: str, gen: Generation, started: float) -> dict[str, Any]:
 
 def _chat_events(sim: Sim, gens: list[Generation], rid: str, created: int, model: str, usage: dict[str, Any] | None,
                  want_logprobs: bool, top_n: int, *, continuous: bool = False,
-                 sglext: dict[str, Any] | None = None) -> Iterator[dict[str, Any]]:
+                 sglext: dict[str, Any] | None = None, hidden: bool = False) -> Iterator[dict[str, Any]]:
     def chunk(index: int, delta: dict[str, Any], probs: Any = None, reason: str | None = None,
               matched: Any = None) -> dict[str, Any]:
         return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
@@ -298,6 +313,9 @@ def _chat_events(sim: Sim, gens: list[Generation], rid: str, created: int, model
             yield event
         reason, matched = gen.openai_finish()
         yield chunk(index, {"reasoning_content": None}, None, reason, matched)
+    for index, gen in enumerate(gens if hidden else []):  # after every choice's end, one chunk each
+        yield chunk(index, {"role": None, "content": None, "reasoning_content": None,
+                            "hidden_states": _hidden_state(sim, gen)})
     if sglext:
         yield {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [],
                "usage": None, "sglext": sglext}
@@ -376,7 +394,8 @@ def completions(ctx: Request) -> None:
         stream_usage = openai_usage(usage["prompt_tokens"], usage["completion_tokens"], details=False)
         ctx.stream(_completion_events(sim, gens, echo, rid, created, model,
                                       stream_usage if include_usage else None, want_logprobs, top_n,
-                                      continuous=continuous, token_ids=token_ids))
+                                      continuous=continuous, token_ids=token_ids,
+                                      hidden=bool(req.get("return_hidden_states"))))
         return
     pace(sim, max(g.completion_tokens for _, g in gens))
     choices = []
@@ -388,6 +407,8 @@ def completions(ctx: Request) -> None:
                         "matched_stop": matched})
         if token_ids:
             choices[-1].update(token_ids=gen.output_ids, prompt_token_ids=gen.prompt_ids)
+        if req.get("return_hidden_states"):
+            choices[-1]["hidden_states"] = _hidden_state(sim, gen)
     ctx.json(200, {"id": rid, "object": "text_completion", "created": created, "model": model,
                    "choices": choices, "usage": usage,
                    "metadata": {"weight_version": "default", "weight_versions": [
@@ -396,7 +417,8 @@ def completions(ctx: Request) -> None:
 
 def _completion_events(sim: Sim, gens: list[tuple[str, Generation]], echo: bool, rid: str, created: int, model: str,
                        usage: dict[str, Any] | None, want_logprobs: bool, top_n: int, *,
-                       continuous: bool = False, token_ids: bool = False) -> Iterator[dict[str, Any]]:
+                       continuous: bool = False, token_ids: bool = False,
+                       hidden: bool = False) -> Iterator[dict[str, Any]]:
     def chunk(index: int, text: str, probs: Any, reason: str | None = None, matched: Any = None) -> dict[str, Any]:
         return {"id": rid, "object": "text_completion", "created": created, "model": model,
                 "choices": [{"index": index, "text": text, "logprobs": probs, "finish_reason": reason,
@@ -421,6 +443,10 @@ def _completion_events(sim: Sim, gens: list[tuple[str, Generation]], echo: bool,
             if continuous:
                 event["usage"] = openai_usage(gen.prompt_tokens, min(k + 1, gen.completion_tokens))
             yield event
+    for index, (_, gen) in enumerate(gens if hidden else []):  # after every choice's end, one chunk each
+        event = chunk(index, "", None)
+        event["choices"][0]["hidden_states"] = _hidden_state(sim, gen)
+        yield event
     if usage is not None:
         yield {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [],
                "usage": usage}
