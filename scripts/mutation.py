@@ -33,6 +33,7 @@ import datetime
 import json
 import os
 import platform
+import shlex
 import shutil
 import signal
 import subprocess
@@ -267,7 +268,7 @@ def _in_signature(node: Any) -> bool:
 
 
 def test_command(target: Target) -> str:
-    return " ".join([sys.executable, "-m", "pytest", *PYTEST_ARGS, *target.tests])
+    return shlex.join([sys.executable, "-m", "pytest", *PYTEST_ARGS, *target.tests])
 
 
 def end_leftovers(mark: str) -> list[int]:
