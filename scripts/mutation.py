@@ -255,12 +255,20 @@ def mutants(path: Path, scope: tuple[str, ...] | None) -> list[Mutant]:
 
 
 def _in_signature(node: Any) -> bool:
-    """Whether ``node`` is part of a parameter list (a default value): the tests pass their own values, and which
-    default a function has is a choice, not a promise."""
-    while node is not None:
+    """Whether ``node`` is part of a parameter list (a default value: the tests pass their own values, and which
+    default a function has is a choice, not a promise) or of an annotation (never evaluated: every module has
+    ``from __future__ import annotations``)."""
+    while node.parent is not None:
+        parent = node.parent
         if node.type == "param":
             return True
-        node = node.parent
+        siblings = parent.children
+        i = siblings.index(node)
+        if parent.type == "funcdef" and i > 0 and getattr(siblings[i - 1], "value", None) == "->":
+            return True
+        if parent.type == "annassign" and i == 1:
+            return True
+        node = parent
     return False
 
 
