@@ -49,8 +49,9 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 SUMMARY = REPO / "tests" / "data" / "mutation" / "summary.json"
 GOAL = 0.90
-#: What every test command runs with: no xdist, no cache written into the checkout, stop at the first failure.
-PYTEST_ARGS = ("-n", "0", "-p", "no:cacheprovider", "-x", "-q", "-m", "not slow")
+#: What every test command runs with: no xdist, no cache written into the checkout, no hypothesis plugin (half of
+#: the start of a run on a loaded machine; the targeted tests use none), stop at the first failure.
+PYTEST_ARGS = ("-n", "0", "-p", "no:cacheprovider", "-p", "no:hypothesispytest", "-x", "-q", "-m", "not slow")
 #: Set in the environment of every test command: whatever it starts carries it, so leftovers of a mutant that hung
 #: (and was killed by the timeout, its own process group only) are found and ended by pid.
 RUN_MARK = "SGLWORKER_MUTATION_RUN"
