@@ -74,6 +74,7 @@ TARGETS: dict[str, Target] = {
         "the budget check: a worker argv without --mem-fraction-static <= 0.6 and a disabled prefill CUDA graph, or "
         "with a config file, is refused with each problem named",
         ("tests/engine/test_specs_budget.py",),
+        ("flag_values", "check_argv", "fraction_problem", "describe_violation"),
     ),
     "launch_env": Target(
         "pytest_sglworker/workers/process.py",
@@ -97,15 +98,14 @@ TARGETS: dict[str, Target] = {
         "GPU leases: tp GPUs with enough free memory each, locked across processes, never two holders of one "
         "GPU, CUDA_VISIBLE_DEVICES naming exactly the leased ones, released once",
         ("tests/resources/test_gpus.py",),
-        ("Lease.env", "Lease.release", "Lease._unlock", "LeaseManager._attempt", "LeaseManager._lock_group",
-         "_candidate_groups"),
+        ("Lease.env", "LeaseManager._attempt", "LeaseManager._lock_group"),
     ),
     "port_blocks": Target(
         "pytest_sglworker/resources/ports.py",
         "port blocks: a block of consecutive free ports locked across processes, never handed to two holders, "
         "quarantined blocks never handed out again, released once",
         ("tests/resources/test_ports.py",),
-        ("PortBlock.release", "reserve_port_block", "_scan"),
+        ("PortBlock.release", "_scan"),
     ),
     "warm_identity": Target(
         "pytest_sglworker/resources/warm_records.py",
@@ -249,6 +249,8 @@ def mutants(path: Path, scope: tuple[str, ...] | None) -> list[Mutant]:
     for name, operator in _operators():
         positions = ((node, start) for node in ast_nodes(module_ast) for start, _ in operator.mutation_positions(node))
         for occurrence, (node, start) in enumerate(positions):
+            if name == "core/NumberReplacer" and occurrence % 2:
+                continue  # n - 1: of n + 1 and n - 1 (cosmic-ray's two, in turn), one is enough to check a number
             if any(low <= start[0] <= high for low, high in ranges) and not _in_signature(node):
                 definition = ASTQuery(node).get_definition_name() or ""
                 found.append(Mutant(name, operator, occurrence, start[0], start[1], definition))
@@ -343,7 +345,7 @@ def run_target(name: str, target: Target, timeout: float | None, log: Any) -> di
         baseline = time.monotonic() - t0
         if outcome != TestOutcome.SURVIVED:
             raise SystemExit(f"{name}: the tests fail without a mutant ({command}):\n{output[-3000:]}")
-        per_mutant = timeout if timeout is not None else max(30.0, 4 * baseline)
+        per_mutant = timeout if timeout is not None else max(20.0, 3 * baseline)
         print(f"{name}: {len(found)} mutants, baseline {baseline:.1f} s, timeout {per_mutant:.0f} s", file=log,
               flush=True)
         killed = timeouts = 0
@@ -389,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--module", action="append", choices=sorted(TARGETS), help="a target (repeatable)")
     parser.add_argument("--summary", type=Path, default=SUMMARY, help=f"the summary to write (default {SUMMARY})")
-    parser.add_argument("--timeout", type=float, help="seconds per mutant (default: 4x the baseline, >= 30)")
+    parser.add_argument("--timeout", type=float, help="seconds per mutant (default: 3x the baseline, >= 20)")
     parser.add_argument("--list", action="store_true", help="print the targets and their mutant counts, run nothing")
     args = parser.parse_args(argv)
     names = args.module or sorted(TARGETS)

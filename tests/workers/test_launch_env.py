@@ -85,6 +85,8 @@ def test_a_kept_log_is_never_overwritten(tmp_path: Path) -> None:
     assert kept.read_text() == "the kept failure\n"
     assert (tmp_path / "worker-1-2.log").read_text() == "another kept one\n"
     assert unused_log_path(tmp_path / "fresh.log") == tmp_path / "fresh.log"
+    (tmp_path / "once.log").write_text("")
+    assert unused_log_path(tmp_path / "once.log") == tmp_path / "once-2.log"
 
 
 def test_pytest_per_test_variables_are_not_inherited(monkeypatch: pytest.MonkeyPatch) -> None:
