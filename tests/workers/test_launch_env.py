@@ -22,7 +22,8 @@ from pytest_sglworker.workers.process import inherited_environ, start_process, u
 
 REPORT = """
 import json, os, sys
-print(json.dumps({"env": dict(os.environ), "sid": os.getsid(0), "pid": os.getpid(), "stdin": sys.stdin.read()}))
+print(json.dumps({"env": dict(os.environ), "sid": os.getsid(0), "pid": os.getpid(), "stdin": sys.stdin.read(),
+                  "fds": sorted(int(fd) for fd in os.listdir("/proc/self/fd"))}))
 print("to stderr", file=sys.stderr)
 """
 
@@ -73,6 +74,20 @@ def test_own_session_stdin_closed_both_streams_in_a_private_log(tmp_path: Path) 
     assert stat.S_IMODE(os.stat(started["log_path"]).st_mode) == 0o600
     assert started["argv"][0] == sys.executable and started["times"]["started"] > 0
     assert started["secrets"] == ["sekrit-value"]
+
+
+def test_no_descriptor_of_the_session_is_inherited(tmp_path: Path) -> None:
+    """Not even one marked inheritable (a lock handed over by descriptor): a worker holding it would hold the lock."""
+    read, write = os.pipe()
+    os.set_inheritable(write, True)
+    try:
+        environ = {"PATH": os.environ["PATH"], "SGLWORKER_TEST_MARK": os.environ["SGLWORKER_TEST_MARK"]}
+        _, out = run_child(tmp_path, {}, environ)
+    finally:
+        os.close(read)
+        os.close(write)
+    assert write not in out["report"]["fds"]
+    assert {0, 1, 2} <= set(out["report"]["fds"])
 
 
 def test_a_kept_log_is_never_overwritten(tmp_path: Path) -> None:
