@@ -263,7 +263,7 @@ def _in_signature(node: Any) -> bool:
     ``from __future__ import annotations``)."""
     while node.parent is not None:
         parent = node.parent
-        if node.type == "param":
+        if node.type in ("param", "parameters"):  # a bare * or / too
             return True
         siblings = parent.children
         i = siblings.index(node)
