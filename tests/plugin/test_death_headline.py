@@ -17,12 +17,12 @@ from pytest_sglworker.plugin.deaths import _chain, _connection_port, dead_proces
 
 @dataclass
 class Fake:
-    """A held process: dead once ``is_alive`` was asked ``dies_after`` times (0: dead already; None: never)."""
+    """A held process: dead once ``is_alive`` was asked ``dies_after`` times (0: dead already; None: never). Only an
+    attached one has ``attached`` (as the plugin's processes: a worker or a router has none)."""
 
     port: int
     dies_after: int | None = None
     stopped: bool = False
-    attached: bool = False
     asked: int = field(default=0)
 
     def is_alive(self) -> bool:
@@ -70,14 +70,16 @@ def test_a_closed_connection_and_its_port(exc: BaseException, expected: tuple[bo
     assert _connection_port(exc) == expected
 
 
-def test_the_port_comes_from_the_first_exception_that_has_a_request() -> None:
+def test_the_port_comes_from_the_newest_exception_that_has_a_request() -> None:
     inner = request_error(31236)
     outer = raised_from(inner, ConnectionError("closed"))
     assert _connection_port(outer) == (True, 31236)
+    assert _connection_port(raised_from(request_error(31237), request_error(31238))) == (True, 31238)
 
 
 def test_only_the_processes_that_died_lead_not_the_stopped_nor_the_attached() -> None:
-    alive, dead, stopped, attached = Fake(1), Fake(2, 0), Fake(3, 0, stopped=True), Fake(4, 0, attached=True)
+    alive, dead, stopped, attached = Fake(1), Fake(2, 0), Fake(3, 0, stopped=True), Fake(4, 0)
+    attached.attached = True  # type: ignore[attr-defined]
     assert dead_processes([alive, dead, stopped, attached], None) == [dead]
     assert dead_processes([alive, stopped, attached], ValueError("x")) == []
 

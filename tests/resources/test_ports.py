@@ -120,6 +120,35 @@ def test_block_layout_and_release(tmp_path: Path) -> None:
     assert again.released
 
 
+def test_release_unlocks_at_once_whoever_still_holds_the_lock_object(tmp_path: Path) -> None:
+    """The lock is given back by release itself, not left to garbage collection: a hand-over keeps a reference."""
+    low, high = free_range(1, 4)
+    block = reserve_port_block(tmp_path, port_range=(low, high))
+    lock = block.held_lock()
+    assert lock is not None and lock.is_locked
+    block.release()
+    assert not lock.is_locked
+    reserve_port_block(tmp_path, port_range=(low, high)).release()  # the only block: free again
+
+
+def test_a_released_block_is_forgotten(tmp_path: Path) -> None:
+    """A held block is kept alive until released (never freed by garbage collection); a released one is not."""
+    import gc
+    import weakref
+
+    low, high = free_range(1, 4)
+    block = reserve_port_block(tmp_path, port_range=(low, high))
+    ref = weakref.ref(block)
+    del block
+    gc.collect()
+    held = ref()
+    assert held is not None and not held.released
+    held.release()
+    del held
+    gc.collect()
+    assert ref() is None
+
+
 def test_reservations_never_overlap_and_exhaust(tmp_path: Path) -> None:
     low, high = free_range(5, 4)
     # an unaligned tail (high + 2) never forms a block of its own
