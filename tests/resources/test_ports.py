@@ -521,3 +521,32 @@ def test_the_default_range_leaves_ray_clients_server_ports_alone(tmp_path: Path,
         assert 23000 <= explicit.ports[0] <= 23996
     finally:
         explicit.release()
+
+
+@pytest.mark.parametrize(("avoid", "blocks_left", "skipped"), [
+    ((4, 7), 4, {1}),  # exactly block 1
+    ((3, 3), 4, {0}),  # block 0's last port
+    ((8, 8), 4, {2}),  # block 2's first port
+    ((7, 8), 3, {1, 2}),  # across two blocks
+    ((20, 30), 5, set()),  # above the range
+    ((-10, -1), 5, set()),  # below it
+])
+def test_a_block_that_touches_an_avoided_range_is_never_looked_at(
+        tmp_path: Path, avoid: tuple[int, int], blocks_left: int, skipped: set[int]) -> None:
+    from pytest_sglworker.resources.ports import _scan
+
+    low, _ = free_range(5)
+    avoided = ((low + avoid[0], low + avoid[1]),)
+    held = []
+    try:
+        for _ in range(blocks_left + 1):
+            block, scan = _scan(tmp_path, low, 4, 5, "127.0.0.1", avoid=avoided)
+            assert scan.blocks == blocks_left
+            if block is None:
+                break
+            held.append(block)
+        taken = {(block.port - low) // 4 for block in held}
+        assert taken == set(range(5)) - skipped or scan.in_use, (taken, scan.explain(tmp_path))
+    finally:
+        for block in held:
+            block.release()
