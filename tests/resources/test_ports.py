@@ -550,3 +550,41 @@ def test_a_block_that_touches_an_avoided_range_is_never_looked_at(
     finally:
         for block in held:
             block.release()
+
+
+def test_a_block_reserved_on_one_thread_is_released_on_another(tmp_path: Path) -> None:
+    """A group's members start and stop on threads of their own."""
+    import threading
+
+    low, high = free_range(1, 4)
+    block = reserve_port_block(tmp_path, port_range=(low, high))
+    lock = block.held_lock()  # referenced still: released by release, not by garbage collection
+    stopper = threading.Thread(target=block.release)
+    stopper.start()
+    stopper.join()
+    reserve_port_block(tmp_path, port_range=(low, high)).release()  # the only block: free again
+    assert lock is not None
+
+
+def test_a_lock_file_is_never_writable_by_others_whatever_the_umask(tmp_path: Path) -> None:
+    low, high = free_range(1, 4)
+    old = os.umask(0)
+    try:
+        block = reserve_port_block(tmp_path, port_range=(low, high))
+    finally:
+        os.umask(old)
+    block.release()
+    assert oct(block.lock_path.stat().st_mode & 0o777) == "0o644"
+
+
+def test_an_unusable_lock_file_skips_that_block_only(tmp_path: Path) -> None:
+    from pytest_sglworker.resources.ports import _start_block
+
+    low, high = free_range(2, 4)
+    first = low + 4 * _start_block(2)  # the block this process looks at first
+    (tmp_path / f"port-{first}.lock").mkdir()
+    block = reserve_port_block(tmp_path, port_range=(low, high))
+    try:
+        assert block.port == low + 4 * (1 - _start_block(2))
+    finally:
+        block.release()
