@@ -588,3 +588,22 @@ def test_an_unusable_lock_file_skips_that_block_only(tmp_path: Path) -> None:
         assert block.port == low + 4 * (1 - _start_block(2))
     finally:
         block.release()
+
+
+def test_a_scan_interrupted_while_probing_leaves_no_block_locked(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C while a port is probed: the block being looked at is unlocked at once, not when the traceback (which
+    keeps the scan's frame and its lock) is collected."""
+    from pytest_sglworker.resources import ports
+
+    low, high = free_range(1, 4)
+
+    def interrupted(host: str, port: int, *, reuse_addr: bool = False) -> bool:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ports, "_port_is_free", interrupted)
+    with pytest.raises(KeyboardInterrupt) as info:
+        reserve_port_block(tmp_path, port_range=(low, high))
+    monkeypatch.undo()
+    reserve_port_block(tmp_path, port_range=(low, high)).release()  # the only block: free again
+    assert info.traceback  # the traceback, and the scan's frame, still held
