@@ -97,7 +97,8 @@ TARGETS: dict[str, Target] = {
         "pytest_sglworker/resources/gpus/leases.py",
         "GPU leases: tp GPUs with enough free memory each, locked across processes, never two holders of one "
         "GPU, CUDA_VISIBLE_DEVICES naming exactly the leased ones, released once",
-        ("tests/resources/test_gpus.py",),
+        ("tests/resources/test_gpus.py",
+         "tests/plugin/test_xdist_gpus.py::test_gpu_of_a_dead_holder_stays_busy_while_its_workers_run"),
         ("Lease.env", "LeaseManager._attempt", "LeaseManager._lock_group"),
     ),
     "port_blocks": Target(
