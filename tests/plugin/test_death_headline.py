@@ -102,6 +102,8 @@ def test_a_closed_connection_of_unknown_port_waits_for_every_held_process() -> N
 
 
 def test_no_wait_without_a_closed_connection(monkeypatch: pytest.MonkeyPatch) -> None:
+    never = Fake(7)
+    assert dead_processes([never], None) == [] and never.asked == 1  # no exception: nothing waited for
     later = Fake(7, dies_after=1)
     assert dead_processes([later], ValueError("x")) == []
     assert dead_processes([later], None) == [later]  # asked once more: it had died meanwhile
