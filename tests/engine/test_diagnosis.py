@@ -917,7 +917,7 @@ def test_capture_oom_advice_reads_the_argv_before_it_recommends_a_flag() -> None
     assert diagnose(log, -9).advice.startswith("keep --cuda-graph-backend-prefill=disabled (part of CI_WORKER_ARGS)")
 
 
-# ---------------------------------------------------------------------------------------------- which error is the cause
+# ---------------------------------------------------------------------------------------- which error is the cause
 
 NCCL_WARN_1 = ("ci-runner-7:4312:4399 [1] transport/p2p.cc:275 NCCL WARN Cuda failure 217 'peer access is not "
                "supported between these two devices'")
@@ -963,3 +963,11 @@ def test_later_errors_are_listed_in_log_order_a_chained_traceback_included() -> 
     assert d.first_error_line == 1
     numbers = [int(s.split(":")[0].removeprefix("log line ")) for s in d.secondary]
     assert len(numbers) >= 2 and numbers == sorted(numbers), d.secondary
+
+
+def test_each_later_error_is_listed_once_past_the_causes_own_warnings() -> None:
+    log = "\n".join([*NCCL_ERROR, NCCL_WARN_1, "ValueError: another problem", "ValueError: another problem"]) + "\n"
+    d = diagnose(log, 1)
+    assert d.first_error_line == 1
+    assert d.secondary == ("log line 6: ValueError: another problem (a later error)",)
+    assert d.secondary_text == ("ValueError: another problem",)  # what each quotes, for the tail's marks
