@@ -966,7 +966,8 @@ def test_later_errors_are_listed_in_log_order_a_chained_traceback_included() -> 
 
 
 def test_each_later_error_is_listed_once_past_the_causes_own_warnings() -> None:
-    log = "\n".join([*NCCL_ERROR, NCCL_WARN_1, "ValueError: another problem", "ValueError: another problem"]) + "\n"
+    log = "\n".join([*NCCL_ERROR, NCCL_WARN_1, "ValueError: another problem", "[2026-12-02 10:00:02] Retrying.",
+                     "ValueError: another problem"]) + "\n"
     d = diagnose(log, 1)
     assert d.first_error_line == 1
     assert d.secondary == ("log line 6: ValueError: another problem (a later error)",)
