@@ -972,3 +972,11 @@ def test_each_later_error_is_listed_once_past_the_causes_own_warnings() -> None:
     assert d.first_error_line == 1
     assert d.secondary == ("log line 6: ValueError: another problem (a later error)",)
     assert d.secondary_text == ("ValueError: another problem",)  # what each quotes, for the tail's marks
+
+
+def test_a_child_that_exited_with_a_positive_code_is_not_a_death_by_signal() -> None:
+    log = ("[2026-12-02 10:00:00] Load weight begin. avail mem=78.50 GB\n"
+           "[2026-12-02 10:00:09] Subprocess scheduler_0 (pid=4243) crashed with exit code 1. Triggering SIGQUIT for "
+           "cleanup...\n")
+    d = diagnose(log, 1)
+    assert d.kind is Kind.UNKNOWN and d.first_error_line is None
