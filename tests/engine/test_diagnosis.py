@@ -980,3 +980,15 @@ def test_a_child_that_exited_with_a_positive_code_is_not_a_death_by_signal() -> 
            "cleanup...\n")
     d = diagnose(log, 1)
     assert d.kind is Kind.UNKNOWN and d.first_error_line is None
+
+
+def test_the_port_is_read_from_errors_of_the_causes_kind_only() -> None:
+    log = "\n".join([
+        "[2026-12-02 10:00:00] Load weight begin.",
+        "[2026-12-02 10:00:01] ERROR:    [Errno 98] error while attempting to bind on address: address already in use",
+        "[2026-12-02 10:00:02] ValueError: the tokenizer server at port: 9999 refused",
+        "[2026-12-02 10:00:03] zmq.error.ZMQError: Address already in use (addr='tcp://127.0.0.1:30001')",
+    ]) + "\n"
+    d = diagnose(log, 1)
+    assert d.kind is Kind.PORT_IN_USE and d.first_error_line == 2
+    assert d.summary == "a port the worker needs is already in use (30001)"  # not another error's 9999
