@@ -243,8 +243,10 @@ def mutants(path: Path, scope: tuple[str, ...] | None) -> list[Mutant]:
     strings)."""
     from cosmic_ray.ast import ast_nodes, get_ast_from_path
     from cosmic_ray.ast.ast_query import ASTQuery
+    from cosmic_ray.mutating import mutate_code
 
     ranges = scope_ranges(path, scope)
+    source = path.read_text()
     module_ast = get_ast_from_path(path)
     found: list[Mutant] = []
     for name, operator in _operators():
@@ -253,6 +255,10 @@ def mutants(path: Path, scope: tuple[str, ...] | None) -> list[Mutant]:
             if name == "core/NumberReplacer" and occurrence % 2:
                 continue  # n - 1: of n + 1 and n - 1 (cosmic-ray's two, in turn), one is enough to check a number
             if any(low <= start[0] <= high for low, high in ranges) and not _in_signature(node):
+                try:  # cosmic-ray's ExceptionReplacer fails on a dotted name in a tuple (psutil.Error, OSError)
+                    mutate_code(source, operator, occurrence)
+                except Exception:
+                    continue
                 definition = ASTQuery(node).get_definition_name() or ""
                 found.append(Mutant(name, operator, occurrence, start[0], start[1], definition))
     return sorted(found, key=lambda m: (m.line, m.column, m.operator))
@@ -409,15 +415,25 @@ def main(argv: list[str] | None = None) -> int:
         previous = json.loads(args.summary.read_text())
     except (OSError, ValueError):
         previous = {}
-    import cosmic_ray
-
     modules = dict(previous.get("modules", {})) if args.module else {}
     runs = dict(previous.get("runs", {})) if args.module else {}
     commit = _git("rev-parse", "HEAD")
-    for name in names:
+    for name in names:  # the summary is written after each target: a run cut short keeps what it finished
         modules[name] = run_target(name, TARGETS[name], args.timeout, sys.stdout)
         runs[name] = {"commit": commit, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
             timespec="seconds"), "load_average": [round(x, 2) for x in os.getloadavg()]}
+        write_summary(args.summary, modules, runs, commit)
+    below = [name for name, m in modules.items() if m["score"] < GOAL]
+    print(f"\n{'target':16} {'mutants':>8} {'killed':>7} {'survived':>9} {'timeouts':>9} {'score':>6}")
+    for name, m in sorted(modules.items()):
+        print(f"{name:16} {m['mutants']:8} {m['killed']:7} {m['survived']:9} {m['timeouts']:9} {m['score']:6.1%}")
+    print(f"summary: {args.summary}" + (f"; below the {GOAL:.0%} goal: {', '.join(below)}" if below else ""))
+    return 1 if below else 0
+
+
+def write_summary(path: Path, modules: dict[str, Any], runs: dict[str, Any], commit: str) -> None:
+    import cosmic_ray
+
     modules = {name: modules[name] for name in sorted(modules) if name in TARGETS}
     summary = {
         "tool": f"cosmic-ray {getattr(cosmic_ray, '__version__', None) or _version('cosmic-ray')}",
@@ -430,14 +446,8 @@ def main(argv: list[str] | None = None) -> int:
         "runs": {name: runs[name] for name in modules if name in runs},
         "modules": modules,
     }
-    args.summary.parent.mkdir(parents=True, exist_ok=True)
-    args.summary.write_text(json.dumps(summary, indent=1) + "\n")
-    print(f"\n{'target':16} {'mutants':>8} {'killed':>7} {'survived':>9} {'timeouts':>9} {'score':>6}")
-    for name, m in modules.items():
-        print(f"{name:16} {m['mutants']:8} {m['killed']:7} {m['survived']:9} {m['timeouts']:9} {m['score']:6.1%}")
-    below = [name for name, m in modules.items() if m["score"] < GOAL]
-    print(f"summary: {args.summary}" + (f"; below the {GOAL:.0%} goal: {', '.join(below)}" if below else ""))
-    return 1 if below else 0
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(summary, indent=1) + "\n")
 
 
 def _version(dist: str) -> str:
