@@ -607,3 +607,16 @@ def test_a_scan_interrupted_while_probing_leaves_no_block_locked(tmp_path: Path,
     monkeypatch.undo()
     reserve_port_block(tmp_path, port_range=(low, high)).release()  # the only block: free again
     assert info.traceback  # the traceback, and the scan's frame, still held
+
+
+def test_a_quarantined_block_skips_that_block_only(tmp_path: Path, clean_quarantine: None) -> None:
+    from pytest_sglworker.resources.ports import _start_block, quarantine_port_block
+
+    low, high = free_range(2, 4)
+    first = low + 4 * _start_block(2)  # the block this process looks at first
+    quarantine_port_block(first, reason="a test")
+    block = reserve_port_block(tmp_path, port_range=(low, high))
+    try:
+        assert block.port == low + 4 * (1 - _start_block(2))
+    finally:
+        block.release()
