@@ -620,3 +620,18 @@ def test_a_quarantined_block_skips_that_block_only(tmp_path: Path, clean_quarant
         assert block.port == low + 4 * (1 - _start_block(2))
     finally:
         block.release()
+
+
+def test_a_busy_block_skips_that_block_only(tmp_path: Path) -> None:
+    from pytest_sglworker.resources.ports import _start_block
+
+    low, high = free_range(2, 4)
+    first = low + 4 * _start_block(2)  # the block this process looks at first
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as busy:
+        busy.bind(("127.0.0.1", first + 2))
+        busy.listen()
+        block = reserve_port_block(tmp_path, port_range=(low, high))
+        try:
+            assert block.port == low + 4 * (1 - _start_block(2))
+        finally:
+            block.release()

@@ -35,7 +35,10 @@ from pytest_sglworker.resources.processes import (
 FAMILY = r"""
 import json, os, signal, subprocess, sys, time
 out, stubborn = sys.argv[1], sys.argv[2] == "stubborn"
-child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+child = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time; p = subprocess.Popen([sys.executable, "
+                          "'-c', 'import time; time.sleep(600)']); print(p.pid, flush=True); time.sleep(600)"],
+                         stdout=subprocess.PIPE)
+grandchild = int(child.stdout.readline())
 
 def orphan(setsid):
     r, w = os.pipe()
@@ -58,14 +61,14 @@ def orphan(setsid):
 escaped, stayed = orphan(True), orphan(False)
 
 def on_term(*_):
-    alive = all(os.path.exists(f"/proc/{p}") for p in (child.pid, escaped, stayed))
+    alive = all(os.path.exists(f"/proc/{p}") for p in (child.pid, grandchild, escaped, stayed))
     with open(out + ".term", "w") as fh:
         fh.write("children alive" if alive else "children gone")
     os._exit(0)
 
 signal.signal(signal.SIGTERM, on_term)
 with open(out + ".tmp", "w") as fh:
-    json.dump({"child": child.pid, "escaped": escaped, "stayed": stayed}, fh)
+    json.dump({"child": child.pid, "grandchild": grandchild, "escaped": escaped, "stayed": stayed}, fh)
 os.rename(out + ".tmp", out)
 while True:
     time.sleep(600)
@@ -126,8 +129,9 @@ def test_the_tree_is_the_descendants_the_session_and_the_tagged(tmp_path: Path, 
     root, pids = family(tmp_path, started, tag)
     try:
         assert {p.pid for p in process_tree(root.pid, tag)} == set(pids.values())
-        assert {p.pid for p in process_tree(root.pid, tag, sweep=False)} == {pids["root"], pids["child"]}
-        assert {p.pid for p in process_tree(root.pid)} == {pids["root"], pids["child"], pids["stayed"]}
+        descendants = {pids["root"], pids["child"], pids["grandchild"]}
+        assert {p.pid for p in process_tree(root.pid, tag, sweep=False)} == descendants
+        assert {p.pid for p in process_tree(root.pid)} == {*descendants, pids["stayed"]}
         assert process_tree(2**22 + 1, None) == []  # no such root: nothing, no error
     finally:
         root.kill()
