@@ -35,9 +35,21 @@ from pytest_sglworker.resources.processes import (
 FAMILY = r"""
 import json, os, signal, subprocess, sys, time
 out, stubborn = sys.argv[1], sys.argv[2] == "stubborn"
-child = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time; p = subprocess.Popen([sys.executable, "
-                          "'-c', 'import time; time.sleep(600)']); print(p.pid, flush=True); time.sleep(600)"],
-                         stdout=subprocess.PIPE)
+CHILD = '''
+import os, signal, subprocess, sys, time
+parent = os.getppid()
+
+def on_term(*_):
+    with open(sys.argv[1], "w") as fh:
+        fh.write("parent alive" if os.getppid() == parent else "parent gone")
+    os._exit(0)
+
+signal.signal(signal.SIGTERM, on_term)
+p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+print(p.pid, flush=True)
+time.sleep(600)
+'''
+child = subprocess.Popen([sys.executable, "-c", CHILD, out + ".child"], stdout=subprocess.PIPE)
 grandchild = int(child.stdout.readline())
 
 def orphan(setsid):
@@ -64,6 +76,7 @@ def on_term(*_):
     alive = all(os.path.exists(f"/proc/{p}") for p in (child.pid, grandchild, escaped, stayed))
     with open(out + ".term", "w") as fh:
         fh.write("children alive" if alive else "children gone")
+    time.sleep(0.3)  # a clean shutdown takes a while (sglang's: seconds): its children must not be signalled meanwhile
     os._exit(0)
 
 signal.signal(signal.SIGTERM, on_term)
@@ -144,7 +157,9 @@ def test_teardown_signals_the_root_first_and_ends_every_member(tmp_path: Path, s
     killed = terminate_tree(root, lambda: process_tree(root.pid, tag), term_timeout=10.0, kill_timeout=10.0)
     assert killed == []  # each ended on SIGTERM
     assert root.returncode == 0  # reaped by the teardown: its SIGTERM handler ran, while its children still ran
-    assert Path(f"{tmp_path}/{next(tmp_path.glob('family-*.json')).name}.term").read_text() == "children alive"
+    out = next(tmp_path.glob("family-*.json"))
+    assert Path(f"{out}.term").read_text() == "children alive"
+    assert Path(f"{out}.child").read_text() == "parent gone"  # the child's SIGTERM came once the root had ended
     assert [name for name, pid in pids.items() if not gone(pid)] == []
 
 
@@ -163,6 +178,9 @@ def test_a_stopped_root_is_resumed_to_handle_its_sigterm(tmp_path: Path, started
     wait_for(lambda: psutil.Process(root.pid).status() == psutil.STATUS_STOPPED, "the root to stop")
     killed = terminate_tree(root, lambda: process_tree(root.pid, tag), term_timeout=10.0, kill_timeout=10.0)
     assert killed == [] and root.returncode == 0
+    out = next(tmp_path.glob("family-*.json"))
+    assert Path(f"{out}.term").read_text() == "children alive"  # resumed at once, it ended before its children
+    assert Path(f"{out}.child").read_text() == "parent gone"
     assert [name for name, pid in pids.items() if not gone(pid)] == []
 
 
