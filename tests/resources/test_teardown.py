@@ -34,7 +34,7 @@ from pytest_sglworker.resources.processes import (
 
 FAMILY = r"""
 import json, os, signal, subprocess, sys, time
-out, stubborn = sys.argv[1], sys.argv[2] == "stubborn"
+out, stubborn, deaf_once = sys.argv[1], sys.argv[2] == "stubborn", sys.argv[2] == "deaf-once"
 CHILD = '''
 import os, signal, subprocess, sys, time
 parent = os.getppid()
@@ -72,7 +72,12 @@ def orphan(setsid):
 
 escaped, stayed = orphan(True), orphan(False)
 
+terms = []
+
 def on_term(*_):
+    terms.append(1)
+    if deaf_once and len(terms) == 1:
+        return  # as a signal that lands on a thread that does not act on it
     alive = all(os.path.exists(f"/proc/{p}") for p in (child.pid, grandchild, escaped, stayed))
     with open(out + ".term", "w") as fh:
         fh.write("children alive" if alive else "children gone")
@@ -118,10 +123,10 @@ def started() -> Iterator[list[int]]:
             pass
 
 
-def family(tmp_path: Path, started: list[int], tag: str, *, stubborn: bool = False
+def family(tmp_path: Path, started: list[int], tag: str, *, mode: str = "plain"
            ) -> tuple[subprocess.Popen[bytes], dict[str, int]]:
     out = tmp_path / f"family-{uuid.uuid4().hex[:6]}.json"
-    root = subprocess.Popen([sys.executable, "-c", FAMILY, str(out), "stubborn" if stubborn else "plain"],
+    root = subprocess.Popen([sys.executable, "-c", FAMILY, str(out), mode],
                             env={**os.environ, OWNER_ENV: tag}, start_new_session=True)
     started.append(root.pid)
     wait_for(out.exists, "the family's pids")
@@ -165,7 +170,7 @@ def test_teardown_signals_the_root_first_and_ends_every_member(tmp_path: Path, s
 
 def test_teardown_kills_what_ignores_sigterm(tmp_path: Path, started: list[int]) -> None:
     tag = owner_tag(session_id())
-    root, pids = family(tmp_path, started, tag, stubborn=True)
+    root, pids = family(tmp_path, started, tag, mode="stubborn")
     killed = terminate_tree(root, lambda: process_tree(root.pid, tag), term_timeout=1.0, kill_timeout=10.0)
     assert killed == [pids["escaped"]]
     assert [name for name, pid in pids.items() if not gone(pid)] == []
@@ -174,8 +179,9 @@ def test_teardown_kills_what_ignores_sigterm(tmp_path: Path, started: list[int])
 def test_a_stopped_root_is_resumed_to_handle_its_sigterm(tmp_path: Path, started: list[int]) -> None:
     tag = owner_tag(session_id())
     root, pids = family(tmp_path, started, tag)
-    os.kill(root.pid, signal.SIGSTOP)
-    wait_for(lambda: psutil.Process(root.pid).status() == psutil.STATUS_STOPPED, "the root to stop")
+    for pid in (root.pid, pids["escaped"]):  # frozen (a debugger, ^Z): each handles its SIGTERM once resumed
+        os.kill(pid, signal.SIGSTOP)
+        wait_for(lambda pid=pid: psutil.Process(pid).status() == psutil.STATUS_STOPPED, "the process to stop")
     killed = terminate_tree(root, lambda: process_tree(root.pid, tag), term_timeout=10.0, kill_timeout=10.0)
     assert killed == [] and root.returncode == 0
     out = next(tmp_path.glob("family-*.json"))
@@ -283,3 +289,15 @@ def test_an_adopted_zombie_counts_as_gone(started: list[int]) -> None:
     assert adopted.poll() == UNKNOWN_EXIT
     adopted.kill()  # a zombie is not signalled again (and nothing fails)
     assert proc.wait() == -signal.SIGKILL
+
+
+def test_a_root_deaf_to_its_first_sigterm_gets_another_before_its_children_are_signalled(
+        tmp_path: Path, started: list[int]) -> None:
+    tag = owner_tag(session_id())
+    root, pids = family(tmp_path, started, tag, mode="deaf-once")
+    killed = terminate_tree(root, lambda: process_tree(root.pid, tag), term_timeout=10.0, kill_timeout=10.0)
+    assert killed == [] and root.returncode == 0
+    out = next(tmp_path.glob("family-*.json"))
+    assert Path(f"{out}.term").read_text() == "children alive"
+    assert Path(f"{out}.child").read_text() == "parent gone"
+    assert [name for name, pid in pids.items() if not gone(pid)] == []
