@@ -301,3 +301,20 @@ def test_a_root_deaf_to_its_first_sigterm_gets_another_before_its_children_are_s
     assert Path(f"{out}.term").read_text() == "children alive"
     assert Path(f"{out}.child").read_text() == "parent gone"
     assert [name for name, pid in pids.items() if not gone(pid)] == []
+
+
+def test_a_process_that_cannot_be_inspected_is_not_proven(started: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
+    """/proc unreadable (a hardened mount): said in words, never raised."""
+    tag = owner_tag(session_id())
+    proc, created = adoptee(started, tag)
+
+    def unreadable(self: psutil.Process) -> dict[str, str]:
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(psutil.Process, "environ", unreadable)
+    try:
+        assert prove_process(proc.pid, created, tag) == f"pid {proc.pid} cannot be inspected (OSError)"
+    finally:
+        monkeypatch.undo()
+        proc.kill()
+        proc.wait()
