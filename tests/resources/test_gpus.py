@@ -1139,3 +1139,19 @@ def test_a_gpu_lock_file_is_never_writable_by_others_whatever_the_umask(tmp_path
         os.umask(old)
     lease.release()
     assert oct(manager.lock_path(0).stat().st_mode & 0o777) == "0o644"
+
+
+def test_a_group_found_short_after_locking_frees_its_gpus_for_the_next_group_at_once(tmp_path: Path) -> None:
+    """tp=2 over 3 GPUs: the run 0-1 is found short on GPU 0 after locking; the run 1-2 is leased, GPU 1 included
+    (the first run's lock of it given back before the next run is locked, not when the attempt ends)."""
+    def taken(gpus: list[GpuInfo]) -> list[GpuInfo]:
+        return [dataclasses.replace(g, free_mib=0) if g.index == 0 else g for g in gpus]
+
+    inventory = ScriptedInventory(3, {3: taken})
+    manager = LeaseManager(tmp_path, inventory, namespace=inventory.namespace)
+    lease = manager.try_acquire(2, 1000, holder="t")
+    try:
+        assert lease is not None and lease.indices == (1, 2)
+    finally:
+        if lease is not None:
+            lease.release()
