@@ -34,7 +34,8 @@ from pytest_sglworker.resources.processes import (
 
 FAMILY = r"""
 import json, os, signal, subprocess, sys, time
-out, stubborn, deaf_once = sys.argv[1], sys.argv[2] == "stubborn", sys.argv[2] == "deaf-once"
+out, mode = sys.argv[1], sys.argv[2]
+stubborn, deaf_once, spawns = mode == "stubborn", mode == "deaf-once", mode == "spawns-on-term"
 CHILD = '''
 import os, signal, subprocess, sys, time
 parent = os.getppid()
@@ -81,6 +82,10 @@ def on_term(*_):
     alive = all(os.path.exists(f"/proc/{p}") for p in (child.pid, grandchild, escaped, stayed))
     with open(out + ".term", "w") as fh:
         fh.write("children alive" if alive else "children gone")
+    if spawns:  # a daemon started while shutting down: it carries the tag, in a session of its own
+        helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
+        with open(out + ".helper", "w") as fh:
+            fh.write(str(helper.pid))
     time.sleep(0.3)  # a clean shutdown takes a while (sglang's: seconds): its children must not be signalled meanwhile
     os._exit(0)
 
@@ -318,3 +323,15 @@ def test_a_process_that_cannot_be_inspected_is_not_proven(started: list[int], mo
         monkeypatch.undo()
         proc.kill()
         proc.wait()
+
+
+def test_a_process_the_root_starts_while_stopping_is_ended_with_the_rest(tmp_path: Path, started: list[int]) -> None:
+    tag = owner_tag(session_id())
+    root, pids = family(tmp_path, started, tag, mode="spawns-on-term")
+    killed = terminate_tree(root, lambda: process_tree(root.pid, tag), term_timeout=10.0, kill_timeout=10.0)
+    out = next(tmp_path.glob("family-*.json"))
+    helper = int(Path(f"{out}.helper").read_text())
+    started.append(helper)
+    assert killed == []  # found after the root ended, and sent SIGTERM with the rest, not SIGKILL
+    assert gone(helper)
+    assert [name for name, pid in pids.items() if not gone(pid)] == []
