@@ -43,6 +43,7 @@ parent = os.getppid()
 def on_term(*_):
     with open(sys.argv[1], "w") as fh:
         fh.write("parent alive" if os.getppid() == parent else "parent gone")
+    time.sleep(0.3)  # a clean exit takes a while too: SIGKILL must wait for it
     os._exit(0)
 
 signal.signal(signal.SIGTERM, on_term)
