@@ -311,6 +311,9 @@ def test_gpu_of_a_dead_holder_stays_busy_while_its_workers_run(tmp_path: Path) -
                 manager.acquire(1, 1000, holder="me", timeout=0.2, poll_interval=0.05)
         finally:
             other.release()
+        single = manager.try_acquire(1, 1000, holder="me")  # one GPU: the orphaned one is passed over too
+        assert single is not None and single.indices == (1,)
+        single.release()
     finally:
         for proc in (orphan, holder):
             if proc is not None:
