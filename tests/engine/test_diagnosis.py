@@ -915,3 +915,80 @@ def test_capture_oom_advice_reads_the_argv_before_it_recommends_a_flag() -> None
     bare = diagnose(log, -9, ["python", "-m", "sglang.launch_server"]).advice
     assert bare.startswith("pass --cuda-graph-backend-prefill=disabled") and "lower --mem-fraction-static (e.g." in bare
     assert diagnose(log, -9).advice.startswith("keep --cuda-graph-backend-prefill=disabled (part of CI_WORKER_ARGS)")
+
+
+# ---------------------------------------------------------------------------------------- which error is the cause
+
+NCCL_WARN_1 = ("ci-runner-7:4312:4399 [1] transport/p2p.cc:275 NCCL WARN Cuda failure 217 'peer access is not "
+               "supported between these two devices'")
+NCCL_WARN_2 = "ci-runner-7:4311:4398 [0] transport/p2p.cc:275 NCCL WARN Cuda failure 1 'invalid argument'"
+NCCL_ERROR = [
+    "RuntimeError: NCCL error in: ../torch/csrc/distributed/c10d/NCCLUtils.hpp:275, unhandled cuda error",
+    "ncclUnhandledCudaError: Call to CUDA function failed.",
+    "Last error: peer access",
+    "Cuda failure 'peer access is not supported between these two devices'",
+]
+
+
+def test_the_first_nccl_warning_before_the_error_leads_its_quote() -> None:
+    log = "\n".join(["[2026-12-02 10:00:00] Load weight begin.", NCCL_WARN_1, NCCL_WARN_2, *NCCL_ERROR,
+                     NCCL_WARN_1 + " again"]) + "\n"
+    d = diagnose(log, -9)
+    assert d.kind is Kind.NCCL_ERROR
+    assert d.first_error_line == 2
+    assert d.first_error.splitlines() == [NCCL_WARN_1, *NCCL_ERROR[:2]]  # the warning, then the error's first lines
+    assert d.secondary == ()  # warnings of the error's own kind are not other errors
+
+
+def test_a_warning_after_the_error_is_not_merged_into_it() -> None:
+    log = "\n".join(["[2026-12-02 10:00:00] Load weight begin.", *NCCL_ERROR, NCCL_WARN_1]) + "\n"
+    d = diagnose(log, -9)
+    assert d.first_error_line == 2 and d.first_error.splitlines()[0] == NCCL_ERROR[0]
+
+
+@pytest.mark.parametrize(("returncode", "kind", "line"), [
+    (None, Kind.NONE, None), (0, Kind.NONE, None), (1, Kind.NCCL_ERROR, 2), (-9, Kind.NCCL_ERROR, 2),
+])
+def test_warnings_alone_are_the_cause_only_of_a_failed_exit(returncode: int | None, kind: Kind,
+                                                             line: int | None) -> None:
+    d = diagnose("\n".join(["[2026-12-02 10:00:00] Load weight begin.", NCCL_WARN_1, NCCL_WARN_2, "done"]) + "\n",
+                 returncode)
+    assert d.kind is kind and d.first_error_line == line
+
+
+def test_later_errors_are_listed_in_log_order_a_chained_traceback_included() -> None:
+    """A traceback's events come out of the scan with the exception it stands for first: the list is sorted."""
+    log = "RuntimeError: the first failure\n" + read("unknown_traceback.log")
+    d = diagnose(log, 1)
+    assert d.first_error_line == 1
+    numbers = [int(s.split(":")[0].removeprefix("log line ")) for s in d.secondary]
+    assert len(numbers) >= 2 and numbers == sorted(numbers), d.secondary
+
+
+def test_each_later_error_is_listed_once_past_the_causes_own_warnings() -> None:
+    log = "\n".join([*NCCL_ERROR, NCCL_WARN_1, "ValueError: another problem", "[2026-12-02 10:00:02] Retrying.",
+                     "ValueError: another problem"]) + "\n"
+    d = diagnose(log, 1)
+    assert d.first_error_line == 1
+    assert d.secondary == ("log line 6: ValueError: another problem (a later error)",)
+    assert d.secondary_text == ("ValueError: another problem",)  # what each quotes, for the tail's marks
+
+
+def test_a_child_that_exited_with_a_positive_code_is_not_a_death_by_signal() -> None:
+    log = ("[2026-12-02 10:00:00] Load weight begin. avail mem=78.50 GB\n"
+           "[2026-12-02 10:00:09] Subprocess scheduler_0 (pid=4243) crashed with exit code 1. Triggering SIGQUIT for "
+           "cleanup...\n")
+    d = diagnose(log, 1)
+    assert d.kind is Kind.UNKNOWN and d.first_error_line is None
+
+
+def test_the_port_is_read_from_errors_of_the_causes_kind_only() -> None:
+    log = "\n".join([
+        "[2026-12-02 10:00:00] Load weight begin.",
+        "[2026-12-02 10:00:01] ERROR:    [Errno 98] error while attempting to bind on address: address already in use",
+        "[2026-12-02 10:00:02] ValueError: the tokenizer server at port: 9999 refused",
+        "[2026-12-02 10:00:03] zmq.error.ZMQError: Address already in use (addr='tcp://127.0.0.1:30001')",
+    ]) + "\n"
+    d = diagnose(log, 1)
+    assert d.kind is Kind.PORT_IN_USE and d.first_error_line == 2
+    assert d.summary == "a port the worker needs is already in use (30001)"  # not another error's 9999

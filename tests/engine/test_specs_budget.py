@@ -116,6 +116,13 @@ def test_budget_accepts(argv: list[str]) -> None:
         ([*CI_WORKER_ARGS, "--cuda-graph-backend-p=full"], ["'full' re-enables"]),
         (["--mem-fraction-static=lots", "--cuda-graph-backend-prefill=disabled"], ["'lots' is not a number"]),
         ([*CI_WORKER_ARGS, "--config", "cfg.yaml"], ["--config: a config file"]),
+        ([*CI_WORKER_ARGS, "--mem-fraction-static=0"], ["--mem-fraction-static: 0 is not in (0, 0.6]"]),
+        ([*CI_WORKER_ARGS, "--mem-fraction-static=-0.1"], ["--mem-fraction-static: -0.1 is not in (0, 0.6]"]),
+        # argparse keeps the last value given: the message names it (not the first, nor one in between)
+        (["--mem-fraction-static=0.5", "--cuda-graph-backend-prefill=disabled", "--cuda-graph-backend-prefill=full",
+          "--cuda-graph-backend-prefill=breakable"], ["--cuda-graph-backend-prefill: 'breakable' re-enables"]),
+        (["--cuda-graph-backend-prefill=disabled", "--mem-fraction-static=0.5", "--mem-fraction-static=0.7",
+          "--mem-fraction-static=0.9"], ["--mem-fraction-static: 0.9 is above"]),
     ],
 )
 def test_budget_rejects(argv: list[str], expected: list[str]) -> None:

@@ -289,7 +289,7 @@ def test_gpu_of_a_dead_holder_stays_busy_while_its_workers_run(tmp_path: Path) -
         holder_started = psutil.Process(holder.pid).create_time()
         assert holder_started > psutil.Process(orphan.pid).create_time()
         since = holder_started - 10  # the lease predates the process at its pid
-        inventory = DeclaredInventory(1, 81920)
+        inventory = DeclaredInventory(3, 81920)
         manager = LeaseManager(tmp_path, inventory, namespace=inventory.namespace)
         _write_record(_record_path(tmp_path, inventory.namespace, 0), HolderRecord(
             pid=holder.pid, hostname=socket.gethostname(), holder="tests/x.py::killed", since=since,
@@ -301,10 +301,19 @@ def test_gpu_of_a_dead_holder_stays_busy_while_its_workers_run(tmp_path: Path) -
         while OWNER_ENV not in _environ(orphan.pid) and time.monotonic() < deadline:
             time.sleep(0.01)
         assert OWNER_ENV in _environ(orphan.pid)
-        assert manager.try_acquire(1, 1000, holder="me") is None
-        with pytest.raises(LeaseTimeout, match=rf"GPU 0 still used by worker process\(es\) {orphan.pid} of pid "
-                                            rf"{holder.pid}, which died"):
-            manager.acquire(1, 1000, holder="me", timeout=0.2, poll_interval=0.05)
+        # GPU 0 is passed over for the next run (its lock of GPU 1 given back before that run is locked)
+        other = manager.try_acquire(2, 1000, holder="me")
+        assert other is not None and other.indices == (1, 2)
+        try:
+            assert manager.try_acquire(1, 1000, holder="me") is None
+            with pytest.raises(LeaseTimeout, match=rf"GPU 0 still used by worker process\(es\) {orphan.pid} of "
+                                                rf"pid {holder.pid}, which died"):
+                manager.acquire(1, 1000, holder="me", timeout=0.2, poll_interval=0.05)
+        finally:
+            other.release()
+        single = manager.try_acquire(1, 1000, holder="me")  # one GPU: the orphaned one is passed over too
+        assert single is not None and single.indices == (1,)
+        single.release()
     finally:
         for proc in (orphan, holder):
             if proc is not None:

@@ -3,6 +3,7 @@ leases (in one process with a fake clock, and across real processes)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -1035,3 +1036,122 @@ def test_absurd_waiting_flags_are_ignored(tmp_path: Path) -> None:
     assert not manager.others_waiting()
     (tmp_path / f"waiting-ports-{os.getppid()}").write_text("")  # a live process waits for a port block
     assert manager.others_waiting()
+
+
+# --------------------------------------------------------------------------------------------------
+# an attempt that fails after locking gives its locks back at once (not when its traceback is collected)
+
+
+class ScriptedInventory(DeclaredInventory):
+    """A declared inventory whose ``n``-th reading is changed by ``script[n]`` (1-based): raise, or edit."""
+
+    def __init__(self, count: int, script: dict[int, Callable[[list[GpuInfo]], list[GpuInfo]]]) -> None:
+        super().__init__(count, 81920)
+        self.script = script
+        self.readings = 0
+
+    def snapshot(self) -> list[GpuInfo]:
+        self.readings += 1
+        gpus = super().snapshot()
+        edit = self.script.get(self.readings)
+        return edit(gpus) if edit is not None else gpus
+
+
+def _free_again(lock_dir: Path, count: int, index: int) -> None:
+    """GPU ``index`` can be leased by another manager now."""
+    other = _sim_manager(lock_dir, count)
+    lease = other.try_acquire(1, 1000, holder="other")
+    assert lease is not None and lease.indices == (index,)
+    lease.release()
+
+
+def test_a_reading_that_fails_after_locking_unlocks_at_once(tmp_path: Path) -> None:
+    def fail(gpus: list[GpuInfo]) -> list[GpuInfo]:
+        raise RuntimeError("NVML went away")
+
+    inventory = ScriptedInventory(1, {3: fail})  # the re-reading after the lock (1: the totals, 2: the first)
+    manager = LeaseManager(tmp_path, inventory, namespace=inventory.namespace)
+    with pytest.raises(RuntimeError, match="NVML went away") as info:
+        manager.try_acquire(1, 1000, holder="t")
+    _free_again(tmp_path, 1, 0)
+    assert info.traceback  # held still, with the attempt's frame
+
+
+def test_records_that_fail_to_be_written_are_removed_and_unlocked_at_once(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    manager = _sim_manager(tmp_path)
+
+    def half_written(gpus: Any, holder: str, memory_mib: int, workers: Any) -> None:
+        manager.record_path(0).write_text("{")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(manager, "_write_records", half_written)
+    with pytest.raises(OSError, match="No space left") as info:
+        manager.try_acquire(1, 1000, holder="t")
+    assert not manager.record_path(0).exists()
+    _free_again(tmp_path, 1, 0)
+    assert info.traceback
+
+
+def test_an_unusable_lock_file_in_a_group_unlocks_the_rest_at_once(tmp_path: Path) -> None:
+    manager = _sim_manager(tmp_path, 2)
+    manager.lock_path(1).mkdir(parents=True)
+    with pytest.raises(Exception, match="GPU lock file") as info:
+        manager.try_acquire(2, 1000, holder="t")
+    _free_again(tmp_path, 2, 0)
+    assert info.traceback
+
+
+def test_a_gpu_found_short_after_locking_is_passed_over(tmp_path: Path) -> None:
+    """Someone started on GPU 0 between the reading and the lock: the next GPU is leased, GPU 0 left alone."""
+    def taken(gpus: list[GpuInfo]) -> list[GpuInfo]:
+        return [dataclasses.replace(g, free_mib=0) if g.index == 0 else g for g in gpus]
+
+    inventory = ScriptedInventory(2, {3: taken})  # the re-reading after locking GPU 0
+    manager = LeaseManager(tmp_path, inventory, namespace=inventory.namespace)
+    lease = manager.try_acquire(1, 1000, holder="t")
+    try:
+        assert lease is not None and lease.indices == (1,)
+        _free_again(tmp_path, 2, 0)
+    finally:
+        if lease is not None:
+            lease.release()
+
+
+def test_a_lease_taken_on_one_thread_is_released_on_another_even_while_its_locks_are_referenced(
+        tmp_path: Path) -> None:
+    manager = _sim_manager(tmp_path)
+    lease = manager.acquire(1, 0, holder="t", timeout=0)
+    locks = lease.held_locks()
+    thread = threading.Thread(target=lease.release)
+    thread.start()
+    thread.join(timeout=30)
+    manager.acquire(1, 0, holder="u", timeout=0).release()
+    assert locks
+
+
+def test_a_gpu_lock_file_is_never_writable_by_others_whatever_the_umask(tmp_path: Path) -> None:
+    manager = _sim_manager(tmp_path)
+    old = os.umask(0)
+    try:
+        lease = manager.acquire(1, 0, holder="t", timeout=0)
+    finally:
+        os.umask(old)
+    lease.release()
+    assert oct(manager.lock_path(0).stat().st_mode & 0o777) == "0o644"
+
+
+def test_a_group_found_short_after_locking_frees_its_gpus_for_the_next_group_at_once(tmp_path: Path) -> None:
+    """tp=2 over 3 GPUs: the run 0-1 is found short on GPU 0 after locking; the run 1-2 is leased, GPU 1 included
+    (the first run's lock of it given back before the next run is locked, not when the attempt ends)."""
+    def taken(gpus: list[GpuInfo]) -> list[GpuInfo]:
+        return [dataclasses.replace(g, free_mib=0) if g.index == 0 else g for g in gpus]
+
+    inventory = ScriptedInventory(3, {3: taken})
+    manager = LeaseManager(tmp_path, inventory, namespace=inventory.namespace)
+    lease = manager.try_acquire(2, 1000, holder="t")
+    try:
+        assert lease is not None and lease.indices == (1, 2)
+    finally:
+        if lease is not None:
+            lease.release()

@@ -120,6 +120,35 @@ def test_block_layout_and_release(tmp_path: Path) -> None:
     assert again.released
 
 
+def test_release_unlocks_at_once_whoever_still_holds_the_lock_object(tmp_path: Path) -> None:
+    """The lock is given back by release itself, not left to garbage collection: a hand-over keeps a reference."""
+    low, high = free_range(1, 4)
+    block = reserve_port_block(tmp_path, port_range=(low, high))
+    lock = block.held_lock()
+    assert lock is not None and lock.is_locked
+    block.release()
+    assert not lock.is_locked
+    reserve_port_block(tmp_path, port_range=(low, high)).release()  # the only block: free again
+
+
+def test_a_released_block_is_forgotten(tmp_path: Path) -> None:
+    """A held block is kept alive until released (never freed by garbage collection); a released one is not."""
+    import gc
+    import weakref
+
+    low, high = free_range(1, 4)
+    block = reserve_port_block(tmp_path, port_range=(low, high))
+    ref = weakref.ref(block)
+    del block
+    gc.collect()
+    held = ref()
+    assert held is not None and not held.released
+    held.release()
+    del held
+    gc.collect()
+    assert ref() is None
+
+
 def test_reservations_never_overlap_and_exhaust(tmp_path: Path) -> None:
     low, high = free_range(5, 4)
     # an unaligned tail (high + 2) never forms a block of its own
@@ -492,3 +521,117 @@ def test_the_default_range_leaves_ray_clients_server_ports_alone(tmp_path: Path,
         assert 23000 <= explicit.ports[0] <= 23996
     finally:
         explicit.release()
+
+
+@pytest.mark.parametrize(("avoid", "blocks_left", "skipped"), [
+    ((4, 7), 4, {1}),  # exactly block 1
+    ((3, 3), 4, {0}),  # block 0's last port
+    ((8, 8), 4, {2}),  # block 2's first port
+    ((7, 8), 3, {1, 2}),  # across two blocks
+    ((20, 30), 5, set()),  # above the range
+    ((-10, -1), 5, set()),  # below it
+])
+def test_a_block_that_touches_an_avoided_range_is_never_looked_at(
+        tmp_path: Path, avoid: tuple[int, int], blocks_left: int, skipped: set[int]) -> None:
+    from pytest_sglworker.resources.ports import _scan
+
+    low, _ = free_range(5)
+    avoided = ((low + avoid[0], low + avoid[1]),)
+    held = []
+    try:
+        for _ in range(blocks_left + 1):
+            block, scan = _scan(tmp_path, low, 4, 5, "127.0.0.1", avoid=avoided)
+            assert scan.blocks == blocks_left
+            if block is None:
+                break
+            held.append(block)
+        taken = {(block.port - low) // 4 for block in held}
+        assert taken == set(range(5)) - skipped or scan.in_use, (taken, scan.explain(tmp_path))
+    finally:
+        for block in held:
+            block.release()
+
+
+def test_a_block_reserved_on_one_thread_is_released_on_another(tmp_path: Path) -> None:
+    """A group's members start and stop on threads of their own."""
+    import threading
+
+    low, high = free_range(1, 4)
+    block = reserve_port_block(tmp_path, port_range=(low, high))
+    lock = block.held_lock()  # referenced still: released by release, not by garbage collection
+    stopper = threading.Thread(target=block.release)
+    stopper.start()
+    stopper.join()
+    reserve_port_block(tmp_path, port_range=(low, high)).release()  # the only block: free again
+    assert lock is not None
+
+
+def test_a_lock_file_is_never_writable_by_others_whatever_the_umask(tmp_path: Path) -> None:
+    low, high = free_range(1, 4)
+    old = os.umask(0)
+    try:
+        block = reserve_port_block(tmp_path, port_range=(low, high))
+    finally:
+        os.umask(old)
+    block.release()
+    assert oct(block.lock_path.stat().st_mode & 0o777) == "0o644"
+
+
+def test_an_unusable_lock_file_skips_that_block_only(tmp_path: Path) -> None:
+    from pytest_sglworker.resources.ports import _start_block
+
+    low, high = free_range(2, 4)
+    first = low + 4 * _start_block(2)  # the block this process looks at first
+    (tmp_path / f"port-{first}.lock").mkdir()
+    block = reserve_port_block(tmp_path, port_range=(low, high))
+    try:
+        assert block.port == low + 4 * (1 - _start_block(2))
+    finally:
+        block.release()
+
+
+def test_a_scan_interrupted_while_probing_leaves_no_block_locked(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C while a port is probed: the block being looked at is unlocked at once, not when the traceback (which
+    keeps the scan's frame and its lock) is collected."""
+    from pytest_sglworker.resources import ports
+
+    low, high = free_range(1, 4)
+
+    def interrupted(host: str, port: int, *, reuse_addr: bool = False) -> bool:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ports, "_port_is_free", interrupted)
+    with pytest.raises(KeyboardInterrupt) as info:
+        reserve_port_block(tmp_path, port_range=(low, high))
+    monkeypatch.undo()
+    reserve_port_block(tmp_path, port_range=(low, high)).release()  # the only block: free again
+    assert info.traceback  # the traceback, and the scan's frame, still held
+
+
+def test_a_quarantined_block_skips_that_block_only(tmp_path: Path, clean_quarantine: None) -> None:
+    from pytest_sglworker.resources.ports import _start_block, quarantine_port_block
+
+    low, high = free_range(2, 4)
+    first = low + 4 * _start_block(2)  # the block this process looks at first
+    quarantine_port_block(first, reason="a test")
+    block = reserve_port_block(tmp_path, port_range=(low, high))
+    try:
+        assert block.port == low + 4 * (1 - _start_block(2))
+    finally:
+        block.release()
+
+
+def test_a_busy_block_skips_that_block_only(tmp_path: Path) -> None:
+    from pytest_sglworker.resources.ports import _start_block
+
+    low, high = free_range(2, 4)
+    first = low + 4 * _start_block(2)  # the block this process looks at first
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as busy:
+        busy.bind(("127.0.0.1", first + 2))
+        busy.listen()
+        block = reserve_port_block(tmp_path, port_range=(low, high))
+        try:
+            assert block.port == low + 4 * (1 - _start_block(2))
+        finally:
+            block.release()

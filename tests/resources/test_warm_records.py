@@ -8,18 +8,25 @@ import fcntl
 import json
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from pytest_sglworker.plugin.options import parse_ttl
+from pytest_sglworker.resources.processes import hostname
 from pytest_sglworker.resources.warm import Claim, dup_lock_fd, forget_lock
 from pytest_sglworker.resources.warm_records import (
     FORMAT,
+    KEEPER_ENV,
     Party,
+    WarmEntry,
     WarmMember,
     WarmRecord,
+    adopter_alive,
+    keeper_alive,
+    matching,
     parse_warm_record,
     read_warm_record,
     record_path,
@@ -168,3 +175,72 @@ def test_a_claim_is_exclusive(tmp_path: Path) -> None:
     again = Claim.take(tmp_path, record.id)
     assert again is not None and again.read() is None  # a claim on a group that is gone finds no record
     again.release()
+
+
+# ---------------------------------------------------------------------------------------------- who may adopt
+
+
+@pytest.fixture
+def keeper_process() -> Iterator[tuple[int, float, str]]:
+    """A live process carrying a keeper's marker (KEEPER_ENV=<its group's id suffix>): pid, start time, suffix."""
+    import subprocess
+    import sys
+
+    import psutil
+
+    suffix = "abcdef12"
+    proc = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE,
+                            env={**os.environ, KEEPER_ENV: suffix})
+    try:
+        yield proc.pid, psutil.Process(proc.pid).create_time(), suffix
+    finally:
+        assert proc.stdin is not None
+        proc.stdin.close()
+        proc.wait(timeout=30)
+
+
+def test_the_keeper_is_alive_only_when_proven(keeper_process: tuple[int, float, str]) -> None:
+    pid, since, suffix = keeper_process
+    here = hostname()
+    alive = make_record(f"{pid}-{suffix}", hostname=here, keeper=Party(pid, since, "keeper"))
+    assert keeper_alive(alive)
+    assert not keeper_alive(replace(alive, keeper=None))
+    assert not keeper_alive(replace(alive, hostname="elsewhere"))
+    assert not keeper_alive(replace(alive, id=f"{pid + 1}-{suffix}", keeper=Party(pid, since, "keeper")))
+    assert not keeper_alive(replace(alive, keeper=Party(pid, since + 5.0, "keeper")))  # a reused pid
+    assert not keeper_alive(replace(alive, id=f"{pid}-12345678"))  # the marker names another group
+
+
+def test_the_adopter_is_alive_while_its_process_runs() -> None:
+    here = hostname()
+    me = Party(os.getpid(), time.time(), "4000-aa")
+    assert adopter_alive(make_record(hostname=here, adopter=me))
+    assert not adopter_alive(make_record(hostname=here, adopter=None))
+    assert not adopter_alive(make_record(hostname=here, adopter=Party(os.getpid(), time.time() - 10**6)))
+    assert adopter_alive(make_record(hostname="elsewhere", adopter=Party(2**22 + 1, 0.0)))  # cannot be told there
+
+
+def test_only_this_users_records_of_this_host_config_namespace_and_gpus_match(tmp_path: Path) -> None:
+    here, me = hostname(), os.getuid()
+    visible = {0: "GPU-sim-000000000000", 1: "GPU-sim-000000000001"}
+
+    def entry(record: WarmRecord | None, owner: int = me) -> WarmEntry:
+        return WarmEntry(tmp_path / "warm-x.json", record, None, owner)
+
+    older = make_record("4242-aaaaaaa1", hostname=here, last_used=100.0)
+    newer = make_record("4242-aaaaaaa2", hostname=here, last_used=200.0, gpus=(1,),
+                        gpu_uuids=("GPU-sim-000000000001",))
+    refused = [
+        entry(make_record("4242-bbbbbbb1", hostname=here), owner=me + 1),
+        entry(None),
+        entry(make_record("4242-bbbbbbb2", hostname="elsewhere")),
+        entry(make_record("4242-bbbbbbb3", hostname=here, config_key="other")),
+        entry(make_record("4242-bbbbbbb4", hostname=here, namespace="sim-1x80")),
+        entry(make_record("4242-bbbbbbb5", hostname=here, gpu_uuids=("GPU-sim-000000000009",))),
+        entry(make_record("4242-bbbbbbb6", hostname=here, gpus=(0, 1), gpu_uuids=("GPU-sim-000000000000",))),
+        entry(make_record("4242-bbbbbbb7", hostname=here, gpus=(2,), gpu_uuids=("GPU-sim-000000000002",))),
+    ]
+    found = matching([entry(older), *refused, entry(newer)], config_key="w", namespace="sim-2x80", visible=visible)
+    assert [r.id for r in found] == [newer.id, older.id]
+    for one in refused:
+        assert matching([one], config_key="w", namespace="sim-2x80", visible=visible) == []

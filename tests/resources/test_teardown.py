@@ -1,0 +1,338 @@
+"""Process-tree teardown, the marker sweep and the adoption proof (``resources/processes.py``) on real processes,
+without an engine: a small Python family (a child, a grandchild that left the session but kept the owner tag, one
+that stayed in the session but left the tree) stands in for sglang's tree. The mutation run's fast tests of the
+teardown and the adoption identity (scripts/mutation.py, targets ``teardown`` and ``adoption_proof``); the
+teardown of real workers is tested in tests/workers/test_worker_lifecycle.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from pytest_sglworker.resources.processes import (
+    OWNER_ENV,
+    UNKNOWN_EXIT,
+    AdoptedProcess,
+    find_session_processes,
+    find_tagged_processes,
+    owner_tag,
+    process_tree,
+    prove_process,
+    sweep_session,
+    terminate_tree,
+)
+
+FAMILY = r"""
+import json, os, signal, subprocess, sys, time
+out, mode = sys.argv[1], sys.argv[2]
+stubborn, deaf_once, spawns = mode == "stubborn", mode == "deaf-once", mode == "spawns-on-term"
+CHILD = '''
+import os, signal, subprocess, sys, time
+parent = os.getppid()
+
+def on_term(*_):
+    with open(sys.argv[1], "w") as fh:
+        fh.write("parent alive" if os.getppid() == parent else "parent gone")
+    time.sleep(0.3)  # a clean exit takes a while too: SIGKILL must wait for it
+    os._exit(0)
+
+signal.signal(signal.SIGTERM, on_term)
+p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+print(p.pid, flush=True)
+time.sleep(600)
+'''
+child = subprocess.Popen([sys.executable, "-c", CHILD, out + ".child"], stdout=subprocess.PIPE)
+grandchild = int(child.stdout.readline())
+
+def orphan(setsid):
+    r, w = os.pipe()
+    middle = os.fork()
+    if middle == 0:
+        if setsid:
+            os.setsid()
+        if os.fork() == 0:
+            if stubborn and setsid:
+                signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            os.write(w, str(os.getpid()).encode())
+            os.close(w)
+            time.sleep(600)
+        os._exit(0)
+    os.close(w)
+    pid = int(os.read(r, 32))
+    os.waitpid(middle, 0)
+    return pid
+
+escaped, stayed = orphan(True), orphan(False)
+
+terms = []
+
+def on_term(*_):
+    terms.append(1)
+    if deaf_once and len(terms) == 1:
+        return  # as a signal that lands on a thread that does not act on it
+    alive = all(os.path.exists(f"/proc/{p}") for p in (child.pid, grandchild, escaped, stayed))
+    with open(out + ".term", "w") as fh:
+        fh.write("children alive" if alive else "children gone")
+    if spawns:  # a daemon started while shutting down: it carries the tag, in a session of its own
+        helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
+        with open(out + ".helper", "w") as fh:
+            fh.write(str(helper.pid))
+    time.sleep(0.3)  # a clean shutdown takes a while (sglang's: seconds): its children must not be signalled meanwhile
+    os._exit(0)
+
+signal.signal(signal.SIGTERM, on_term)
+with open(out + ".tmp", "w") as fh:
+    json.dump({"child": child.pid, "grandchild": grandchild, "escaped": escaped, "stayed": stayed}, fh)
+os.rename(out + ".tmp", out)
+while True:
+    time.sleep(600)
+"""
+
+
+def wait_for(check: object, what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():  # type: ignore[operator]
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def session_id() -> str:
+    return f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+def gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+@pytest.fixture
+def started() -> Iterator[list[int]]:
+    """Pids to end (SIGKILL, by pid) after the test, whatever it did."""
+    pids: list[int] = []
+    yield pids
+    for pid in pids:
+        try:
+            psutil.Process(pid).kill()
+        except psutil.Error:
+            pass
+
+
+def family(tmp_path: Path, started: list[int], tag: str, *, mode: str = "plain"
+           ) -> tuple[subprocess.Popen[bytes], dict[str, int]]:
+    out = tmp_path / f"family-{uuid.uuid4().hex[:6]}.json"
+    root = subprocess.Popen([sys.executable, "-c", FAMILY, str(out), mode],
+                            env={**os.environ, OWNER_ENV: tag}, start_new_session=True)
+    started.append(root.pid)
+    wait_for(out.exists, "the family's pids")
+    pids = json.loads(out.read_text())
+    started.extend(pids.values())
+    return root, {"root": root.pid, **pids}
+
+
+def sleeper(started: list[int], env: dict[str, str]) -> subprocess.Popen[bytes]:
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], env=env,
+                            start_new_session=True)
+    started.append(proc.pid)
+    return proc
+
+
+def test_the_tree_is_the_descendants_the_session_and_the_tagged(tmp_path: Path, started: list[int]) -> None:
+    tag = owner_tag(session_id())
+    root, pids = family(tmp_path, started, tag)
+    try:
+        assert {p.pid for p in process_tree(root.pid, tag)} == set(pids.values())
+        descendants = {pids["root"], pids["child"], pids["grandchild"]}
+        assert {p.pid for p in process_tree(root.pid, tag, sweep=False)} == descendants
+        assert {p.pid for p in process_tree(root.pid)} == {*descendants, pids["stayed"]}
+        assert process_tree(2**22 + 1, None) == []  # no such root: nothing, no error
+    finally:
+        root.kill()
+        root.wait()
+
+
+def test_teardown_signals_the_root_first_and_ends_every_member(tmp_path: Path, started: list[int]) -> None:
+    tag = owner_tag(session_id())
+    root, pids = family(tmp_path, started, tag)
+    killed = terminate_tree(root, lambda: process_tree(root.pid, tag), term_timeout=10.0, kill_timeout=10.0)
+    assert killed == []  # each ended on SIGTERM
+    assert root.returncode == 0  # reaped by the teardown: its SIGTERM handler ran, while its children still ran
+    out = next(tmp_path.glob("family-*.json"))
+    assert Path(f"{out}.term").read_text() == "children alive"
+    assert Path(f"{out}.child").read_text() == "parent gone"  # the child's SIGTERM came once the root had ended
+    assert [name for name, pid in pids.items() if not gone(pid)] == []
+
+
+def test_teardown_kills_what_ignores_sigterm(tmp_path: Path, started: list[int]) -> None:
+    tag = owner_tag(session_id())
+    root, pids = family(tmp_path, started, tag, mode="stubborn")
+    killed = terminate_tree(root, lambda: process_tree(root.pid, tag), term_timeout=1.0, kill_timeout=10.0)
+    assert killed == [pids["escaped"]]
+    assert [name for name, pid in pids.items() if not gone(pid)] == []
+
+
+def test_a_stopped_root_is_resumed_to_handle_its_sigterm(tmp_path: Path, started: list[int]) -> None:
+    tag = owner_tag(session_id())
+    root, pids = family(tmp_path, started, tag)
+    for pid in (root.pid, pids["escaped"]):  # frozen (a debugger, ^Z): each handles its SIGTERM once resumed
+        os.kill(pid, signal.SIGSTOP)
+        wait_for(lambda pid=pid: psutil.Process(pid).status() == psutil.STATUS_STOPPED, "the process to stop")
+    killed = terminate_tree(root, lambda: process_tree(root.pid, tag), term_timeout=10.0, kill_timeout=10.0)
+    assert killed == [] and root.returncode == 0
+    out = next(tmp_path.glob("family-*.json"))
+    assert Path(f"{out}.term").read_text() == "children alive"  # resumed at once, it ended before its children
+    assert Path(f"{out}.child").read_text() == "parent gone"
+    assert [name for name, pid in pids.items() if not gone(pid)] == []
+
+
+def test_the_session_sweep_ends_its_tagged_processes_only(started: list[int]) -> None:
+    ours, theirs = session_id(), session_id()
+    leader = sleeper(started, {**os.environ, OWNER_ENV: owner_tag(ours)})
+    other = sleeper(started, {**os.environ, OWNER_ENV: owner_tag(theirs)})
+    try:
+        assert sweep_session(ours, timeout=10.0) == []
+        assert leader.wait(timeout=10) == -signal.SIGTERM
+        assert other.poll() is None
+        assert {p.pid for p in find_session_processes(theirs)} == {other.pid}
+    finally:
+        other.kill()
+        other.wait()
+
+
+def test_a_tag_is_matched_whole_with_the_members_of_its_session(started: list[int]) -> None:
+    sid = session_id()
+    tag = owner_tag(sid)
+    # the leader starts a member that does not carry the tag (as sglang's renamed scheduler): found as a member
+    leader = subprocess.Popen(
+        [sys.executable, "-c", "import os, subprocess, sys, time; env = dict(os.environ); env.pop(sys.argv[1]);"
+         "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'], env=env);"
+         "print(p.pid, flush=True); time.sleep(600)", OWNER_ENV],
+        env={**os.environ, OWNER_ENV: tag}, start_new_session=True, stdout=subprocess.PIPE)
+    started.append(leader.pid)
+    assert leader.stdout is not None
+    member = int(leader.stdout.readline())
+    started.append(member)
+    try:
+        assert {p.pid for p in find_tagged_processes(tag)} == {leader.pid, member}
+        assert {p.pid for p in find_session_processes(sid)} == {leader.pid, member}
+        assert find_tagged_processes(f"{sid}:") == []  # a part of a tag finds nothing
+        assert find_tagged_processes(sid) == []
+        assert find_tagged_processes(owner_tag(sid)) == []  # another worker of the session
+        assert find_session_processes("not-a-session") == []
+    finally:
+        leader.kill()
+        leader.wait()
+        leader.stdout.close()
+
+
+# ---------------------------------------------------------------------------------------------- adoption
+
+
+TERM_EXITS_0 = ("import signal, sys, time\n"
+                "signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))\n"
+                "print('ready', flush=True)\n"
+                "time.sleep(600)\n")
+
+
+def adoptee(started: list[int], tag: str) -> tuple[subprocess.Popen[bytes], float]:
+    proc = subprocess.Popen([sys.executable, "-c", TERM_EXITS_0], env={**os.environ, OWNER_ENV: tag},
+                            stdout=subprocess.PIPE)
+    started.append(proc.pid)
+    assert proc.stdout is not None and proc.stdout.readline() == b"ready\n"
+    proc.stdout.close()
+    return proc, psutil.Process(proc.pid).create_time()
+
+
+def test_a_process_is_proven_by_pid_start_time_and_tag(started: list[int]) -> None:
+    tag = owner_tag(session_id())
+    proc, created = adoptee(started, tag)
+    try:
+        assert prove_process(proc.pid, created, tag) is None
+        assert prove_process(proc.pid, created + 0.04, tag) is None  # the clock's rounding
+        assert "the pid was reused" in (prove_process(proc.pid, created + 1.0, tag) or "")
+        assert "the pid was reused" in (prove_process(proc.pid, created - 1.0, tag) or "")
+        other = owner_tag(session_id())
+        assert prove_process(proc.pid, created, other) == f"pid {proc.pid} does not carry {OWNER_ENV}={other} " \
+                                                          f"(it has {tag!r})"
+        assert prove_process(proc.pid, created, tag, env_name="SGLWORKER_KEEPER") == (
+            f"pid {proc.pid} does not carry SGLWORKER_KEEPER={tag} (it has None)")
+    finally:
+        proc.kill()
+    wait_for(lambda: psutil.Process(proc.pid).status() == psutil.STATUS_ZOMBIE, "the zombie")
+    assert prove_process(proc.pid, created, tag) == f"pid {proc.pid} has exited"  # a zombie has exited
+    proc.wait()
+    assert prove_process(proc.pid, created, tag) == f"pid {proc.pid} has exited"
+
+
+def test_an_adopted_handle_signals_only_its_own_process(started: list[int]) -> None:
+    proc, created = adoptee(started, owner_tag(session_id()))
+    impostor = AdoptedProcess(proc.pid, created + 1.0)  # the pid, reused by a process started later
+    assert impostor.poll() == UNKNOWN_EXIT
+    impostor.kill()  # must not reach the process of that pid
+    adopted = AdoptedProcess(proc.pid, created + 0.04)
+    assert adopted.poll() is None
+    adopted.terminate()
+    assert proc.wait(timeout=30) == 0  # its SIGTERM handler ran: the impostor's SIGKILL never came
+    assert adopted.poll() == UNKNOWN_EXIT and adopted.returncode == UNKNOWN_EXIT
+
+
+def test_an_adopted_zombie_counts_as_gone(started: list[int]) -> None:
+    proc, created = adoptee(started, owner_tag(session_id()))
+    adopted = AdoptedProcess(proc.pid, created)
+    adopted.kill()
+    wait_for(lambda: psutil.Process(proc.pid).status() == psutil.STATUS_ZOMBIE, "the zombie")
+    assert adopted.poll() == UNKNOWN_EXIT
+    adopted.kill()  # a zombie is not signalled again (and nothing fails)
+    assert proc.wait() == -signal.SIGKILL
+
+
+def test_a_root_deaf_to_its_first_sigterm_gets_another_before_its_children_are_signalled(
+        tmp_path: Path, started: list[int]) -> None:
+    tag = owner_tag(session_id())
+    root, pids = family(tmp_path, started, tag, mode="deaf-once")
+    killed = terminate_tree(root, lambda: process_tree(root.pid, tag), term_timeout=10.0, kill_timeout=10.0)
+    assert killed == [] and root.returncode == 0
+    out = next(tmp_path.glob("family-*.json"))
+    assert Path(f"{out}.term").read_text() == "children alive"
+    assert Path(f"{out}.child").read_text() == "parent gone"
+    assert [name for name, pid in pids.items() if not gone(pid)] == []
+
+
+def test_a_process_that_cannot_be_inspected_is_not_proven(started: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
+    """/proc unreadable (a hardened mount): said in words, never raised."""
+    tag = owner_tag(session_id())
+    proc, created = adoptee(started, tag)
+
+    def unreadable(self: psutil.Process) -> dict[str, str]:
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(psutil.Process, "environ", unreadable)
+    try:
+        assert prove_process(proc.pid, created, tag) == f"pid {proc.pid} cannot be inspected (OSError)"
+    finally:
+        monkeypatch.undo()
+        proc.kill()
+        proc.wait()
+
+
+def test_a_process_the_root_starts_while_stopping_is_ended_with_the_rest(tmp_path: Path, started: list[int]) -> None:
+    tag = owner_tag(session_id())
+    root, pids = family(tmp_path, started, tag, mode="spawns-on-term")
+    killed = terminate_tree(root, lambda: process_tree(root.pid, tag), term_timeout=10.0, kill_timeout=10.0)
+    out = next(tmp_path.glob("family-*.json"))
+    helper = int(Path(f"{out}.helper").read_text())
+    started.append(helper)
+    assert killed == []  # found after the root ended, and sent SIGTERM with the rest, not SIGKILL
+    assert gone(helper)
+    assert [name for name, pid in pids.items() if not gone(pid)] == []
