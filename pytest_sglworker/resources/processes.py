@@ -48,6 +48,7 @@ __all__ = [
     "OWNER_ENV",
     "PID_MAX",
     "SESSION_ID",
+    "START_TIME_SLACK",
     "UNKNOWN_EXIT",
     "AdoptedProcess",
     "ProcessHandle",
@@ -66,6 +67,7 @@ __all__ = [
     "process_alive",
     "process_tree",
     "prove_process",
+    "same_start",
     "session_worker_pids",
     "socket_inodes",
     "tag_session",
@@ -470,6 +472,18 @@ class ProcessHandle(Protocol):
     def send_signal(self, sig: int) -> None: ...
 
 
+#: How far two readings of one process's start time may differ. psutil adds the kernel's boot time (``btime`` of
+#: ``/proc/stat``, whole seconds, worked out anew at each read from the wall clock less the uptime) to the start
+#: ticks, so one process read twice can differ by a second; a pid reused within a second and a half of its last
+#: holder's start would need the kernel to hand out every pid (``pid_max``) in that time.
+START_TIME_SLACK = 1.5
+
+
+def same_start(a: float, b: float) -> bool:
+    """Whether two start times read from psutil name the same process start (see :data:`START_TIME_SLACK`)."""
+    return abs(a - b) <= START_TIME_SLACK
+
+
 class AdoptedProcess:
     """A handle on a process that is not our child (a warm worker kept by an earlier session), shaped like the
     parts of ``subprocess.Popen`` the plugin uses: it is identified by its pid *and* its start time, so a pid
@@ -490,7 +504,7 @@ class AdoptedProcess:
 
         try:
             proc = psutil.Process(self._pid)
-            if abs(proc.create_time() - self.create_time) > 0.05 or proc.status() == psutil.STATUS_ZOMBIE:
+            if not same_start(proc.create_time(), self.create_time) or proc.status() == psutil.STATUS_ZOMBIE:
                 return None
             return proc
         except psutil.Error:
@@ -540,7 +554,7 @@ def prove_process(pid: int, create_time: float, tag: str, *, env_name: str = OWN
         if proc.uids().real != os.getuid():
             return f"pid {pid} belongs to another user"
         started = proc.create_time()
-        if abs(started - create_time) > 0.05:
+        if not same_start(started, create_time):
             return (f"pid {pid} is another process now (started at {time.strftime('%H:%M:%S', time.localtime(started))}"
                     f", not at {time.strftime('%H:%M:%S', time.localtime(create_time))}: the pid was reused)")
         value = proc.environ().get(env_name)

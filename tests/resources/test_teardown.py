@@ -260,8 +260,9 @@ def test_a_process_is_proven_by_pid_start_time_and_tag(started: list[int]) -> No
     try:
         assert prove_process(proc.pid, created, tag) is None
         assert prove_process(proc.pid, created + 0.04, tag) is None  # the clock's rounding
-        assert "the pid was reused" in (prove_process(proc.pid, created + 1.0, tag) or "")
-        assert "the pid was reused" in (prove_process(proc.pid, created - 1.0, tag) or "")
+        assert prove_process(proc.pid, created - 1.0, tag) is None  # the boot time read a second apart
+        assert "the pid was reused" in (prove_process(proc.pid, created + 5.0, tag) or "")
+        assert "the pid was reused" in (prove_process(proc.pid, created - 5.0, tag) or "")
         other = owner_tag(session_id())
         assert prove_process(proc.pid, created, other) == f"pid {proc.pid} does not carry {OWNER_ENV}={other} " \
                                                           f"(it has {tag!r})"
@@ -277,7 +278,7 @@ def test_a_process_is_proven_by_pid_start_time_and_tag(started: list[int]) -> No
 
 def test_an_adopted_handle_signals_only_its_own_process(started: list[int]) -> None:
     proc, created = adoptee(started, owner_tag(session_id()))
-    impostor = AdoptedProcess(proc.pid, created + 1.0)  # the pid, reused by a process started later
+    impostor = AdoptedProcess(proc.pid, created + 5.0)  # the pid, reused by a process started later
     assert impostor.poll() == UNKNOWN_EXIT
     impostor.kill()  # must not reach the process of that pid
     adopted = AdoptedProcess(proc.pid, created + 0.04)
@@ -285,6 +286,27 @@ def test_an_adopted_handle_signals_only_its_own_process(started: list[int]) -> N
     adopted.terminate()
     assert proc.wait(timeout=30) == 0  # its SIGTERM handler ran: the impostor's SIGKILL never came
     assert adopted.poll() == UNKNOWN_EXIT and adopted.returncode == UNKNOWN_EXIT
+
+
+def test_a_boot_time_read_a_second_later_still_proves_the_process(started: list[int],
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """psutil's start time is the process's start ticks plus the kernel's boot time, which Linux works out anew at
+    each read (wall clock less uptime, whole seconds) and may say a second later than before: the process is
+    still proven and still alive, not taken for a reused pid (a warm worker taken for dead, its keeper for gone)."""
+    import psutil._pslinux as pslinux
+
+    tag = owner_tag(session_id())
+    proc, created = adoptee(started, tag)
+    booted = pslinux.boot_time()
+    monkeypatch.setattr(pslinux, "boot_time", lambda: booted + 1.0)
+    try:
+        assert psutil.Process(proc.pid).create_time() == pytest.approx(created + 1.0, abs=0.02)
+        assert prove_process(proc.pid, created, tag) is None
+        assert AdoptedProcess(proc.pid, created).poll() is None
+    finally:
+        monkeypatch.undo()
+        proc.kill()
+        proc.wait()
 
 
 def test_an_adopted_zombie_counts_as_gone(started: list[int]) -> None:
