@@ -171,9 +171,14 @@ class WorkerHost:
     It runs the plugin's watchdog (keyed to this actor's own owner session), so that the worker's tree dies
     with the actor whatever ends it."""
 
-    def __init__(self, session_id: str) -> None:
+    def __init__(self, session_id: str, env: dict[str, str] | None = None) -> None:
         from ...resources.reaper import Watchdog
 
+        # The pytest process's forwarded variables, for this process and what it starts (its watchdog, the engines).
+        # Set here, not as Ray's runtime_env: a runtime_env needs a Ray worker process of its own, started for the
+        # actor (seconds), where an actor with none takes one of the idle workers Ray keeps started. An actor's worker
+        # process is its own and ends with it.
+        os.environ.update(env or {})
         self.session_id = session_id
         self.process: subprocess.Popen[bytes] | None = None
         self.tag = ""
@@ -771,8 +776,7 @@ class RayLeaseManager:
         return self._host_class.options(
             num_cpus=0, num_gpus=0, max_restarts=0, max_task_retries=0, max_concurrency=4,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False),
-            runtime_env={"env_vars": self.actor_env},
-        ).remote(host_session(SESSION_ID))
+        ).remote(host_session(SESSION_ID), self.actor_env)
 
     def starter(self, lease: RayLease, bundle: int) -> Callable[..., ModelInstance]:
         """The launcher's ``_start`` for a member in ``bundle``: the argv built here, the process started by

@@ -55,9 +55,12 @@ class HostPool:
         return actor
 
     def start_ahead(self, node: str | None = None) -> None:
-        """One host started ahead on ``node`` (default: this process's node, when it has GPUs)."""
+        """One host started ahead on ``node``; by default on this process's node, when it has GPUs, and the Ray
+        worker process that runs :meth:`place` too (a task of this job run now, whose idle worker the first lease's
+        task then finds started)."""
         try:
             if node is None:
+                self._place_task().options(num_cpus=0).remote()
                 here = str(self.ray.get_runtime_context().get_node_id())
                 if not any(n.get("NodeID") == here and n.get("Alive") and n.get("Resources", {}).get("GPU")
                            for n in self.ray.nodes()):
@@ -73,12 +76,15 @@ class HostPool:
         """The node of ``bundle`` of placement group ``pg`` and the GPUs Ray assigned there (a task in the bundle)."""
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        if self._place is None:
-            self._place = self.ray.remote(_bundle_place)
         strategy = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=bundle)
-        node, ids = self.ray.get(self._place.options(num_cpus=0, num_gpus=gpus, scheduling_strategy=strategy,
+        node, ids = self.ray.get(self._place_task().options(num_cpus=0, num_gpus=gpus, scheduling_strategy=strategy,
                                                      max_retries=0).remote(), timeout=timeout)
         return str(node), [str(i) for i in ids]
+
+    def _place_task(self) -> Any:
+        if self._place is None:
+            self._place = self.ray.remote(_bundle_place)
+        return self._place
 
     def take(self, node: str) -> Any:
         """An idle host of ``node`` (a new one when none is idle); another is started ahead when it was the last."""
