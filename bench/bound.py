@@ -23,16 +23,17 @@ sim:8``), startups and test times scaled by :data:`SCALE` from what they would b
 - ``skew``: the worst case for affinity: one huge configuration (30 s to start, 24 tests of 4 s) and 15 small
   ones (5 s to start, 2 tests of 0.5 s).
 
-Each under ``-n 8`` and ``-n 4``, with the plugin's scheduler (plain ``-n``) with pytest's cache (``ours``: a
-cache directory of its own per suite and ``-n``, filled by one unmeasured run first and by every round after, so
-that the scheduler orders configurations by what earlier runs measured) and without it (``cold``: ``-p
-no:cacheprovider``, by test count), the same with the pool as it was before issue 33's fixes (``before``:
-bench/previous_pool.py patched into each pytest process), xdist's ``--dist load`` and ``--dist loadgroup``, in rounds, the order rotated from round to round, so that load on the machine hits
-every variant alike. From each run's ``--sgl-report`` the script also reads where the time went: the GPUs' busy
-share of the run (GPU-seconds leased over GPUs x the span from the first lease request to the last release), the
-launches, the seconds the launches waited for a lease, the *tail*: how long the last configuration ran alone
-after every other GPU had been given back, and a *late launch*: when the last configuration asked for its first
-lease, into the run, with the GPU-seconds left idle before that (free GPUs while a configuration waited to start).
+Each under ``-n 8`` and ``-n 4``, with the plugin's scheduler (plain ``-n``) with pytest's cache (``ours``: a cache
+directory of its own per suite and ``-n``, filled by one unmeasured run first and by every round after, so that the
+scheduler orders configurations by what earlier runs measured) and without it (``cold``: ``-p no:cacheprovider``, by
+test count), the same with the pool as it was before issue 33's fixes (``before``: bench/previous_pool.py patched
+into each pytest process), xdist's ``--dist load`` and ``--dist loadgroup``, in rounds, the order rotated from round
+to round, so that load on the machine hits every variant alike. From each run's ``--sgl-report`` the script also
+reads where the time went: the GPUs' busy share of the run (GPU-seconds leased over GPUs x the span from the first
+lease request to the last release), the launches, the seconds the launches waited for a lease, the *tail*: how long
+the last configuration ran alone after every other GPU had been given back, and a *late launch*: when the last
+configuration asked for its first lease, into the run, with the GPU-seconds left idle before that (free GPUs while a
+configuration waited to start).
 """
 
 from __future__ import annotations
