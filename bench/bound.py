@@ -23,13 +23,17 @@ sim:8``), startups and test times scaled by :data:`SCALE` from what they would b
 - ``skew``: the worst case for affinity: one huge configuration (30 s to start, 24 tests of 4 s) and 15 small
   ones (5 s to start, 2 tests of 0.5 s).
 
-Each under ``-n 8`` and ``-n 4``, with the plugin's scheduler (plain ``-n``), the same with the pool as it was
-before issue 33's fixes (``before``: bench/previous_pool.py patched into each pytest process), xdist's ``--dist
-load`` and ``--dist loadgroup``, in rounds, the order rotated from round to round, so that load on the machine hits
-every variant alike. From each run's ``--sgl-report`` the script also reads where the time went: the GPUs' busy
-share of the run (GPU-seconds leased over GPUs x the span from the first lease request to the last release), the
-launches, the seconds the launches waited for a lease, and the *tail*: how long the last configuration ran alone
-after every other GPU had been given back.
+Each under ``-n 8`` and ``-n 4``, with the plugin's scheduler (plain ``-n``) with pytest's cache (``ours``: a cache
+directory of its own per suite and ``-n``, filled by one unmeasured run first and by every round after, so that the
+scheduler orders configurations by what earlier runs measured) and without it (``cold``: ``-p no:cacheprovider``, by
+test count), the same with the pool as it was before issue 33's fixes (``before``: bench/previous_pool.py patched
+into each pytest process), xdist's ``--dist load`` and ``--dist loadgroup``, in rounds, the order rotated from round
+to round, so that load on the machine hits every variant alike. From each run's ``--sgl-report`` the script also
+reads where the time went: the GPUs' busy share of the run (GPU-seconds leased over GPUs x the span from the first
+lease request to the last release), the launches, the seconds the launches waited for a lease, the *tail*: how long
+the last configuration ran alone after every other GPU had been given back, and a *late launch*: when the last
+configuration asked for its first lease, into the run, with the GPU-seconds left idle before that (free GPUs while a
+configuration waited to start).
 """
 
 from __future__ import annotations
@@ -56,8 +60,11 @@ GPUS = 8
 #: seconds on the simulated engine per second on a GPU box: a run of the box suite takes about a minute
 SCALE = 0.2
 NS = (8, 4)
-VARIANTS: dict[str, list[str]] = {"ours": [], "before": ["-p", "previous_pool"], "load": ["--dist", "load"],
-                                  "loadgroup": ["--dist", "loadgroup"]}
+VARIANTS: dict[str, list[str]] = {"ours": [], "cold": [], "before": ["-p", "previous_pool"],
+                                  "load": ["--dist", "load"], "loadgroup": ["--dist", "loadgroup"]}
+#: variants that run with pytest's cache (its own directory per suite and -n, filled by an unmeasured run first):
+#: the plugin's scheduler orders configurations by what the runs before measured
+CACHED = ("ours",)
 KIND_GPUS = {"tp1": 1, "tp2": 2, "pd": 2}
 _DROPPED_ENV = ("PYTHONDONTWRITEBYTECODE", "PYTEST_ADDOPTS", "PYTEST_PLUGINS", "PYTEST_DISABLE_PLUGIN_AUTOLOAD")
 _DROPPED_PREFIXES = ("SGLWORKER_", "SGLSIM_")
@@ -115,6 +122,8 @@ class Run:
     busy: float | None = None
     tail: float | None = None
     startup_over: float | None = None
+    last_request: float | None = None
+    idle_early: float | None = None
     out: str = field(default="", repr=False)
 
 
@@ -136,7 +145,9 @@ def run_once(workdir: Path, suite: str, configs: Sequence[dict[str, Any]], n: in
     plan = run_dir / "plan.json"
     plan.write_text(json.dumps({"configurations": list(configs)}))
     report = run_dir / "report.json"
-    cmd = [sys.executable, "-m", "pytest", str(SUITE), "-p", "no:cacheprovider", "-q", "--sgl-engine", "sim",
+    cache = (["-o", f"cache_dir={workdir / f'cache-{suite}-{n}'}"] if variant in CACHED and not floor
+             else ["-p", "no:cacheprovider"])
+    cmd = [sys.executable, "-m", "pytest", str(SUITE), *cache, "-q", "--sgl-engine", "sim",
            "--sgl-model", ",".join(c["name"] for c in configs), "--sgl-gpus", f"sim:{GPUS}", "-n", str(n),
            "--sgl-report", str(report), "--sgl-log-dir", str(run_dir / "logs"), "--sgl-lock-dir",
            str(run_dir / "locks"), *VARIANTS[variant]]
@@ -170,6 +181,21 @@ def read_report(run: Run, report: dict[str, Any], configs: Sequence[dict[str, An
     last_config = max(zip(ends, launches, strict=True), key=lambda p: p[0])[1]["config"]
     others = [end for end, r in zip(ends, launches, strict=True) if r["config"] != last_config]
     run.tail = last - max(others) if others else None
+    # a late launch: when the last configuration's first lease was asked for, into the run; and the GPU-seconds
+    # left idle before it (free GPUs while a configuration had still not asked for its lease)
+    firsts: dict[str, float] = {}
+    for r in launches:
+        firsts[r["config"]] = min(firsts.get(r["config"], r["t_lease_requested"]), r["t_lease_requested"])
+    late = max(firsts.values())
+    run.last_request = late - first
+    edges = (t for r, end in zip(launches, ends, strict=True) for t in (r["t_leased"], end))
+    steps = [*sorted(t for t in edges if first <= t <= late), late]
+    idle, t0 = 0.0, first
+    for t in steps:
+        held = sum(len(r["gpus"]) for r, end in zip(launches, ends, strict=True) if r["t_leased"] <= t0 < end)
+        idle += max(0, GPUS - held) * (t - t0)
+        t0 = t
+    run.idle_early = idle
     declared = {c["name"]: c["startup"] for c in configs}
     over = [r["t_ready"] - r["t_started"] - declared.get(r["label"].split()[0], 0.0)
             for r in launches if r.get("t_ready") and r.get("t_started")]
@@ -206,6 +232,8 @@ def summarize(runs: Sequence[Run], suites: Sequence[str], ns: Sequence[int]) -> 
                     "busy": median([r.busy for r in mine if r.busy is not None]),
                     "tail": median([r.tail for r in mine if r.tail is not None]),
                     "startup_over": median([r.startup_over for r in mine if r.startup_over is not None]),
+                    "last_request": median([r.last_request for r in mine if r.last_request is not None]),
+                    "idle_early": median([r.idle_early for r in mine if r.idle_early is not None]),
                     "ok": all(r.rc == 0 and r.passed == sum(len(c["tests"]) for c in configs) for r in mine),
                 }
             per_n[str(n)] = {"floor": floor, "floor_samples": [round(f, 2) for f in floors], "variants": variants}
@@ -231,8 +259,9 @@ def render(figures: dict[str, Any]) -> str:
                   f"times x{SCALE:g}; GPU-work {b['gpu_work']:.1f} s / {GPUS} = {b['work_over_gpus']:.1f} s, longest "
                   f"configuration {b['longest']:.1f} s: **bound {b['bound']:.1f} s**.", "",
                   "| `-n` | variant | wall (median) | less the floor | / bound (median, rounds) | launches | lease "
-                  "wait | GPUs busy | tail alone | startup beyond declared | ok |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "wait | GPUs busy | tail alone | last launch asked at | GPU-s idle before it | startup beyond "
+                  "declared | ok |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for n, per in f["n"].items():
             for variant, v in per["variants"].items():
                 rounds = ", ".join(f"{r:.2f}" for r in v["ratios"])
@@ -241,7 +270,8 @@ def render(figures: dict[str, Any]) -> str:
                     f"| {n} | {variant} | {fmt(v['wall'])} | {fmt(less)} | **{fmt(v['ratio'], 'x', 2)}** ({rounds}) | "
                     f"{fmt(v['launches'], '', 0)} | "
                     f"{fmt(v['lease_wait'])} | {fmt(None if v['busy'] is None else 100 * v['busy'], ' %', 0)} | "
-                    f"{fmt(v['tail'])} | {fmt(v['startup_over'], ' s', 2)} | {'yes' if v['ok'] else 'NO'} |")
+                    f"{fmt(v['tail'])} | {fmt(v.get('last_request'))} | {fmt(v.get('idle_early'))} | "
+                    f"{fmt(v['startup_over'], ' s', 2)} | {'yes' if v['ok'] else 'NO'} |")
         floors = "; ".join(f"-n {n}: {fmt(per['floor'], ' s', 2)}" for n, per in f["n"].items())
         lines += ["", f"pytest's own floor (the same command, nothing selected): {floors}.", ""]
     for suite, f in figures["suites"].items():
@@ -299,6 +329,9 @@ def main(argv: list[str] | None = None) -> int:
         workdir = Path(tmp)
         progress("warming up (one unmeasured floor run)")
         run_once(workdir, suites[0], SUITES[suites[0]](), ns[0], "ours", floor=True)
+        for suite, n in {(s, n) for s, n, v in jobs if v in CACHED}:
+            progress(f"filling the cache: {suite} -n {n} (unmeasured)")
+            run_once(workdir, suite, SUITES[suite](), n, "ours")
         for r in range(rounds):
             order = jobs[r % len(jobs):] + jobs[:r % len(jobs)]
             for suite, n, variant in order:

@@ -77,6 +77,10 @@ class XdistHooks:
         node.workerinput["sglworker_progress"] = str(self.relay.path)
 
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        if distributing(session.config):
+            from . import xdist_scheduling
+
+            xdist_scheduling.save_history(self.session)
         if self.relay is not None:
             self.relay.close()
             self.relay = None

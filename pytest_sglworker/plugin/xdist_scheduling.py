@@ -36,7 +36,7 @@ import os
 import shlex
 import statistics
 from collections import deque
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -165,11 +165,26 @@ class Planner:
 
     ``units[i]`` is what test ``i`` needs (None: no pooled worker; any node runs it). ``gpus_total`` is the
     inventory's size (None: unknown, no GPU check), ``steal_min`` the ``K`` of work stealing (None: off),
-    ``workers`` the number of xdist workers (``workers - 1`` extra copies at most)."""
+    ``workers`` the number of xdist workers (``workers - 1`` extra copies at most). ``history``: what earlier
+    runs measured (:func:`.durations.estimates`: each test's seconds by index, each configuration's startup), by
+    which an unstarted configuration with more work (startup plus tests) starts first; without it, more tests."""
 
     def __init__(self, units: Sequence[Unit | None], *, gpus_total: int | None, steal_min: int | None,
-                 workers: int, window: int = WINDOW) -> None:
+                 workers: int, window: int = WINDOW,
+                 history: tuple[Sequence[float | None], Mapping[str, float]] | None = None) -> None:
         self.units = list(units)
+        self.history = history
+        self._fills: dict[str, float] = {}
+        self._test_fill = self._startup_fill = 0.0
+        if history is not None:
+            tests, startups = history
+            own: dict[str, list[float]] = {}
+            for unit, seconds in zip(self.units, tests, strict=True):
+                if unit is not None and seconds is not None:
+                    own.setdefault(unit.key, []).append(seconds)
+            self._fills = {k: statistics.median(v) for k, v in own.items()}
+            self._test_fill = _median([s for s in tests if s is not None]) or 0.0
+            self._startup_fill = _median(list(startups.values())) or 0.0
         self.queues: dict[str | None, deque[int]] = {}
         self.info: dict[str, Unit] = {}
         for index, unit in enumerate(self.units):
@@ -233,6 +248,17 @@ class Planner:
             return None
         return max(0.0, first - t)
 
+    def work(self, key: str) -> float | None:
+        """The seconds ``key``'s queued tests and a startup take, from history (None: no history). A test or a
+        startup history lacks counts as the median of the configuration's known tests (else of all) and of all
+        known startups."""
+        if self.history is None:
+            return None
+        tests, startups = self.history
+        fill = self._fills.get(key, self._test_fill)
+        return startups.get(key, self._startup_fill) + sum(
+            fill if tests[i] is None else float(tests[i] or 0.0) for i in self.queues.get(key, ()))
+
     def worth_a_copy(self, key: str, left: int, copies: int) -> bool:
         """The work left per running copy outweighs a startup (unmeasured: assumed so, K decides)."""
         t, startup = self.test_seconds(key), self.startup_seconds(key)
@@ -280,16 +306,19 @@ class Planner:
             samples = self._startups if index in node.probes else self._seconds
             samples.setdefault(unit.key, []).append(max(0.0, duration))
         node.probes.discard(index)
-        actions = Actions()
-        self._fill(node, actions)
-        for other in self.nodes.values():
-            if other is not node:
-                self._fill(other, actions)
-        return actions
+        return self._fill_nodes([node, *(other for other in self.nodes.values() if other is not node)])
 
     def fill_all(self) -> Actions:
+        return self._fill_nodes(sorted(self.nodes.values(), key=lambda n: not n.pending))  # busy ones keep theirs
+
+    def _fill_nodes(self, nodes: Sequence[_Node]) -> Actions:
+        """A first test for each node that runs nothing, then each node's window: a node's look-ahead into its
+        next configuration never takes the GPUs another node waits for its first test on."""
         actions = Actions()
-        for node in sorted(self.nodes.values(), key=lambda n: not n.pending):  # busy nodes keep theirs first
+        for node in nodes:
+            if not node.pending:
+                self._fill(node, actions, window=1)
+        for node in nodes:
             self._fill(node, actions)
         return actions
 
@@ -306,7 +335,8 @@ class Planner:
         free = self._free_for(node)
         blocked = False
         unstarted = [k for k, q in self.queues.items() if k is not None and q and not self.copies(k)]
-        unstarted.sort(key=lambda k: -len(self.queues[k]))  # largest first; ties in collection order
+        # most work first (longest processing time: from history), else most tests; ties in collection order
+        unstarted.sort(key=lambda k: (-(self.work(k) or 0.0), -len(self.queues[k])))
         for key in unstarted:
             if free is None or self._gpus(key) <= free:
                 return ("new", key), False
@@ -345,13 +375,13 @@ class Planner:
             while len(node.residents) > 1 and sum(self._held(n) for n in self.nodes.values()) > self.total:
                 node.residents.pop()  # the pool evicts its least recently used idle worker
 
-    def _fill(self, node: _Node, actions: Actions) -> None:
+    def _fill(self, node: _Node, actions: Actions, window: int | None = None) -> None:
         if node.down:
             return
         batch: list[int] = []
         choice: tuple[str, str | None] | None = None
         blocked = False
-        while len(node.pending) + len(batch) < self.window:
+        while len(node.pending) + len(batch) < (window or self.window):
             choice, blocked = self._choose(node)
             if choice is None:
                 break
@@ -621,12 +651,17 @@ class ConfigScheduling:
         if not any(units):
             return False
         self.collection = collection
-        self.planner = Planner(units, gpus_total=self.map.gpus, steal_min=self.steal_min, workers=self.numnodes)
+        from .durations import estimates, load_history
+
+        history = estimates(collection, [u.key if u else None for u in units], load_history(self.config))
+        self.planner = Planner(units, gpus_total=self.map.gpus, steal_min=self.steal_min, workers=self.numnodes,
+                               history=history)
         for node in self._nodes:
             if node in self.node2collection:
                 self.planner.add_node(node)
         self._shadow = None
-        self.log(f"{len(collection)} tests, {self.planner.configurations} configurations, {len(self._nodes)} nodes")
+        self.log(f"{len(collection)} tests, {self.planner.configurations} configurations, {len(self._nodes)} nodes"
+                 + (", ordered by earlier runs' durations" if history else ""))
         return True
 
     def _sync(self) -> None:
@@ -718,3 +753,14 @@ def summary_line(session: SglSession) -> str | None:
         return None
     line = scheduler.summary()
     return line if line and (session.settings.models or scheduler.planner is not None) else None
+
+
+def save_history(session: SglSession) -> None:
+    """On the controller, at the end: the tests' durations and the startups this run's launch records hold into
+    pytest's cache, for the next run's order (:mod:`.durations`)."""
+    scheduler = _state(session.config).get("scheduler")
+    if not isinstance(scheduler, ConfigScheduling) or scheduler.planner is None:
+        return
+    from .durations import save_history as save
+
+    save(session.config, [r for source in session.worker_launches for r in source])

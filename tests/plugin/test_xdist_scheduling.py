@@ -12,9 +12,10 @@ from __future__ import annotations
 import heapq
 import json
 import re
+import shutil
 import types
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -119,10 +120,11 @@ class Model:
         return peak
 
 
-def simulate(units: Sequence[Unit | None], *, nodes: int = 4, gpus: int | None = 4, startup: float = 1.0,
-             test: float | Sequence[float] = 0.1, steal_min: int | None = 4, crash_at: int | None = None,
-             replace: bool = True) -> Model:
-    planner = Planner(units, gpus_total=gpus, steal_min=steal_min, workers=nodes)
+def simulate(units: Sequence[Unit | None], *, nodes: int = 4, gpus: int | None = 4,
+             startup: float | Mapping[str, float] = 1.0, test: float | Sequence[float] = 0.1,
+             steal_min: int | None = 4, crash_at: int | None = None, replace: bool = True,
+             history: tuple[Sequence[float | None], Mapping[str, float]] | None = None) -> Model:
+    planner = Planner(units, gpus_total=gpus, steal_min=steal_min, workers=nodes, history=history)
     durations = [test] * len(units) if isinstance(test, (int, float)) else list(test)
     model = Model()
     queue: dict[int, list[int]] = {}
@@ -158,7 +160,7 @@ def simulate(units: Sequence[Unit | None], *, nodes: int = 4, gpus: int | None =
             if unit is not None and unit.key not in launched[node]:
                 launched[node].add(unit.key)
                 model.launches += 1
-                cost += startup
+                cost += startup if isinstance(startup, (int, float)) else startup[unit.key]
             if unit is not None:
                 span = model.spans.setdefault((node, unit.key), [clock, clock])
                 span[1] = clock + cost
@@ -236,6 +238,22 @@ def test_model_tp2_configurations_count_their_gpus() -> None:
     model = simulate(units, gpus=4, startup=1.0, test=0.2)
     assert model.max_copies("c0") == model.max_copies("c1") == 1  # 2 x tp2 fill the 4 GPUs
     assert model.launches == 2
+
+
+def test_model_history_starts_the_longest_work_first() -> None:
+    # four configurations of 4 tests x 0.5 s that start in 1 s, and one of 2 tests that starts in 8 s: by test
+    # count the long startup begins last and runs alone at the end (15 s on 2 nodes); by the durations an earlier
+    # run measured it begins first (longest processing time first: 12 s)
+    units = suite(4, 4, 4, 4, 2)
+    startups = {"c0": 1.0, "c1": 1.0, "c2": 1.0, "c3": 1.0, "c4": 8.0}
+    run = dict(nodes=2, gpus=2, startup=startups, test=0.5, steal_min=None)
+    by_count = simulate(units, **run)  # type: ignore[arg-type]
+    assert by_count.wall == pytest.approx(15.0)
+    partial = [0.5 if unit is not None and unit.key != "c2" else None for unit in units]  # c2 unknown: median
+    by_history = simulate(units, **run, history=(partial, startups))  # type: ignore[arg-type]
+    assert by_history.wall == pytest.approx(12.0)
+    assert by_history.spans[(0, "c4")][0] == 0.0
+    assert sorted(by_history.ran) == list(range(len(units))) and by_history.launches == 5
 
 
 def test_model_the_bound_holds_over_many_shapes() -> None:
@@ -524,3 +542,44 @@ def test_maxfail_stops_the_run_cleanly(pytester: pytest.Pytester, record: Path) 
     assert "INTERNALERROR" not in out and "Traceback" not in out, out
     assert "stopping after 1 failures" in out
     assert result.parseoutcomes().get("failed") == 1
+
+
+HISTORY_SUITE = """
+    import time
+    import pytest
+
+    @pytest.mark.sgl_worker(args=["--max-running-requests", "8"])
+    @pytest.mark.parametrize("i", range(3))
+    def test_many(sgl_worker, i):
+        assert sgl_worker.client.get("/health").status_code == 200
+
+    @pytest.mark.sgl_worker(args=["--max-running-requests", "9"])
+    def test_long(sgl_worker):
+        time.sleep(1.5)
+"""
+
+
+def _ran(result: pytest.RunResult) -> list[str]:
+    return [i.split("@", 1)[0].split("::")[-1] for i in
+            re.findall(r"\[gw\d+\] \[\s*\d+%\] PASSED (\S+)", result.stdout.str())]
+
+
+def test_earlier_durations_order_the_configurations(pytester: pytest.Pytester, record: Path) -> None:
+    # By test count the 3-test configuration starts first; once pytest's cache holds the durations a run measured,
+    # the configuration with the most work (the 1.5 s test) does. Under -p no:cacheprovider nothing is kept.
+    pytester.makepyfile(HISTORY_SUITE)
+    args = ("--sgl-engine", "sim", "-p", "no:randomly", "-n", "1", "-v", "--sgl-gpus", "sim:1", "--sgl-model",
+            "qwen3-0.6b")
+    first = pytester.runpytest_subprocess(*args, timeout=120)
+    first.assert_outcomes(passed=4)
+    assert _ran(first)[0].startswith("test_many"), _ran(first)
+    kept = json.loads((pytester.path / ".pytest_cache" / "v" / "sglworker" / "durations").read_text())
+    calls = {n.split("::")[-1].split("[")[0]: s for n, s in kept["tests"].items()}
+    assert len(kept["tests"]) == 4 and len(kept["startups"]) == 2, kept
+    assert calls["test_long"] >= 1.5 > calls["test_many"], kept  # the calls alone, not a setup's launch
+    second = pytester.runpytest_subprocess(*args, timeout=120)
+    second.assert_outcomes(passed=4)
+    assert _ran(second)[0].startswith("test_long"), _ran(second)
+    shutil.rmtree(pytester.path / ".pytest_cache")
+    pytester.runpytest_subprocess(*args, "-p", "no:cacheprovider", timeout=120).assert_outcomes(passed=4)
+    assert not (pytester.path / ".pytest_cache").exists()

@@ -220,6 +220,35 @@ def test_workers_run_as_ray_actors_with_ray_gpus(pytester: pytest.Pytester, on_r
     assert report.exists()
 
 
+HOSTS = """
+    import os
+    import psutil
+    import pytest
+
+    @pytest.mark.sgl_worker(fresh=True)
+    @pytest.mark.parametrize("i", range(3))
+    def test_fresh(sgl_worker, i):
+        with open(os.environ["HOSTS_FILE"], "a") as out:
+            out.write(f"{psutil.Process(sgl_worker.pid).ppid()}\\n")
+"""
+
+
+def test_a_host_actor_serves_the_next_lease(pytester: pytest.Pytester, on_ray: Path, tmp_path: Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    # three fresh workers one after the other, each on its own lease: the actor that started an engine (its parent
+    # process) starts a later one too, instead of a new actor for every lease; the leftover check of
+    # tests/conftest.py sees that none outlives the session
+    hosts = tmp_path / "hosts"
+    monkeypatch.setenv("HOSTS_FILE", str(hosts))
+    pytester.makepyfile(HOSTS)
+    _run(pytester, "-p", "no:xdist").assert_outcomes(passed=3)
+    parents = hosts.read_text().split()
+    assert len(parents) == 3 and len(set(parents)) < 3, parents
+    lives = lifetimes(on_ray)
+    assert_exclusive(lives, gpu_count=GPUS)
+    assert len(lives) == 3
+
+
 def test_ray_client_address(pytester: pytest.Pytester, on_ray: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``--sgl-cluster ray://HOST:PORT`` joins through the Ray Client server."""
     monkeypatch.delenv("RAY_ADDRESS")

@@ -14,16 +14,17 @@ How it fits the pool
   leaves the placement group pending; the wait has the local lease's timeout (``--sgl-lease-timeout``), its
   progress messages and a :class:`~pytest_sglworker.errors.LeaseTimeout`; the pending group is then removed.
   The inventory (collection-time skips) is the cluster's ``GPU`` resource.
-- Each member runs in a :class:`WorkerHost` actor scheduled into its bundle (``num_gpus`` = its share,
-  ``num_cpus=0``). The actor starts the engine on its node with the ``CUDA_VISIBLE_DEVICES`` Ray assigned, the
-  plugin's owner tag and a log file on the node, and runs the plugin's watchdog there
+- Each member runs in a :class:`WorkerHost` actor on its bundle's node, taken from :mod:`.ray_hosts` (hosts are
+  kept from one lease to the next and started ahead: a new actor costs seconds; a short task in the bundle tells
+  the node and the GPUs Ray assigned it). The actor starts the engine there with those GPUs as
+  ``CUDA_VISIBLE_DEVICES``, the plugin's owner tag and a log file on the node, and runs the plugin's watchdog there
   (:class:`~pytest_sglworker.resources.reaper.Watchdog`, its pipe held by the actor): when the actor dies by any means
   (``ray.kill``, the driver pytest SIGKILLed, which makes Ray end its non-detached actors), the engine's whole
   tree on that node is killed.
 - :class:`RayWorker` is the pytest side of such a worker: a
   :class:`~pytest_sglworker.workers.launcher.ModelInstance` whose process handle (:class:`RemoteProcess`), port check,
-  log tail and teardown go through its actor. Releasing the lease stops the trees, kills the actors, removes
-  the placement group.
+  log tail and teardown go through its actor. Releasing the lease stops the trees (a host whose tree does not
+  stop is killed), gives the hosts back, removes the placement group.
 
 Why one module of this size: the actor that runs on the node (:class:`WorkerHost`) and the pytest side that drives
 it (:class:`RemoteProcess`, ``RayWorker``, :meth:`RayLeaseManager.starter`) are the two ends of one protocol, the
@@ -43,7 +44,6 @@ import socket
 import subprocess
 import threading
 import time
-import uuid
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -171,9 +171,14 @@ class WorkerHost:
     It runs the plugin's watchdog (keyed to this actor's own owner session), so that the worker's tree dies
     with the actor whatever ends it."""
 
-    def __init__(self, session_id: str) -> None:
+    def __init__(self, session_id: str, env: dict[str, str] | None = None) -> None:
         from ...resources.reaper import Watchdog
 
+        # The pytest process's forwarded variables, for this process and what it starts (its watchdog, the engines).
+        # Set here, not as Ray's runtime_env: a runtime_env needs a Ray worker process of its own, started for the
+        # actor (seconds), where an actor with none takes one of the idle workers Ray keeps started. An actor's worker
+        # process is its own and ends with it.
+        os.environ.update(env or {})
         self.session_id = session_id
         self.process: subprocess.Popen[bytes] | None = None
         self.tag = ""
@@ -187,9 +192,9 @@ class WorkerHost:
         return {"hostname": hostname(), "ip": ray.util.get_node_ip_address(),  # type: ignore[no-untyped-call]
                 "gpus": [str(g) for g in ray.get_gpu_ids()], "pid": os.getpid()}
 
-    def start(self, argv: list[str], env: dict[str, str], log_path: str) -> dict[str, Any]:
+    def start(self, argv: list[str], env: dict[str, str], log_path: str, gpus: str | None = None) -> dict[str, Any]:
         """Start ``argv`` as the launcher's ``start_process`` does (own session, owner tag, log file, stdin
-        closed), on the GPUs Ray gave this actor."""
+        closed), on ``gpus`` (the ones Ray assigned the lease's bundle; default: the ones Ray gave this actor)."""
         import ray
 
         from ...engine.redaction import secret_values
@@ -197,7 +202,8 @@ class WorkerHost:
 
         if self.process is not None and self.process.poll() is None:
             raise LaunchError("this Ray worker host already runs a worker")
-        gpus = ",".join(str(g) for g in ray.get_gpu_ids())
+        if gpus is None:
+            gpus = ",".join(str(g) for g in ray.get_gpu_ids())
         full_env = dict(os.environ)
         full_env.update(env)
         full_env["CUDA_VISIBLE_DEVICES"] = gpus
@@ -214,11 +220,18 @@ class WorkerHost:
         return {"pid": self.process.pid, "log_path": str(path), "tag": self.tag, "gpus": gpus,
                 "secrets": secret_values(full_env, argv), "started": started}
 
-    def poll(self) -> int | None:
+    def _runs(self, pid: int | None) -> bool:
+        """Whether this host's process is ``pid`` (None: any): a host that moved on to the next worker stopped
+        the one before."""
+        return self.process is not None and pid in (None, self.process.pid)
+
+    def poll(self, pid: int | None = None) -> int | None:
+        if self.process is not None and not self._runs(pid):
+            return -signal.SIGKILL
         return None if self.process is None else self.process.poll()
 
-    def signal(self, sig: int) -> None:
-        if self.process is not None:
+    def signal(self, sig: int, pid: int | None = None) -> None:
+        if self.process is not None and self._runs(pid):
             with contextlib.suppress(ProcessLookupError):
                 self.process.send_signal(sig)
 
@@ -235,20 +248,26 @@ class WorkerHost:
 
         return self.process is not None and bool(listening_pids(self._tree(sweep=False), port))
 
-    def log_tail(self, lines: int, max_bytes: int = 256 * 1024) -> str:
+    def _log(self, path: str | None) -> Path | None:
+        return Path(path) if path else self.log_path  # a worker's own log: the host may have moved on
+
+    def log_tail(self, lines: int, max_bytes: int = 256 * 1024, path: str | None = None) -> str:
         from ..process import read_tail
 
-        return read_tail(self.log_path, lines, max_bytes=max_bytes) if self.log_path else ""
+        log = self._log(path)
+        return read_tail(log, lines, max_bytes=max_bytes) if log else ""
 
-    def log_text(self, max_bytes: int) -> str:
+    def log_text(self, max_bytes: int, path: str | None = None) -> str:
         from ..process import read_head
 
-        return read_head(self.log_path, max_bytes) if self.log_path else ""
+        log = self._log(path)
+        return read_head(log, max_bytes) if log else ""
 
-    def remove_log(self) -> None:
-        if self.log_path is not None:
+    def remove_log(self, path: str | None = None) -> None:
+        log = self._log(path)
+        if log is not None:
             with contextlib.suppress(OSError):
-                self.log_path.unlink()
+                log.unlink()
 
     def stop(self, term_timeout: float = 10.0, kill_timeout: float = 10.0) -> dict[str, Any]:
         """Tear the worker's whole tree down (root first, then its session and its tag, then SIGKILL)."""
@@ -293,7 +312,7 @@ class RemoteProcess:
                 return None
             self._asked = now
             try:
-                self._code = self._ray.get(self.actor.poll.remote(), timeout=30)
+                self._code = self._ray.get(self.actor.poll.remote(self.pid), timeout=30)
             except Exception:  # the actor (its node) is gone: so is the process
                 self._code = -signal.SIGKILL
             return self._code
@@ -304,7 +323,7 @@ class RemoteProcess:
 
     def send_signal(self, sig: int) -> None:
         with contextlib.suppress(Exception):
-            self._ray.get(self.actor.signal.remote(int(sig)), timeout=30)
+            self._ray.get(self.actor.signal.remote(int(sig), self.pid), timeout=30)
 
     def wait(self, timeout: float | None = None) -> int:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -353,7 +372,7 @@ def _worker_class() -> type[ModelInstance]:
                 if self.log_local and self.log_path.exists():
                     return super().log_tail(lines)
                 try:
-                    text = str(self._ray.get(self._actor.log_tail.remote(lines), timeout=30))
+                    text = str(self._ray.get(self._actor.log_tail.remote(lines, path=str(self.log_path)), timeout=30))
                 except Exception as exc:
                     text = f"<log on Ray node {self.ray_node} unreadable: {type(exc).__name__}>"
                 return redact(text, self.secrets)
@@ -369,7 +388,8 @@ def _worker_class() -> type[ModelInstance]:
                 if self.log_local and self.log_path.exists():
                     return super().log_text(max_bytes)
                 try:
-                    return redact(str(self._ray.get(self._actor.log_text.remote(max_bytes), timeout=30)),
+                    return redact(str(self._ray.get(self._actor.log_text.remote(max_bytes, path=str(self.log_path)),
+                                                    timeout=30)),
                                   self.secrets)
                 except Exception:
                     return ""
@@ -377,7 +397,7 @@ def _worker_class() -> type[ModelInstance]:
             def remove_log(self) -> None:
                 super().remove_log()
                 with contextlib.suppress(Exception):
-                    self._ray.get(self._actor.remove_log.remote(), timeout=30)
+                    self._ray.get(self._actor.remove_log.remote(str(self.log_path)), timeout=30)
 
             def _tree(self, *, sweep: bool = True) -> list[Any]:
                 return []
@@ -466,7 +486,8 @@ class RayLease:
         total = sum(self.counts)
         self.gpus = tuple(GpuInfo(index=i, uuid=f"GPU-ray-{name}-{i}", name=f"ray GPU {i + 1}/{total} of {name}",
                                   total_mib=RAY_GPU_MIB, free_mib=RAY_GPU_MIB) for i in range(total))
-        self.actors: dict[int, Any] = {}
+        self.actors: dict[int, tuple[str, Any]] = {}  # bundle -> (node, host)
+        self.gpu_ids: dict[int, str] = {}  # bundle -> the GPUs Ray assigned it, as CUDA_VISIBLE_DEVICES
         self._lock = threading.Lock()
         self._report: ReleaseReport | None = None
 
@@ -482,14 +503,17 @@ class RayLease:
         return {}
 
     def host(self, bundle: int) -> Any:
-        """The actor of bundle ``bundle`` (made on first use, scheduled into its bundle)."""
+        """The host actor of bundle ``bundle``: on first use, the bundle's node and GPUs are asked for (a task in
+        the bundle), and an idle host of that node taken (:mod:`.ray_hosts`)."""
         with self._lock:
             if self._report is not None:
                 raise LaunchError(f"the Ray lease {self.name} was released")
-            actor = self.actors.get(bundle)
-            if actor is None:
-                actor = self.actors[bundle] = self._manager.make_host(self.pg, bundle, self.counts[bundle])
-            return actor
+            if bundle not in self.actors:
+                hosts = self._manager.hosts
+                node, ids = hosts.place(self.pg, bundle, self.counts[bundle])
+                self.gpu_ids[bundle] = ",".join(ids)
+                self.actors[bundle] = (node, hosts.take(node))
+            return self.actors[bundle][1]
 
     def spawner(self, bundle: int) -> Callable[..., ModelInstance]:
         """A ``spawn_worker`` that starts a member in bundle ``bundle`` of this lease (the member's place in
@@ -502,7 +526,8 @@ class RayLease:
         return spawn
 
     def release(self, *, worker_pids: Collection[int] = (), wait_timeout: float = 60.0) -> ReleaseReport:
-        """Stop what still runs in the actors, kill them, remove the placement group. Idempotent."""
+        """Stop what still runs on the hosts (which go back to the pool), then remove the placement group.
+        Idempotent."""
         with self._lock:
             if self._report is not None:
                 return self._report
@@ -510,7 +535,7 @@ class RayLease:
             actors = list(self.actors.values())
             self.actors.clear()
         start = time.monotonic()
-        self._manager.end_actors(actors, timeout=wait_timeout)
+        self._manager.hosts.give_back(actors, timeout=wait_timeout)
         self._manager.remove_pg(self.pg)
         self._report = ReleaseReport(gpus=self.indices, source="ray", memory_back=True,
                                      waited_s=time.monotonic() - start)
@@ -561,6 +586,10 @@ class RayLeaseManager:
         self._pgs: dict[str, Any] = {}
         self._lock = threading.Lock()
         self._address = self._cluster_address()
+        from .ray_hosts import HostPool
+
+        self.hosts = HostPool(self.ray, self.make_host, session=SESSION_ID)
+        self.hosts.start_ahead()
 
     # -- connection ---------------------------------------------------------------------------------------
     def _connect(self, timeout: float) -> None:
@@ -617,6 +646,7 @@ class RayLeaseManager:
             return len(self.inventory.static_gpus())
 
     def shutdown(self) -> None:
+        self.hosts.close()
         with self._lock:
             pgs = list(self._pgs.values())
             self._pgs.clear()
@@ -734,30 +764,19 @@ class RayLeaseManager:
         with contextlib.suppress(Exception):
             remove_placement_group(pg)
 
-    def make_host(self, pg: Any, bundle: int, gpus: int) -> Any:
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+    def make_host(self, node: str) -> Any:
+        """A new :class:`WorkerHost` on Ray node ``node``, asking for no resources (a lease's bundle holds the GPUs
+        its engine runs on: :mod:`.ray_hosts`)."""
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        from .ray_hosts import host_session
 
         if self._host_class is None:
             self._host_class = self.ray.remote(WorkerHost)
-        session = f"{SESSION_ID}r{uuid.uuid4().hex[:8]}"  # its own owner session: the actor's watchdog ends only it
         return self._host_class.options(
-            num_cpus=0, num_gpus=gpus, max_restarts=0, max_task_retries=0, max_concurrency=4,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg,
-                                                                 placement_group_bundle_index=bundle),
-            runtime_env={"env_vars": self.actor_env},
-        ).remote(session)
-
-    def end_actors(self, actors: Sequence[Any], *, timeout: float) -> None:
-        refs = []
-        for actor in actors:
-            with contextlib.suppress(Exception):
-                refs.append(actor.close.remote())
-        if refs:
-            with contextlib.suppress(Exception):
-                self.ray.wait(refs, num_returns=len(refs), timeout=max(timeout, 1.0))
-        for actor in actors:
-            with contextlib.suppress(Exception):
-                self.ray.kill(actor, no_restart=True)
+            num_cpus=0, num_gpus=0, max_restarts=0, max_task_retries=0, max_concurrency=4,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False),
+        ).remote(host_session(SESSION_ID), self.actor_env)
 
     def starter(self, lease: RayLease, bundle: int) -> Callable[..., ModelInstance]:
         """The launcher's ``_start`` for a member in ``bundle``: the argv built here, the process started by
@@ -771,8 +790,8 @@ class RayLeaseManager:
             from ..process import log_name
 
             ray = self.ray
-            actor = lease.host(bundle)
             try:
+                actor = lease.host(bundle)
                 node = ray.get(actor.node.remote(), timeout=120)
             except Exception as exc:
                 raise LaunchError(f"the Ray actor for {spec.name} (lease {lease.name}, bundle {bundle}) did not "
@@ -788,8 +807,8 @@ class RayLeaseManager:
             child_env = {**forwarded_env(environ), **spec.env, **(env or {})}
             child_env.pop("CUDA_VISIBLE_DEVICES", None)  # Ray's assignment, set on the node
             try:
-                started = ray.get(actor.start.remote(argv, child_env, str(log_dir / log_name("sglang-worker", port))),
-                                  timeout=120)
+                started = ray.get(actor.start.remote(argv, child_env, str(log_dir / log_name("sglang-worker", port)),
+                                                     lease.gpu_ids.get(bundle)), timeout=120)
             except Exception as exc:
                 raise LaunchError(f"the Ray actor for {spec.name} could not start {shlex.join(argv[:3])} ...: "
                                   f"{_first_line(exc)}") from None
