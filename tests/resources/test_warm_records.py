@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from pytest_sglworker.plugin.options import parse_ttl
-from pytest_sglworker.resources.processes import hostname
+from pytest_sglworker.resources.processes import hostname, prove_process
 from pytest_sglworker.resources.warm import Claim, dup_lock_fd, forget_lock
 from pytest_sglworker.resources.warm_records import (
     FORMAT,
@@ -189,21 +189,25 @@ def keeper_process() -> Iterator[tuple[int, float, str]]:
     import psutil
 
     suffix = "abcdef12"
-    proc = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE,
-                            env={**os.environ, KEEPER_ENV: suffix})
+    # Popen returns once the child has begun its exec (vfork): until the exec is through, /proc shows it with an
+    # empty command line and environment. A keeper is proven long after it started; so is this one, once it says so.
+    proc = subprocess.Popen([sys.executable, "-c", "import sys; print('ready', flush=True); sys.stdin.read()"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env={**os.environ, KEEPER_ENV: suffix})
     try:
+        assert proc.stdout is not None and proc.stdout.readline() == b"ready\n"
         yield proc.pid, psutil.Process(proc.pid).create_time(), suffix
     finally:
         assert proc.stdin is not None
         proc.stdin.close()
         proc.wait(timeout=30)
+        proc.stdout.close()  # type: ignore[union-attr]
 
 
 def test_the_keeper_is_alive_only_when_proven(keeper_process: tuple[int, float, str]) -> None:
     pid, since, suffix = keeper_process
     here = hostname()
     alive = make_record(f"{pid}-{suffix}", hostname=here, keeper=Party(pid, since, "keeper"))
-    assert keeper_alive(alive)
+    assert keeper_alive(alive), prove_process(pid, since, suffix, env_name=KEEPER_ENV)
     assert not keeper_alive(replace(alive, keeper=None))
     assert not keeper_alive(replace(alive, hostname="elsewhere"))
     assert not keeper_alive(replace(alive, id=f"{pid + 1}-{suffix}", keeper=Party(pid, since, "keeper")))
