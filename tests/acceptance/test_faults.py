@@ -311,9 +311,9 @@ def test_janitor_cleans_up_after_a_session_whose_watchdog_died_too(
     wait_for(lambda: _gone(watchdog.pid), 5, "the watchdog to die")
     session.proc.kill()
     session.wait(10)
-    time.sleep(0.3)
-    # Orphans now: the worker and its escaped child run on, and the holder record names the dead session.
-    assert not _gone(pids["worker"]) and not _gone(pids["child"])
+    # Orphans now: nothing of the session is left to end the worker and its escaped child, and the holder record
+    # names the dead session. (Whether they still run is not this test's to say: janitors are machine-wide, and
+    # another session started meanwhile on this machine may already have ended them; it did once, under load.)
     assert len(list(Path(sim_env["SGLWORKER_LOCK_DIR"]).glob("gpu-*.json"))) == 1
     result = next_session_works(pytester)
     out = result.stdout.str()
