@@ -104,6 +104,12 @@ def foreign_hosts(argv: Sequence[str]) -> list[str]:
     return [value or "" for value in flag_table().parse(argv).all("host") if value not in LOOPBACK_NAMES]
 
 
+def worker_env(spec: ModelSpec, env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """What a worker's process gets on top of the environment it inherits: the spec's ``env``, then the member's
+    own (its GPUs, its tag, ...). One definition, so that adoption expects what a launch gave."""
+    return {**spec.env, **(env or {})}
+
+
 def build_argv(
     spec: ModelSpec,
     *,
@@ -377,7 +383,7 @@ def spawn_worker(
     kind = kind or default_kind("worker", (*spec.worker_args, *extra_args))
     kind.check_available(spec)
     options = options or LaunchOptions()
-    check_launcher(options.launcher or environment_launcher(environ), {**environ, **spec.env, **(env or {})})
+    check_launcher(options.launcher or environment_launcher(environ), {**environ, **worker_env(spec, env)})
     log_dir = state.ensure_private_dir(options.log_dir or state.default_log_dir(), what="log directory")
     _check_free_space(log_dir)
     if port is not None and len(kind.port_names) > 2:
@@ -444,7 +450,7 @@ def _start(
     argv = build_argv(spec, port=port, nccl_port=ports.get("nccl"), launcher=options.launcher,
                       extra_args=extra_args, allow_foreign_host=options.allow_foreign_host,
                       role_args=kind.role_args(ports), environ=environ)
-    started = start_process(argv, {**spec.env, **(env or {})}, log_dir / log_name("sglang-worker", port),
+    started = start_process(argv, worker_env(spec, env), log_dir / log_name("sglang-worker", port),
                             environ=environ, session_id=options.owner_session)
     return ModelInstance(
         spec=spec, host=LOOPBACK_HOST, port=port, tail_lines=options.tail_lines, kind=kind, index=index,
@@ -468,4 +474,5 @@ __all__ = [
     "build_argv",
     "running_worker",
     "spawn_worker",
+    "worker_env",
 ]

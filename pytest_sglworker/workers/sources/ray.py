@@ -786,7 +786,7 @@ class RayLeaseManager:
                   env: Mapping[str, str] | None, options: LaunchOptions, log_dir: Path, gpus: str | None,
                   kind: WorkerKind, index: int, *, environ: Mapping[str, str]) -> ModelInstance:
             from ...engine.sglang_facts import LOOPBACK_HOST
-            from ..launcher import build_argv
+            from ..launcher import build_argv, worker_env
             from ..process import log_name
 
             ray = self.ray
@@ -804,7 +804,7 @@ class RayLeaseManager:
                               role_args=kind.role_args(ports), environ=environ)
             if not local:
                 argv[argv.index("--host") + 1] = host
-            child_env = {**forwarded_env(environ), **spec.env, **(env or {})}
+            child_env = {**forwarded_env(environ), **worker_env(spec, env)}
             child_env.pop("CUDA_VISIBLE_DEVICES", None)  # Ray's assignment, set on the node
             try:
                 started = ray.get(actor.start.remote(argv, child_env, str(log_dir / log_name("sglang-worker", port)),
