@@ -235,7 +235,12 @@ def test_an_edited_log_path_is_never_linked_appended_or_printed(
     path = lock_dir(sim_env) / f"warm-{record.id}.json"
     content = json.loads(path.read_text())
     content["members"][0]["log"] = str(victim)  # the path, not the identity the session recorded
-    path.write_text(json.dumps(content))
+    # written whole, as the plugin writes a record: its keeper reads it meanwhile, and ends the group (its record
+    # gone) on a file it catches half-written, which a write in place once showed it
+    edited = path.with_name(path.name + ".edit")
+    edited.write_text(json.dumps(content))
+    edited.chmod(0o600)
+    os.replace(edited, path)
     monkeypatch.setenv("WARM_FAIL", "1")  # the test fails: a failing test's section prints its worker's log
     result = pytester.runpytest_subprocess(*SIM, "--sgl-model", "w", "--sgl-report", "r2.json", timeout=120)
     result.assert_outcomes(failed=1)
