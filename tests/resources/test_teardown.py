@@ -13,7 +13,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import psutil
@@ -36,13 +36,25 @@ FAMILY = r"""
 import json, os, signal, subprocess, sys, time
 out, mode = sys.argv[1], sys.argv[2]
 stubborn, deaf_once, spawns = mode == "stubborn", mode == "deaf-once", mode == "spawns-on-term"
+if mode == "deaf":  # the root and what it forks ignore SIGTERM (the child sets a handler of its own)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 CHILD = '''
 import os, signal, subprocess, sys, time
 parent = os.getppid()
+DEAF = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"
+
+terms = []
 
 def on_term(*_):
+    terms.append(1)
+    if len(terms) > 1:  # the group's SIGTERM and its own, one after the other: the first one is handled
+        return
     with open(sys.argv[1], "w") as fh:
         fh.write("parent alive" if os.getppid() == parent else "parent gone")
+    if sys.argv[2] == "child-spawns":  # while the group is told to end: a daemon deaf to SIGTERM, tagged, on its own
+        helper = subprocess.Popen([sys.executable, "-c", DEAF], start_new_session=True)
+        with open(sys.argv[1] + ".helper", "w") as fh:
+            fh.write(str(helper.pid))
     time.sleep(0.3)  # a clean exit takes a while too: SIGKILL must wait for it
     os._exit(0)
 
@@ -51,7 +63,7 @@ p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
 print(p.pid, flush=True)
 time.sleep(600)
 '''
-child = subprocess.Popen([sys.executable, "-c", CHILD, out + ".child"], stdout=subprocess.PIPE)
+child = subprocess.Popen([sys.executable, "-c", CHILD, out + ".child", mode], stdout=subprocess.PIPE)
 grandchild = int(child.stdout.readline())
 
 def orphan(setsid):
@@ -90,7 +102,8 @@ def on_term(*_):
     time.sleep(0.3)  # a clean shutdown takes a while (sglang's: seconds): its children must not be signalled meanwhile
     os._exit(0)
 
-signal.signal(signal.SIGTERM, on_term)
+if mode != "deaf":
+    signal.signal(signal.SIGTERM, on_term)
 with open(out + ".tmp", "w") as fh:
     json.dump({"child": child.pid, "grandchild": grandchild, "escaped": escaped, "stayed": stayed}, fh)
 os.rename(out + ".tmp", out)
@@ -358,3 +371,72 @@ def test_a_process_the_root_starts_while_stopping_is_ended_with_the_rest(tmp_pat
     assert killed == []  # found after the root ended, and sent SIGTERM with the rest, not SIGKILL
     assert gone(helper)
     assert [name for name, pid in pids.items() if not gone(pid)] == []
+
+
+def test_a_process_that_vanishes_mid_scan_does_not_end_the_scan(tmp_path: Path, started: list[int],
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A process that exits between the listing and its ``getsid`` (the first one looked at, here) is passed over;
+    the rest of the listing is still scanned, and the member of the root's session found."""
+    tag = owner_tag(session_id())
+    root, pids = family(tmp_path, started, tag)
+    real_getsid, calls = os.getsid, []
+
+    def vanishing_first(pid: int) -> int:
+        calls.append(pid)
+        if len(calls) == 1:
+            raise ProcessLookupError(3, "No such process")
+        return real_getsid(pid)
+
+    monkeypatch.setattr(os, "getsid", vanishing_first)
+    try:
+        found = {p.pid for p in process_tree(root.pid)}
+    finally:
+        monkeypatch.undo()
+        root.kill()
+        root.wait()
+    assert calls and calls[0] not in pids.values()  # the vanished one is none of the family
+    assert found == {pids["root"], pids["child"], pids["grandchild"], pids["stayed"]}
+
+
+def _root_only(root: subprocess.Popen[bytes]) -> Callable[[], list[psutil.Process]]:
+    """A collection that sees the root alone: the members of its process group are missed (an unreadable /proc
+    entry, a scan that raced their start); only the signals to the whole group reach them."""
+    proc = psutil.Process(root.pid)
+    return lambda: [proc]
+
+
+def test_the_group_is_told_to_end_when_the_collection_misses_its_members(tmp_path: Path,
+                                                                          started: list[int]) -> None:
+    tag = owner_tag(session_id())
+    root, pids = family(tmp_path, started, tag)
+    killed = terminate_tree(root, _root_only(root), term_timeout=10.0, kill_timeout=10.0)
+    assert killed == [] and root.returncode == 0
+    for name in ("child", "grandchild", "stayed"):  # the root's process group; "escaped" left it
+        wait_for(lambda name=name: gone(pids[name]), f"the {name} to end on the group's SIGTERM", timeout=15.0)
+
+
+def test_the_group_is_killed_with_a_root_deaf_to_sigterm(tmp_path: Path, started: list[int]) -> None:
+    """The root and a member the collection misses ignore SIGTERM: SIGKILL goes to the root's whole group."""
+    tag = owner_tag(session_id())
+    root, pids = family(tmp_path, started, tag, mode="deaf")
+    killed = terminate_tree(root, _root_only(root), term_timeout=0.5, kill_timeout=10.0)
+    assert killed == [root.pid] and root.returncode == -signal.SIGKILL
+    for name in ("child", "grandchild", "stayed"):  # "stayed" ignores SIGTERM too: only the group's SIGKILL ends it
+        wait_for(lambda name=name: gone(pids[name]), f"the {name} to end", timeout=15.0)
+
+
+def test_a_process_started_during_the_groups_grace_is_found_and_killed(tmp_path: Path, started: list[int]) -> None:
+    """The child starts a daemon (tagged, in a session of its own, deaf to SIGTERM) when the group is told to end:
+    the tree is collected again after the group's grace, and the daemon killed."""
+    tag = owner_tag(session_id())
+    root, pids = family(tmp_path, started, tag, mode="child-spawns")
+    try:
+        killed = terminate_tree(root, lambda: process_tree(root.pid, tag), term_timeout=10.0, kill_timeout=10.0)
+    finally:
+        out = next(tmp_path.glob("family-*.json"))
+        helper_file = Path(f"{out}.child.helper")
+        if helper_file.exists():
+            started.append(int(helper_file.read_text()))
+    helper = int(helper_file.read_text())
+    assert killed == [helper]
+    assert [name for name, pid in {**pids, "helper": helper}.items() if not gone(pid)] == []

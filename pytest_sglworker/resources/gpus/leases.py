@@ -154,8 +154,7 @@ class Lease:
                     path.unlink()
                 except OSError:
                     pass
-        for lock in self._locks:
-            lock.release(force=True)
+        _let_go(self._locks)
         self._locks = []
 
     def __enter__(self) -> Self:
@@ -391,8 +390,7 @@ class LeaseManager:
             if orphans:  # the GPU is unlocked but its dead holder's engine still runs there: not free yet
                 attempt.orphans.update(orphans)
                 attempt.locked.update(orphans)
-                for lock in locks:
-                    lock.release(force=True)
+                _let_go(locks)
                 continue
             # We hold the locks now, so any record still there is stale (a live process that left it behind,
             # a planted one): it must not make the GPU look used. Our own record replaces it below.
@@ -405,14 +403,12 @@ class LeaseManager:
             try:
                 fresh = {g.index: g for g in self.inventory.snapshot()}
             except BaseException:
-                for lock in locks:
-                    lock.release(force=True)
+                _let_go(locks)
                 raise
             short = [i for i in group if i not in fresh or fresh[i].free_mib < memory_mib]
             if short:
                 attempt.low.update(short)
-                for lock in locks:
-                    lock.release(force=True)
+                _let_go(locks)
                 continue
             chosen = tuple(fresh[i] for i in group)
             try:
@@ -420,9 +416,8 @@ class LeaseManager:
             except BaseException:
                 for index in group:
                     with contextlib.suppress(OSError):
-                        self.record_path(index).unlink(missing_ok=True)
-                for lock in locks:
-                    lock.release(force=True)
+                        self.record_path(index).unlink()
+                _let_go(locks)
                 raise
             return Lease(self, chosen, locks, holder=holder, memory_mib=memory_mib), attempt
         return None, attempt
@@ -437,12 +432,10 @@ class LeaseManager:
                 lock.acquire(blocking=False)
             except Timeout:
                 attempt.locked.add(index)
-                for held in locks:
-                    held.release(force=True)
+                _let_go(locks)
                 return None
             except OSError as exc:  # a directory, a symlink, a file of another user at the lock's path
-                for held in locks:
-                    held.release(force=True)
+                _let_go(locks)
                 raise self._unusable("GPU lock file", self.lock_path(index), exc) from None
             locks.append(lock)
         return locks
@@ -535,3 +528,11 @@ def _candidate_groups(eligible: Sequence[int], tp: int, attempt: _Attempt) -> It
             return
         tried.add(key)
         yield group
+
+
+def _let_go(locks: Sequence[BaseFileLock]) -> None:
+    """Let go of the locks of a group this attempt took and does not keep, at once: an attempt that raises keeps
+    its frame (and with it the lock objects, whose finalizer would let go of them) for as long as its traceback
+    lives."""
+    for lock in locks:
+        lock.release(force=True)
