@@ -74,6 +74,20 @@ def test_the_committed_summary_meets_the_goal_for_every_target() -> None:
         assert summary["modules"][name]["tests"] == list(target.tests)
 
 
+def test_every_line_left_unmutated_is_in_the_summary_and_explained() -> None:
+    """A line marked ``# pragma: no mutate`` (a grace's length) is one the last run of its target left out, and
+    docs/TESTING.md names it: a new mark needs a new run and a reason in words."""
+    script = load_script()
+    summary = json.loads(SUMMARY.read_text())
+    doc = TESTING_DOC.read_text()
+    for name, target in script.TARGETS.items():
+        lines = script.excluded_lines(REPO / target.path, target.scope)
+        assert summary["modules"][name].get("not_mutated_lines", []) == lines, (
+            f"{name}: the lines marked {script.NO_MUTATE!r} changed; rerun scripts/mutation.py --module {name}")
+        missing = [n for n in lines if f"`{target.path}:{n}`" not in doc]
+        assert missing == [], f"{name}: lines left unmutated that docs/TESTING.md does not name: {missing}"
+
+
 def test_every_survivor_is_explained_in_the_testing_doc() -> None:
     summary = json.loads(SUMMARY.read_text())
     doc = TESTING_DOC.read_text()
