@@ -5,7 +5,9 @@ they were recorded on the CPU with the tiny model (``--enable-return-hidden-stat
 - ``return_hidden_states`` on ``/v1/chat/completions`` and ``/v1/completions``: a ``hidden_states`` list of
   ``hidden_size`` floats per choice (``[]`` for a one-token answer); streamed, one chunk per choice after every
   choice's end (chat: a delta of ``role``/``content``/``reasoning_content`` null and ``hidden_states``;
-  completions: ``text`` "" and ``hidden_states``), before the usage chunk;
+  completions: ``text`` "" and ``hidden_states``), before the usage chunk; on ``/generate``, ``meta_info``'s
+  ``hidden_states``: the prefill's rows (the prompt tokens after the cached prefix), then a row per later output
+  token, so far in every streamed chunk; ``"last"`` (a server mode, not a request value) the decoder's 400;
 - ``ebnf``: a reference to a rule the grammar does not define is xgrammar's ``Failed to compile ebnf grammar``
   (400); else the output is a string the grammar allows (real: ``Hi`` for ``root ::= "Hello" | "Hi" | "Hey"``, then
   EOS: finish ``stop``, ``matched_stop`` 2; with ``ignore_eos``, finish ``length`` at ``max_tokens``);
@@ -159,3 +161,40 @@ def test_a_longer_context_length_than_the_models_is_refused_at_startup(tmp_path:
         assert allowed.client.get("/v1/models").json()["data"][0]["max_model_len"] == 1000
     finally:
         launcher.cleanup()
+
+
+def _rows(value: Any) -> list[int]:
+    """``/generate``'s ``hidden_states``: the prefill's row count, then 1 for each single row after it."""
+    assert isinstance(value, list) and value, value
+    prefill, *decode = value
+    assert all(_is_hidden_state(r) for r in prefill) and all(_is_hidden_state(r) for r in decode), value
+    return [len(prefill), *(1 for _ in decode)]
+
+
+def test_hidden_states_of_generate(hidden: SimProc) -> None:
+    """As the real engine answered (``--enable-return-hidden-states``, the tiny model, recorded on the CPU): the
+    prefill's rows (the prompt tokens after the cached prefix), then a row per output token after the first;
+    streamed, every chunk carries the list so far; a batch, each prompt its own; a mode's name is the decoder's
+    400."""
+    c = hidden.client
+
+    def generate(**extra: Any) -> Any:
+        body = {"text": "zebra crossing ahead", "sampling_params": {"max_new_tokens": 4, "temperature": 0}, **extra}
+        return c.post("/generate", json=body)
+
+    first = generate(return_hidden_states=True).json()["meta_info"]
+    prompt = first["prompt_tokens"]
+    assert first["cached_tokens"] == 0 and _rows(first["hidden_states"]) == [prompt, 1, 1, 1], first
+    again = generate(return_hidden_states=True).json()["meta_info"]  # the prompt's prefix is cached now
+    assert _rows(again["hidden_states"]) == [prompt - again["cached_tokens"], 1, 1, 1] and again["cached_tokens"] > 0
+    assert "hidden_states" not in generate().json()["meta_info"]
+    with c.stream("POST", "/generate", json={"text": "hello there", "stream": True, "return_hidden_states": True,
+                                             "sampling_params": {"max_new_tokens": 3, "temperature": 0}}) as r:
+        chunks = [e["meta_info"] for e in sse(r) if isinstance(e, dict)]
+    assert [len(m["hidden_states"]) for m in chunks] == [m["completion_tokens"] for m in chunks] == [1, 2, 3]
+    batch = c.post("/generate", json={"text": ["hi", "hello there"], "return_hidden_states": [True, False],
+                                      "sampling_params": {"max_new_tokens": 2, "temperature": 0}}).json()
+    assert len(batch[0]["meta_info"]["hidden_states"]) == 2 and "hidden_states" not in batch[1]["meta_info"]
+    refused = generate(return_hidden_states="last")
+    assert (refused.status_code, refused.json()) == (400, {
+        "error": 'invalid type: string "last", expected a value or an array of values for BoolOrList'})

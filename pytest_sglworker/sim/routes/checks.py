@@ -24,15 +24,24 @@ SAMPLING_KEYS = (
 )
 
 
-class UnknownSamplingKey(BadRequest):
-    """msgspec's refusal of a ``sampling_params`` key: 400 ``{"error": "<message>"}``, streamed or not."""
+class DecodeRefusal(BadRequest):
+    """The request decoder's refusal of ``/generate``'s body (a ``sampling_params`` key it does not know, a field
+    of the wrong type): 400 ``{"error": "<message>"}``, streamed or not."""
 
 
 def sampling_keys(params: dict[str, Any]) -> None:
     for key in params:
         if key not in SAMPLING_KEYS:
             expected = ", ".join(f"`{k}`" for k in SAMPLING_KEYS)
-            raise UnknownSamplingKey(f"unknown field `{key}`, expected one of {expected}")
+            raise DecodeRefusal(f"unknown field `{key}`, expected one of {expected}")
+
+
+def hidden_states_type(req: dict[str, Any]) -> None:
+    """``return_hidden_states`` is a flag or a list of flags (one per prompt): a mode's name is refused as the
+    decoder words it (sglang 0.5.23's ``/generate``: ``"last"`` is a server mode, ``--return-hidden-states-mode``)."""
+    value = req.get("return_hidden_states")
+    if isinstance(value, str):
+        raise DecodeRefusal(f'invalid type: string "{value}", expected a value or an array of values for BoolOrList')
 
 
 def _arg(sim: Sim, name: str) -> Any:

@@ -22,7 +22,14 @@ from typing import Any
 from ..constrained import ConstraintError, constrained_text, grammar_of
 from ..state import Sim
 from ..tokens import Generation, embedding, logprobs, prompt_seed, token_ids_logprobs
-from .checks import UnknownSamplingKey, flat_logprobs, sampling_keys, server_features, token_ids_logprob
+from .checks import (
+    DecodeRefusal,
+    flat_logprobs,
+    hidden_states_type,
+    sampling_keys,
+    server_features,
+    token_ids_logprob,
+)
 from .common import (
     NOT_EMBEDDING,
     Abort,
@@ -54,6 +61,7 @@ def generate(ctx: Request) -> None:
                              validation=True)
         for params in per_prompt:
             sampling_keys(params)
+        hidden_states_type(req)
         not_generation(sim)
         server_features(sim, req, per_prompt[0])
         prompts, batch = _generate_prompts(sim, req)
@@ -79,8 +87,9 @@ def generate(ctx: Request) -> None:
         lp = Asked(return_logprob, top_n, start_len, with_text, tuple(asked),
                    bool(req.get("return_sampling_mask")), _flat_asks(req), settings[0].get("beam_width"))
         gens = [_generation(sim, ids, params) for ids, params in zip(prompts, settings, strict=True)]
+        hidden = _hidden_asks(req, len(gens))
         handshake(sim, req, rid, gens[0])
-    except UnknownSamplingKey as exc:  # msgspec's, before anything streams
+    except DecodeRefusal as exc:  # the decoder's, before anything streams
         ctx.json(400, {"error": str(exc)})
         return
     except BadRequest as exc:
@@ -108,15 +117,15 @@ def generate(ctx: Request) -> None:
             gen.finish = {"type": "length", "length": 0}
     with_prompt = bool(req.get("return_prompt_token_ids"))
     if req.get("stream"):
-        events = _generate_events(sim, gens, batch, started, lp, rid)
+        events = _generate_events(sim, gens, batch, started, lp, rid, hidden)
         ctx.stream(({**e, "prompt_token_ids": gens[e.get("index", 0)].prompt_ids} for e in events) if with_prompt
                    else events)
         return
     outs = []
-    for gen in gens:
+    for gen, hidden_asked in zip(gens, hidden, strict=True):
         pace(sim, gen.completion_tokens)
         outs.append(_generate_out(sim, gen, gen.completion_tokens, started, lp, rid if len(gens) == 1 else None,
-                                  final=True))
+                                  final=True, hidden=hidden_asked))
         if with_prompt:
             outs[-1]["prompt_token_ids"] = gen.prompt_ids
     ctx.json(200, outs if batch else outs[0])
@@ -217,8 +226,29 @@ class Asked:
     beam_width: Any = None
 
 
+def _hidden_asks(req: dict[str, Any], count: int) -> list[bool]:
+    """Which of the ``count`` prompts asked for their hidden states: ``return_hidden_states`` a flag for all, or a
+    list of one flag per prompt."""
+    value = req.get("return_hidden_states")
+    if isinstance(value, list):
+        return [bool(value[i]) if i < len(value) else False for i in range(count)]
+    return [bool(value)] * count
+
+
+def _hidden_states(sim: Sim, gen: Generation, k: int) -> list[Any]:
+    """``meta_info.hidden_states`` after ``k`` output tokens, shaped as sglang's scheduler collects them when it
+    captures them all: the prefill's rows first, one per prompt token it computed (those after the cached prefix),
+    then one row per later output token (the first one comes out of the prefill). The values are the sim's own."""
+    ids, prompt, size = [*gen.prompt_ids, *gen.output_ids], len(gen.prompt_ids), sim.plan.hidden_size
+    if not k:
+        return []
+    first = min(gen.cached_tokens, prompt - 1)
+    prefill = [embedding(ids[:i + 1], size) for i in range(first, prompt)]
+    return [prefill, *(embedding(ids[:prompt + j], size) for j in range(1, k))]
+
+
 def _generate_out(sim: Sim, gen: Generation, k: int, started: float, lp: Asked,
-                  rid: str | None, *, final: bool) -> dict[str, Any]:
+                  rid: str | None, *, final: bool, hidden: bool = False) -> dict[str, Any]:
     return_logprob, top_n, start_len, with_text = lp.logprob, lp.top_n, lp.start_len, lp.with_text
     meta: dict[str, Any] = {
         "id": rid or sim.new_id(),
@@ -252,6 +282,8 @@ def _generate_out(sim: Sim, gen: Generation, k: int, started: float, lp: Asked,
         meta["weight_versions"] = [{"version": "default", "start": 0, "end": k}]
     meta["cached_tokens_details"] = {"device": gen.cached_tokens, "host": 0} if gen.cached_tokens else None
     meta["dp_rank"] = None
+    if hidden:
+        meta["hidden_states"] = _hidden_states(sim, gen, k)
     text = gen.texts[k - 1] if k else ""
     if final and num(lp.beam_width) and lp.beam_width > 1:  # the beam search's answer: its beams, no latency
         meta["sequence_score"] = sum(e[0] for e in logprobs(sim.vocab, gen, start_len=-1, top_n=0,
@@ -265,13 +297,13 @@ def _generate_out(sim: Sim, gen: Generation, k: int, started: float, lp: Asked,
 
 
 def _generate_events(sim: Sim, gens: list[Generation], batch: bool, started: float,
-                     lp: Asked, rid: str) -> Iterator[dict[str, Any]]:
+                     lp: Asked, rid: str, hidden: list[bool]) -> Iterator[dict[str, Any]]:
     for index, gen in enumerate(gens):
         request_id = rid if len(gens) == 1 else sim.new_id()
         n = gen.completion_tokens
         for k in range(1, max(n, 1) + 1):
             pace(sim, 1)
-            out = _generate_out(sim, gen, min(k, n), started, lp, request_id, final=k >= n)
+            out = _generate_out(sim, gen, min(k, n), started, lp, request_id, final=k >= n, hidden=hidden[index])
             if batch:
                 out["index"] = index
             yield out
