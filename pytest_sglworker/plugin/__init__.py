@@ -15,6 +15,7 @@ import pytest
 from ..engine.specs import set_active_registry
 from .collection import Collection
 from .fixtures import SpawnWorker, sgl_model, sgl_registry, sgl_router, sgl_spawn_worker, sgl_worker, sgl_workers
+from .keys import distributing, is_xdist_worker
 from .markers import MARKER_DOCS
 from .session import STATE_KEY, SglSession
 
@@ -47,7 +48,8 @@ def pytest_configure(config: pytest.Config) -> None:
     if session.settings.report or session.settings.timeline or session.settings.trace:
         enable_run_hooks(session)  # every test's time goes into the run report (an xdist controller collects none)
     config.pluginmanager.register(SglReporter(session), "sglworker-reporter")
-    if config.pluginmanager.hasplugin("xdist"):
+    if config.pluginmanager.hasplugin("xdist") and (distributing(config) or is_xdist_worker(config)):
+        # a run without -n has nothing for them to do: not even a call per test report (cheap when unused)
         from .xdist_hooks import XdistHooks
 
         config.pluginmanager.register(XdistHooks(session), "sglworker-xdist")

@@ -1,7 +1,7 @@
-"""The plugin's pytest-xdist hooks, registered only when pytest-xdist is present. It marks tests with
-``xdist_group`` for ``--dist loadgroup``, sends the controller's log directory and status-line relay to the xdist
-workers, merges their report figures, and plugs in the scheduler of :mod:`.xdist_scheduling` (imported only when
-xdist distributes tests: it is a large module).
+"""The plugin's pytest-xdist hooks, registered only in a run that xdist distributes (its controller and its
+workers). It marks tests with ``xdist_group`` for ``--dist loadgroup``, sends the controller's log directory and
+status-line relay to the xdist workers, merges their report figures, and plugs in the scheduler of
+:mod:`.xdist_scheduling` (imported only when xdist distributes tests: it is a large module).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ WORKER_FIXTURE_SET = frozenset(WORKER_FIXTURES)
 
 
 class XdistHooks:
-    """Registered only when pytest-xdist is present."""
+    """Registered only in a run that xdist distributes."""
 
     def __init__(self, session: SglSession) -> None:
         self.session = session

@@ -114,6 +114,8 @@ def test_reorder_groups_tests_of_one_configuration(pytester: pytest.Pytester) ->
 
 
 def test_worker_tests_get_an_xdist_group_per_configuration(pytester: pytest.Pytester) -> None:
+    """Under ``--dist loadgroup`` each configuration's tests are one group (xdist appends it to the node ids); a
+    run that xdist does not distribute gets no marks (nothing would read them)."""
     pytester.makeconftest("""
         def pytest_collection_finish(session):
             for item in session.items:
@@ -130,12 +132,15 @@ def test_worker_tests_get_an_xdist_group_per_configuration(pytester: pytest.Pyte
 
         def test_3(): pass
     """)
+    result = pytester.runpytest_subprocess(*SIM, "--sgl-model", "qwen3-0.6b", "-n", "1", "--dist", "loadgroup",
+                                           "-v", timeout=120)
+    result.assert_outcomes(passed=3)
+    ids = [line.split()[-1] for line in result.stdout.lines if " PASSED " in line]
+    assert any(i.endswith("::test_1[qwen3-0.6b]@sgl-qwen3-0.6b") for i in ids), ids
+    assert any(i.endswith("::test_3") for i in ids), ids  # no configuration, no group
+    assert any("test_2[qwen3-0.6b]@sgl-qwen3-0.6b-" in i for i in ids), ids
     result = pytester.runpytest(*SIM, "--sgl-model", "qwen3-0.6b", "--collect-only", "-s")
-    out = result.stdout.str()
-    assert "GROUP test_1[qwen3-0.6b] sgl-qwen3-0.6b" in out
-    assert "GROUP test_3 None" in out
-    group2 = next(line for line in out.splitlines() if line.startswith("GROUP test_2"))
-    assert group2.split()[-1].startswith("sgl-qwen3-0.6b-")
+    assert "GROUP test_1[qwen3-0.6b] None" in result.stdout.str()
 
 
 def test_waiting_status_and_summary(pytester: pytest.Pytester, sim_env: dict[str, str],
