@@ -35,7 +35,6 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     from .options import resolve_settings
     from .reporter import SglReporter
-    from .run_hooks import enable_run_hooks
 
     for doc in MARKER_DOCS:
         config.addinivalue_line("markers", doc)
@@ -46,6 +45,8 @@ def pytest_configure(config: pytest.Config) -> None:
     config.pluginmanager.register(session, "sglworker-session")
     config.pluginmanager.register(Collection(session), "sglworker-collection")
     if session.settings.report or session.settings.timeline or session.settings.trace:
+        from .run_hooks import enable_run_hooks
+
         enable_run_hooks(session)  # every test's time goes into the run report (an xdist controller collects none)
     config.pluginmanager.register(SglReporter(session), "sglworker-reporter")
     if config.pluginmanager.hasplugin("xdist") and (distributing(config) or is_xdist_worker(config)):

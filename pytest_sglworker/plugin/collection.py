@@ -28,7 +28,6 @@ from .keys import (
     uses_plugin,
 )
 from .markers import MarkerError, RouterMarker, WorkerMarker, WorkersMarker, opt_out_reason, required_features
-from .run_hooks import enable_run_hooks
 
 if TYPE_CHECKING:
     from ..engine.specs import ModelSpec
@@ -56,6 +55,8 @@ class Collection:
                 raise pytest.UsageError("\n".join(problems.values()))
             return
         modify_items(self.session, config, items)
+        from .run_hooks import enable_run_hooks  # a run that uses no worker never needs them
+
         enable_run_hooks(self.session)
 
 

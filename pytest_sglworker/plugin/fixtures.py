@@ -21,7 +21,6 @@ import pytest
 
 from ..engine.specs import ModelSpec, SpecRegistry
 from ..errors import InventoryUnavailable, SglWorkerError
-from ..workers.sources.base import GroupRequest, GroupUse, SourceRefusal
 from .keys import (
     CONFIG_KEY,
     NEXT_KEY,
@@ -41,6 +40,7 @@ if TYPE_CHECKING:
     from ..workers.group import WorkerGroup
     from ..workers.launcher import LaunchOptions, ModelInstance
     from ..workers.router import Router
+    from ..workers.sources.base import GroupRequest
 
 __all__ = ["SpawnWorker", "sgl_model", "sgl_registry", "sgl_router", "sgl_spawn_worker", "sgl_worker",
            "sgl_workers"]
@@ -106,6 +106,8 @@ def _options(session: SglSession, startup_timeout: float | None,
 
 def _acquire(request: pytest.FixtureRequest, group_request: GroupRequest) -> WorkerGroup:
     """The group from the session's worker source, its members remembered for the test's failure report."""
+    from ..workers.sources.base import SourceRefusal
+
     session = state_of(request.config)
     try:
         group = session.source.acquire(group_request)
@@ -126,6 +128,8 @@ def _acquire(request: pytest.FixtureRequest, group_request: GroupRequest) -> Wor
 def _give_back(request: pytest.FixtureRequest, group: WorkerGroup, *, check_deaths: bool = True) -> None:
     """After the test: the group goes back to the source with how the test went; what the source says failed
     (a member died during a passing test) fails the test here."""
+    from ..workers.sources.base import GroupUse
+
     session = state_of(request.config)
     call = request.node.stash.get(REPORTS_KEY, {}).get("call")
     # No call report: the test was interrupted (Ctrl-C, pytest.exit) and this teardown runs at session end;
@@ -150,6 +154,8 @@ def _next_config(item: pytest.Item) -> WorkerConfig | None:
 def _test_group(request: pytest.FixtureRequest, spec: ModelSpec, fixture: str) -> Iterator[WorkerGroup]:
     """The group of ``fixture`` (``sgl_worker`` or ``sgl_workers``) for this test, from the session's worker
     source, given back after it."""
+    from ..workers.sources.base import GroupRequest
+
     try:
         marker = (WorkerMarker if fixture == "sgl_worker" else WorkersMarker).from_mark(
             request.node.get_closest_marker(fixture))
@@ -292,6 +298,7 @@ class SpawnWorker:
         ``budget_opt_out``, :class:`~pytest_sglworker.SpecError` for an unknown model; a worker that fails to
         start fails the test with its diagnosis."""
         from ..workers.config import WorkerConfig
+        from ..workers.sources.base import GroupRequest
 
         spec = self._resolve(model)
         if isinstance(args, str):

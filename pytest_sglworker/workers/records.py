@@ -8,7 +8,6 @@ turns them into the run report, the timeline and the trace (:mod:`pytest_sglwork
 
 from __future__ import annotations
 
-import statistics
 import threading
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
@@ -52,6 +51,8 @@ class ConfigStats:
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-able; the schema of one entry of ``--sgl-report`` (docs/explanation/run-report.md)."""
+        import statistics  # here: the module is imported by every run, this only by one that launched
+
         times = self.startup_seconds
         return {
             "label": self.label,
