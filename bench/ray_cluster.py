@@ -4,6 +4,7 @@
     .venv/bin/python bench/ray_cluster.py                    # 2 rounds, about 6 minutes on 2 CPUs
     .venv/bin/python bench/ray_cluster.py --reps 3 --json figures.json
     .venv/bin/python bench/ray_cluster.py --only shard       # the sharding part alone (no Ray cluster)
+    .venv/bin/python bench/ray_cluster.py --render bench/results/ray_cluster.json   # measure nothing: print it again
 
 One suite of 8 worker configurations of unequal cost (below), the simulated engine starting in 1 s.
 
@@ -351,13 +352,18 @@ def markdown(results: dict[str, Any]) -> str:
 # ---------------------------------------------------------------------------------------------- main
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=2, help="rounds of the Ray / local comparison (default 2)")
     parser.add_argument("--only", default="ray,shard", help="comma-separated parts: ray, shard (default: both)")
     parser.add_argument("--json", type=Path, default=None, help="also write every figure and sample as JSON")
     parser.add_argument("--keep", action="store_true", help="keep the work directory (logs, run reports)")
-    ns = parser.parse_args()
+    parser.add_argument("--render", type=Path, default=None, metavar="JSON",
+                        help="measure nothing: print the section from a JSON this script wrote")
+    ns = parser.parse_args(argv)
+    if ns.render is not None:
+        sys.stdout.write(markdown(json.loads(ns.render.read_text())))
+        return 0
     parts = {p.strip() for p in ns.only.split(",") if p.strip()}
     if not parts or parts - {"ray", "shard"}:
         parser.error("--only takes ray, shard or both")
@@ -379,7 +385,8 @@ def main() -> int:
     t_start = time.perf_counter()
     results: dict[str, Any] = {"meta": {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "machine": common.machine(), "reps": ns.reps, "parts": sorted(parts), "argv": sys.argv[1:],
+        "machine": common.machine(), "reps": ns.reps, "parts": sorted(parts),
+        "argv": sys.argv[1:] if argv is None else argv,
         "ray": ray_version, "load_before": round(os.getloadavg()[0], 2), "package": package,
         "suite": [list(c) for c in CONFIGS]}}
     temp = tempfile.mkdtemp(prefix="sglray-", dir="/tmp")  # short: Ray's socket paths have a length limit

@@ -156,3 +156,18 @@ def test_the_one_command_names_an_unknown_part_and_measures_nothing() -> None:
     assert ("unknown part(s) nosuch; choose from bound, run, warm, timeline, xdist_sched, ray_cluster"
             in result.stderr)
     assert "== run" not in result.stderr
+
+
+def test_the_ray_bench_renders_its_json_again_without_measuring() -> None:
+    # as bench/bound.py, warm.py and timeline.py: --render prints the section of a JSON it wrote (no cluster started)
+    committed = REPO / "bench" / "results" / "ray_cluster.json"
+    result = subprocess.run([sys.executable, str(REPO / "bench" / "ray_cluster.py"), "--render", str(committed)],
+                            cwd=REPO, capture_output=True, text=True, timeout=60)
+
+    assert result.returncode == 0, result.stderr
+    code = ("import json, sys; sys.path.insert(0, 'bench'); import ray_cluster; "
+            f"sys.stdout.write(ray_cluster.markdown(json.load(open({str(committed)!r}))))")
+    expected = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert result.stdout == expected.stdout
+    assert json.loads(committed.read_text())["meta"]["date"] in result.stdout
+    assert "starting a local Ray cluster" not in result.stderr

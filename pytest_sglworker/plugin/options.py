@@ -207,7 +207,7 @@ def _shard(value: str) -> Any:
 
 
 def _cluster(value: str) -> Any:
-    from ..workers.sources.ray import parse_cluster
+    from ..workers.sources.ray_connect import parse_cluster
 
     return parse_cluster(value)
 

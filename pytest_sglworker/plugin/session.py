@@ -92,6 +92,11 @@ def _has_line(entry: Any) -> bool:
         return False
 
 
+def _workerinput(config: pytest.Config) -> dict[str, Any]:
+    found = getattr(config, "workerinput", None)
+    return found if isinstance(found, dict) else {}
+
+
 def make_source(session: SglSession) -> WorkerSource:
     """The worker source the settings select: attached workers (``--sgl-worker-url``) for the specs they serve, in
     front of a Ray cluster (``--sgl-cluster ray``) or this machine's file-locked leases (the default). A new source
@@ -108,7 +113,8 @@ def make_source(session: SglSession) -> WorkerSource:
                             cluster=s.cluster, keep_warm=s.keep_warm, adopt_warm=s.reuse and s.cluster is None,
                             session_log_dir=log_dir if s.log_dir is None and log_dir is not None
                             and (log_dir / ".lock").is_file() else None,
-                            holder=f"{session.config.rootpath.name} (pid {os.getpid()})")
+                            holder=f"{session.config.rootpath.name} (pid {os.getpid()})",
+                            ray_ahead=_workerinput(session.config).get("sglworker_ray_ahead"))
     hooks = PoolHooks(on_message=terminal.message, on_progress=terminal.progress,
                       on_progress_end=terminal.progress_end, worker_env=session.worker_env,
                       choose_kind=session.choose_kind, on_leased=session.on_leased, on_tick=terminal.flush,

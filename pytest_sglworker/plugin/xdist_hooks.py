@@ -29,6 +29,7 @@ class XdistHooks:
     def __init__(self, session: SglSession) -> None:
         self.session = session
         self.relay: Any = None
+        self.ray_hosts: Any = None  # ray_hosts.ControllerHosts: the hosts started ahead for the workers
 
     @pytest.hookimpl(wrapper=True)
     def pytest_collection_modifyitems(
@@ -75,6 +76,24 @@ class XdistHooks:
         if self.relay is None:
             self.relay = ProgressRelay(self.session.terminal, self.session.log_dir / f".progress-{os.getpid()}.jsonl")
         node.workerinput["sglworker_progress"] = str(self.relay.path)
+        self._ray_host_ahead(node)
+
+    def _ray_host_ahead(self, node: Any) -> None:
+        """With a Ray cluster (not through Ray Client), a host started ahead for the worker on this node, so that
+        its first launch finds it started (``ray_hosts.ControllerHosts``)."""
+        cluster = self.session.settings.cluster
+        if cluster is None or cluster.address.startswith("ray://"):
+            return
+        from ..resources.processes import SESSION_ID
+        from ..workers.sources.ray import forwarded_env
+        from ..workers.sources.ray_connect import CONNECT_TIMEOUT, cluster_address
+        from ..workers.sources.ray_hosts import ControllerHosts
+
+        if self.ray_hosts is None:
+            self.ray_hosts = ControllerHosts(cluster, address=cluster_address(cluster), actor_env=forwarded_env(),
+                                             session=SESSION_ID, timeout=CONNECT_TIMEOUT)
+        self.ray_hosts.add(str(node.workerinput["workerid"]))
+        node.workerinput["sglworker_ray_ahead"] = SESSION_ID
 
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
         if distributing(session.config):
@@ -84,6 +103,15 @@ class XdistHooks:
         if self.relay is not None:
             self.relay.close()
             self.relay = None
+        self._close_ray_hosts()
+
+    def pytest_unconfigure(self, config: pytest.Config) -> None:
+        self._close_ray_hosts()  # an interrupted start skips pytest_sessionfinish
+
+    def _close_ray_hosts(self) -> None:
+        hosts, self.ray_hosts = self.ray_hosts, None
+        if hosts is not None:
+            hosts.close()
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         """On the controller, every report from a worker: the status lines the relay thread queued are written."""

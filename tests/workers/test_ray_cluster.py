@@ -249,6 +249,100 @@ def test_a_host_actor_serves_the_next_lease(pytester: pytest.Pytester, on_ray: P
     assert len(lives) == 3
 
 
+AHEAD = """
+    import os
+    import psutil
+    import pytest
+    import ray
+
+    @pytest.mark.sgl_worker(fresh=True)
+    @pytest.mark.parametrize("i", range(4))
+    def test_fresh(sgl_worker, i):
+        me = os.environ["PYTEST_XDIST_WORKER"]
+        ahead = []  # the pids of the hosts a controller started ahead for this xdist worker
+        for entry in ray.util.list_named_actors(all_namespaces=True):
+            if entry["name"].startswith("sglworker-host-") and entry["name"].endswith(f"-{me}"):
+                actor = ray.get_actor(entry["name"], namespace=entry["namespace"])
+                ahead.append(str(ray.get(actor.node.remote(), timeout=60)["pid"]))
+        with open(os.environ["HOSTS_FILE"], "a") as out:
+            out.write(f"{me} {psutil.Process(sgl_worker.pid).ppid()} {','.join(ahead) or 'none'}\\n")
+"""
+
+
+def test_the_xdist_controller_starts_each_workers_first_host(pytester: pytest.Pytester, on_ray: Path,
+                                                             tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Under -n 2 the controller starts a named host for each xdist worker as it starts it; the worker's first
+    # engine runs in that host (its parent process), not in one the worker started at its collection, shortly
+    # before its first lease. The leftover check of tests/conftest.py sees that none outlives the session.
+    hosts = tmp_path / "hosts"
+    monkeypatch.setenv("HOSTS_FILE", str(hosts))
+    pytester.makepyfile(AHEAD)
+    _run(pytester, "-n", "2", "--dist", "load").assert_outcomes(passed=4)
+    first: dict[str, tuple[str, str]] = {}
+    for line in hosts.read_text().splitlines():
+        worker, parent, ahead = line.split()
+        first.setdefault(worker, (parent, ahead))
+    assert len(first) == 2, hosts.read_text()
+    for worker, (parent, ahead) in first.items():
+        assert ahead != "none", f"no host started ahead for {worker}"
+        assert parent in ahead.split(","), (f"{worker}'s first engine ran in {parent}, not in its host started "
+                                            f"ahead ({ahead})")
+    assert_exclusive(lifetimes(on_ray), gpu_count=GPUS)
+
+
+CRASH = """
+    import os
+    import time
+    from pathlib import Path
+
+    def test_hang(sgl_worker):
+        Path(os.environ["UP_FILE"]).write_text(f"{os.getpid()} {sgl_worker.pid}")
+        time.sleep(600)
+
+    def test_wait_for_the_check():
+        deadline = time.monotonic() + 120
+        while not Path(os.environ["DONE_FILE"]).exists():
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+"""
+
+
+def test_a_crashed_xdist_worker_leaves_no_engine_on_the_controllers_host(pytester: pytest.Pytester, on_ray: Path,
+                                                                         tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A host the controller started runs the engine of the xdist worker that took it; when that worker dies (its
+    placement group goes with it), the engine ends while the controller still runs (it holds the host)."""
+    up, done = tmp_path / "up", tmp_path / "done"
+    monkeypatch.setenv("UP_FILE", str(up))
+    monkeypatch.setenv("DONE_FILE", str(done))
+    pytester.makepyfile(CRASH)
+    inner = subprocess.Popen([sys.executable, "-m", "pytest", *SIM, "-n", "1", "--dist", "load", str(pytester.path)],
+                             cwd=pytester.path, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 90
+        while not up.exists() or len(up.read_text().split()) < 2:
+            assert inner.poll() is None, "the inner pytest ended before its worker was up"
+            assert time.monotonic() < deadline, "the worker did not come up within 90 s"
+            time.sleep(0.1)
+        xdist_worker, engine = map(int, up.read_text().split())
+        os.kill(xdist_worker, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while psutil.pid_exists(engine) and psutil.Process(engine).status() != psutil.STATUS_ZOMBIE:
+            assert inner.poll() is None, "the controller ended first: it cannot tell who ended the engine"
+            assert time.monotonic() < deadline, f"the engine {engine} of the crashed xdist worker still runs"
+            time.sleep(0.2)
+        done.touch()
+        out, _ = inner.communicate(timeout=120)
+    finally:
+        done.touch()
+        if inner.poll() is None:
+            inner.kill()
+            inner.wait(10)
+    assert "1 passed" in out, out
+    assert len(lifetimes(on_ray)) == 1
+
+
 def test_ray_client_address(pytester: pytest.Pytester, on_ray: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``--sgl-cluster ray://HOST:PORT`` joins through the Ray Client server."""
     monkeypatch.delenv("RAY_ADDRESS")
@@ -571,7 +665,7 @@ def test_a_gpu_selection_with_a_cluster_is_a_usage_error(pytester: pytest.Pytest
 
 
 def test_a_ray_client_init_failure_names_the_servers_reason() -> None:
-    from pytest_sglworker.workers.sources.ray import _why
+    from pytest_sglworker.workers.sources.ray_connect import _why
 
     error = ConnectionAbortedError("Initialization failure from server:\nTraceback (most recent call last):\n"
                                    '  File "proxier.py", line 780, in Datapath\n'

@@ -53,6 +53,8 @@ class PoolSettings:
     session_log_dir: Path | None = None
     #: who this session is, for warm records and messages
     holder: str = ""
+    #: an xdist worker's controller's session when it started a Ray host ahead for the worker (``ray_hosts``)
+    ray_ahead: str | None = None
 
 
 @dataclass(frozen=True)

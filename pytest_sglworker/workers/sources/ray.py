@@ -26,12 +26,12 @@ How it fits the pool
   log tail and teardown go through its actor. Releasing the lease stops the trees (a host whose tree does not
   stop is killed), gives the hosts back, removes the placement group.
 
-Why one module of this size: the actor that runs on the node (:class:`WorkerHost`) and the pytest side that drives
-it (:class:`RemoteProcess`, ``RayWorker``, :meth:`RayLeaseManager.starter`) are the two ends of one protocol, the
-dicts that the actor's ``node``, ``start`` and ``stop`` return; and the lease manager, its leases and their workers
-share one connection to the cluster (the manager's ``ray``). Starting a process, tearing its tree down and reading
-its log are the launcher's and the process module's, called here, not copied; the local leases are in
-:mod:`pytest_sglworker.resources.gpus`.
+Why one module of this size: the pytest side of a worker on the cluster (:class:`RemoteProcess`, ``RayWorker``,
+:meth:`RayLeaseManager.starter`) reads the dicts that the actor's ``node``, ``start`` and ``stop`` return, and the
+lease manager, its leases and their workers share one connection to the cluster (the manager's ``ray``). The actor
+itself is in :mod:`.ray_hosts`, with the hosts kept and started ahead; joining the cluster in :mod:`.ray_connect`.
+Starting a process, tearing its tree down and reading its log are the launcher's and the process module's, called
+here, not copied; the local leases are in :mod:`pytest_sglworker.resources.gpus`.
 """
 
 from __future__ import annotations
@@ -40,7 +40,6 @@ import contextlib
 import os
 import shlex
 import signal
-import socket
 import subprocess
 import threading
 import time
@@ -49,11 +48,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
-from ...errors import InventoryUnavailable, LeaseImpossible, LeaseTimeout
+from ...errors import LeaseImpossible, LeaseTimeout
 from ...resources.gpus import GpuInfo, Inventory, ReleaseReport
-from ...resources.processes import OWNER_ENV, SESSION_ID, hostname, owner_tag
+from ...resources.processes import OWNER_ENV, SESSION_ID, hostname
 from ..errors import LaunchError
 from .local import PoolSource
+from .ray_connect import (
+    CLIENT_CONNECT_TIMEOUT,
+    CONNECT_TIMEOUT,
+    INSTALL_HINT,
+    ClusterSpec,
+    ClusterUnavailable,
+    _import_ray,
+    cluster_address,
+    connect,
+    parse_cluster,
+)
+from .ray_hosts import WorkerHost
 
 if TYPE_CHECKING:
     from ...engine.specs import ModelSpec
@@ -72,19 +83,11 @@ __all__ = [
     "parse_cluster",
 ]
 
-INSTALL_HINT = "pip install 'pytest-sglworker[ray]'"
 #: placement groups the plugin makes are named ``<prefix><session>-<n>``: others' pending ones mean waiters
 PG_PREFIX = "sglworker-"
 #: Environment variables of the pytest process that reach the engine on the node (the rest of the engine's
 #: environment is the node's): the plugin's and the simulated engine's, sglang's, Hugging Face's, NCCL's.
 FORWARDED_PREFIXES = ("SGL", "HF_", "HUGGING", "NCCL_", "TRANSFORMERS_", "TOKENIZERS_")
-#: How long connecting to the cluster may take before it is called unreachable (after its address answered a TCP
-#: check): a GCS address, and a Ray Client address (``ray://``), whose server starts a process of its own for each
-#: new client (it imports Ray: seconds on an idle machine, past 15 s on a loaded 2-core CI runner). The client
-#: bound is beyond the Ray Client server's own (``RAY_CLIENT_SERVER_CHECK_CHANNEL_TIMEOUT_S``, 30 s by default, set
-#: on the head node), so that a server that gives up says why itself.
-CONNECT_TIMEOUT = 15.0
-CLIENT_CONNECT_TIMEOUT = 120.0
 #: A memory size for Ray's GPUs, which Ray does not know: the budget check, not the lease, judges memory.
 RAY_GPU_MIB = 80 * 1024
 #: How long a non-blocking attempt waits for a placement group that fitted the free GPUs when it was asked for.
@@ -93,196 +96,18 @@ _ids = iter(range(1, 1 << 62))
 _ids_lock = threading.Lock()
 
 
-class ClusterUnavailable(InventoryUnavailable):
-    """Ray is not installed, or the cluster cannot be reached: a usage error at collection."""
-
-
-@dataclass(frozen=True)
-class ClusterSpec:
-    """A parsed ``--sgl-cluster`` value: ``ray`` (``address="auto"``: ``RAY_ADDRESS`` or the local cluster),
-    ``ray://HOST:PORT`` (Ray Client) or ``ray:HOST:PORT`` (a GCS address, joined as a driver)."""
-
-    raw: str
-    address: str
-
-    def describe(self) -> str:
-        return f"Ray cluster {self.address}" if self.address != "auto" else "Ray cluster (address auto)"
-
-
-def parse_cluster(value: str) -> ClusterSpec | None:
-    """``--sgl-cluster``: ``off``/``local`` (None), ``ray``, ``ray://HOST:PORT``, ``ray:HOST:PORT``."""
-    text = value.strip()
-    if text.lower() in ("", "off", "local", "none"):
-        return None
-    if text == "ray":
-        return ClusterSpec(text, "auto")
-    for prefix, keep in (("ray://", True), ("ray:", False)):
-        if text.startswith(prefix):
-            rest = text[len(prefix):]
-            host, sep, port = rest.rpartition(":")
-            if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-                raise ValueError(f"{value!r}: give the cluster as {prefix}HOST:PORT (e.g. {prefix}127.0.0.1:"
-                                 f"{10001 if keep else 6379})")
-            return ClusterSpec(text, text if keep else rest)
-    raise ValueError(f"{value!r} is not a cluster; choose 'ray', 'ray://HOST:PORT', 'ray:HOST:PORT' or 'off'")
-
-
-def _import_ray() -> Any:
-    try:
-        import ray
-    except ImportError as exc:
-        raise ClusterUnavailable(f"Ray is needed for a Ray cluster but is not installed here ({exc}); install it "
-                                 f"with {INSTALL_HINT}") from None
-    return ray
-
-
-def _host_port(address: str) -> tuple[str, int] | None:
-    text = address[len("ray://"):] if address.startswith("ray://") else address
-    host, sep, port = text.rpartition(":")
-    if not sep or not port.isdigit():
-        return None
-    return host.strip("[]"), int(port)
-
-
-def _probe(address: str, timeout: float) -> str | None:
-    """Why ``address`` cannot be reached (a refused or timed-out TCP connect), or None: a bounded check
-    before ``ray.init``, which would retry for a long time."""
-    target = _host_port(address)
-    if target is None:
-        return None
-    try:
-        with socket.create_connection(target, timeout=timeout):
-            return None
-    except OSError as exc:
-        return f"cannot connect to {target[0]}:{target[1]} ({exc.strerror or type(exc).__name__})"
-
-
 def forwarded_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
     environ = os.environ if environ is None else environ
     return {k: v for k, v in environ.items() if k.startswith(FORWARDED_PREFIXES) and k != OWNER_ENV}
 
 
-# ---------------------------------------------------------------------------------------------- the actor
 
 
-class WorkerHost:
-    """The Ray actor that hosts one worker process on its node (made a Ray actor with ``ray.remote``).
 
-    It runs the plugin's watchdog (keyed to this actor's own owner session), so that the worker's tree dies
-    with the actor whatever ends it."""
+def _started() -> float:
+    import psutil
 
-    def __init__(self, session_id: str, env: dict[str, str] | None = None) -> None:
-        from ...resources.reaper import Watchdog
-
-        # The pytest process's forwarded variables, for this process and what it starts (its watchdog, the engines).
-        # Set here, not as Ray's runtime_env: a runtime_env needs a Ray worker process of its own, started for the
-        # actor (seconds), where an actor with none takes one of the idle workers Ray keeps started. An actor's worker
-        # process is its own and ends with it.
-        os.environ.update(env or {})
-        self.session_id = session_id
-        self.process: subprocess.Popen[bytes] | None = None
-        self.tag = ""
-        self.log_path: Path | None = None
-        self.pids_seen: set[int] = set()
-        self.watchdog = Watchdog(session_id)
-
-    def node(self) -> dict[str, Any]:
-        import ray
-
-        return {"hostname": hostname(), "ip": ray.util.get_node_ip_address(),  # type: ignore[no-untyped-call]
-                "gpus": [str(g) for g in ray.get_gpu_ids()], "pid": os.getpid()}
-
-    def start(self, argv: list[str], env: dict[str, str], log_path: str, gpus: str | None = None) -> dict[str, Any]:
-        """Start ``argv`` as the launcher's ``start_process`` does (own session, owner tag, log file, stdin
-        closed), on ``gpus`` (the ones Ray assigned the lease's bundle; default: the ones Ray gave this actor)."""
-        import ray
-
-        from ...engine.redaction import secret_values
-        from ..process import popen, unused_log_path
-
-        if self.process is not None and self.process.poll() is None:
-            raise LaunchError("this Ray worker host already runs a worker")
-        if gpus is None:
-            gpus = ",".join(str(g) for g in ray.get_gpu_ids())
-        full_env = dict(os.environ)
-        full_env.update(env)
-        full_env["CUDA_VISIBLE_DEVICES"] = gpus
-        full_env["PYTHONUNBUFFERED"] = "1"
-        self.tag = owner_tag(self.session_id)
-        full_env[OWNER_ENV] = self.tag
-        path = Path(log_path)
-        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        path = unused_log_path(path)
-        started = time.time()
-        self.process = popen(argv, full_env, path)
-        self.log_path = path
-        self.pids_seen = {self.process.pid}
-        return {"pid": self.process.pid, "log_path": str(path), "tag": self.tag, "gpus": gpus,
-                "secrets": secret_values(full_env, argv), "started": started}
-
-    def _runs(self, pid: int | None) -> bool:
-        """Whether this host's process is ``pid`` (None: any): a host that moved on to the next worker stopped
-        the one before."""
-        return self.process is not None and pid in (None, self.process.pid)
-
-    def poll(self, pid: int | None = None) -> int | None:
-        if self.process is not None and not self._runs(pid):
-            return -signal.SIGKILL
-        return None if self.process is None else self.process.poll()
-
-    def signal(self, sig: int, pid: int | None = None) -> None:
-        if self.process is not None and self._runs(pid):
-            with contextlib.suppress(ProcessLookupError):
-                self.process.send_signal(sig)
-
-    def _tree(self, sweep: bool = True) -> list[Any]:
-        from ...resources.processes import process_tree
-
-        assert self.process is not None
-        procs = process_tree(self.process.pid, self.tag, sweep=sweep)
-        self.pids_seen.update(p.pid for p in procs)
-        return procs
-
-    def owns_port(self, port: int) -> bool:
-        from ...resources.processes import listening_pids
-
-        return self.process is not None and bool(listening_pids(self._tree(sweep=False), port))
-
-    def _log(self, path: str | None) -> Path | None:
-        return Path(path) if path else self.log_path  # a worker's own log: the host may have moved on
-
-    def log_tail(self, lines: int, max_bytes: int = 256 * 1024, path: str | None = None) -> str:
-        from ..process import read_tail
-
-        log = self._log(path)
-        return read_tail(log, lines, max_bytes=max_bytes) if log else ""
-
-    def log_text(self, max_bytes: int, path: str | None = None) -> str:
-        from ..process import read_head
-
-        log = self._log(path)
-        return read_head(log, max_bytes) if log else ""
-
-    def remove_log(self, path: str | None = None) -> None:
-        log = self._log(path)
-        if log is not None:
-            with contextlib.suppress(OSError):
-                log.unlink()
-
-    def stop(self, term_timeout: float = 10.0, kill_timeout: float = 10.0) -> dict[str, Any]:
-        """Tear the worker's whole tree down (root first, then its session and its tag, then SIGKILL)."""
-        from ...resources.processes import terminate_tree
-
-        if self.process is None:
-            return {"killed": [], "pids": [], "returncode": None}
-        killed = terminate_tree(self.process, self._tree, term_timeout=term_timeout, kill_timeout=kill_timeout)
-        return {"killed": killed, "pids": sorted(self.pids_seen), "returncode": self.process.poll()}
-
-    def close(self) -> None:
-        """Stop the worker, then the watchdog (its pipe closed: it sweeps this actor's tag and exits)."""
-        with contextlib.suppress(Exception):
-            self.stop()
-        self.watchdog.close()
+    return float(psutil.Process().create_time())
 
 
 # ---------------------------------------------------------------------------------------------- pytest side
@@ -510,9 +335,14 @@ class RayLease:
                 raise LaunchError(f"the Ray lease {self.name} was released")
             if bundle not in self.actors:
                 hosts = self._manager.hosts
-                node, ids = hosts.place(self.pg, bundle, self.counts[bundle])
+                node = hosts.bundle_node(self.pg, bundle)
+                if node is None:  # not in the cluster's table: a task in the bundle says where it is
+                    node, ids = hosts.place(self.pg, bundle, self.counts[bundle])
+                    self.actors[bundle] = (node, hosts.take(node))
+                else:  # the host runs that task (given back with the lease if it fails)
+                    self.actors[bundle] = (node, hosts.take(node))
+                    _, ids = hosts.place_by(self.actors[bundle][1], self.pg, bundle, self.counts[bundle])
                 self.gpu_ids[bundle] = ",".join(ids)
-                self.actors[bundle] = (node, hosts.take(node))
             return self.actors[bundle][1]
 
     def spawner(self, bundle: int) -> Callable[..., ModelInstance]:
@@ -546,17 +376,6 @@ class RayLease:
         return f"<RayLease {self.name} bundles {self.counts} for {self.holder!r} ({state})>"
 
 
-def _why(error: BaseException) -> str:
-    """An error's first line; when that line only introduces what follows (Ray Client's ``Initialization failure
-    from server:`` and the server's traceback), the traceback's last line too: the server's own reason."""
-    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
-    if not lines:
-        return type(error).__name__
-    if lines[0].endswith(":") and len(lines) > 1:
-        return f"{lines[0]} {lines[-1]}"
-    return lines[0]
-
-
 class RayLeaseManager:
     """GPU leases from a Ray cluster, with the :class:`~pytest_sglworker.resources.gpus.LeaseManager` surface the pool
     and collection use (``try_acquire``, ``acquire``, ``others_waiting``, ``can_ever_fit``, ``inventory``,
@@ -567,7 +386,8 @@ class RayLeaseManager:
 
     def __init__(self, cluster: ClusterSpec, lock_dir: Path, *, connect_timeout: float | None = None,
                  notice_interval: float = 30.0, poll_interval: float = 0.2,
-                 on_message: Callable[[str], None] | None = None) -> None:
+                 on_message: Callable[[str], None] | None = None, controller: str | None = None,
+                 xdist_worker: str | None = None) -> None:
         self.cluster = cluster
         self.lock_dir = Path(lock_dir)
         self.namespace = "ray"
@@ -582,48 +402,22 @@ class RayLeaseManager:
             connect_timeout = CLIENT_CONNECT_TIMEOUT if cluster.address.startswith("ray://") else CONNECT_TIMEOUT
         self._connect(connect_timeout)
         self.inventory = RayInventory(self)
-        self._host_class: Any = None
         self._pgs: dict[str, Any] = {}
         self._lock = threading.Lock()
         self._address = self._cluster_address()
-        from .ray_hosts import HostPool
+        from .ray_hosts import HostPool, ahead_name
 
-        self.hosts = HostPool(self.ray, self.make_host, session=SESSION_ID)
+        ahead = None
+        if controller is not None and xdist_worker is not None:
+            def ahead(node: str) -> str:
+                return ahead_name(controller, node, xdist_worker)
+        self.hosts = HostPool(self.ray, self.make_host, session=SESSION_ID, ahead=ahead,
+                              claimant=(hostname(), os.getpid(), _started()))
         self.hosts.start_ahead()
 
     # -- connection ---------------------------------------------------------------------------------------
     def _connect(self, timeout: float) -> None:
-        ray = self.ray
-        address = self.cluster.address
-        if address == "auto" and os.environ.get("RAY_ADDRESS"):
-            address = os.environ["RAY_ADDRESS"]
-        why = _probe(address, min(timeout, 5.0)) if address != "auto" else None
-        if why is not None:
-            raise ClusterUnavailable(f"{self.cluster.raw!r}: the Ray cluster is unreachable: {why}")
-        if ray.is_initialized():
-            return
-        done: dict[str, Any] = {}
-
-        def init() -> None:
-            import logging
-
-            try:
-                ray.init(address=address, namespace="pytest-sglworker", log_to_driver=False,
-                         logging_level=logging.ERROR, ignore_reinit_error=True)
-            except BaseException as exc:  # handed to the caller
-                done["error"] = exc
-            done["ok"] = True
-
-        thread = threading.Thread(target=init, name="sglworker-ray-init", daemon=True)
-        thread.start()
-        thread.join(timeout)
-        if "ok" not in done:
-            raise ClusterUnavailable(f"{self.cluster.raw!r}: no answer from the Ray cluster at "
-                                     f"{address} within {timeout:g} s")
-        if "error" in done:
-            error = done["error"]
-            raise ClusterUnavailable(f"{self.cluster.raw!r}: cannot join the Ray cluster at {address}: "
-                                     f"{_why(error)}")
+        connect(self.ray, self.cluster, cluster_address(self.cluster), timeout)
 
     def _cluster_address(self) -> str:
         with contextlib.suppress(Exception):
@@ -765,18 +559,10 @@ class RayLeaseManager:
             remove_placement_group(pg)
 
     def make_host(self, node: str) -> Any:
-        """A new :class:`WorkerHost` on Ray node ``node``, asking for no resources (a lease's bundle holds the GPUs
-        its engine runs on: :mod:`.ray_hosts`)."""
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+        """A new :class:`WorkerHost` on Ray node ``node`` (:func:`.ray_hosts.new_host`)."""
+        from .ray_hosts import new_host
 
-        from .ray_hosts import host_session
-
-        if self._host_class is None:
-            self._host_class = self.ray.remote(WorkerHost)
-        return self._host_class.options(
-            num_cpus=0, num_gpus=0, max_restarts=0, max_task_retries=0, max_concurrency=4,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False),
-        ).remote(host_session(SESSION_ID), self.actor_env)
+        return new_host(self.ray, node, self.actor_env)
 
     def starter(self, lease: RayLease, bundle: int) -> Callable[..., ModelInstance]:
         """The launcher's ``_start`` for a member in ``bundle``: the argv built here, the process started by
@@ -843,7 +629,8 @@ class RaySource(PoolSource):
     name = "ray"
 
     def make_leases(self) -> RayLeaseManager:
-        return RayLeaseManager(self.settings.cluster, self.settings.lock_dir, on_message=self.hooks.on_message)
+        return RayLeaseManager(self.settings.cluster, self.settings.lock_dir, on_message=self.hooks.on_message,
+                               controller=self.settings.ray_ahead, xdist_worker=self.hooks.xdist_worker)
 
     def describe(self) -> str:
         return str(self.settings.cluster.describe())
