@@ -88,10 +88,11 @@ def test_a_streamed_message_is_sglangs_event_sequence(tiny: SimProc) -> None:
     (json.dumps({"messages": [USER]}), {"content-type": "application/json"},
      "model: Field required; max_tokens: Field required"),
     (json.dumps(_message(messages=[])), {"content-type": "application/json"}, "Messages cannot be empty."),
-    ("not json", {}, "0: JSON decode error"),
+    ("{not json", {"content-type": "application/json"}, "1: JSON decode error"),
+    ("not json", {}, "header.content-type: Unsupported Media Type: Only 'application/json' is allowed"),
     (json.dumps(_message()), {"content-type": "text/plain"},
      "header.content-type: Unsupported Media Type: Only 'application/json' is allowed"),
-], ids=["max-tokens", "missing", "empty", "not-json", "content-type"])
+], ids=["max-tokens", "missing", "empty", "bad-json", "no-content-type", "content-type"])
 def test_what_sglang_refuses_has_anthropics_error_envelope(tiny: SimProc, body: str, headers: dict[str, str],
                                                           message: str) -> None:
     r = tiny.client.post("/v1/messages", content=body.encode(), headers=headers)

@@ -204,6 +204,8 @@ CORPUS: list[Case] = [
          message=True, values=("error.type",)),
     Case("messages_empty", "POST", "/v1/messages", _message(messages=[]), message=True, values=("error.type",)),
     Case("messages_not_json", "POST", "/v1/messages", raw=b"not json", message=True, values=("error.type",)),
+    Case("messages_bad_json", "POST", "/v1/messages", raw=b"{not json", headers={"content-type": "application/json"},
+         message=True, values=("error.type",)),
     Case("messages_wrong_content_type", "POST", "/v1/messages", raw=json.dumps(_message()).encode(),
          headers={"content-type": "text/plain"}, message=True, values=("error.type",)),
     Case("messages_too_long", "POST", "/v1/messages", _message(messages=[{"role": "user", "content": "x " * 600}]),

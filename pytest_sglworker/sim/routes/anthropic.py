@@ -55,11 +55,12 @@ def _error(ctx: Request, status: int, kind: str, message: str) -> None:
 
 
 def _body(ctx: Request) -> dict[str, Any]:
-    """The body as FastAPI reads it for sglang's route: the JSON first (when the content type is JSON or missing),
-    then the route's ``validate_json_request`` (the content type), then the model's fields."""
+    """The body as FastAPI reads it for sglang's route: the JSON first (when the content type says JSON), then the
+    route's ``validate_json_request`` (the content type: a body without one is refused whatever it holds), then the
+    model's fields."""
     media = (ctx.headers.get("Content-Type") or "").split(";", 1)[0].strip().lower()
     obj: Any = ctx.body
-    if not media or media == "application/json" or media.endswith("+json"):
+    if media == "application/json" or media.endswith("+json"):
         try:
             obj = json.loads(ctx.body or b"null")
         except ValueError as exc:
