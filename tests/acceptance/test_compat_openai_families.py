@@ -9,13 +9,14 @@ copied with the one import changed into one inner pytest session per engine, a s
 Python (``sglang.test.test_utils`` needs ``datasets`` there; skipped with the fix otherwise). Besides the tiny
 model's spec, the inner session says, without editing the files:
 
-- ``SGLWORKER_COMPAT_MODELS``: ``DEFAULT_SMALL_MODEL_NAME_FOR_TEST`` (Llama-3.2-1B) and
-  ``DEFAULT_MODEL_NAME_FOR_TEST`` (Llama-3.1-8B, ``test_matched_stop.py``'s) are both served by the tiny model;
+- ``SGLWORKER_COMPAT_MODELS``: ``DEFAULT_SMALL_MODEL_NAME_FOR_TEST`` (Llama-3.2-1B),
+  ``DEFAULT_MODEL_NAME_FOR_TEST`` (Llama-3.1-8B, ``test_matched_stop.py``'s) and ``Qwen/Qwen2.5-0.5B-Instruct``
+  (``test_watermark.py``'s own constant) are all served by the tiny model;
 - ``SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1``: ``test_request_length_validation.py`` asks for
   ``--context-length 1000``, over the tiny model's 512; sglang refuses that at startup outside its CI, where
   ``SGLANG_IS_IN_CI`` allows it (the sim refuses and allows it the same way).
 
-``slow``: five servers per engine, one after the other on sglang's test port (the real ones take 1-3 minutes each
+``slow``: seven servers per engine, one after the other on sglang's test port (the real ones take 1-3 minutes each
 on a loaded 2-core machine).
 """
 
@@ -45,7 +46,8 @@ from pytest_sglworker.engine.cpu_engine import (
 pytestmark = [pytest.mark.real_engine, pytest.mark.slow, pytest.mark.xdist_group("real-engine")]
 
 FILES: dict[str, dict[str, Any]] = MANIFEST["families"]
-MODELS = "meta-llama/Llama-3.2-1B-Instruct=tiny-cpu,meta-llama/Llama-3.1-8B-Instruct=tiny-cpu"
+MODELS = ("meta-llama/Llama-3.2-1B-Instruct=tiny-cpu,meta-llama/Llama-3.1-8B-Instruct=tiny-cpu,"
+          "Qwen/Qwen2.5-0.5B-Instruct=tiny-cpu")
 
 CONTEXT = "over the tiny model's 512-token context: a 400 without choices on both engines"
 EAGLE = ("speculative decoding with an EAGLE draft model ({draft}) and its target ({target}): weights the tiny "
@@ -67,6 +69,14 @@ DESELECTED: dict[str, str] = {
     "test_openai_server_ebnf.py::TestOpenAIServerEBNF::test_ebnf_strict_json": (
         "asserts the model closes its '[A-Za-z]+' string within 64 tokens: the grammar allows any number of letters, "
         "and when the random-weight model stops writing them is what its weights say"),
+    "test_anthropic_server.py::TestAnthropicServer::test_tool_result_image_content_conversion": (
+        "a unit test of sglang's own AnthropicServing (no request to the server): it builds one with object() as its "
+        "chat serving, and sglang 0.5.23's constructor reads its supports_inline_system (AttributeError), on "
+        "either engine"),
+    "test_watermark.py::TestWatermarkRequestEndpoint": (
+        "launches with --enable-watermark, which sglang 0.5.23 refuses on any device but cuda ('--enable-watermark "
+        "requires --device cuda'); its z-score test also asks for 512 new tokens, over the tiny model's 512-token "
+        "context with the prompt"),
 }
 #: each file's tests that run and pass on both engines
 PASSING: dict[str, int] = {
@@ -74,6 +84,8 @@ PASSING: dict[str, int] = {
     "test_matched_stop.py": 1,
     "test_openai_server_hidden_states.py": 8,
     "test_openai_server_ebnf.py": 1,
+    "test_anthropic_server.py": 19,
+    "test_watermark.py": 1,
 }
 
 INNER_CONFTEST = '''

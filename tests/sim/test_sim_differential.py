@@ -46,6 +46,11 @@ def _chat(content: str, **extra: Any) -> dict[str, Any]:
     return {"model": "m", "messages": [{"role": "user", "content": content}], "temperature": 0, **extra}
 
 
+def _message(**extra: Any) -> dict[str, Any]:
+    return {"model": "m", "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}], "temperature": 0,
+            **extra}
+
+
 GREEDY = {"temperature": 0, "ignore_eos": True}
 CORPUS: list[Case] = [
     # health and info
@@ -183,6 +188,33 @@ CORPUS: list[Case] = [
     Case("chat_continue_final_only_assistant", "POST", "/v1/chat/completions", {
         **_chat("hi"), "messages": [{"role": "assistant", "content": "Once upon"}], "continue_final_message": True},
          message=True),
+    # the Anthropic Messages API
+    Case("messages", "POST", "/v1/messages", _message(), values=("type", "role", "model", "usage.input_tokens")),
+    Case("messages_system_blocks", "POST", "/v1/messages", _message(system=[
+        {"type": "text", "text": "Be brief."}, {"type": "text", "text": "Be kind."}]), values=("usage.input_tokens",)),
+    Case("messages_content_blocks", "POST", "/v1/messages", _message(messages=[
+        {"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "text", "text": "there"}]}]),
+         values=("usage.input_tokens",)),
+    Case("messages_stream", "POST", "/v1/messages", _message(stream=True)),
+    Case("messages_bad_max_tokens", "POST", "/v1/messages", _message(max_tokens=-1), message=True,
+         values=("error.type",)),
+    Case("messages_missing_fields", "POST", "/v1/messages", {"messages": [{"role": "user", "content": "hi"}]},
+         message=True, values=("error.type",)),
+    Case("messages_bad_role", "POST", "/v1/messages", _message(messages=[{"role": "bot", "content": "hi"}]),
+         message=True, values=("error.type",)),
+    Case("messages_empty", "POST", "/v1/messages", _message(messages=[]), message=True, values=("error.type",)),
+    Case("messages_not_json", "POST", "/v1/messages", raw=b"not json", message=True, values=("error.type",)),
+    Case("messages_bad_json", "POST", "/v1/messages", raw=b"{not json", headers={"content-type": "application/json"},
+         message=True, values=("error.type",)),
+    Case("messages_wrong_content_type", "POST", "/v1/messages", raw=json.dumps(_message()).encode(),
+         headers={"content-type": "text/plain"}, message=True, values=("error.type",)),
+    Case("messages_too_long", "POST", "/v1/messages", _message(messages=[{"role": "user", "content": "x " * 600}]),
+         message=True, values=("error.type",)),
+    Case("count_tokens", "POST", "/v1/messages/count_tokens", {"model": "m", "messages": [
+        {"role": "user", "content": "hi"}]}, values=("input_tokens",)),
+    Case("count_tokens_system", "POST", "/v1/messages/count_tokens", {"model": "m", "system": "Be brief.",
+                                                                      "messages": [{"role": "user", "content": "hi"}]},
+         values=("input_tokens",)),
     # load (after the generations above: both engines have decoded by now)
     Case("v1_loads", "GET", "/v1/loads",
          values=("loads.0.num_running_reqs", "loads.0.max_total_num_tokens", "loads.0.max_running_requests",

@@ -8,6 +8,7 @@ A new endpoint family is one new module with its ``ROUTES`` plus one line in :da
 - :mod:`.admin`: health and readiness, model and server info, the cache flush, the metrics, ``/_sim/faults``;
 - :mod:`.generate`: sglang's native ``/generate`` and ``/encode``;
 - :mod:`.openai`: the OpenAI-compatible ``/v1/...`` endpoints;
+- :mod:`.anthropic`: the Anthropic-compatible ``/v1/messages`` and ``/v1/messages/count_tokens``;
 - :mod:`.tokenizer`: ``/tokenize``, ``/detokenize``, ``/v1/score``;
 - :mod:`.loads`: ``/v1/loads`` and the legacy ``/get_load`` (the requests in flight, per DP rank);
 - :mod:`.pd`: the prefill/decode checks and handshake of the generation requests (the PD bootstrap routes
@@ -16,7 +17,7 @@ A new endpoint family is one new module with its ``ROUTES`` plus one line in :da
 
 from __future__ import annotations
 
-from . import admin, generate, loads, openai, tokenizer
+from . import admin, anthropic, generate, loads, openai, tokenizer
 from .common import Route
 
 #: The endpoint families of the simulated engine's HTTP server.
@@ -24,6 +25,7 @@ FAMILIES = (
     admin,
     generate,
     openai,
+    anthropic,
     tokenizer,
     loads,
 )

@@ -12,6 +12,7 @@ status (a PD handshake timeout) has ``"type": "<status>"``.
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import socketserver
@@ -163,20 +164,21 @@ class Request:
 
     def stream(self, events: Iterator[Any]) -> None:
         """Server-sent events, chunked: ``data: {json}\\n\\n`` per event, then ``data: [DONE]\\n\\n``."""
+        frames = (b"data: " + json.dumps(event).encode() + b"\n\n" for event in events)
+        self.sse(itertools.chain(frames, [b"data: [DONE]\n\n"]))
+
+    def sse(self, frames: Iterable[bytes]) -> None:
+        """A ``text/event-stream`` answer, chunked, one chunk per frame as given (each frame its own lines, ending
+        with a blank line)."""
         h = self.handler
         h.send_response(200)
         h.send_header("Content-Type", "text/event-stream; charset=utf-8")
         h.send_header("Cache-Control", "no-cache")
         h.send_header("Transfer-Encoding", "chunked")
         h.end_headers()
-
-        def chunk(data: bytes) -> None:
+        for data in frames:
             h.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
             h.wfile.flush()
-
-        for event in events:
-            chunk(b"data: " + json.dumps(event).encode() + b"\n\n")
-        chunk(b"data: [DONE]\n\n")
         h.wfile.write(b"0\r\n\r\n")
         h.wfile.flush()
 

@@ -175,6 +175,52 @@ def final_message(messages: list[dict[str, Any]], continue_final: bool) -> tuple
     return [*messages[:-1], {"role": "user", "content": text}], None
 
 
+def chat_prompt(sim: Sim, req: dict[str, Any]) -> tuple[list[int], list[int]]:
+    """A chat request's prompt (its messages through the model's chat template, with the generation prompt, or
+    sglang's ``input_ids`` extra) and the tokens its generation is seeded from: ``(prompt, source)``."""
+    messages = req["messages"]
+    texts = [message_text(m) for m in messages]
+    messages, prefix = final_message(messages, bool(req.get("continue_final_message")))
+    if not messages:
+        raise BadRequest("Cannot apply chat template to an empty conversation. Provide at least one message.",
+                         kind="BadRequest")
+    ids = req.get("input_ids")
+    if isinstance(ids, list) and ids and all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        return list(ids), list(ids)  # sglang's extra: the prompt's tokens, in place of the rendered template
+    if sim.vocab.real:
+        prompt = sim.vocab.encode(render_chat(messages, sim.plan.model.chat_template), add_special_tokens=False)
+        if prefix:
+            prompt += sim.vocab.encode(prefix, add_special_tokens=False)
+        return prompt, sim.vocab.encode(" ".join(texts), add_special_tokens=False)
+    prompt = sim.vocab.encode(" ".join(texts))
+    return prompt, prompt
+
+
+def chat_generations(sim: Sim, req: dict[str, Any], rid: str) -> tuple[list[Generation], list[int]]:
+    """A chat request's ``n`` generations and its prompt, after sglang's checks in sglang's order (the request's
+    messages are a non-empty list of messages): ``/v1/chat/completions``' and ``/v1/messages``'. Raises
+    :class:`BadRequest`, :class:`Abort` (the PD handshake) and :class:`ConstraintError`."""
+    not_generation(sim)
+    max_tokens, stop, ignore_eos, n = _openai_params(req)
+    chat_options(req)
+    context = sim.plan.args.get("context_length")  # the flag's value: None without --context-length
+    if max_tokens and context and max_tokens > context and not sim.plan.args.get("allow_auto_truncate"):
+        # serving_chat's _validate_request, before the prompt is tokenized (its missing space included)
+        raise BadRequest(f"max_completion_tokens is too large: {max_tokens}.This model supports at most "
+                         f"{context} completion tokens.")
+    grammar = openai_grammar(req, chat=True)
+    prompt, source = chat_prompt(sim, req)
+    check_length(sim, prompt, max_tokens)
+    verify_sampling(_openai_sampling(req, max_tokens), sim.vocab.vocab_size, as_float=True)
+    server_features(sim, req)
+    output = constrained_text(grammar, prompt_seed(prompt))
+    stop_ids, stop_regex = stop_options(req)
+    gens = [sim.generate(prompt, source, max_tokens, stop, ignore_eos, stop_ids, constraint=output,
+                         stop_regex=stop_regex) for _ in range(n)]
+    handshake(sim, req, rid, gens[0])
+    return gens, prompt
+
+
 def chat(ctx: Request) -> None:
     sim = ctx.sim
     rid = sim.new_id()
@@ -190,41 +236,7 @@ def chat(ctx: Request) -> None:
         if not all(isinstance(m, dict) and "role" in m for m in messages):
             raise BadRequest("1 validation error:\n  messages: each message must be an object with a role",
                              validation=True)
-        not_generation(sim)
-        max_tokens, stop, ignore_eos, n = _openai_params(req)
-        chat_options(req)
-        context = sim.plan.args.get("context_length")  # the flag's value: None without --context-length
-        if max_tokens and context and max_tokens > context and not sim.plan.args.get("allow_auto_truncate"):
-            # serving_chat's _validate_request, before the prompt is tokenized (its missing space included)
-            raise BadRequest(f"max_completion_tokens is too large: {max_tokens}.This model supports at most "
-                             f"{context} completion tokens.")
-        grammar = openai_grammar(req, chat=True)
-        texts = [message_text(m) for m in messages]
-        messages, prefix = final_message(messages, bool(req.get("continue_final_message")))
-        if not messages:
-            raise BadRequest("Cannot apply chat template to an empty conversation. Provide at least one message.",
-                             kind="BadRequest")
-        ids = req.get("input_ids")
-        if isinstance(ids, list) and ids and all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
-            prompt = source = list(ids)  # sglang's extra: the prompt's tokens, in place of the rendered template
-        elif sim.vocab.real:
-            prompt = sim.vocab.encode(render_chat(messages, sim.plan.model.chat_template), add_special_tokens=False)
-            if prefix:
-                prompt += sim.vocab.encode(prefix, add_special_tokens=False)
-            source = sim.vocab.encode(" ".join(texts), add_special_tokens=False)
-        else:
-            prompt = sim.vocab.encode(" ".join(texts))
-            source = prompt
-        check_length(sim, prompt, max_tokens)
-        verify_sampling(_openai_sampling(req, max_tokens), sim.vocab.vocab_size, as_float=True)
-        server_features(sim, req)
-        want_logprobs = bool(req.get("logprobs"))
-        top_n = int(req.get("top_logprobs") or 0)
-        output = constrained_text(grammar, prompt_seed(prompt))
-        stop_ids, stop_regex = stop_options(req)
-        gens = [sim.generate(prompt, source, max_tokens, stop, ignore_eos, stop_ids, constraint=output,
-                             stop_regex=stop_regex) for _ in range(n)]
-        handshake(sim, req, rid, gens[0])
+        gens, prompt = chat_generations(sim, req, rid)
     except BadRequest as exc:
         ctx.bad(exc, openai=True)
         return
@@ -240,6 +252,8 @@ def chat(ctx: Request) -> None:
     model = req.get("model") or sim.plan.served_model_name
     created = int(time.time())
     usage = openai_usage(gens[0].prompt_tokens, sum(g.completion_tokens for g in gens))
+    want_logprobs = bool(req.get("logprobs"))
+    top_n = int(req.get("top_logprobs") or 0)
     sglext: dict[str, Any] = {}
     if req.get("return_input_ids_in_sglext"):
         sglext["input_ids"] = prompt
@@ -247,7 +261,7 @@ def chat(ctx: Request) -> None:
         sglext["output_ids"] = [g.output_ids for g in gens]
     if req.get("stream"):
         include_usage, continuous = _stream_usage(sim, req)
-        ctx.stream(_chat_events(sim, gens, rid, created, model, usage if include_usage else None,
+        ctx.stream(chat_events(sim, gens, rid, created, model, usage if include_usage else None,
                                 want_logprobs, top_n, continuous=continuous, sglext=sglext,
                                 hidden=bool(req.get("return_hidden_states"))))
         return
@@ -289,7 +303,7 @@ def _meta_info(rid: str, gen: Generation, started: float) -> dict[str, Any]:
             "dp_rank": None, "e2e_latency": time.perf_counter() - started, "response_sent_to_client_ts": time.time()}
 
 
-def _chat_events(sim: Sim, gens: list[Generation], rid: str, created: int, model: str, usage: dict[str, Any] | None,
+def chat_events(sim: Sim, gens: list[Generation], rid: str, created: int, model: str, usage: dict[str, Any] | None,
                  want_logprobs: bool, top_n: int, *, continuous: bool = False,
                  sglext: dict[str, Any] | None = None, hidden: bool = False) -> Iterator[dict[str, Any]]:
     def chunk(index: int, delta: dict[str, Any], probs: Any = None, reason: str | None = None,
