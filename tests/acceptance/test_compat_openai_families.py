@@ -3,7 +3,8 @@ one import line, through ``pytest_sglworker.compat`` on the real sglang 0.5.23 o
 engine, with the same tiny model: every upstream test that does not assert what a real model writes has the same
 outcome on both (they all pass), and the tests that do are deselected with the reason (:data:`DESELECTED`).
 
-The files (``MANIFEST.json``'s ``families``, unchanged in ``tests/data/sglang_tests/upstream/``; the README there
+The files (``MANIFEST.json``'s ``families``, upstream's bytes found as ``test_compat_real_engine.py`` finds its two,
+not part of this repository; tests/data/sglang_tests/README.md
 lists the files of the families not taken, each with why) run as ``test_compat_real_engine.py`` runs its own two:
 copied with the one import changed into one inner pytest session per engine, a subprocess of the real engine's
 Python (``sglang.test.test_utils`` needs ``datasets`` there; skipped with the fix otherwise). Besides the tiny

@@ -3,8 +3,9 @@
 
 The files are upstream's ``test/registered/openai_server/basic/test_openai_server.py`` (commit ``341ffe19``) and
 ``test/registered/core/test_srt_endpoint.py`` (commit ``3d0cf68a``), Apache-2.0, from
-https://github.com/sgl-project/sglang, kept unchanged in ``tests/data/sglang_tests/upstream/`` (its README says
-where else the test looks); found with the sha256 of ``MANIFEST.json``, each is copied with its
+https://github.com/sgl-project/sglang; they are not part of this repository: ``scripts/sglang_test_files.py`` writes
+them from a sglang clone into the user's cache (or ``SGLWORKER_SGLANG_TESTS`` names their folder), and the test is
+skipped with that command otherwise; found with the sha256 of ``MANIFEST.json``, each is copied with its
 ``from sglang.test.test_utils import (`` replaced by ``from pytest_sglworker.compat import (`` (exactly one line
 differs) into pytester's directory and run in ONE inner pytest session, a subprocess of the engine's Python (the
 files import sglang, which the project's own Python does not have; pytest comes from this Python's site-packages,
@@ -63,13 +64,15 @@ from pytest_sglworker.engine.cpu_engine import (
     real_engine_missing_reason,
     real_engine_python,
 )
+from pytest_sglworker.engine.install_dirs import user_cache_root
 
 pytestmark = [pytest.mark.real_engine, pytest.mark.slow, pytest.mark.xdist_group("real-engine")]
 
 REPO = Path(__file__).resolve().parents[2]
 DATA = REPO / "tests" / "data" / "sglang_tests"
 MANIFEST: dict[str, Any] = json.loads((DATA / "MANIFEST.json").read_text(encoding="utf-8"))
-#: a folder holding the files at their upstream paths (a sglang checkout), else DATA / "upstream" / <file>
+#: a folder holding the files at their upstream paths (default: the user's cache, where
+#: ``scripts/sglang_test_files.py`` writes them from a sglang clone; they are not part of this repository)
 SOURCE_ENV = "SGLWORKER_SGLANG_TESTS"
 IMPORT_FROM = "from sglang.test.test_utils import ("
 IMPORT_TO = "from pytest_sglworker.compat import ("
@@ -145,10 +148,11 @@ BOOT = "import sys; sys.path.append({site!r}); import pytest; raise SystemExit(p
 def _upstream_file(name: str, info: dict[str, Any]) -> tuple[Path | None, str]:
     """The upstream copy of ``name`` with the manifest's sha256, or None and why not."""
     root = os.environ.get(SOURCE_ENV)
-    path = Path(root) / info["upstream"] if root else DATA / "upstream" / name
+    path = (Path(root) if root else user_cache_root() / "sglang-tests") / info["upstream"]
     if not path.is_file():
-        return None, (f"{path} is missing: get upstream's {info['upstream']} at commit {info['commit']} (see "
-                      f"tests/data/sglang_tests/README.md)")
+        return None, (f"{path} is missing: upstream's {info['upstream']} at commit {info['commit']}; write the "
+                      "files from a sglang clone with `python scripts/sglang_test_files.py CLONE` (or name their "
+                      f"folder with {SOURCE_ENV}; tests/data/sglang_tests/README.md)")
     digest = hashlib.sha256(path.read_bytes()).hexdigest()
     if digest != info["sha256"]:
         return None, (f"{path} is not upstream's {info['upstream']} at commit {info['commit']} (sha256 {digest}, "
