@@ -124,7 +124,8 @@ def simulate(units: Sequence[Unit | None], *, nodes: int = 4, gpus: int | None =
              startup: float | Mapping[str, float] = 1.0, test: float | Sequence[float] = 0.1,
              steal_min: int | None = 4, crash_at: int | None = None, replace: bool = True,
              history: tuple[Sequence[float | None], Mapping[str, float]] | None = None) -> Model:
-    planner = Planner(units, gpus_total=gpus, steal_min=steal_min, workers=nodes, history=history)
+    planner = Planner(units, gpus_total=gpus, steal_min=steal_min, workers=nodes, history=history,
+                      clock=lambda: clock)
     durations = [test] * len(units) if isinstance(test, (int, float)) else list(test)
     model = Model()
     queue: dict[int, list[int]] = {}
@@ -281,8 +282,82 @@ def test_model_measured_startup_stops_late_copies() -> None:
     planner.add_node("late")
     actions = planner.fill_all()
     assert planner.startup_seconds("c0") == pytest.approx(5.0)
-    assert not planner.worth_a_copy("c0", len(planner.queues["c0"]), 1)
+    assert not planner.worth_a_copy("c0")
     assert [(n, i) for n, i in actions.sends if n == "late"] == [("late", [200])]  # only c1, no copy of c0
+
+
+def skew_suite() -> tuple[list[Unit | None], list[float], dict[str, float]]:
+    """bench/bound.py's skew suite: one configuration of 24 tests of 0.8 s that starts in 6 s, 15 of 2 tests of
+    0.1 s that start in 1 s (their tests and startups, as history holds them)."""
+    units: list[Unit | None] = [*suite(24), *(Unit(f"s{i}") for i in range(15) for _ in range(2))]
+    startups = {"c0": 6.0, **{f"s{i}": 1.0 for i in range(15)}}
+    return units, [0.8] * 24 + [0.1] * 30, startups
+
+
+def test_planner_durations_of_a_configuration_that_still_starts_come_from_history() -> None:
+    # the run has measured the small configurations (1 s startups, 0.1 s tests) but nothing of c0 yet: its own
+    # history (6 s, 0.8 s) is a better guess than the others' figures, and the run's own measurements win later
+    units, tests, startups = skew_suite()
+    planner = Planner(units, gpus_total=8, steal_min=4, workers=8, history=(tests, startups))
+    planner.add_node("a")
+    planner.add_node("b")
+    planner.fill_all()
+    b = planner.nodes["b"].pending
+    assert [units[i].key for i in b if units[i]] == ["s0", "s0", "s1"]
+    planner.complete("b", b[0], 1.1)
+    planner.complete("b", b[0], 0.1)
+    assert planner.test_seconds("s0") == pytest.approx(0.1) and planner.startup_seconds("s0") == pytest.approx(1.0)
+    assert planner.test_seconds("c0") == pytest.approx(0.8)
+    assert planner.startup_seconds("c0") == pytest.approx(6.0)
+    assert planner.queued_seconds("c0") == pytest.approx(0.8 * 21)
+    a = planner.nodes["a"].pending
+    planner.complete("a", a[0], 9.0)
+    planner.complete("a", a[0], 1.0)
+    assert planner.test_seconds("c0") == pytest.approx(1.0) and planner.startup_seconds("c0") == pytest.approx(8.0)
+    unknown = Planner(units, gpus_total=8, steal_min=4, workers=8)  # no history: the others' figures, or nothing
+    assert unknown.test_seconds("c0") is None and unknown.startup_seconds("c0") is None
+
+
+def test_planner_a_copy_that_still_starts_is_busy_for_what_is_left_of_its_startup() -> None:
+    # 18 tests of 0.8 s that start in 6 s: a and b launch copies at once; one second later 12 tests (9.6 s) are
+    # queued. Were a and b ready, a third copy would not pay (9.6 s < 2 x 6 s of startups); they are not: both
+    # start for 5 s more and hold 3 tests each, so a copy started now ends the queue 2 s sooner
+    now = 0.0
+    units = suite(18)
+    planner = Planner(units, gpus_total=8, steal_min=2, workers=8, history=([0.8] * 18, {"c0": 6.0}),
+                      clock=lambda: now)
+    planner.add_node("a")
+    planner.add_node("b")
+    planner.fill_all()
+    assert planner.copies("c0") == 2 and len(planner.queues["c0"]) == 12
+    now = 1.0
+    planner.add_node("c")
+    planner.fill_all()
+    assert planner.copies("c0") == 3 and planner.steals == 2
+    # the same queue when the copies are ready and hold nothing: no third copy
+    ready = Planner(units, gpus_total=8, steal_min=2, workers=8, history=([0.8] * 18, {"c0": 6.0}),
+                    clock=lambda: now)
+    for node in ("a", "b"):
+        ready.add_node(node)
+    ready.fill_all()
+    for node in ready.nodes.values():
+        node.probes.clear()
+        node.pending.clear()
+    assert not ready.worth_a_copy("c0")
+
+
+@pytest.mark.parametrize("history", [True, False], ids=["history", "cold"])
+def test_model_idle_workers_copy_a_huge_configuration_that_still_starts(history: bool) -> None:
+    # bench/bound.py's skew suite under -n 8: once the small configurations are done, the huge one has started
+    # on one worker for a couple of seconds of its 6; the idle workers start copies of it (K=4 bounds them: 24
+    # tests make 5 copies at most), which finish its 19 s of tests long before one copy would
+    units, tests, startups = skew_suite()
+    model = simulate(units, nodes=8, gpus=8, startup=startups, test=tests,
+                     history=(tests, startups) if history else None)
+    assert sorted(model.ran) == list(range(len(units)))
+    assert model.max_copies("c0") >= 4
+    assert model.launches <= 16 + 8 - 1
+    assert model.wall < 0.6 * (6.0 + 24 * 0.8)
 
 
 def test_model_stealing_off_and_unkeyed_tests() -> None:
