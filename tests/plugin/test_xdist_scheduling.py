@@ -319,31 +319,24 @@ def test_planner_durations_of_a_configuration_that_still_starts_come_from_histor
 
 
 def test_planner_a_copy_that_still_starts_is_busy_for_what_is_left_of_its_startup() -> None:
-    # 18 tests of 0.8 s that start in 6 s: a and b launch copies at once; one second later 12 tests (9.6 s) are
-    # queued. Were a and b ready, a third copy would not pay (9.6 s < 2 x 6 s of startups); they are not: both
-    # start for 5 s more and hold 3 tests each, so a copy started now ends the queue 2 s sooner
+    # 18 tests of 0.8 s that start in 6 s: a and b launch copies at once and hold 3 tests each; 12 tests (9.6 s)
+    # are queued. Had a and b started long ago, a third copy would end the queue only 0.4 s sooner (less than its
+    # startup's share of the 8 GPUs, 0.75 s): none. One second in, both still start for 5 s: a copy started now
+    # ends the queue 2 s sooner
     now = 0.0
-    units = suite(18)
-    planner = Planner(units, gpus_total=8, steal_min=2, workers=8, history=([0.8] * 18, {"c0": 6.0}),
+    planner = Planner(suite(18), gpus_total=8, steal_min=2, workers=8, history=([0.8] * 18, {"c0": 6.0}),
                       clock=lambda: now)
     planner.add_node("a")
     planner.add_node("b")
     planner.fill_all()
     assert planner.copies("c0") == 2 and len(planner.queues["c0"]) == 12
+    now = 100.0
+    assert not planner.worth_a_copy("c0")
     now = 1.0
+    assert planner.worth_a_copy("c0")
     planner.add_node("c")
     planner.fill_all()
     assert planner.copies("c0") == 3 and planner.steals == 2
-    # the same queue when the copies are ready and hold nothing: no third copy
-    ready = Planner(units, gpus_total=8, steal_min=2, workers=8, history=([0.8] * 18, {"c0": 6.0}),
-                    clock=lambda: now)
-    for node in ("a", "b"):
-        ready.add_node(node)
-    ready.fill_all()
-    for node in ready.nodes.values():
-        node.probes.clear()
-        node.pending.clear()
-    assert not ready.worth_a_copy("c0")
 
 
 @pytest.mark.parametrize("history", [True, False], ids=["history", "cold"])
