@@ -9,8 +9,9 @@ leaves xdist workers idle when configurations are few and large. This scheduler 
   GPUs) only when its own is done.
 - **Work stealing**: an xdist worker with nothing else to do starts a copy of its own of a configuration
   that another one runs, and takes part of its tests, only when (1) a GPU for it is free (the inventory
-  less what the other xdist workers' pools hold, as this scheduler placed them), (2) at least ``K`` of its
-  tests are left for each copy (``--sgl-dist auto,steal=K``, default 4), (3) once a startup and a test
+  less what the other xdist workers' pools hold, as this scheduler placed them; it does not wait for one: its
+  pool would keep its idle workers' GPUs meanwhile), (2) at least ``K`` of its tests are left for each copy
+  (``--sgl-dist auto,steal=K``, default 4), (3) once a startup and a test
   duration are known, the copy brings the end of the configuration's queue forward by more than its startup's
   share of the inventory (``startup x its GPUs / all GPUs``: the GPU-seconds it spends starting are fewer than
   the whole inventory's it gives back), and (4) the run has started fewer than ``xdist workers - 1`` extra
@@ -406,31 +407,28 @@ class Planner:
             blocked = True
         if self.queues.get(None):
             return ("unkeyed", None), False
-        stolen, steal_blocked = self._steal_for(free)
+        stolen = self._steal_for(free)
         if stolen is not None:
             return ("steal", stolen), False
-        return None, blocked or steal_blocked
+        # A copy that lacks GPUs is not waited for: a node that waits keeps its idle workers' GPUs (its pool lets
+        # them go only between its own tests), which the configurations still to start may need
+        return None, blocked
 
-    def _steal_for(self, free: int | None) -> tuple[str | None, bool]:
+    def _steal_for(self, free: int | None) -> str | None:
         if self.steal_min is None or self.steals >= self.steal_budget:
-            return None, False
+            return None
         running = [k for k, q in self.queues.items()
                    if k is not None and q and self.info[k].stealable and self.copies(k)]
         running.sort(key=lambda k: -len(self.queues[k]) / (self.copies(k) + 1))
-        blocked = False
         for key in running:
             left, copies, gpus = len(self.queues[key]), self.copies(key), self._gpus(key)
             if left < self.steal_min * (copies + 1):
                 continue
             if self.total is not None and gpus and copies + 1 > self.total // gpus:
                 continue
-            if not self.worth_a_copy(key):
-                continue
-            if free is not None and gpus > free:
-                blocked = True
-                continue
-            return key, blocked
-        return None, blocked
+            if (free is None or gpus <= free) and self.worth_a_copy(key):
+                return key
+        return None
 
     def _launch(self, node: _Node, key: str) -> None:
         node.residents = [key, *(k for k in node.residents if k != key)]

@@ -339,6 +339,20 @@ def test_planner_a_copy_that_still_starts_is_busy_for_what_is_left_of_its_startu
     assert planner.copies("c0") == 3 and planner.steals == 2
 
 
+def test_planner_a_node_does_not_wait_for_the_gpus_of_a_copy() -> None:
+    # 3 GPUs: a runs "big", b runs s1, s2 and then a copy of "big" (its pool keeps s2's idle worker): no GPU is
+    # left for c's copy. c leaves rather than waits: an xdist worker that waits keeps its own idle workers' GPUs
+    units = [*[Unit("big")] * 40, Unit("s1"), Unit("s2")]
+    planner = Planner(units, gpus_total=3, steal_min=4, workers=3)
+    planner.add_node("a")
+    planner.add_node("b")
+    planner.fill_all()
+    assert planner.nodes["b"].residents == ["big", "s2"] and planner.copies("big") == 2
+    planner.add_node("c")
+    actions = planner.fill_all()
+    assert actions.shutdowns == ["c"] and not [n for n, _ in actions.sends if n == "c"]
+
+
 @pytest.mark.parametrize("history", [True, False], ids=["history", "cold"])
 def test_model_idle_workers_copy_a_huge_configuration_that_still_starts(history: bool) -> None:
     # bench/bound.py's skew suite under -n 8: once the small configurations are done, the huge one has started
