@@ -9,11 +9,18 @@ leaves xdist workers idle when configurations are few and large. This scheduler 
   GPUs) only when its own is done.
 - **Work stealing**: an xdist worker with nothing else to do starts a copy of its own of a configuration
   that another one runs, and takes part of its tests, only when (1) a GPU for it is free (the inventory
-  less what the other xdist workers' pools hold, as this scheduler placed them), (2) at least ``K`` of its
-  tests are left for each copy (``--sgl-dist auto,steal=K``, default 4), (3) once the run has measured a
-  startup and a test duration, the work left per running copy outweighs a startup (``left x test time >
-  copies x startup``), and (4) the run has started fewer than ``xdist workers - 1`` extra copies, which
-  bounds the launches by ``configurations + xdist workers - 1``.
+  less what the other xdist workers' pools hold, as this scheduler placed them; it does not wait for one: its
+  pool would keep its idle workers' GPUs meanwhile), (2) at least ``K`` of its tests are left for each copy
+  (``--sgl-dist auto,steal=K``, default 4), (3) once a startup and a test
+  duration are known, the copy brings the end of the configuration's queue forward by more than its startup's
+  share of the inventory (``startup x its GPUs / all GPUs``: the GPU-seconds it spends starting are fewer than
+  the whole inventory's it gives back), and (4) the run has started fewer than ``xdist workers - 1`` extra
+  copies, which bounds the launches by ``configurations + xdist workers - 1``. For (3) the running copies take
+  the queue's tests once they are free: a copy still starting is busy for what is left of its startup, then
+  each copy for its pending tests; the durations are the run's own measurements of the configuration, else
+  what earlier runs measured of it (:mod:`.durations`), else the run's measurements of the others (a
+  configuration that still starts has measured nothing of its own, and its startup can be many times the
+  others').
 
 The controller does not collect; each xdist worker writes, before it reports its collection, which
 configuration each node id needs (and how many GPUs it leases at once) to a file of a private directory
@@ -35,8 +42,9 @@ import json
 import os
 import shlex
 import statistics
+import time
 from collections import deque
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -145,6 +153,7 @@ class _Node:
     current: str | None = None
     residents: list[str] = field(default_factory=list)  # configurations its pool holds, most recent first
     probes: set[int] = field(default_factory=set)  # tests whose duration includes a launch
+    launched_at: float = 0.0  # when the planner started its current configuration (its clock)
     down: bool = False
 
 
@@ -160,6 +169,16 @@ def _median(values: Sequence[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
+def _finish(busy: Sequence[float], work: float) -> float:
+    """When copies free after ``busy`` seconds each finish ``work`` seconds of tests between them."""
+    free = sorted(busy)
+    for k in range(1, len(free) + 1):
+        end = (work + sum(free[:k])) / k
+        if k == len(free) or end <= free[k]:
+            return end
+    return float("inf")
+
+
 class Planner:
     """Hands tests (collection indices) to nodes by configuration: affinity first, then work stealing.
 
@@ -167,15 +186,20 @@ class Planner:
     inventory's size (None: unknown, no GPU check), ``steal_min`` the ``K`` of work stealing (None: off),
     ``workers`` the number of xdist workers (``workers - 1`` extra copies at most). ``history``: what earlier
     runs measured (:func:`.durations.estimates`: each test's seconds by index, each configuration's startup), by
-    which an unstarted configuration with more work (startup plus tests) starts first; without it, more tests."""
+    which an unstarted configuration with more work (startup plus tests) starts first; without it, more tests;
+    and, with the run's own measurements, by which work stealing judges a copy (``clock``: the seconds by which
+    it tells what is left of a copy's startup)."""
 
     def __init__(self, units: Sequence[Unit | None], *, gpus_total: int | None, steal_min: int | None,
                  workers: int, window: int = WINDOW,
-                 history: tuple[Sequence[float | None], Mapping[str, float]] | None = None) -> None:
+                 history: tuple[Sequence[float | None], Mapping[str, float]] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.units = list(units)
+        self.clock = clock
         self.history = history
         self._fills: dict[str, float] = {}
-        self._test_fill = self._startup_fill = 0.0
+        self._test_fill: float | None = None
+        self._startup_fill: float | None = None
         if history is not None:
             tests, startups = history
             own: dict[str, list[float]] = {}
@@ -183,8 +207,8 @@ class Planner:
                 if unit is not None and seconds is not None:
                     own.setdefault(unit.key, []).append(seconds)
             self._fills = {k: statistics.median(v) for k, v in own.items()}
-            self._test_fill = _median([s for s in tests if s is not None]) or 0.0
-            self._startup_fill = _median(list(startups.values())) or 0.0
+            self._test_fill = _median([s for s in tests if s is not None])
+            self._startup_fill = _median(list(startups.values()))
         self.queues: dict[str | None, deque[int]] = {}
         self.info: dict[str, Unit] = {}
         for index, unit in enumerate(self.units):
@@ -193,6 +217,7 @@ class Planner:
             self.queues.setdefault(unit.key if unit else None, deque()).append(index)
         self.total = gpus_total
         self.steal_min = steal_min
+        self.workers = workers
         self.steal_budget = max(0, workers - 1)
         self.window = max(2, window)
         self.nodes: dict[Hashable, _Node] = {}
@@ -236,17 +261,36 @@ class Planner:
 
     # -- durations ----------------------------------------------------------------------------------------
     def test_seconds(self, key: str) -> float | None:
-        own = _median(self._seconds.get(key, ()))
-        return own if own is not None else _median([s for v in self._seconds.values() for s in v])
+        """A test of ``key``: what this run measured of it, else what earlier runs did (history), else any
+        configuration's test, this run's first."""
+        for value in (_median(self._seconds.get(key, ())), self._fills.get(key),
+                      _median([s for v in self._seconds.values() for s in v]), self._test_fill):
+            if value is not None:
+                return value
+        return None
+
+    def _run_startup(self, key: str) -> float | None:
+        """A launch of ``key`` as this run measured it: its first test on a node (whose setup starts the worker)
+        less a test."""
+        first, t = _median(self._startups.get(key, ())), self.test_seconds(key)
+        return None if first is None or t is None else max(0.0, first - t)
 
     def startup_seconds(self, key: str) -> float | None:
-        """A launch's cost, from the first test of a configuration on a node (its setup starts the worker)."""
-        t = self.test_seconds(key)
-        own = _median(self._startups.get(key, ()))
-        first = own if own is not None else _median([s for v in self._startups.values() for s in v])
-        if first is None or t is None:
-            return None
-        return max(0.0, first - t)
+        """A launch's cost: what this run measured of ``key``'s, else what earlier runs did (history), else any
+        configuration's launch, this run's first. Another configuration's figure is a guess: a configuration
+        that is still starting has measured nothing, and its startup may be many times the others'."""
+        history = self.history[1] if self.history is not None else {}
+        for value in (self._run_startup(key), history.get(key),
+                      _median([s for k in self._startups if (s := self._run_startup(k)) is not None]),
+                      self._startup_fill):
+            if value is not None:
+                return value
+        return None
+
+    def queued_seconds(self, key: str) -> float | None:
+        """The seconds ``key``'s queued tests take (None: a test's is unknown)."""
+        seconds = [self._seconds_of(i) for i in self.queues.get(key, ())]
+        return None if None in seconds else sum(s or 0.0 for s in seconds)
 
     def work(self, key: str) -> float | None:
         """The seconds ``key``'s queued tests and a startup take, from history (None: no history). A test or a
@@ -255,16 +299,36 @@ class Planner:
         if self.history is None:
             return None
         tests, startups = self.history
-        fill = self._fills.get(key, self._test_fill)
-        return startups.get(key, self._startup_fill) + sum(
+        fill = self._fills.get(key, self._test_fill or 0.0)
+        return startups.get(key, self._startup_fill or 0.0) + sum(
             fill if tests[i] is None else float(tests[i] or 0.0) for i in self.queues.get(key, ()))
 
-    def worth_a_copy(self, key: str, left: int, copies: int) -> bool:
-        """The work left per running copy outweighs a startup (unmeasured: assumed so, K decides)."""
-        t, startup = self.test_seconds(key), self.startup_seconds(key)
-        if t is None or startup is None:
+    def _seconds_of(self, index: int) -> float | None:
+        """Test ``index``: what earlier runs measured of it, else as :meth:`test_seconds`."""
+        known = self.history[0][index] if self.history is not None else None
+        unit = self.units[index]
+        return known if known is not None or unit is None else self.test_seconds(unit.key)
+
+    def _starting(self, node: _Node) -> bool:
+        """``node`` still starts its current configuration (the test that launches it has not completed)."""
+        return any((unit := self.units[i]) is not None and unit.key == node.current for i in node.probes)
+
+    def _busy_for(self, node: _Node, startup: float) -> float:
+        """Seconds from now until ``node`` takes a queued test: what is left of its launch, then its pending tests."""
+        left = max(0.0, node.launched_at + startup - self.clock()) if self._starting(node) else 0.0
+        return left + sum(self._seconds_of(i) or 0.0 for i in node.pending)
+
+    def worth_a_copy(self, key: str) -> bool:
+        """A copy started now would end ``key``'s queue sooner by more than its startup's share of the inventory
+        (of the xdist workers where the inventory is unknown): the running copies take the queue's tests once
+        they are free, the new one once it has started (unmeasured: assumed so, K decides)."""
+        copies = [n for n in self.nodes.values() if n.current == key and not n.down]
+        left, startup = self.queued_seconds(key), self.startup_seconds(key)
+        if left is None or startup is None:
             return True
-        return left * t > copies * startup
+        busy = [self._busy_for(n, startup) for n in copies]
+        share = max(1, self._gpus(key)) / max(1, self.total or self.workers)
+        return _finish(busy, left) - _finish([*busy, startup], left) > share * startup
 
     # -- nodes --------------------------------------------------------------------------------------------
     def add_node(self, node_id: Hashable) -> None:
@@ -343,31 +407,28 @@ class Planner:
             blocked = True
         if self.queues.get(None):
             return ("unkeyed", None), False
-        stolen, steal_blocked = self._steal_for(free)
+        stolen = self._steal_for(free)
         if stolen is not None:
             return ("steal", stolen), False
-        return None, blocked or steal_blocked
+        # A copy that lacks GPUs is not waited for: a node that waits keeps its idle workers' GPUs (its pool lets
+        # them go only between its own tests), which the configurations still to start may need
+        return None, blocked
 
-    def _steal_for(self, free: int | None) -> tuple[str | None, bool]:
+    def _steal_for(self, free: int | None) -> str | None:
         if self.steal_min is None or self.steals >= self.steal_budget:
-            return None, False
+            return None
         running = [k for k, q in self.queues.items()
                    if k is not None and q and self.info[k].stealable and self.copies(k)]
         running.sort(key=lambda k: -len(self.queues[k]) / (self.copies(k) + 1))
-        blocked = False
         for key in running:
             left, copies, gpus = len(self.queues[key]), self.copies(key), self._gpus(key)
             if left < self.steal_min * (copies + 1):
                 continue
             if self.total is not None and gpus and copies + 1 > self.total // gpus:
                 continue
-            if not self.worth_a_copy(key, left, copies):
-                continue
-            if free is not None and gpus > free:
-                blocked = True
-                continue
-            return key, blocked
-        return None, blocked
+            if (free is None or gpus <= free) and self.worth_a_copy(key):
+                return key
+        return None
 
     def _launch(self, node: _Node, key: str) -> None:
         node.residents = [key, *(k for k in node.residents if k != key)]
@@ -389,6 +450,7 @@ class Planner:
             probe = False
             if kind in ("new", "steal") and key is not None:
                 self._launch(node, key)
+                node.launched_at = self.clock()
                 self.launches += 1
                 self.steals += kind == "steal"
                 probe = True

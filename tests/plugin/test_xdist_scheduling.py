@@ -124,7 +124,8 @@ def simulate(units: Sequence[Unit | None], *, nodes: int = 4, gpus: int | None =
              startup: float | Mapping[str, float] = 1.0, test: float | Sequence[float] = 0.1,
              steal_min: int | None = 4, crash_at: int | None = None, replace: bool = True,
              history: tuple[Sequence[float | None], Mapping[str, float]] | None = None) -> Model:
-    planner = Planner(units, gpus_total=gpus, steal_min=steal_min, workers=nodes, history=history)
+    planner = Planner(units, gpus_total=gpus, steal_min=steal_min, workers=nodes, history=history,
+                      clock=lambda: clock)
     durations = [test] * len(units) if isinstance(test, (int, float)) else list(test)
     model = Model()
     queue: dict[int, list[int]] = {}
@@ -281,8 +282,89 @@ def test_model_measured_startup_stops_late_copies() -> None:
     planner.add_node("late")
     actions = planner.fill_all()
     assert planner.startup_seconds("c0") == pytest.approx(5.0)
-    assert not planner.worth_a_copy("c0", len(planner.queues["c0"]), 1)
+    assert not planner.worth_a_copy("c0")
     assert [(n, i) for n, i in actions.sends if n == "late"] == [("late", [200])]  # only c1, no copy of c0
+
+
+def skew_suite() -> tuple[list[Unit | None], list[float], dict[str, float]]:
+    """bench/bound.py's skew suite: one configuration of 24 tests of 0.8 s that starts in 6 s, 15 of 2 tests of
+    0.1 s that start in 1 s (their tests and startups, as history holds them)."""
+    units: list[Unit | None] = [*suite(24), *(Unit(f"s{i}") for i in range(15) for _ in range(2))]
+    startups = {"c0": 6.0, **{f"s{i}": 1.0 for i in range(15)}}
+    return units, [0.8] * 24 + [0.1] * 30, startups
+
+
+def test_planner_durations_of_a_configuration_that_still_starts_come_from_history() -> None:
+    # the run has measured the small configurations (1 s startups, 0.1 s tests) but nothing of c0 yet: its own
+    # history (6 s, 0.8 s) is a better guess than the others' figures, and the run's own measurements win later
+    units, tests, startups = skew_suite()
+    planner = Planner(units, gpus_total=8, steal_min=4, workers=8, history=(tests, startups))
+    planner.add_node("a")
+    planner.add_node("b")
+    planner.fill_all()
+    b = planner.nodes["b"].pending
+    assert [units[i].key for i in b if units[i]] == ["s0", "s0", "s1"]
+    planner.complete("b", b[0], 1.1)
+    planner.complete("b", b[0], 0.1)
+    assert planner.test_seconds("s0") == pytest.approx(0.1) and planner.startup_seconds("s0") == pytest.approx(1.0)
+    assert planner.test_seconds("c0") == pytest.approx(0.8)
+    assert planner.startup_seconds("c0") == pytest.approx(6.0)
+    assert planner.queued_seconds("c0") == pytest.approx(0.8 * 21)
+    a = planner.nodes["a"].pending
+    planner.complete("a", a[0], 9.0)
+    planner.complete("a", a[0], 1.0)
+    assert planner.test_seconds("c0") == pytest.approx(1.0) and planner.startup_seconds("c0") == pytest.approx(8.0)
+    unknown = Planner(units, gpus_total=8, steal_min=4, workers=8)  # no history: the others' figures, or nothing
+    assert unknown.test_seconds("c0") is None and unknown.startup_seconds("c0") is None
+
+
+def test_planner_a_copy_that_still_starts_is_busy_for_what_is_left_of_its_startup() -> None:
+    # 18 tests of 0.8 s that start in 6 s: a and b launch copies at once and hold 3 tests each; 12 tests (9.6 s)
+    # are queued. Had a and b started long ago, a third copy would end the queue only 0.4 s sooner (less than its
+    # startup's share of the 8 GPUs, 0.75 s): none. One second in, both still start for 5 s: a copy started now
+    # ends the queue 2 s sooner
+    now = 0.0
+    planner = Planner(suite(18), gpus_total=8, steal_min=2, workers=8, history=([0.8] * 18, {"c0": 6.0}),
+                      clock=lambda: now)
+    planner.add_node("a")
+    planner.add_node("b")
+    planner.fill_all()
+    assert planner.copies("c0") == 2 and len(planner.queues["c0"]) == 12
+    now = 100.0
+    assert not planner.worth_a_copy("c0")
+    now = 1.0
+    assert planner.worth_a_copy("c0")
+    planner.add_node("c")
+    planner.fill_all()
+    assert planner.copies("c0") == 3 and planner.steals == 2
+
+
+def test_planner_a_node_does_not_wait_for_the_gpus_of_a_copy() -> None:
+    # 3 GPUs: a runs "big", b runs s1, s2 and then a copy of "big" (its pool keeps s2's idle worker): no GPU is
+    # left for c's copy. c leaves rather than waits: an xdist worker that waits keeps its own idle workers' GPUs
+    units = [*[Unit("big")] * 40, Unit("s1"), Unit("s2")]
+    planner = Planner(units, gpus_total=3, steal_min=4, workers=3)
+    planner.add_node("a")
+    planner.add_node("b")
+    planner.fill_all()
+    assert planner.nodes["b"].residents == ["big", "s2"] and planner.copies("big") == 2
+    planner.add_node("c")
+    actions = planner.fill_all()
+    assert actions.shutdowns == ["c"] and not [n for n, _ in actions.sends if n == "c"]
+
+
+@pytest.mark.parametrize("history", [True, False], ids=["history", "cold"])
+def test_model_idle_workers_copy_a_huge_configuration_that_still_starts(history: bool) -> None:
+    # bench/bound.py's skew suite under -n 8: once the small configurations are done, the huge one has started
+    # on one worker for a couple of seconds of its 6; the idle workers start copies of it (K=4 bounds them: 24
+    # tests make 5 copies at most), which finish its 19 s of tests long before one copy would
+    units, tests, startups = skew_suite()
+    model = simulate(units, nodes=8, gpus=8, startup=startups, test=tests,
+                     history=(tests, startups) if history else None)
+    assert sorted(model.ran) == list(range(len(units)))
+    assert model.max_copies("c0") >= 4
+    assert model.launches <= 16 + 8 - 1
+    assert model.wall < 0.6 * (6.0 + 24 * 0.8)
 
 
 def test_model_stealing_off_and_unkeyed_tests() -> None:
