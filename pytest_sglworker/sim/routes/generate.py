@@ -87,7 +87,6 @@ def generate(ctx: Request) -> None:
         lp = Asked(return_logprob, top_n, start_len, with_text, tuple(asked),
                    bool(req.get("return_sampling_mask")), _flat_asks(req), settings[0].get("beam_width"))
         gens = [_generation(sim, ids, params) for ids, params in zip(prompts, settings, strict=True)]
-        hidden = _hidden_asks(req, len(gens))
         handshake(sim, req, rid, gens[0])
     except DecodeRefusal as exc:  # the decoder's, before anything streams
         ctx.json(400, {"error": str(exc)})
@@ -115,6 +114,8 @@ def generate(ctx: Request) -> None:
         for gen in gens:
             gen.output_ids, gen.texts = gen.output_ids[:1], gen.texts[:1]
             gen.finish = {"type": "length", "length": 0}
+    hidden = [_hidden_states(sim, gen) if asked else None
+              for gen, asked in zip(gens, _hidden_asks(req, len(gens)), strict=True)]
     with_prompt = bool(req.get("return_prompt_token_ids"))
     if req.get("stream"):
         events = _generate_events(sim, gens, batch, started, lp, rid, hidden)
@@ -122,10 +123,10 @@ def generate(ctx: Request) -> None:
                    else events)
         return
     outs = []
-    for gen, hidden_asked in zip(gens, hidden, strict=True):
+    for gen, hidden_rows in zip(gens, hidden, strict=True):
         pace(sim, gen.completion_tokens)
         outs.append(_generate_out(sim, gen, gen.completion_tokens, started, lp, rid if len(gens) == 1 else None,
-                                  final=True, hidden=hidden_asked))
+                                  final=True, hidden=hidden_rows))
         if with_prompt:
             outs[-1]["prompt_token_ids"] = gen.prompt_ids
     ctx.json(200, outs if batch else outs[0])
@@ -235,20 +236,22 @@ def _hidden_asks(req: dict[str, Any], count: int) -> list[bool]:
     return [bool(value)] * count
 
 
-def _hidden_states(sim: Sim, gen: Generation, k: int) -> list[Any]:
-    """``meta_info.hidden_states`` after ``k`` output tokens, shaped as sglang's scheduler collects them when it
+def _hidden_states(sim: Sim, gen: Generation) -> list[Any]:
+    """``meta_info.hidden_states`` of the whole generation, shaped as sglang's scheduler collects them when it
     captures them all: the prefill's rows first, one per prompt token it computed (those after the cached prefix),
-    then one row per later output token (the first one comes out of the prefill). The values are the sim's own."""
+    then one row per later output token (the first one comes out of the prefill); after ``k`` output tokens, its
+    first ``k`` items. Computed once: a stream sends the list so far in every chunk. The values are the sim's
+    own."""
     ids, prompt, size = [*gen.prompt_ids, *gen.output_ids], len(gen.prompt_ids), sim.plan.hidden_size
-    if not k:
+    if not gen.output_ids:
         return []
     first = min(gen.cached_tokens, prompt - 1)
     prefill = [embedding(ids[:i + 1], size) for i in range(first, prompt)]
-    return [prefill, *(embedding(ids[:prompt + j], size) for j in range(1, k))]
+    return [prefill, *(embedding(ids[:prompt + j], size) for j in range(1, len(gen.output_ids)))]
 
 
 def _generate_out(sim: Sim, gen: Generation, k: int, started: float, lp: Asked,
-                  rid: str | None, *, final: bool, hidden: bool = False) -> dict[str, Any]:
+                  rid: str | None, *, final: bool, hidden: list[Any] | None = None) -> dict[str, Any]:
     return_logprob, top_n, start_len, with_text = lp.logprob, lp.top_n, lp.start_len, lp.with_text
     meta: dict[str, Any] = {
         "id": rid or sim.new_id(),
@@ -282,8 +285,8 @@ def _generate_out(sim: Sim, gen: Generation, k: int, started: float, lp: Asked,
         meta["weight_versions"] = [{"version": "default", "start": 0, "end": k}]
     meta["cached_tokens_details"] = {"device": gen.cached_tokens, "host": 0} if gen.cached_tokens else None
     meta["dp_rank"] = None
-    if hidden:
-        meta["hidden_states"] = _hidden_states(sim, gen, k)
+    if hidden is not None:
+        meta["hidden_states"] = hidden[:k]
     text = gen.texts[k - 1] if k else ""
     if final and num(lp.beam_width) and lp.beam_width > 1:  # the beam search's answer: its beams, no latency
         meta["sequence_score"] = sum(e[0] for e in logprobs(sim.vocab, gen, start_len=-1, top_n=0,
@@ -297,7 +300,7 @@ def _generate_out(sim: Sim, gen: Generation, k: int, started: float, lp: Asked,
 
 
 def _generate_events(sim: Sim, gens: list[Generation], batch: bool, started: float,
-                     lp: Asked, rid: str, hidden: list[bool]) -> Iterator[dict[str, Any]]:
+                     lp: Asked, rid: str, hidden: list[list[Any] | None]) -> Iterator[dict[str, Any]]:
     for index, gen in enumerate(gens):
         request_id = rid if len(gens) == 1 else sim.new_id()
         n = gen.completion_tokens

@@ -262,8 +262,8 @@ def chat(ctx: Request) -> None:
     if req.get("stream"):
         include_usage, continuous = _stream_usage(sim, req)
         ctx.stream(chat_events(sim, gens, rid, created, model, usage if include_usage else None,
-                                want_logprobs, top_n, continuous=continuous, sglext=sglext,
-                                hidden=bool(req.get("return_hidden_states"))))
+                               want_logprobs, top_n, continuous=continuous, sglext=sglext,
+                               hidden=bool(req.get("return_hidden_states"))))
         return
     started = time.perf_counter()
     pace(sim, max(g.completion_tokens for g in gens))
@@ -304,8 +304,8 @@ def _meta_info(rid: str, gen: Generation, started: float) -> dict[str, Any]:
 
 
 def chat_events(sim: Sim, gens: list[Generation], rid: str, created: int, model: str, usage: dict[str, Any] | None,
-                 want_logprobs: bool, top_n: int, *, continuous: bool = False,
-                 sglext: dict[str, Any] | None = None, hidden: bool = False) -> Iterator[dict[str, Any]]:
+                want_logprobs: bool, top_n: int, *, continuous: bool = False,
+                sglext: dict[str, Any] | None = None, hidden: bool = False) -> Iterator[dict[str, Any]]:
     def chunk(index: int, delta: dict[str, Any], probs: Any = None, reason: str | None = None,
               matched: Any = None) -> dict[str, Any]:
         return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
