@@ -24,6 +24,7 @@ import pytest
 from session_helpers import Session
 from warm_helpers import SIM, gone, launches, lock_dir, pids, records, run, session, wait_for
 
+from pytest_sglworker.resources.state import atomic_write
 from pytest_sglworker.resources.warm_records import FORMAT, KEEPER_ENV
 
 NOBODY = 65534
@@ -237,10 +238,7 @@ def test_an_edited_log_path_is_never_linked_appended_or_printed(
     content["members"][0]["log"] = str(victim)  # the path, not the identity the session recorded
     # written whole, as the plugin writes a record: its keeper reads it meanwhile, and ends the group (its record
     # gone) on a file it catches half-written, which a write in place once showed it
-    edited = path.with_name(path.name + ".edit")
-    edited.write_text(json.dumps(content))
-    edited.chmod(0o600)
-    os.replace(edited, path)
+    atomic_write(path, json.dumps(content), mode=0o600)
     monkeypatch.setenv("WARM_FAIL", "1")  # the test fails: a failing test's section prints its worker's log
     result = pytester.runpytest_subprocess(*SIM, "--sgl-model", "w", "--sgl-report", "r2.json", timeout=120)
     result.assert_outcomes(failed=1)
