@@ -381,10 +381,21 @@ def socket_inodes(pid: int, port: int | None = None) -> set[int]:
 
 
 def listeners(ports: Iterable[int]) -> dict[int, list[int]]:
-    """``{pid: [ports]}`` of our processes (same uid) that LISTEN on any of ``ports``."""
+    """``{pid: [ports]}`` of our processes (same uid) that LISTEN on any of ``ports``. The kernel is asked first
+    which of the ports anything listens on (:func:`listening_inodes`): where none is, every process's sockets are
+    not read (that walk took 0.1-0.35 s of each teardown beside a Ray cluster's processes on 2 CPUs)."""
     import psutil
 
-    wanted = set(ports)
+    wanted = set()
+    for port in set(ports):
+        inodes = listening_inodes(port)
+        if inodes is None:  # the kernel cannot be asked: every port is looked for
+            wanted = set(ports)
+            break
+        if inodes:
+            wanted.add(port)
+    if not wanted:
+        return {}
     found: dict[int, list[int]] = {}
     uid = os.getuid()
     for proc in psutil.process_iter(["pid", "uids"]):

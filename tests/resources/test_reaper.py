@@ -177,6 +177,35 @@ def test_listening_inodes_name_the_ports_listeners_by_netlink_and_by_the_tables(
     assert listening_inodes(port) == set()
 
 
+def test_listeners_of_a_port_block_read_no_process_where_nothing_listens(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``listeners`` names this process for its listening port and nothing for the block's others; where the kernel
+    says no port of the block is listened on, no process's sockets are read; where the kernel cannot be asked,
+    every process's are."""
+    import socket
+
+    from pytest_sglworker.resources import processes
+
+    with socket.socket() as sock, socket.socket() as idle:
+        sock.bind(("127.0.0.1", 0))
+        idle.bind(("127.0.0.1", 0))  # bound, never listening: not a listener
+        sock.listen()
+        port, other = sock.getsockname()[1], idle.getsockname()[1]
+        assert processes.listeners([port, other]) == {os.getpid(): [port]}
+        read: list[int] = []
+        original = psutil.Process.net_connections
+
+        def counted(self: psutil.Process, kind: str = "inet") -> list:  # type: ignore[type-arg]
+            read.append(self.pid)
+            return original(self, kind)
+
+        monkeypatch.setattr(psutil.Process, "net_connections", counted)
+        assert processes.listeners([other]) == {}
+        assert read == []
+        monkeypatch.setattr(processes, "listening_inodes", lambda port: None)
+        assert processes.listeners([port, other]) == {os.getpid(): [port]}
+        assert os.getpid() in read
+
+
 def test_held_socket_inodes_of_another_process_and_of_a_dead_one() -> None:
     from pytest_sglworker.resources.processes import held_socket_inodes, listening_inodes
 
