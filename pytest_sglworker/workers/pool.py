@@ -202,6 +202,9 @@ class WorkerPool:
         self._idle: OrderedDict[str, _Entry] = OrderedDict()  # group id -> entry, LRU first
         self._busy: dict[str, _Entry] = {}
         self._ahead: dict[WorkerConfig, _Ahead] = {}
+        #: a retired group's lease kept, as it is, for the configuration of this process's next test (a lease
+        #: manager that can pass one on: Ray's placement groups); taken or given back by the next lease asked for
+        self._spare: tuple[WorkerConfig, Any] | None = None
         #: the last failed launch of each configuration, with its error: the test that meets that error is put
         #: on its records (:meth:`_blame`)
         self._failed: dict[WorkerConfig, tuple[BaseException, list[LaunchRecord]]] = {}
@@ -335,12 +338,43 @@ class WorkerPool:
                 stats.resets += 1
         return True
 
-    def discard(self, group: WorkerGroup, *, failed: bool = True) -> None:
-        """Stop a group now (a member died, the test asked for fresh workers, or no later test needs it)."""
+    def discard(self, group: WorkerGroup, *, failed: bool = True, then: WorkerConfig | None = None) -> None:
+        """Stop a group now (a member died, the test asked for fresh workers, or no later test needs it). ``then``:
+        the configuration of this process's next test; a lease manager that can pass a lease on as it is (Ray's)
+        keeps this group's lease for it when it asks for the same GPUs (its next lease, whatever it is for, takes
+        it or gives it back)."""
         with self._lock:
             entry = self._busy.pop(group.id, None) or self._idle.pop(group.id, None)
-        if entry is not None:
-            self._retire(entry, failed=failed or entry.tainted)
+        if entry is None:
+            return
+        with self._lock:  # a group of ``then`` that is pooled, or launched ahead, needs no lease
+            has = then is not None and (then in self._ahead or any(e.config == then for e in
+                                                                  [*self._idle.values(), *self._busy.values()]))
+        wanted = self._wanted(then) if then is not None and not has and getattr(self.leases, "hand_over", None) \
+            else None
+        handed = self._retire(entry, failed=failed or entry.tainted,
+                              hand_over=None if wanted is None else (wanted, entry.lease.holder if entry.lease else ""))
+        if handed is not None and then is not None:
+            self._put_spare(then, handed)
+
+    def _put_spare(self, config: WorkerConfig, lease: Any) -> None:
+        with self._lock:
+            before, self._spare = self._spare, (config, lease)
+        if before is not None:
+            before[1].release(wait_timeout=self.release_wait)
+
+    def _take_spare(self, config: WorkerConfig | None, *, others: bool = True) -> Any:
+        """The spare lease when it was kept for ``config``; one kept for another is given back (``others``; left
+        for its own launch otherwise). ``config`` None: give back any."""
+        with self._lock:
+            spare = self._spare
+            if spare is None or (spare[0] != config and not others):
+                return None
+            self._spare = None
+        if spare[0] == config:
+            return spare[1]
+        spare[1].release(wait_timeout=self.release_wait)
+        return None
 
     def _blame(self, config: WorkerConfig, exc: BaseException, nodeid: str, asked: float) -> None:
         """The test that met a failed launch of ``config`` (its own, or one launched ahead for it) goes on that
@@ -377,6 +411,7 @@ class WorkerPool:
         for ahead in aheads:
             if ahead.thread is not None:
                 ahead.thread.join(120)
+        self._take_spare(None)
         self._closing = "keep" if keep_warm else "stop"
         if keep_warm and self.warm is not None:
             with contextlib.suppress(Exception):  # keeping warm is an optimisation: the workers are stopped instead
@@ -426,8 +461,11 @@ class WorkerPool:
         keeper = self._keeper(fresh=False, environ=environ)
         requested = time.time()
         if self.leases is not None:
+            lease = self._take_spare(config, others=False)
             try:
-                if self.leases.others_waiting():
+                if lease is not None:
+                    lease.holder = holder
+                elif self.leases.others_waiting():
                     lease = None
                 else:
                     lease = self.leases.try_acquire(self._wanted(config), config.spec.memory_mib, holder=holder,
@@ -794,6 +832,10 @@ class WorkerPool:
                    workers: Sequence[str] = ()) -> tuple[Lease | None, float]:
         if self.leases is None:
             return None, 0.0
+        spare = self._take_spare(config)
+        if spare is not None:
+            spare.holder = holder
+            return spare, 0.0
         gpus = sum(counts)
         wanted: Any = list(counts) if getattr(self.leases, "per_member", False) else gpus
         memory = config.spec.memory_mib
@@ -818,7 +860,9 @@ class WorkerPool:
                 _, victim = self._idle.popitem(last=False)
             self.on_message(f"evicting idle {', '.join(m.describe() for m in victim.group)} to free its GPU "
                             f"lease for {config.label}")
-            self._retire(victim, failed=victim.tainted)
+            handed = self._retire(victim, failed=victim.tainted, hand_over=(wanted, holder))
+            if handed is not None:  # its lease, taken over as it is (a Ray placement group is not made again)
+                return handed, time.monotonic() - start
         self._check_not_self_blocked(config, gpus)
         lease = self.leases.acquire(wanted, memory, holder=holder, timeout=self.lease_timeout,
                                     on_wait=self.on_message, **self._workers_kw(workers))
@@ -848,7 +892,10 @@ class WorkerPool:
                 "or more GPUs")
 
     # -- retiring -----------------------------------------------------------------------------------------
-    def _retire(self, entry: _Entry, *, failed: bool) -> None:
+    def _retire(self, entry: _Entry, *, failed: bool, hand_over: tuple[Any, str] | None = None) -> Any:
+        """Stop ``entry``'s group and give its lease back. ``hand_over`` (what the next lease asks for, its
+        holder): a lease manager that can pass a lease on as it is (``hand_over``: Ray's placement groups) does so
+        when it fits, and the lease it returns is this method's result (None: the lease was given back)."""
         group = entry.group
         stats = self.stats_for(entry.config)
         dead = [m for m in group if not m.is_alive() and not m.stopped]
@@ -886,15 +933,26 @@ class WorkerPool:
                     with self._lock:
                         if path not in kept:
                             kept.append(path)
+            handed = None
             if entry.lease is not None:
-                self._give_back(entry.lease, pids, entry.leased_at, stats)
+                take = getattr(self.leases, "hand_over", None)
+                if take is not None and hand_over is not None:
+                    handed = take(entry.lease, hand_over[0], holder=hand_over[1])
+                if handed is None:
+                    self._give_back(entry.lease, pids, entry.leased_at, stats)
+                else:
+                    self._count_gpu_seconds(entry.lease, entry.leased_at, stats)
             self._stamp_released(entry.records)
             if entry.keeper is not None:
                 entry.keeper.close()  # nothing of its session is left: it exits
+        return handed
+
+    def _count_gpu_seconds(self, lease: Any, leased_at: float, stats: ConfigStats) -> None:
+        with self._lock:
+            stats.gpu_seconds += (time.monotonic() - leased_at) * max(1, len(lease.gpus))
 
     def _give_back(self, lease: Lease | BorrowedLease, pids: list[int], leased_at: float, stats: ConfigStats) -> None:
         report = lease.release(worker_pids=pids, wait_timeout=self.release_wait)
-        with self._lock:
-            stats.gpu_seconds += (time.monotonic() - leased_at) * max(1, len(lease.gpus))
+        self._count_gpu_seconds(lease, leased_at, stats)
         if report is not None and not getattr(report, "memory_back", True):
             self.on_message(str(report))

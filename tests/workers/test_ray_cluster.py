@@ -411,6 +411,60 @@ def test_xdist_sessions_never_share_a_ray_gpu(pytester: pytest.Pytester, on_ray:
     assert max_concurrency(lives) >= 2, "the two xdist workers' workers were never alive side by side"
 
 
+HAND_OVER = """
+    import os
+    import pytest
+
+    def _one(i):  # a configuration of one GPU
+        @pytest.mark.sgl_worker(args=["--max-total-tokens", str(4096 + i)])
+        def test(sgl_worker):
+            assert sgl_worker.gpus
+        return test
+
+    for n, i in enumerate(os.environ["ORDER"].split()):  # the configurations' tests, in this order
+        globals()[f"test_{n:02d}_config_{i}"] = _one(int(i))
+
+    @pytest.mark.sgl_workers(count=2)
+    def test_98_pair(sgl_workers):  # two bundles of one GPU: not the shape of a one-GPU group's lease
+        assert len({w.gpus for w in sgl_workers}) == 2
+
+    def test_99_placement_groups():
+        import ray
+        from pytest_sglworker.resources.processes import SESSION_ID
+
+        mine = [i["name"] for i in ray.util.placement_group_table().values()
+                if i["name"].startswith(f"sglworker-{SESSION_ID}-")]
+        with open(os.environ["PGS_FILE"], "w") as out:
+            out.write(f"{len(mine)}\\n")
+"""
+
+
+@pytest.mark.parametrize(("order", "groups", "placement_groups"), [
+    # each configuration's last test: its group is stopped, and its placement group kept for the next test's
+    ("0 1 2 3 4", 7, 2),
+    # configurations used again later stay idle in the pool: four fill the cluster; the fifth evicts the oldest
+    # and takes its placement group, then keeps it for the first's second test (the others' groups are pooled:
+    # they need none, and the pair gets one of its own)
+    ("0 1 2 3 4 0 1 2 3", 8, 5),
+], ids=["retired", "evicted"])
+def test_a_stopped_groups_placement_group_serves_the_next_lease_of_its_shape(
+        pytester: pytest.Pytester, on_ray: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, order: str,
+        groups: int, placement_groups: int) -> None:
+    # A placement group removed and made again waited 0.4-0.8 s for the cluster to place it; one handed on as it is
+    # does not. The pair (two one-GPU bundles) is another shape: what it evicts is given back, and it gets a
+    # placement group of its own. No GPU ever ran two engines at once; none is left held (the module's check).
+    pgs = tmp_path / "pgs"
+    monkeypatch.setenv("PGS_FILE", str(pgs))
+    monkeypatch.setenv("ORDER", order)
+    pytester.makepyfile(HAND_OVER)
+    result = _run(pytester, "-p", "no:xdist", "-p", "no:randomly", "--sgl-launch-ahead", "0", "--sgl-reorder", "off")
+    result.assert_outcomes(passed=len(order.split()) + 2)
+    lives = lifetimes(on_ray)
+    assert len(lives) == groups
+    assert_exclusive(lives, gpu_count=GPUS)
+    assert pgs.read_text().split() == [str(placement_groups)], result.stdout.str()[-3000:]
+
+
 def test_a_group_is_placed_at_once(pytester: pytest.Pytester, on_ray: Path) -> None:
     pytester.makepyfile("""
         import pytest

@@ -162,7 +162,8 @@ class PoolSource:
             if dead and not use.failed and use.check_deaths:
                 return dead[0].death(use.signals, lines=self.settings.tail_lines)
         elif use.last_use and self.settings.keep_warm is None:
-            pool.discard(group, failed=use.failed)  # no later test needs this configuration (kept for --sgl-keep-warm)
+            # no later test needs this configuration (kept for --sgl-keep-warm); its lease may serve the next test's
+            pool.discard(group, failed=use.failed, then=use.next_config)
         else:  # a fresh group is retired there too
             pool.release(group, failed=use.failed, needed_next=use.next_config == group.config)
         pool.yield_idle(keep=use.next_config)

@@ -377,6 +377,20 @@ class HostPool:
     def give_back(self, hosts: Sequence[tuple[str, Any]], *, timeout: float) -> None:
         """Stop each host's engine (its whole tree), then keep the host idle for the next lease; a host whose
         engine did not stop in time, or that is gone, is ended (its watchdog ends the tree)."""
+        keep = self.stop_engines(hosts, timeout=timeout)
+        end: list[Any] = []
+        with self._lock:
+            for node, actor in keep:
+                idle = self._idle.setdefault(node, [])
+                if self._closed or len(idle) >= IDLE_PER_NODE:
+                    end.append(actor)
+                else:
+                    idle.append(actor)
+        self.end(end, timeout=timeout)
+
+    def stop_engines(self, hosts: Sequence[tuple[str, Any]], *, timeout: float) -> list[tuple[str, Any]]:
+        """Stop each host's engine (its whole tree); the hosts whose engine stopped, as ``(node, host)``. A host
+        whose engine did not stop in time, or that is gone, is ended (its watchdog ends the tree)."""
         refs = []
         for node, actor in hosts:
             try:
@@ -393,14 +407,8 @@ class HostPool:
                 keep.append((node, actor))
             except Exception:
                 end.append(actor)
-        with self._lock:
-            for node, actor in keep:
-                idle = self._idle.setdefault(node, [])
-                if self._closed or len(idle) >= IDLE_PER_NODE:
-                    end.append(actor)
-                else:
-                    idle.append(actor)
         self.end(end, timeout=timeout)
+        return keep
 
     def end(self, actors: Sequence[Any], *, timeout: float) -> None:
         """Close (stop the engine, then the watchdog) and kill ``actors``."""
