@@ -132,6 +132,7 @@ class RunHooks:
     @pytest.hookimpl(wrapper=True, specname="pytest_runtest_setup")
     def pytest_runtest_setup_tracked(self, item: pytest.Item) -> Generator[None, None, None]:
         """Which test's fixtures are being set up: its own launch starts the launches ahead."""
+        self.session.let_go_dropped()
         self.session.setting_up = item
         try:
             return (yield)

@@ -118,6 +118,7 @@ def make_source(session: SglSession) -> WorkerSource:
     hooks = PoolHooks(on_message=terminal.message, on_progress=terminal.progress,
                       on_progress_end=terminal.progress_end, worker_env=session.worker_env,
                       choose_kind=session.choose_kind, on_leased=session.on_leased, on_tick=terminal.flush,
+                      finished=session.finished_configs if is_xdist_worker(session.config) else None,
                       xdist_worker=xdist_worker_id(session.config))
     source: WorkerSource
     if s.cluster is not None:
@@ -162,6 +163,7 @@ class SglSession:
         #: the collected tests in run order (collection sets them; launch ahead reads what comes next)
         self.queue: list[pytest.Item] = []
         self.queue_index: dict[str, int] = {}
+        self._configs_by_key: dict[str, WorkerConfig] | None = None  # an xdist worker's, for the controller's hints
         #: the test whose fixtures are being set up (its launch triggers the launches ahead)
         self.setting_up: pytest.Item | None = None
         self._session_dir: Any = None
@@ -508,6 +510,10 @@ class SglSession:
             wanted.append(config)
             if len(wanted) >= count:
                 break
+        if is_xdist_worker(self.config):  # the controller may have said which configuration comes next here
+            hinted = self._hinted_config(item, source)
+            if hinted is not None and hinted != current and hinted not in wanted and len(wanted) < count + 1:
+                wanted.append(hinted)
         environ = self.worker_environ() if wanted else {}
         for config in wanted:
             try:
@@ -515,6 +521,40 @@ class SglSession:
                                     environ=environ)
             except Exception as exc:  # launching ahead is an optimisation: it never fails a test
                 self.terminal.note(f"launch ahead of {config.label} failed to start: {exc!r}")
+
+    def finished_configs(self) -> frozenset[str]:
+        """On an xdist worker: the configurations the controller says no later test of this worker takes."""
+        from .xdist_scheduling import read_launch_hint
+
+        return read_launch_hint(self.config)[1]
+
+    def let_go_dropped(self) -> None:
+        """On an xdist worker, before a test's setup (and, by the pool, while it waits for a launch): the idle
+        workers of the configurations the controller says no later test takes are stopped, so that their GPUs
+        serve a launch ahead elsewhere while this test waits for its own workers."""
+        if self._source is None or not is_xdist_worker(self.config) or not self.settings.reuse:
+            return
+        drop = self.finished_configs()
+        if drop:
+            self._source.retire_idle(drop)
+
+    def _hinted_config(self, item: pytest.Item, source: WorkerSource) -> WorkerConfig | None:
+        """The configuration the xdist controller told this worker to launch ahead (one of its own tests'), or
+        None; the idle workers of those whose tests are all handed out are let go first."""
+        from .xdist_scheduling import read_launch_hint
+
+        key, drop = read_launch_hint(self.config)
+        if drop:
+            source.retire_idle(drop)
+        if key is None:
+            return None
+        if self._configs_by_key is None:
+            self._configs_by_key = {}
+            for collected in item.session.items:
+                config = collected.stash.get(CONFIG_KEY, None)
+                if config is not None and poolable(collected):
+                    self._configs_by_key.setdefault(config.key, config)
+        return self._configs_by_key.get(key)
 
     def _upcoming(self, item: pytest.Item) -> list[pytest.Item]:
         if self.queue and not is_xdist_worker(self.config):

@@ -62,6 +62,8 @@ if TYPE_CHECKING:
 WINDOW = 3
 MAP_INPUT = "sglworker_collection_map"
 MAP_SCHEMA = "pytest-sglworker/xdist-collection/v1"
+#: the controller's word to one xdist worker: the configuration to launch ahead (``ahead-<worker id>.json``)
+AHEAD_SCHEMA = "pytest-sglworker/xdist-launch-ahead/v1"
 #: ``--dist`` modes that this scheduler replaces under ``--sgl-dist on`` (``each`` runs every test everywhere)
 REPLACEABLE = ("load", "loadscope", "loadfile", "loadgroup", "worksteal")
 _STATE = pytest.StashKey[dict[str, Any]]()
@@ -163,6 +165,11 @@ class Actions:
 
     sends: list[tuple[Hashable, list[int]]] = field(default_factory=list)
     shutdowns: list[Hashable] = field(default_factory=list)
+    #: a configuration a node is to launch ahead, on GPUs no node holds, while it runs its own (it takes that
+    #: configuration's tests once its own are done)
+    hints: list[tuple[Hashable, str | None]] = field(default_factory=list)  # None: nothing now (it took it)
+    #: configurations whose tests are all handed out: a node's pool lets their idle workers go (with hints only)
+    drops: list[tuple[Hashable, str]] = field(default_factory=list)
 
 
 def _median(values: Sequence[float]) -> float | None:
@@ -193,8 +200,10 @@ class Planner:
     def __init__(self, units: Sequence[Unit | None], *, gpus_total: int | None, steal_min: int | None,
                  workers: int, window: int = WINDOW,
                  history: tuple[Sequence[float | None], Mapping[str, float]] | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, hints: bool = True) -> None:
         self.units = list(units)
+        #: node id -> the configuration it was told to launch ahead and has not started taking tests of
+        self.hints: dict[Hashable, str] | None = {} if hints else None
         self.clock = clock
         self.history = history
         self._fills: dict[str, float] = {}
@@ -343,6 +352,8 @@ class Planner:
         """The node is gone: its first pending test is the one it crashed in (returned), the others go back
         to the front of their queues."""
         node = self.nodes.pop(node_id, None)
+        if self.hints:
+            self.hints.pop(node_id, None)
         if node is None or not node.pending:
             return None, self.fill_all()
         crashed, rest = node.pending[0], node.pending[1:]
@@ -384,6 +395,7 @@ class Planner:
                 self._fill(node, actions, window=1)
         for node in nodes:
             self._fill(node, actions)
+        self._hint(actions)
         return actions
 
     # -- choosing -----------------------------------------------------------------------------------------
@@ -398,7 +410,7 @@ class Planner:
                 return ("resident", key), False
         free = self._free_for(node)
         blocked = False
-        unstarted = [k for k, q in self.queues.items() if k is not None and q and not self.copies(k)]
+        unstarted = self._unstarted(node)
         # most work first (longest processing time: from history), else most tests; ties in collection order
         unstarted.sort(key=lambda k: (-(self.work(k) or 0.0), -len(self.queues[k])))
         for key in unstarted:
@@ -413,6 +425,45 @@ class Planner:
         # A copy that lacks GPUs is not waited for: a node that waits keeps its idle workers' GPUs (its pool lets
         # them go only between its own tests), which the configurations still to start may need
         return None, blocked
+
+    def _unstarted(self, node: _Node | None = None) -> list[str]:
+        """Configurations no node takes tests of, less those launched ahead by another node than ``node``."""
+        hinted = {key for nid, key in (self.hints or {}).items()
+                  if (node is None or nid != node.id) and nid in self.nodes and not self.nodes[nid].down}
+        return [k for k, q in self.queues.items() if k is not None and q and not self.copies(k) and k not in hinted]
+
+    def _hint(self, actions: Actions) -> None:
+        """Launch ahead: on GPUs no node's pool holds, a node that runs a configuration (soonest done first) is
+        told to start the unstarted configuration with the most work that fits, and takes its tests once its own
+        are done (its pool holds it: a resident). An xdist worker sees its tests only one ahead, so without this
+        a configuration started only as its first test came, and with fewer xdist workers than GPUs, GPUs sat
+        idle while startups queued behind tests. Never while a node waits for GPUs for its first test."""
+        if self.hints is None or self.total is None:
+            return
+        for node in self.nodes.values():
+            # What no test will take again is let go, and no longer counted, once the node has run its last test of
+            # it (told earlier, its pool would stop the workers between two of their own tests)
+            pending = {self.units[i].key for i in node.pending if self.units[i] is not None}  # type: ignore[union-attr]
+            for key in [k for k in node.residents if k != node.current and k != self.hints.get(node.id)
+                        and not self.queues.get(k) and k not in pending]:
+                node.residents.remove(key)
+                actions.drops.append((node.id, key))
+        nodes = [n for n in self.nodes.values() if not n.down]
+        if any(not n.pending for n in nodes):
+            return  # a node waits for GPUs (or is about to leave): they are its
+        busy = [n for n in nodes if n.id not in self.hints and n.current is not None]
+        busy.sort(key=lambda n: (len(self.queues.get(n.current) or ()) / max(1, self.copies(str(n.current)))))
+        for node in busy:
+            free = self.total - sum(self._held(n) for n in self.nodes.values())
+            fits = [k for k in self._unstarted() if self._gpus(k) <= free]
+            if not fits:
+                return
+            fits.sort(key=lambda k: (-(self.work(k) or 0.0), -len(self.queues[k])))
+            key = fits[0]
+            node.residents = [key, *(k for k in node.residents if k != key)]
+            self.hints[node.id] = key
+            self.launches += 1
+            actions.hints.append((node.id, key))
 
     def _steal_for(self, free: int | None) -> str | None:
         if self.steal_min is None or self.steals >= self.steal_budget:
@@ -456,6 +507,9 @@ class Planner:
                 probe = True
             elif kind == "resident" and key is not None:
                 node.residents = [key, *(k for k in node.residents if k != key)]
+                if self.hints is not None and self.hints.get(node.id) == key:
+                    del self.hints[node.id]  # its launch ahead is now its current configuration
+                    actions.hints.append((node.id, None))
             if key is not None:
                 node.current = key
             index = self.queues[key].popleft()
@@ -539,6 +593,38 @@ def write_collection_map(session: SglSession, items: Sequence[pytest.Item]) -> N
         pass
 
 
+def write_launch_hint(directory: Path | None, worker: str, key: str | None, drop: Sequence[str]) -> None:
+    """On the controller: tell xdist worker ``worker`` to launch configuration ``key`` ahead, and to let the idle
+    workers of the configurations ``drop`` go (every test of theirs is handed out)."""
+    if directory is None or not directory.is_dir():
+        return
+    from ..resources.state import atomic_write
+
+    try:
+        atomic_write(directory / f"ahead-{worker}.json",
+                     json.dumps({"schema": AHEAD_SCHEMA, "configuration": key, "drop": list(drop)}), mode=0o600)
+    except OSError:
+        pass  # launching ahead is an optimisation: the configuration starts with its first test
+
+
+def read_launch_hint(config: pytest.Config) -> tuple[str | None, frozenset[str]]:
+    """On an xdist worker: the configuration the controller last told it to launch ahead (or None), and those
+    whose idle workers to let go. A claim of the run's private directory: it names the worker's own configurations
+    or is ignored."""
+    workerinput = getattr(config, "workerinput", None)
+    if not isinstance(workerinput, dict) or not workerinput.get(MAP_INPUT):
+        return None, frozenset()
+    try:
+        data = json.loads((Path(workerinput[MAP_INPUT]) / f"ahead-{xdist_worker_id(config)}.json").read_text())
+    except (OSError, ValueError):
+        return None, frozenset()
+    if not isinstance(data, dict) or data.get("schema") != AHEAD_SCHEMA:
+        return None, frozenset()
+    key, drop = data.get("configuration"), data.get("drop")
+    dropped = frozenset(k for k in drop if isinstance(k, str)) if isinstance(drop, list) else frozenset()
+    return (key if isinstance(key, str) and key not in dropped else None), dropped
+
+
 @dataclass
 class CollectionMap:
     tests: dict[str, Unit] = field(default_factory=dict)
@@ -597,6 +683,8 @@ class ConfigScheduling:
         self.map = CollectionMap()
         self.delegate: Any = None
         self._shadow: Any = LoadScheduling(config, log)
+        self._ahead: dict[Any, str | None] = {}  # node -> the configuration it is told to launch ahead
+        self._drops: dict[Any, set[str]] = {}  # node -> the configurations its pool is to let go when idle
 
     # -- the protocol -------------------------------------------------------------------------------------
     @property
@@ -734,6 +822,14 @@ class ConfigScheduling:
                 self.planner.mark_down(node)
 
     def _apply(self, actions: Actions) -> None:
+        told = {node for node, _ in actions.hints} | {node for node, _ in actions.drops}
+        for node, key in actions.hints:
+            self._ahead[node] = key
+        for node, key in actions.drops:
+            self._drops.setdefault(node, set()).add(key)
+        for node in told:  # before the tests that the xdist worker reads it at
+            write_launch_hint(self.map_dir, node.gateway.id, self._ahead.get(node),  # type: ignore[attr-defined]
+                              sorted(self._drops.get(node, ())))
         for node, indices in actions.sends:
             node.send_runtest_some(indices)  # type: ignore[attr-defined]
         for node in actions.shutdowns:

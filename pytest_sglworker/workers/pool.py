@@ -23,7 +23,7 @@ import re
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -177,6 +177,7 @@ class WorkerPool:
         on_leased: Callable[[WorkerConfig], None] | None = None,
         records: RunRecords | None = None,
         on_tick: Callable[[], None] | None = None,
+        finished: Callable[[], Collection[str]] | None = None,
         warm: Warm | None = None,
     ) -> None:
         self.options = options
@@ -193,6 +194,7 @@ class WorkerPool:
         #: called on the main thread while it waits for launch threads (about every 0.1 s): the session writes
         #: what those threads queued for the terminal
         self.on_tick = on_tick or (lambda: None)
+        self.finished = finished
         self.worker_env = worker_env
         self.choose_kind = choose_kind or default_kind
         self.release_wait = release_wait
@@ -544,6 +546,22 @@ class WorkerPool:
             for entry in entries:
                 self._retire(entry, failed=entry.tainted)
 
+    def _retire_finished(self) -> None:
+        """While the main thread waits for a launch: the idle groups of the configurations ``finished`` names."""
+        if self.finished is not None:
+            keys = self.finished()
+            if keys:
+                self.retire_idle(keys)
+
+    def retire_idle(self, keys: Collection[str]) -> None:
+        """Retire the idle groups of the configurations ``keys`` (the xdist controller says no later test needs
+        them: their GPUs go to a launch ahead); a group launched ahead that no test used yet stays."""
+        with self._lock:
+            entries = [self._idle.pop(k) for k, e in list(self._idle.items())
+                       if e.config.key in keys and not e.launched_ahead]
+        for entry in entries:
+            self._retire(entry, failed=entry.tainted)
+
     def groups(self) -> list[WorkerGroup]:
         with self._lock:
             return [e.group for e in list(self._busy.values()) + list(self._idle.values())]
@@ -765,6 +783,7 @@ class WorkerPool:
                         if time.monotonic() - yielded >= 1.0:
                             yielded = time.monotonic()
                             self.yield_idle(keep=config)
+                            self._retire_finished()
                     if outer is not None and outer.is_set():
                         cancel.set()  # a launch ahead called off at the session's end: every member stops
         except BaseException:  # Ctrl-C: the members stop, then the interrupt goes on

@@ -123,14 +123,15 @@ class Model:
 def simulate(units: Sequence[Unit | None], *, nodes: int = 4, gpus: int | None = 4,
              startup: float | Mapping[str, float] = 1.0, test: float | Sequence[float] = 0.1,
              steal_min: int | None = 4, crash_at: int | None = None, replace: bool = True,
-             history: tuple[Sequence[float | None], Mapping[str, float]] | None = None) -> Model:
+             history: tuple[Sequence[float | None], Mapping[str, float]] | None = None, hints: bool = True) -> Model:
     planner = Planner(units, gpus_total=gpus, steal_min=steal_min, workers=nodes, history=history,
-                      clock=lambda: clock)
+                      clock=lambda: clock, hints=hints)
     durations = [test] * len(units) if isinstance(test, (int, float)) else list(test)
     model = Model()
     queue: dict[int, list[int]] = {}
     down: set[int] = set()
     launched: dict[int, set[str]] = {}
+    ahead: dict[int, dict[str, float]] = {}  # node -> configuration launched ahead -> when it is ready
     busy: set[int] = set()
     events: list[tuple[float, int, int, float]] = []
     clock = 0.0
@@ -138,7 +139,7 @@ def simulate(units: Sequence[Unit | None], *, nodes: int = 4, gpus: int | None =
 
     def add() -> None:
         nonlocal next_id
-        queue[next_id], launched[next_id] = [], set()
+        queue[next_id], launched[next_id], ahead[next_id] = [], set(), {}
         planner.add_node(next_id)
         next_id += 1
 
@@ -147,6 +148,13 @@ def simulate(units: Sequence[Unit | None], *, nodes: int = 4, gpus: int | None =
             assert node not in down, "tests sent to a node after its shutdown"
             queue[node].extend(indices)
         down.update(actions.shutdowns)
+        for node, key in actions.hints:  # the xdist worker's pool starts it now, in the background
+            if key is None:
+                continue  # the node took its launch ahead: nothing more to start
+            assert key not in launched[node]
+            launched[node].add(key)
+            model.launches += 1
+            ahead[node][key] = clock + (startup if isinstance(startup, (int, float)) else startup[key])
 
     for _ in range(nodes):
         add()
@@ -162,6 +170,8 @@ def simulate(units: Sequence[Unit | None], *, nodes: int = 4, gpus: int | None =
                 launched[node].add(unit.key)
                 model.launches += 1
                 cost += startup if isinstance(startup, (int, float)) else startup[unit.key]
+            elif unit is not None and unit.key in ahead[node]:  # what is left of its launch ahead
+                cost += max(0.0, ahead[node].pop(unit.key) - clock)
             if unit is not None:
                 span = model.spans.setdefault((node, unit.key), [clock, clock])
                 span[1] = clock + cost
@@ -273,7 +283,7 @@ def test_model_measured_startup_stops_late_copies() -> None:
     # 200 fast tests: the K rule alone would copy it at once, the measurements (startup 5 s against 10 ms a
     # test) say that the copy never pays back once the first test has told them
     units = suite(200, 1)
-    planner = Planner(units, gpus_total=4, steal_min=4, workers=4)
+    planner = Planner(units, gpus_total=4, steal_min=4, workers=4, hints=False)  # c1 stays for "late"
     planner.add_node("a")
     planner.fill_all()
     planner.complete("a", 0, 5.01)
@@ -284,6 +294,61 @@ def test_model_measured_startup_stops_late_copies() -> None:
     assert planner.startup_seconds("c0") == pytest.approx(5.0)
     assert not planner.worth_a_copy("c0")
     assert [(n, i) for n, i in actions.sends if n == "late"] == [("late", [200])]  # only c1, no copy of c0
+
+
+def test_model_fewer_xdist_workers_than_gpus_launch_the_next_configurations_ahead() -> None:
+    # 16 configurations of 4 tests x 0.5 s that start in 4 s, 8 GPUs, 4 xdist workers: a worker that starts its
+    # next configuration only at its first test leaves half the GPUs idle while it waits for each startup; told
+    # to launch it ahead on the free GPUs, its startups overlap its tests. Each configuration is launched once,
+    # and the GPUs the pools hold never exceed the inventory.
+    units = suite(*[4] * 16)
+    run = dict(nodes=4, gpus=8, startup=4.0, test=0.5, steal_min=None)
+    late = simulate(units, **run, hints=False)  # type: ignore[arg-type]
+    ahead = simulate(units, **run)  # type: ignore[arg-type]
+    for model in (late, ahead):
+        assert sorted(model.ran) == list(range(len(units))) and model.launches == 16
+    assert late.wall == pytest.approx(4 * (4.0 + 2.0))  # four configurations a worker, one after the other
+    bound = 16 * (4.0 + 2.0) / 8
+    assert ahead.wall <= 1.3 * bound < 0.7 * late.wall, (ahead.wall, late.wall)
+
+
+def test_planner_hints_use_only_gpus_no_pool_holds_and_never_twice() -> None:
+    units = suite(4, 4, 4, 4, 4, gpus=2)
+    planner = Planner(units, gpus_total=6, steal_min=None, workers=2)
+    planner.add_node("a")
+    planner.add_node("b")
+    first = planner.fill_all()
+    assert {n for n, _ in first.sends} == {"a", "b"} and first.hints == [("a", "c2")]  # 2 + 2 held, 2 free
+    assert planner.fill_all().hints == []  # the inventory is full, and a hint is given once
+    drops, hints = [], []
+    for index in range(4):  # a's configuration is done: it takes the one it launched ahead, not another
+        actions = planner.complete("a", index, 0.5)
+        drops += actions.drops
+        hints += actions.hints
+    assert planner.nodes["a"].current == "c2"
+    # c0's last test has run: a's pool lets it go (told while a test of c0 was still to run, it would have
+    # stopped c0's workers between two of their tests), and its GPUs take the next launch ahead
+    assert drops == [("a", "c0")] and planner.nodes["a"].residents == ["c3", "c2"]
+    assert hints == [("a", None), ("a", "c3")] and planner.hints == {"a": "c3"}
+
+
+def test_launch_hints_round_trip_and_anything_else_reads_as_none(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    from pytest_sglworker.plugin.xdist_scheduling import MAP_INPUT, read_launch_hint, write_launch_hint
+
+    config: Any = SimpleNamespace(workerinput={MAP_INPUT: str(tmp_path), "workerid": "gw1"})
+    assert read_launch_hint(config) == (None, frozenset())  # nothing written yet
+    write_launch_hint(tmp_path, "gw1", "c2", ["c0"])
+    assert read_launch_hint(config) == ("c2", frozenset({"c0"}))
+    assert (tmp_path / "ahead-gw1.json").stat().st_mode & 0o077 == 0
+    write_launch_hint(tmp_path, "gw1", "c0", ["c0", "c1"])  # a configuration it is to let go is never launched
+    assert read_launch_hint(config) == (None, frozenset({"c0", "c1"}))
+    for text in ("{", "[]", '{"schema": "other", "configuration": "c2"}',
+                 '{"schema": "pytest-sglworker/xdist-launch-ahead/v1", "configuration": 3, "drop": "c0"}'):
+        (tmp_path / "ahead-gw1.json").write_text(text)
+        assert read_launch_hint(config) == (None, frozenset()), text
+    assert read_launch_hint(SimpleNamespace()) == (None, frozenset())  # not an xdist worker
 
 
 def skew_suite() -> tuple[list[Unit | None], list[float], dict[str, float]]:
@@ -343,7 +408,7 @@ def test_planner_a_node_does_not_wait_for_the_gpus_of_a_copy() -> None:
     # 3 GPUs: a runs "big", b runs s1, s2 and then a copy of "big" (its pool keeps s2's idle worker): no GPU is
     # left for c's copy. c leaves rather than waits: an xdist worker that waits keeps its own idle workers' GPUs
     units = [*[Unit("big")] * 40, Unit("s1"), Unit("s2")]
-    planner = Planner(units, gpus_total=3, steal_min=4, workers=3)
+    planner = Planner(units, gpus_total=3, steal_min=4, workers=3, hints=False)  # with hints b lets s2 go
     planner.add_node("a")
     planner.add_node("b")
     planner.fill_all()
@@ -480,6 +545,38 @@ def record(sim_env: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPa
     monkeypatch.setenv("SGLSIM_RECORD", str(path))
     monkeypatch.delenv("PYTEST_ADDOPTS", raising=False)
     return path
+
+
+def test_fewer_xdist_workers_than_gpus_launch_their_next_configuration_ahead(
+        pytester: pytest.Pytester, record: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # 2 xdist workers, 6 GPUs, 4 configurations of 3 tests (0.3 s each) that start in 1.5 s: each worker's first
+    # configuration holds 1 GPU; the controller tells each to launch its next one on the free GPUs at once, so the
+    # second configuration of each worker is asked for before that worker's first test begins (not when its first
+    # test comes, after the three of the first configuration), its idle workers are let go once its tests are
+    # done, and no GPU ever runs two workers
+    monkeypatch.setenv("SGLSIM_STARTUP_SECONDS", "1.5")
+    body = ["import time", "import pytest", ""]
+    for n in range(4):
+        body += [f"@pytest.mark.sgl_worker(args=['--max-total-tokens', '{4096 + n}'])",
+                 "@pytest.mark.parametrize('i', range(3))", f"def test_c{n}(sgl_worker, i):", "    time.sleep(0.3)", ""]
+    pytester.makepyfile(test_ahead="\n".join(body))
+    report = tmp_path / "report.json"
+    result = pytester.runpytest_subprocess(*SIM, "-n", "2", "-v", "--sgl-gpus", "sim:6", "--sgl-model", "qwen3-0.6b",
+                                           "--sgl-report", str(report),
+                                           timeout=120)
+    result.assert_outcomes(passed=12)
+    ran_once(result, 12)
+    assert_no_overcommit(record, 6)
+    data = json.loads(report.read_text())
+    by_worker: dict[str, list[dict[str, Any]]] = {}
+    for launch in sorted(data["launches"], key=lambda r: r["t_lease_requested"]):
+        by_worker.setdefault(launch["xdist_worker"], []).append(launch)
+    assert sorted(len(v) for v in by_worker.values()) == [2, 2], by_worker  # each configuration launched once
+    for first, second in by_worker.values():
+        began = min(t["t_start"] for t in first["tests"])
+        assert second["t_lease_requested"] < began, (first, second)  # asked for ahead, not at its first test
+        assert second["t_ready"] <= min(t["t_start"] for t in second["tests"])
+        assert first["t_released"] <= max(t["t_end"] for t in second["tests"])  # let go while the second ran
 
 
 @pytest.mark.parametrize("dist", [(), ("--sgl-dist", "on", "--dist", "loadgroup")], ids=["auto", "on-over-loadgroup"])

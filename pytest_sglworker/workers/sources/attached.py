@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import re
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 from urllib.parse import urlsplit
@@ -393,6 +393,9 @@ class AttachedSource:
         if self.serves(config.spec):
             return False
         return self.launching.launch_ahead(config, holder=holder, environ=environ)
+
+    def retire_idle(self, keys: Collection[str]) -> None:
+        self.launching.retire_idle(keys)
 
     def gpu_count(self) -> int | None:
         return self.launching.gpu_count()

@@ -19,7 +19,7 @@ Plain Python, no pytest.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -139,6 +139,9 @@ class WorkerSource(Protocol):
     def launch_ahead(self, config: WorkerConfig, *, holder: str, environ: Mapping[str, str]) -> bool:
         """Start ``config``'s workers now, in the background, for a test to come, inheriting ``environ`` (the
         snapshot the main thread made); whether it started."""
+
+    def retire_idle(self, keys: Collection[str]) -> None:
+        """Stop the idle workers of the configurations ``keys`` (no later test needs them)."""
 
     def gpu_count(self) -> int | None:
         """How many GPUs this source leases from (the xdist scheduler budgets by it); None when unknown. May

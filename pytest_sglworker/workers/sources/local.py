@@ -9,7 +9,7 @@ the GPU inventory.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -71,6 +71,9 @@ class PoolHooks:
     on_leased: Callable[[WorkerConfig], None] | None = None
     #: the main thread waits for launch threads: the session writes what they queued for the terminal
     on_tick: Callable[[], None] | None = None
+    #: the configurations no later test of this process takes (the xdist controller's word), asked while the main
+    #: thread waits for a launch: their idle workers are stopped
+    finished: Callable[[], Collection[str]] | None = None
     xdist_worker: str | None = None
 
 
@@ -124,7 +127,7 @@ class PoolSource:
                 reuse=self.settings.reuse, log_policy=self.settings.log_policy, on_progress=hooks.on_progress,
                 on_progress_end=hooks.on_progress_end, on_message=hooks.on_message, worker_env=self._worker_env,
                 choose_kind=hooks.choose_kind, xdist_worker=hooks.xdist_worker, on_leased=hooks.on_leased,
-                records=self.records, on_tick=hooks.on_tick, warm=self.make_warm(leases))
+                records=self.records, on_tick=hooks.on_tick, finished=hooks.finished, warm=self.make_warm(leases))
         return self._pool
 
     @property
@@ -173,6 +176,10 @@ class PoolSource:
         if self._pool is None or not self.settings.reuse:
             return False  # nothing launched yet: the first test's own launch comes first
         return self._pool.launch_ahead(config, holder=holder, environ=environ)
+
+    def retire_idle(self, keys: Collection[str]) -> None:
+        if self._pool is not None:
+            self._pool.retire_idle(keys)
 
     def gpu_count(self) -> int | None:
         return len(self.leases.inventory.static_gpus())
