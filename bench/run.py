@@ -118,7 +118,7 @@ FULL = Plan(quick=False, ready_startup=1.0, ready_reps=5, sglang_reps=3, real=Tr
             xdist_startup=1.0, xdist_per_set=10, xdist_reps=2,
             ahead_startup=5.0, ahead_per_set=10, ahead_reps=2,
             group_startup=5.0, group_reps=3, router_reps=4,
-            overhead_sizes=(300, 3000), overhead_reps=(11, 7), import_reps=15, soak_launches=300)
+            overhead_sizes=(300, 3000), overhead_reps=(11, 15), import_reps=15, soak_launches=300)
 QUICK = Plan(quick=True, ready_startup=0.3, ready_reps=2, sglang_reps=0, real=False,
              reuse_startup=0.2, reuse_per_set=2, reuse_reps=1, reuse_group_tests=20,
              xdist_startup=0.2, xdist_per_set=3, xdist_reps=1,
