@@ -91,3 +91,8 @@ def distributing(config: pytest.Config) -> bool:
                 and not config.getoption("collectonly"))
     except ValueError:  # pytest-xdist's options are not registered
         return False
+
+
+#: ``workerinput`` key of the run's private directory, where xdist workers write their collection maps and the
+#: controller its launch-ahead word (:mod:`.xdist_scheduling`, :mod:`.launch_hints`)
+MAP_INPUT = "sglworker_collection_map"

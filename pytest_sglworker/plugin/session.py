@@ -524,7 +524,7 @@ class SglSession:
 
     def finished_configs(self) -> frozenset[str]:
         """On an xdist worker: the configurations the controller says no later test of this worker takes."""
-        from .xdist_scheduling import read_launch_hint
+        from .launch_hints import read_launch_hint
 
         return read_launch_hint(self.config)[1]
 
@@ -541,7 +541,7 @@ class SglSession:
     def _hinted_config(self, item: pytest.Item, source: WorkerSource) -> WorkerConfig | None:
         """The configuration the xdist controller told this worker to launch ahead (one of its own tests'), or
         None; the idle workers of those whose tests are all handed out are let go first."""
-        from .xdist_scheduling import read_launch_hint
+        from .launch_hints import read_launch_hint
 
         key, drop = read_launch_hint(self.config)
         if drop:

@@ -51,7 +51,8 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from .keys import CONFIG_KEY, ITEM_ERROR_KEY, distributing, xdist_worker_id
+from .keys import CONFIG_KEY, ITEM_ERROR_KEY, MAP_INPUT, distributing, xdist_worker_id
+from .launch_hints import write_launch_hint
 from .markers import MarkerError, WorkerMarker, WorkersMarker
 
 if TYPE_CHECKING:
@@ -60,10 +61,7 @@ if TYPE_CHECKING:
 
 #: tests a node holds at once (the one it runs, the next one xdist needs to know, one more in flight)
 WINDOW = 3
-MAP_INPUT = "sglworker_collection_map"
 MAP_SCHEMA = "pytest-sglworker/xdist-collection/v1"
-#: the controller's word to one xdist worker: the configuration to launch ahead (``ahead-<worker id>.json``)
-AHEAD_SCHEMA = "pytest-sglworker/xdist-launch-ahead/v1"
 #: ``--dist`` modes that this scheduler replaces under ``--sgl-dist on`` (``each`` runs every test everywhere)
 REPLACEABLE = ("load", "loadscope", "loadfile", "loadgroup", "worksteal")
 _STATE = pytest.StashKey[dict[str, Any]]()
@@ -591,38 +589,6 @@ def write_collection_map(session: SglSession, items: Sequence[pytest.Item]) -> N
                      json.dumps({"schema": MAP_SCHEMA, "gpus": gpus, "tests": tests}), mode=0o600)
     except OSError:
         pass
-
-
-def write_launch_hint(directory: Path | None, worker: str, key: str | None, drop: Sequence[str]) -> None:
-    """On the controller: tell xdist worker ``worker`` to launch configuration ``key`` ahead, and to let the idle
-    workers of the configurations ``drop`` go (every test of theirs is handed out)."""
-    if directory is None or not directory.is_dir():
-        return
-    from ..resources.state import atomic_write
-
-    try:
-        atomic_write(directory / f"ahead-{worker}.json",
-                     json.dumps({"schema": AHEAD_SCHEMA, "configuration": key, "drop": list(drop)}), mode=0o600)
-    except OSError:
-        pass  # launching ahead is an optimisation: the configuration starts with its first test
-
-
-def read_launch_hint(config: pytest.Config) -> tuple[str | None, frozenset[str]]:
-    """On an xdist worker: the configuration the controller last told it to launch ahead (or None), and those
-    whose idle workers to let go. A claim of the run's private directory: it names the worker's own configurations
-    or is ignored."""
-    workerinput = getattr(config, "workerinput", None)
-    if not isinstance(workerinput, dict) or not workerinput.get(MAP_INPUT):
-        return None, frozenset()
-    try:
-        data = json.loads((Path(workerinput[MAP_INPUT]) / f"ahead-{xdist_worker_id(config)}.json").read_text())
-    except (OSError, ValueError):
-        return None, frozenset()
-    if not isinstance(data, dict) or data.get("schema") != AHEAD_SCHEMA:
-        return None, frozenset()
-    key, drop = data.get("configuration"), data.get("drop")
-    dropped = frozenset(k for k in drop if isinstance(k, str)) if isinstance(drop, list) else frozenset()
-    return (key if isinstance(key, str) and key not in dropped else None), dropped
 
 
 @dataclass

@@ -9,8 +9,9 @@ is given back only after its memory is released.
 
 Why one module of this size: the pool's promises (one lease per group, parallel member starts with one failure
 stopping the rest, reuse after health, eviction, launch ahead) all act on the same entries under one lock;
-launching one process is in :mod:`launcher`, leases in :mod:`gpus`, a member's memory ledger in
-:mod:`member_ledger`, keeping groups warm between sessions in :mod:`warm`.
+launching one process is in :mod:`launcher`, leases in :mod:`gpus`, the entries and small records in
+:mod:`pool_parts`, a member's memory ledger in :mod:`member_ledger`, keeping groups warm between sessions in
+:mod:`warm`.
 """
 
 from __future__ import annotations
@@ -19,12 +20,10 @@ import contextlib
 import dataclasses
 import itertools
 import os
-import re
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..engine.redaction import mask_argv
@@ -33,13 +32,24 @@ from ..errors import LeaseImpossible, SglWorkerError
 from ..resources.processes import hostname, signal_name
 from ..resources.retention import keeps
 from .config import KindChooser, MemberPlan, WorkerConfig, default_kind
-from .errors import LaunchCancelled, WorkerDied, WorkerStartupTimeout
+from .errors import LaunchCancelled, WorkerDied
 from .group import WorkerGroup
 from .launcher import LaunchOptions, ModelInstance, ProgressCallback, spawn_worker
 from .member_ledger import attach_ledger, record_kv_tokens
+from .pool_parts import (
+    CALLED_OFF,
+    Ahead,
+    Entry,
+    LeaseTimes,
+    Prepared,
+    failed_outcome,
+    nodeid_of,
+    record_group_failure,
+    split_env,
+)
 from .process import inherited_environ
 from .records import ConfigStats, LaunchRecord, RunRecords
-from .reset import ResetFailed, Snapshot, restore, snapshot
+from .reset import ResetFailed, restore, snapshot
 from .warm import KeepRequest, Warm, not_kept_reason
 
 if TYPE_CHECKING:
@@ -52,108 +62,6 @@ if TYPE_CHECKING:
 __all__ = ["WorkerGroup", "WorkerPool"]
 
 _ids = itertools.count(1)
-
-
-@dataclass
-class _Ahead:
-    """A group being launched ahead of the test that needs it, in a thread of its own."""
-
-    config: WorkerConfig
-    cancel: threading.Event = field(default_factory=threading.Event)
-    thread: threading.Thread | None = None
-    error: BaseException | None = None
-
-
-@dataclass(frozen=True)
-class _LeaseTimes:
-    """When a lease taken on the main thread for a launch ahead was asked for and granted (wall clock), and
-    the monotonic time it was granted (the start of its GPU-seconds): the launch's records carry the main
-    thread's times, not those of the moment its thread ran."""
-
-    requested: float
-    leased: float | None  # None: no lease manager (attached or unbudgeted workers)
-    leased_monotonic: float
-
-    @classmethod
-    def taken_now(cls, requested: float, lease: object | None) -> _LeaseTimes:
-        """The times of a lease asked for at ``requested`` and taken now (``lease`` None: none was needed)."""
-        return cls(requested, time.time() if lease is not None else None, time.monotonic())
-
-
-@dataclass(frozen=True)
-class _Prepared:
-    """What a launch needs that only the main thread may work out (the kind hook, the env hook, the environment):
-    made before the launch's threads start, read by them."""
-
-    plans: list[MemberPlan]
-    counts: list[int]
-    environ: Mapping[str, str]
-
-
-@dataclass
-class _Entry:
-    group: WorkerGroup
-    lease: Lease | BorrowedLease | None
-    leased_at: float
-    records: list[LaunchRecord]
-    tainted: bool = False  # a test that used it failed: keep its logs
-    poolable: bool = True  # False for a fresh, unshared group
-    last_used: float = field(default_factory=time.monotonic)
-    launched_ahead: bool = False  # its first test is not a reuse
-    #: each member's run-time state as first handed out (what a reuse must find again); None: not read yet
-    states: list[Snapshot] | None = None
-    #: what it was launched with, for its identity should it be kept warm (None: adopted, or not known)
-    envs: list[dict[str, str]] | None = None
-    environ: Mapping[str, str] | None = None
-    #: the keeper it was launched with (``--sgl-keep-warm``): it takes the group over at the session's end
-    keeper: KeeperHandle | None = None
-
-    @property
-    def config(self) -> WorkerConfig:
-        return self.group.config
-
-
-def _split_env(lease: Lease | BorrowedLease | None, counts: Sequence[int]) -> list[dict[str, str]]:
-    """Each member's share of the group's lease, in order, as its ``CUDA_VISIBLE_DEVICES``."""
-    if lease is None:
-        return [{} for _ in counts]
-    env = lease.env()
-    if not lease.cuda_visible_devices:  # the cluster assigns the devices on the node (--sgl-cluster ray)
-        return [dict(env) for _ in counts]
-    devices = lease.cuda_visible_devices.split(",")
-    out, start = [], 0
-    for count in counts:
-        out.append({**env, "CUDA_VISIBLE_DEVICES": ",".join(devices[start:start + count])})
-        start += count
-    return out
-
-
-_CALLED_OFF = "launch ahead called off (another test needed its GPUs, or the session ended)"
-
-
-def _failed_outcome(exc: BaseException) -> str:
-    return "startup_timeout" if isinstance(exc, WorkerStartupTimeout) else "startup_failed"
-
-
-def _nodeid(holder: str) -> str:
-    """The test of a lease holder (``<nodeid> (pid N)``, as the fixtures name it)."""
-    return re.sub(r" \(pid \d+\)$", "", holder)
-
-
-def _record_group_failure(records: Sequence[LaunchRecord], plans: Sequence[MemberPlan],
-                          results: Sequence[ModelInstance | BaseException | None], first: int) -> None:
-    """Each member's own end when a group fails to start: a member that failed, its own failure (its diagnosis,
-    its log); a member stopped because member ``first`` failed (called off while starting, or stopped once
-    ready), ``cancelled``, saying why."""
-    culprit = f"{plans[first].role} {plans[first].index}"
-    for record, result in zip(records, results, strict=True):
-        if isinstance(result, BaseException) and not isinstance(result, LaunchCancelled):
-            record.failed(_failed_outcome(result), result)
-        elif isinstance(result, ModelInstance):
-            record.failed("cancelled", failure=f"ready, then stopped: member {culprit} of its group failed to start")
-        else:
-            record.failed("cancelled", failure=f"stopped while starting: member {culprit} of its group failed to "
-                                               "start")
 
 
 class WorkerPool:
@@ -201,9 +109,9 @@ class WorkerPool:
         self.xdist_worker = xdist_worker
         #: the run's figures and launch records (shared with the routers and attached workers of the session)
         self.records = records or RunRecords(xdist_worker or "main")
-        self._idle: OrderedDict[str, _Entry] = OrderedDict()  # group id -> entry, LRU first
-        self._busy: dict[str, _Entry] = {}
-        self._ahead: dict[WorkerConfig, _Ahead] = {}
+        self._idle: OrderedDict[str, Entry] = OrderedDict()  # group id -> entry, LRU first
+        self._busy: dict[str, Entry] = {}
+        self._ahead: dict[WorkerConfig, Ahead] = {}
         #: a retired group's lease kept, as it is, for the configuration of this process's next test (a lease
         #: manager that can pass one on: Ray's placement groups); taken or given back by the next lease asked for
         self._spare: tuple[WorkerConfig, Any] | None = None
@@ -242,7 +150,7 @@ class WorkerPool:
         try:
             return self._acquire(config, holder=holder, fresh=fresh, options=options, environ=environ)
         except SglWorkerError as exc:
-            self._blame(config, exc, _nodeid(holder), asked)
+            self._blame(config, exc, nodeid_of(holder), asked)
             raise
 
     def _acquire(self, config: WorkerConfig, *, holder: str, fresh: bool, options: LaunchOptions | None,
@@ -306,7 +214,7 @@ class WorkerPool:
         else:
             self._retire(entry, failed=entry.tainted)
 
-    def _read_states(self, entry: _Entry) -> None:
+    def _read_states(self, entry: Entry) -> None:
         """Read each member's run-time state the first time the group is handed out (main thread)."""
         if entry.states is not None:
             return
@@ -317,7 +225,7 @@ class WorkerPool:
             self.on_message(f"sglworker: {entry.config.label}: its run-time state cannot be read ({exc}); its "
                             "workers serve this test only")
 
-    def _set_back(self, entry: _Entry) -> bool:
+    def _set_back(self, entry: Entry) -> bool:
         """Set back what the test changed in the members (runtime faults, ...); False when that fails (the group is
         then retired, not reused). Counted in the configuration's figures."""
         if not entry.states:
@@ -478,7 +386,7 @@ class WorkerPool:
                 if keeper is not None:
                     keeper.close()
                 return False
-        times = _LeaseTimes.taken_now(requested, lease)
+        times = LeaseTimes.taken_now(requested, lease)
         try:
             prepared = self._prepare(config, environ)
             envs = self._member_envs(config, prepared, lease)
@@ -488,7 +396,7 @@ class WorkerPool:
             if keeper is not None:
                 keeper.close()
             raise
-        ahead = _Ahead(config)
+        ahead = Ahead(config)
 
         def run() -> None:
             try:
@@ -523,7 +431,7 @@ class WorkerPool:
         if raise_error and ahead.error is not None and not isinstance(ahead.error, LaunchCancelled):
             raise ahead.error
 
-    def _adopt(self, config: WorkerConfig, *, holder: str, environ: Mapping[str, str]) -> _Entry | None:
+    def _adopt(self, config: WorkerConfig, *, holder: str, environ: Mapping[str, str]) -> Entry | None:
         """A warm group of ``config`` an earlier session left (``--sgl-keep-warm``), adopted, as an entry not yet
         registered; None when there is none this session may have (see :mod:`.warm`). On the main thread."""
         if self.warm is None:
@@ -533,7 +441,7 @@ class WorkerPool:
                                   member_envs=lambda lease: self._member_envs(config, prepared, lease))
         if adopted is None:
             return None
-        return _Entry(adopted.group, adopted.lease, time.monotonic(), adopted.records)
+        return Entry(adopted.group, adopted.lease, time.monotonic(), adopted.records)
 
     def yield_idle(self, *, keep: WorkerConfig | None = None) -> None:
         """When another process waits for a GPU, retire the idle groups with no known use (not ``keep``, the next
@@ -579,17 +487,17 @@ class WorkerPool:
         return waiting
 
     # -- launching ----------------------------------------------------------------------------------------
-    def _prepare(self, config: WorkerConfig, environ: Mapping[str, str]) -> _Prepared:
+    def _prepare(self, config: WorkerConfig, environ: Mapping[str, str]) -> Prepared:
         """The members' plans (their kinds: a plugin's hook may choose them) and the environment they inherit:
         worked out on the main thread, before any launch thread starts."""
         plans = config.members(self.choose_kind)
-        return _Prepared(plans, [plan.gpus(config.spec) for plan in plans], dict(environ))
+        return Prepared(plans, [plan.gpus(config.spec) for plan in plans], dict(environ))
 
-    def _member_envs(self, config: WorkerConfig, prepared: _Prepared,
+    def _member_envs(self, config: WorkerConfig, prepared: Prepared,
                      lease: Lease | BorrowedLease | None) -> list[dict[str, str]]:
         """Each member's env from its share of the lease (a plugin's hook may change it): on the main thread."""
         return [self._member_env(config, env, plan) for env, plan in
-                zip(_split_env(lease, prepared.counts), prepared.plans, strict=True)]
+                zip(split_env(lease, prepared.counts), prepared.plans, strict=True)]
 
     def _keeper(self, *, fresh: bool, environ: Mapping[str, str]) -> KeeperHandle | None:
         """A keeper for a new pooled group when this session keeps groups warm (``--sgl-keep-warm``): started
@@ -611,9 +519,9 @@ class WorkerPool:
 
     def _launch(self, config: WorkerConfig, *, holder: str, fresh: bool, options: LaunchOptions,
                 environ: Mapping[str, str] | None = None, lease: Lease | None = None,
-                prepared: _Prepared | None = None, envs: list[dict[str, str]] | None = None, quiet: bool = False,
+                prepared: Prepared | None = None, envs: list[dict[str, str]] | None = None, quiet: bool = False,
                 cancel: threading.Event | None = None, keeper: KeeperHandle | None = None,
-                lease_times: _LeaseTimes | None = None) -> WorkerGroup:
+                lease_times: LeaseTimes | None = None) -> WorkerGroup:
         """Lease (unless given), start and register a group. On the main thread, or, with ``lease``,
         ``prepared`` and ``envs`` all made on the main thread (and ``keeper``, when one is wanted), on a
         launch-ahead thread, ``lease_times`` saying when the main thread took ``lease``. A group that may be
@@ -631,9 +539,9 @@ class WorkerPool:
             raise
 
     def _launch_with(self, config: WorkerConfig, *, holder: str, fresh: bool, options: LaunchOptions,
-                     environ: Mapping[str, str] | None, lease: Lease | None, prepared: _Prepared | None,
+                     environ: Mapping[str, str] | None, lease: Lease | None, prepared: Prepared | None,
                      envs: list[dict[str, str]] | None, quiet: bool, cancel: threading.Event | None,
-                     keeper: KeeperHandle | None, lease_times: _LeaseTimes | None) -> WorkerGroup:
+                     keeper: KeeperHandle | None, lease_times: LeaseTimes | None) -> WorkerGroup:
         stats = self.stats_for(config)
         if keeper is not None:
             options = dataclasses.replace(options, owner_session=keeper.session_id)
@@ -654,7 +562,7 @@ class WorkerPool:
                         self._give_back(lease, [], time.monotonic(), stats)
                     raise
         if lease_times is None:  # leased here (a launch ahead's lease was taken on the main thread, earlier)
-            lease_times = _LeaseTimes.taken_now(requested, lease)
+            lease_times = LeaseTimes.taken_now(requested, lease)
         leased_at = lease_times.leased_monotonic
         records = [self._record(config, plan, group_id if len(plans) > 1 else None, lease_times.requested,
                                 lease_times.leased) for plan in plans]
@@ -675,14 +583,14 @@ class WorkerPool:
                 if self.on_progress_end is not None and not quiet:
                     self.on_progress_end()  # the status line goes before pytest writes the outcome
         except LaunchCancelled:  # a launch ahead called off: neither a failure nor a launch
-            self._finish_records(records, outcome="cancelled", failure=_CALLED_OFF)
+            self._finish_records(records, outcome="cancelled", failure=CALLED_OFF)
             if lease is not None:
                 self._give_back(lease, [], leased_at, stats)
             self._stamp_released(records)
             raise
         except SglWorkerError as exc:
-            for record in records:  # a group's members have each ended already (_record_group_failure)
-                record.failed(_failed_outcome(exc), exc)
+            for record in records:  # a group's members have each ended already (record_group_failure)
+                record.failed(failed_outcome(exc), exc)
             logs = list(dict.fromkeys(r.log_path for r in records if r.log_path))
             with self._lock:
                 stats.failures += 1
@@ -707,7 +615,7 @@ class WorkerPool:
         # Registered at once, so that whatever happens next, close() stops it and gives the lease back.
         ready = [m.startup_seconds for m in members if m.startup_seconds is not None]
         with self._lock:
-            self._busy[group_id] = _Entry(group, lease, leased_at, records, poolable=not fresh, envs=envs,
+            self._busy[group_id] = Entry(group, lease, leased_at, records, poolable=not fresh, envs=envs,
                                           environ=prepared.environ, keeper=keeper)
             stats.launches += 1
             # a wait for a port block is a wait for the launch's resources, as the GPU lease's is
@@ -796,12 +704,12 @@ class WorkerPool:
             if isinstance(result, ModelInstance):
                 self._take(records[i], result)
             elif isinstance(result, LaunchCancelled) and not failed_at:
-                records[i].failed("cancelled", failure=_CALLED_OFF)
+                records[i].failed("cancelled", failure=CALLED_OFF)
         if failed_at:
             self._stop_started(results, records)
             first = results[min(failed_at)[1]]
             assert isinstance(first, BaseException)
-            _record_group_failure(records, plans, results, min(failed_at)[1])
+            record_group_failure(records, plans, results, min(failed_at)[1])
             raise first
         return [r for r in results if isinstance(r, ModelInstance)]
 
@@ -911,7 +819,7 @@ class WorkerPool:
                 "or more GPUs")
 
     # -- retiring -----------------------------------------------------------------------------------------
-    def _retire(self, entry: _Entry, *, failed: bool, hand_over: tuple[Any, str] | None = None) -> Any:
+    def _retire(self, entry: Entry, *, failed: bool, hand_over: tuple[Any, str] | None = None) -> Any:
         """Stop ``entry``'s group and give its lease back. ``hand_over`` (what the next lease asks for, its
         holder): a lease manager that can pass a lease on as it is (``hand_over``: Ray's placement groups) does so
         when it fits, and the lease it returns is this method's result (None: the lease was given back)."""

@@ -335,7 +335,8 @@ def test_planner_hints_use_only_gpus_no_pool_holds_and_never_twice() -> None:
 def test_launch_hints_round_trip_and_anything_else_reads_as_none(tmp_path: Path) -> None:
     from types import SimpleNamespace
 
-    from pytest_sglworker.plugin.xdist_scheduling import MAP_INPUT, read_launch_hint, write_launch_hint
+    from pytest_sglworker.plugin.keys import MAP_INPUT
+    from pytest_sglworker.plugin.launch_hints import read_launch_hint, write_launch_hint
 
     config: Any = SimpleNamespace(workerinput={MAP_INPUT: str(tmp_path), "workerid": "gw1"})
     assert read_launch_hint(config) == (None, frozenset())  # nothing written yet
