@@ -534,18 +534,22 @@ class SglSession:
         serve a launch ahead elsewhere while this test waits for its own workers."""
         if self._source is None or not is_xdist_worker(self.config) or not self.settings.reuse:
             return
-        drop = self.finished_configs()
-        if drop:
-            self._source.retire_idle(drop)
+        self._follow_controller(self._source)
 
-    def _hinted_config(self, item: pytest.Item, source: WorkerSource) -> WorkerConfig | None:
-        """The configuration the xdist controller told this worker to launch ahead (one of its own tests'), or
-        None; the idle workers of those whose tests are all handed out are let go first."""
+    def _follow_controller(self, source: WorkerSource) -> str | None:
+        """The xdist controller's word: the idle workers of the configurations whose tests have all run are
+        stopped; the configuration to launch ahead is returned (None: none)."""
         from .launch_hints import read_launch_hint
 
         key, drop = read_launch_hint(self.config)
         if drop:
             source.retire_idle(drop)
+        return key
+
+    def _hinted_config(self, item: pytest.Item, source: WorkerSource) -> WorkerConfig | None:
+        """The configuration the xdist controller told this worker to launch ahead (one of its own tests'), or
+        None; the idle workers of those whose tests are all handed out are let go first."""
+        key = self._follow_controller(source)
         if key is None:
             return None
         if self._configs_by_key is None:
