@@ -257,15 +257,19 @@ class WorkerPool:
             entry = self._busy.pop(group.id, None) or self._idle.pop(group.id, None)
         if entry is None:
             return
-        with self._lock:  # a group of ``then`` that is pooled, or launched ahead, needs no lease
-            has = then is not None and (then in self._ahead or any(e.config == then for e in
-                                                                  [*self._idle.values(), *self._busy.values()]))
-        wanted = self._wanted(then) if then is not None and not has and getattr(self.leases, "hand_over", None) \
-            else None
+        # a configuration with a group pooled, or launched ahead, needs no lease
+        wanted = self._wanted(then) if then is not None and not self._has_group(then) \
+            and getattr(self.leases, "hand_over", None) else None
         handed = self._retire(entry, failed=failed or entry.tainted,
                               hand_over=None if wanted is None else (wanted, entry.lease.holder if entry.lease else ""))
         if handed is not None and then is not None:
             self._put_spare(then, handed)
+
+    def _has_group(self, config: WorkerConfig) -> bool:
+        """Whether a group of ``config`` is pooled (idle or busy) or being launched ahead."""
+        with self._lock:
+            return config in self._ahead or any(e.config == config for e in [*self._idle.values(),
+                                                                            *self._busy.values()])
 
     def _put_spare(self, config: WorkerConfig, lease: Any) -> None:
         with self._lock:
@@ -358,9 +362,8 @@ class WorkerPool:
         it had been launched then. Called on the main thread, which works out here everything the launch thread
         needs (the members' kinds and environments, ``environ``: default this process's, read now); the thread
         touches nothing else of the session."""
-        with self._lock:
-            if config in self._ahead or any(e.config == config for e in [*self._idle.values(), *self._busy.values()]):
-                return False
+        if self._has_group(config):
+            return False
         adopted = self._adopt(config, holder=holder, environ=inherited_environ() if environ is None else environ)
         if adopted is not None:  # a warm group of an earlier session: adopted now, ready when its test begins
             with self._lock:
