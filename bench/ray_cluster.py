@@ -358,12 +358,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", default="ray,shard", help="comma-separated parts: ray, shard (default: both)")
     parser.add_argument("--json", type=Path, default=None, help="also write every figure and sample as JSON")
     parser.add_argument("--keep", action="store_true", help="keep the work directory (logs, run reports)")
-    parser.add_argument("--render", type=Path, default=None, metavar="JSON",
-                        help="measure nothing: print the section from a JSON this script wrote")
+    common.add_render_option(parser)
     ns = parser.parse_args(argv)
     if ns.render is not None:
-        sys.stdout.write(markdown(json.loads(ns.render.read_text())))
-        return 0
+        return common.print_rendered(ns.render, markdown)
     parts = {p.strip() for p in ns.only.split(",") if p.strip()}
     if not parts or parts - {"ray", "shard"}:
         parser.error("--only takes ray, shard or both")

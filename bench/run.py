@@ -282,6 +282,19 @@ def machine() -> dict[str, Any]:
             "dirty": dirty}
 
 
+def add_render_option(parser: argparse.ArgumentParser) -> None:
+    """``--render JSON``, the same in every bench script: measure nothing, print the section(s) again from a JSON
+    file the script wrote with ``--json`` (:func:`print_rendered`)."""
+    parser.add_argument("--render", type=Path, default=None, metavar="JSON",
+                        help="measure nothing: print the section(s) again from an earlier --json file")
+
+
+def print_rendered(path: Path, render: Callable[[dict[str, Any]], str]) -> int:
+    """What ``--render`` does: the section(s) ``render`` makes of the JSON at ``path``, on stdout; exit status 0."""
+    sys.stdout.write(render(json.loads(path.read_text())))
+    return 0
+
+
 def start_meta(argv: Sequence[str]) -> dict[str, Any]:
     """The provenance every benchmark's JSON carries, as its run begins: the date, the machine (``machine()``: the
     commit and what differs from it), the settings (the script's command line) and the load average before."""
@@ -1590,13 +1603,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--real-engine", default=None, metavar="VENV",
                         help="the real engine's venv for part real (default: $SGLWORKER_REAL_ENGINE, else this "
                              "tree's .cache/real-engine)")
-    parser.add_argument("--render", type=Path, default=None, metavar="JSON",
-                        help="measure nothing: print the sections again from the --json file of an earlier run")
+    add_render_option(parser)
     ns = parser.parse_args(argv)
     if ns.render is not None:
-        saved = json.loads(ns.render.read_text())
-        sys.stdout.write(readme_section(saved) + "\n" + details_section(saved))
-        return 0
+        return print_rendered(ns.render, lambda saved: readme_section(saved) + "\n" + details_section(saved))
     parts = {p.strip() for p in ns.only.split(",") if p.strip()}
     unknown = parts - set(PARTS)
     if unknown:

@@ -26,7 +26,13 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from run import finish_meta, provenance_line, start_meta  # bench/run.py: the provenance of every figure
+from run import (  # bench/run.py: the provenance of every figure, --render
+    add_render_option,
+    finish_meta,
+    print_rendered,
+    provenance_line,
+    start_meta,
+)
 
 from pytest_sglworker.plugin.timeline import render_html, trace_events
 
@@ -98,12 +104,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--large", type=int, default=300, help="launches of the measured report (default 300)")
     parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds (default 7)")
     parser.add_argument("--json", type=Path, default=None, help="also write every sample as JSON")
-    parser.add_argument("--render", type=Path, default=None, metavar="JSON",
-                        help="measure nothing: print the section again from an earlier --json file")
+    add_render_option(parser)
     args = parser.parse_args(argv)
     if args.render is not None:
-        sys.stdout.write(render(json.loads(args.render.read_text())))
-        return 0
+        return print_rendered(args.render, render)
     t0 = time.perf_counter()
     meta = start_meta(argv if argv is not None else sys.argv[1:])
     data = {"meta": meta, **measure(args.small, args.large, args.rounds)}

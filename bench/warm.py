@@ -47,11 +47,13 @@ from typing import Any
 from run import (  # bench/run.py: the conventions and the machine line of every figure of the bench
     REPO,
     SUITES,
+    add_render_option,
     clean_env,
     finish_meta,
     fmt_ratio,
     fmt_s,
     median,
+    print_rendered,
     progress,
     provenance_line,
     ratio,
@@ -220,13 +222,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tests", type=int, default=4, help="tests per configuration (default 4)")
     parser.add_argument("--test-seconds", type=float, default=1.0, help="each test's own time (default 1.0)")
     parser.add_argument("--json", type=Path, default=None, help="also write every sample as JSON")
-    parser.add_argument("--render", type=Path, default=None, metavar="JSON",
-                        help="measure nothing: print the section again from an earlier --json file")
+    add_render_option(parser)
     parser.add_argument("--keep", action="store_true", help="keep the work directory")
     ns = parser.parse_args(argv)
     if ns.render is not None:
-        sys.stdout.write(render(json.loads(ns.render.read_text())))
-        return 0
+        return print_rendered(ns.render, render)
     real_engine = ns.real_engine or os.environ.get("SGLWORKER_REAL_ENGINE")
     for key in list(os.environ):
         if key.startswith(("SGLWORKER_", "SGLSIM_")) or key in ("PYTEST_ADDOPTS", "PYTEST_PLUGINS"):

@@ -36,10 +36,12 @@ from pathlib import Path
 from typing import Any
 
 from run import (  # bench/run.py: the conventions and the provenance of every figure of the bench
+    add_render_option,
     clean_env,
     finish_meta,
     fmt_x,
     median,
+    print_rendered,
     progress,
     provenance_line,
     start_meta,
@@ -149,13 +151,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="1 run of each variant (default 3)")
     parser.add_argument("--reps", type=int, default=None, help="runs of each variant of each suite")
     parser.add_argument("--json", type=Path, default=None, help="also write every figure and sample as JSON")
-    parser.add_argument("--render", type=Path, default=None, metavar="JSON",
-                        help="measure nothing: print the section again from an earlier --json file")
+    add_render_option(parser)
     parser.add_argument("--only", default=",".join(SUITES), help=f"suites, comma-separated ({', '.join(SUITES)})")
     args = parser.parse_args(argv)
     if args.render is not None:
-        sys.stdout.write(render(json.loads(args.render.read_text())))
-        return 0
+        return print_rendered(args.render, render)
     reps = args.reps or (1 if args.quick else 3)
     suites = [s.strip() for s in args.only.split(",") if s.strip()]
     unknown = set(suites) - set(SUITES)
