@@ -118,8 +118,10 @@ def test_dry_run_passes_every_check(tmp_path: Path) -> None:
         assert "problem" not in case, (case, why)
         assert case["memory_back"] is True
         assert case["lease_back_after_exit_s"] >= case["nvml_last_busy_after_exit_s"], (case, why)
-    # freed by cuMemFree before the exit: NVML last saw the memory in use before the holder exited
-    assert cases["hold-30g-free"]["nvml_last_busy_after_exit_s"] < 0, (cases["hold-30g-free"], why)
+    # freed by cuMemFree before the exit: NVML last saw the memory in use no later than the holder's exit. The
+    # free and the exit event are microseconds apart and the figure is rounded to the millisecond, so a poll just
+    # before the free reads -0.0; a holder that kept the memory to its exit reads the fake driver's delay instead
+    assert cases["hold-30g-free"]["nvml_last_busy_after_exit_s"] <= 0, (cases["hold-30g-free"], why)
     for name in ("hold-30g-exit", "hold-big-exit"):
         case = cases[name]
         # held until the exit, and back only after the fake driver's delay (a lower bound: load only adds to it)
