@@ -62,6 +62,9 @@ if TYPE_CHECKING:
 __all__ = ["WorkerGroup", "WorkerPool"]
 
 _ids = itertools.count(1)
+#: while the main thread waits for a launch (its own, or one started ahead), how often it lets go the idle groups
+#: no test needs (another process waits for a GPU, or the xdist controller says their tests are all done)
+YIELD_EVERY_S = 0.5
 
 
 class WorkerPool:
@@ -428,9 +431,14 @@ class WorkerPool:
             ahead = self._ahead.pop(config, None)
         if ahead is None or ahead.thread is None:
             return
+        yielded = time.monotonic() - YIELD_EVERY_S
         while ahead.thread.is_alive():
             ahead.thread.join(0.1)
             self.on_tick()
+            if time.monotonic() - yielded >= YIELD_EVERY_S:  # as while it waits for a launch of its own: what no
+                yielded = time.monotonic()                   # test needs goes, its GPUs to a launch elsewhere
+                self.yield_idle(keep=config)
+                self._retire_finished()
         if raise_error and ahead.error is not None and not isinstance(ahead.error, LaunchCancelled):
             raise ahead.error
 
@@ -684,14 +692,14 @@ class WorkerPool:
                    for i in range(len(plans))]
         for thread in threads:
             thread.start()
-        yielded = time.monotonic()
+        yielded = time.monotonic() - YIELD_EVERY_S  # at once, then every YIELD_EVERY_S
         try:
             for thread in threads:
                 while thread.is_alive():
                     thread.join(0.1)
                     if not quiet:
                         self.on_tick()  # on the main thread: what the member threads queued for the terminal
-                        if time.monotonic() - yielded >= 1.0:
+                        if time.monotonic() - yielded >= YIELD_EVERY_S:
                             yielded = time.monotonic()
                             self.yield_idle(keep=config)
                             self._retire_finished()

@@ -347,10 +347,31 @@ def test_a_process_that_comes_to_wait_during_a_startup_gets_the_idle_groups(  # 
     idle = pool.acquire(WorkerConfig.of(QWEN, ["--max-total-tokens", "256"]), holder="a")
     pool.release(idle)
     _another_process_waits(tmp_path / "locks", 4)
-    monkeypatch.setenv("SGLSIM_STARTUP_SECONDS", "1.5")  # the launch's wait looks about once a second
+    monkeypatch.setenv("SGLSIM_STARTUP_SECONDS", "1.5")  # the launch's wait looks every YIELD_EVERY_S
     started = pool.acquire(WorkerConfig.of(QWEN, ["--max-total-tokens", "512"]), holder="b")
     assert started[0].is_alive() and not idle[0].is_alive() and idle not in pool.groups()
     # a group's members start on threads of their own; the main thread looks while it waits for them
     pool.release(started, needed_next=True)
     group = pool.acquire(WorkerConfig.of(QWEN, group=GroupShape(prefill=1, decode=1)), holder="pd")
     assert group.is_alive() and not started[0].is_alive() and started not in pool.groups()
+
+
+def test_while_a_launch_ahead_finishes_the_idle_groups_of_finished_configurations_go(  # type: ignore[no-untyped-def]
+        make_pool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An xdist worker whose next test waits for the group it launched ahead lets go, meanwhile, the idle groups of
+    the configurations the controller says no later test takes (their GPUs serve a launch elsewhere): at once, not
+    when the launch ahead is ready."""
+    done: set[str] = set()
+    pool = make_pool(gpus=4, finished=lambda: frozenset(done))
+    a, b = WorkerConfig.of(QWEN, ["--max-total-tokens", "256"]), WorkerConfig.of(QWEN, ["--max-total-tokens", "512"])
+    first = pool.acquire(a, holder="a")
+    pool.release(first)
+    monkeypatch.setenv("SGLSIM_STARTUP_SECONDS", "2")
+    assert pool.launch_ahead(b, holder="ahead")
+    done.add(a.key)  # the controller's word: a's tests have all run
+    group = pool.acquire(b, holder="b")
+    assert group[0].is_alive() and not first[0].is_alive() and first not in pool.groups()
+    by_config = {r.config: r for r in pool.records.launches}
+    stopped, ready = by_config[a.key].t_stop_requested, by_config[b.key].t_ready
+    assert stopped is not None and ready is not None
+    assert stopped < ready - 1.0, (stopped, ready)  # let go while b still had most of its 2 s startup to go
