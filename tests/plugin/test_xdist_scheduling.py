@@ -23,10 +23,9 @@ from typing import Any
 import pytest
 
 from pytest_sglworker.plugin.options import parse_dist_option
+from pytest_sglworker.plugin.planner import Planner, Unit
 from pytest_sglworker.plugin.xdist_scheduling import (
     MAP_SCHEMA,
-    Planner,
-    Unit,
     explicit_dist,
     read_collection_map,
     unit_from_suffix,
@@ -330,6 +329,90 @@ def test_planner_hints_use_only_gpus_no_pool_holds_and_never_twice() -> None:
     # stopped c0's workers between two of their tests), and its GPUs take the next launch ahead
     assert drops == [("a", "c0")] and planner.nodes["a"].residents == ["c3", "c2"]
     assert hints == [("a", None), ("a", "c3")] and planner.hints == {"a": "c3"}
+
+
+def _drops_over(planner: Planner, node: str, durations: float = 0.1) -> list[tuple[str, list[str]]]:
+    """Run ``node``'s tests one by one: after each, the test's configuration and the drops told then."""
+    out: list[tuple[str, list[str]]] = []
+    while planner.nodes[node].pending:
+        index = planner.nodes[node].pending[0]
+        actions = planner.complete(node, index, durations)
+        out.append((planner.units[index].key, [k for n, k in actions.drops if n == node]))  # type: ignore[union-attr]
+    return out
+
+
+def test_planner_lets_go_what_it_reckoned_evicted_once_its_tests_are_done() -> None:
+    # one xdist worker on 2 GPUs: c0, then c1 (1 GPU each), then c2 (2 GPUs), handed out while c1's tests were
+    # still to run. The planner reckons the pool evicted c0 and c1 for c2 (it counts their GPUs no more), but a
+    # pool evicts only when its lease must wait: each is let go by word once its last test has run
+    units = [*suite(2, 2), Unit("c2", 2), Unit("c2", 2)]
+    planner = Planner(units, gpus_total=2, steal_min=None, workers=1)
+    planner.add_node("a")
+    planner.fill_all()
+    ran = _drops_over(planner, "a")
+    told = [(key, drops) for key, drops in ran if drops]
+    assert told == [("c0", ["c0"]), ("c1", ["c1"])], ran  # each after its own last test, none twice
+    assert [key for key, _ in ran].index("c1") < [key for key, _ in ran].index("c2")
+
+
+@pytest.mark.parametrize(("workers", "leaves"), [(2, False), (4, True)], ids=["fewer-than-gpus", "as-many"])
+def test_planner_a_worker_holding_its_last_test_takes_a_configuration_that_waits_for_gpus(
+        workers: int, leaves: bool) -> None:
+    # 4 GPUs: a runs c0 (2 GPUs), b runs c1 (1 GPU); c2 needs 3. Once b holds only its last test of c1 it must be
+    # sent a test or leave (xdist runs a test once it knows the next). With fewer xdist workers than GPUs, one
+    # that leaves is missed for the rest of the run: b takes c2, and its pool waits for the lease
+    units = [*[Unit("c0", 2)] * 4, *[Unit("c1")] * 2, *[Unit("c2", 3)] * 2]
+    planner = Planner(units, gpus_total=4, steal_min=None, workers=workers)
+    planner.add_node("a")
+    planner.add_node("b")
+    planner.fill_all()
+    assert planner.nodes["a"].current == "c0" and planner.nodes["b"].current == "c1"
+    actions = planner.complete("b", planner.nodes["b"].pending[0], 0.1)
+    if leaves:
+        assert actions.shutdowns == ["b"] and not [n for n, _ in actions.sends if n == "b"]
+    else:
+        sent = [(n, {units[i].key for i in s}) for n, s in actions.sends]  # type: ignore[union-attr]
+        assert actions.shutdowns == [] and sent == [("b", {"c2"})]
+
+
+def test_planner_a_worker_waiting_for_two_gpus_is_not_starved_by_one_gpu_configurations() -> None:
+    # 2 GPUs, 3 xdist workers: a and b take c0 and c1 (1 GPU each), c waits for c2's 2 GPUs. When a's and b's
+    # GPUs come free one at a time, each would start a 1-GPU configuration on it, and c2 would wait to the end;
+    # the first worker that waits has the GPUs it waits for kept for it (it may take what fits first itself)
+    units = [*suite(3, 3), *[Unit("c2", 2)] * 3, Unit("c3"), Unit("c4")]
+    planner = Planner(units, gpus_total=2, steal_min=None, workers=3)
+    for node in "abc":
+        planner.add_node(node)
+    planner.fill_all()
+    assert not planner.nodes["c"].pending
+    sent: list[tuple[str, str]] = []
+    for node in "ab":  # each runs its tests, then leaves (told to: nothing it may start is left)
+        while planner.nodes[node].pending:
+            actions = planner.complete(node, planner.nodes[node].pending[0], 0.1)
+            sent += [(n, units[i].key) for n, s in actions.sends for i in s]  # type: ignore[union-attr]
+        assert planner.nodes[node].down
+        actions = planner.remove_node(node)[1]
+        sent += [(n, units[i].key) for n, s in actions.sends for i in s]  # type: ignore[union-attr]
+    while planner.nodes["c"].pending:
+        actions = planner.complete("c", planner.nodes["c"].pending[0], 0.1)
+        sent += [(n, units[i].key) for n, s in actions.sends for i in s]  # type: ignore[union-attr]
+    assert {n for n, _ in sent} == {"c"}, sent  # neither a nor b started c3 or c4 on a GPU c waited for
+    assert sorted(key for _, key in sent) == ["c2", "c2", "c2", "c3", "c4"]
+
+
+def test_planner_launches_ahead_on_the_worker_done_soonest_by_seconds() -> None:
+    # with history: a's c0 has 2 tests of 5 s left, b's c1 3 of 0.1 s; cX, the configuration left, is launched
+    # ahead by b, which is done with its own long before a (by test count a would look sooner done)
+    units = [*suite(5), *[Unit("c1")] * 6, Unit("cX"), Unit("cX")]
+    tests: list[float | None] = [5.0] * 5 + [0.1] * 6 + [1.0, 1.0]
+    planner = Planner(units, gpus_total=8, steal_min=None, workers=2,
+                      history=(tests, {"c0": 1.0, "c1": 10.0, "cX": 1.0}))
+    planner.add_node("a")
+    planner.add_node("b")
+    actions = planner.fill_all()
+    assert planner.nodes["a"].current == "c0" and planner.nodes["b"].current == "c1"
+    assert (len(planner.queues["c0"]), len(planner.queues["c1"])) == (2, 3)
+    assert actions.hints == [("b", "cX")]
 
 
 def test_launch_hints_round_trip_and_anything_else_reads_as_none(tmp_path: Path) -> None:

@@ -1,0 +1,480 @@
+"""The plain logic of the xdist scheduler that knows worker configurations (:mod:`.xdist_scheduling`, which is
+xdist's ``Scheduling`` protocol around it): which tests (collection indices) go to which xdist worker (a node),
+what a node launches ahead, and what it lets go. No xdist, no pytest: a discrete-event model of xdist workers
+drives it in the tests.
+
+- **Affinity**: an xdist worker keeps receiving the tests of the configuration it already runs (then of a
+  configuration still in its pool), and starts an unstarted configuration (the largest that fits the free
+  GPUs) only when its own is done.
+- **Work stealing**: an xdist worker with nothing else to do starts a copy of its own of a configuration
+  that another one runs, and takes part of its tests, only when (1) a GPU for it is free (the inventory
+  less what the other xdist workers' pools hold, as this scheduler placed them; it does not wait for one: its
+  pool would keep its idle workers' GPUs meanwhile), (2) at least ``K`` of its tests are left for each copy
+  (``--sgl-dist auto,steal=K``, default 4), (3) once a startup and a test
+  duration are known, the copy brings the end of the configuration's queue forward by more than its startup's
+  share of the inventory (``startup x its GPUs / all GPUs``: the GPU-seconds it spends starting are fewer than
+  the whole inventory's it gives back), and (4) the run has started fewer than ``xdist workers - 1`` extra
+  copies, which bounds the launches by ``configurations + xdist workers - 1``. For (3) the running copies take
+  the queue's tests once they are free: a copy still starting is busy for what is left of its startup, then
+  each copy for its pending tests; the durations are the run's own measurements of the configuration, else
+  what earlier runs measured of it (:mod:`.durations`), else the run's measurements of the others (a
+  configuration that still starts has measured nothing of its own, and its startup can be many times the
+  others').
+- **Launch ahead**: with fewer xdist workers than GPUs, a node that runs a configuration is told to start the
+  unstarted configuration with the most work that fits the GPUs no node's pool holds (first the node that will be
+  done with its own soonest), and takes its tests once its own are done; once a configuration's tests have all
+  run, the node that ran them is told to let its idle workers go.
+- **Waiting for GPUs**: the first node that waits for GPUs for a test has the GPUs of the configuration with the
+  most work kept for it; a node that holds its last test and finds nothing that fits takes that configuration
+  anyway when there are fewer xdist workers than GPUs (one that leaves is missed), else it leaves.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import deque
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+#: tests a node holds at once (the one it runs, the next one xdist needs to know, one more in flight)
+WINDOW = 3
+
+
+@dataclass(frozen=True)
+class Unit:
+    """What a test needs: a worker configuration (``key``, ``gpus`` leased at once) whose tests an xdist
+    worker should keep, and whether other xdist workers may start copies of it (False for a user's own
+    ``xdist_group``: its tests stay on one xdist worker, as under ``--dist loadgroup``)."""
+
+    key: str
+    gpus: int = 1
+    stealable: bool = True
+
+
+@dataclass
+class _Node:
+    id: Hashable
+    pending: list[int] = field(default_factory=list)
+    current: str | None = None
+    residents: list[str] = field(default_factory=list)  # configurations its pool holds, most recent first
+    #: every configuration it launched and was not yet told to let go, in launch order: ``residents`` leaves out
+    #: those the planner reckons its pool evicted, which the pool may still hold (it evicts only when it must)
+    pooled: dict[str, None] = field(default_factory=dict)
+    probes: set[int] = field(default_factory=set)  # tests whose duration includes a launch
+    launched_at: float = 0.0  # when the planner started its current configuration (its clock)
+    down: bool = False
+
+
+@dataclass
+class Actions:
+    """What the planner asks of the xdist workers: tests to send (collection indices), and shutdowns."""
+
+    sends: list[tuple[Hashable, list[int]]] = field(default_factory=list)
+    shutdowns: list[Hashable] = field(default_factory=list)
+    #: a configuration a node is to launch ahead, on GPUs no node holds, while it runs its own (it takes that
+    #: configuration's tests once its own are done)
+    hints: list[tuple[Hashable, str | None]] = field(default_factory=list)  # None: nothing now (it took it)
+    #: configurations whose tests are all handed out: a node's pool lets their idle workers go (with hints only)
+    drops: list[tuple[Hashable, str]] = field(default_factory=list)
+
+
+def _median(values: Sequence[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def _finish(busy: Sequence[float], work: float) -> float:
+    """When copies free after ``busy`` seconds each finish ``work`` seconds of tests between them."""
+    free = sorted(busy)
+    for k in range(1, len(free) + 1):
+        end = (work + sum(free[:k])) / k
+        if k == len(free) or end <= free[k]:
+            return end
+    return float("inf")
+
+
+class Planner:
+    """Hands tests (collection indices) to nodes by configuration: affinity first, then work stealing.
+
+    ``units[i]`` is what test ``i`` needs (None: no pooled worker; any node runs it). ``gpus_total`` is the
+    inventory's size (None: unknown, no GPU check), ``steal_min`` the ``K`` of work stealing (None: off),
+    ``workers`` the number of xdist workers (``workers - 1`` extra copies at most). ``history``: what earlier
+    runs measured (:func:`.durations.estimates`: each test's seconds by index, each configuration's startup), by
+    which an unstarted configuration with more work (startup plus tests) starts first; without it, more tests;
+    and, with the run's own measurements, by which work stealing judges a copy (``clock``: the seconds by which
+    it tells what is left of a copy's startup)."""
+
+    def __init__(self, units: Sequence[Unit | None], *, gpus_total: int | None, steal_min: int | None,
+                 workers: int, window: int = WINDOW,
+                 history: tuple[Sequence[float | None], Mapping[str, float]] | None = None,
+                 clock: Callable[[], float] = time.monotonic, hints: bool = True) -> None:
+        self.units = list(units)
+        #: node id -> the configuration it was told to launch ahead and has not started taking tests of
+        self.hints: dict[Hashable, str] | None = {} if hints else None
+        self.clock = clock
+        self.history = history
+        self._fills: dict[str, float] = {}
+        self._test_fill: float | None = None
+        self._startup_fill: float | None = None
+        if history is not None:
+            tests, startups = history
+            own: dict[str, list[float]] = {}
+            for unit, seconds in zip(self.units, tests, strict=True):
+                if unit is not None and seconds is not None:
+                    own.setdefault(unit.key, []).append(seconds)
+            self._fills = {k: statistics.median(v) for k, v in own.items()}
+            self._test_fill = _median([s for s in tests if s is not None])
+            self._startup_fill = _median(list(startups.values()))
+        self.queues: dict[str | None, deque[int]] = {}
+        self.info: dict[str, Unit] = {}
+        for index, unit in enumerate(self.units):
+            if unit is not None:
+                self.info.setdefault(unit.key, unit)
+            self.queues.setdefault(unit.key if unit else None, deque()).append(index)
+        self.total = gpus_total
+        self.steal_min = steal_min
+        self.workers = workers
+        self.steal_budget = max(0, workers - 1)
+        self.window = max(2, window)
+        self.nodes: dict[Hashable, _Node] = {}
+        #: the first node that waits for GPUs for a test (it holds none), and the configuration with the most work
+        #: that it waits for: no other node starts a configuration on those GPUs (without it, configurations of one
+        #: GPU took each GPU as it came free, and one of two GPUs waited to the end); it takes the first that fits
+        self._waiter: tuple[Hashable, str] | None = None
+        self.launches = 0
+        self.steals = 0
+        self._seconds: dict[str, list[float]] = {}
+        self._startups: dict[str, list[float]] = {}
+
+    # -- state --------------------------------------------------------------------------------------------
+    @property
+    def configurations(self) -> int:
+        return len(self.info)
+
+    def left(self) -> int:
+        return sum(len(q) for q in self.queues.values())
+
+    @property
+    def finished(self) -> bool:
+        return not self.left() and all(len(n.pending) < 2 for n in self.nodes.values())
+
+    @property
+    def has_pending(self) -> bool:
+        return bool(self.left()) or any(n.pending for n in self.nodes.values())
+
+    def copies(self, key: str) -> int:
+        """Nodes that take tests of ``key`` from its queue."""
+        return sum(1 for n in self.nodes.values() if n.current == key and not n.down)
+
+    def _gpus(self, key: str) -> int:
+        return max(0, self.info[key].gpus)
+
+    def _held(self, node: _Node) -> int:
+        return sum(self._gpus(k) for k in node.residents)
+
+    def _free_for(self, node: _Node) -> int | None:
+        """GPUs ``node`` could lease now: the inventory less what the others' pools hold (its own idle
+        workers are evicted when it needs their GPUs, as the pool does)."""
+        if self.total is None:
+            return None
+        return self.total - sum(self._held(n) for n in self.nodes.values() if n is not node)
+
+    # -- durations ----------------------------------------------------------------------------------------
+    def test_seconds(self, key: str) -> float | None:
+        """A test of ``key``: what this run measured of it, else what earlier runs did (history), else any
+        configuration's test, this run's first."""
+        for value in (_median(self._seconds.get(key, ())), self._fills.get(key),
+                      _median([s for v in self._seconds.values() for s in v]), self._test_fill):
+            if value is not None:
+                return value
+        return None
+
+    def _run_startup(self, key: str) -> float | None:
+        """A launch of ``key`` as this run measured it: its first test on a node (whose setup starts the worker)
+        less a test."""
+        first, t = _median(self._startups.get(key, ())), self.test_seconds(key)
+        return None if first is None or t is None else max(0.0, first - t)
+
+    def startup_seconds(self, key: str) -> float | None:
+        """A launch's cost: what this run measured of ``key``'s, else what earlier runs did (history), else any
+        configuration's launch, this run's first. Another configuration's figure is a guess: a configuration
+        that is still starting has measured nothing, and its startup may be many times the others'."""
+        history = self.history[1] if self.history is not None else {}
+        for value in (self._run_startup(key), history.get(key),
+                      _median([s for k in self._startups if (s := self._run_startup(k)) is not None]),
+                      self._startup_fill):
+            if value is not None:
+                return value
+        return None
+
+    def queued_seconds(self, key: str) -> float | None:
+        """The seconds ``key``'s queued tests take (None: a test's is unknown)."""
+        seconds = [self._seconds_of(i) for i in self.queues.get(key, ())]
+        return None if None in seconds else sum(s or 0.0 for s in seconds)
+
+    def work(self, key: str) -> float | None:
+        """The seconds ``key``'s queued tests and a startup take, from history (None: no history). A test or a
+        startup history lacks counts as the median of the configuration's known tests (else of all) and of all
+        known startups."""
+        if self.history is None:
+            return None
+        tests, startups = self.history
+        fill = self._fills.get(key, self._test_fill or 0.0)
+        return startups.get(key, self._startup_fill or 0.0) + sum(
+            fill if tests[i] is None else float(tests[i] or 0.0) for i in self.queues.get(key, ()))
+
+    def _seconds_of(self, index: int) -> float | None:
+        """Test ``index``: what earlier runs measured of it, else as :meth:`test_seconds`."""
+        known = self.history[0][index] if self.history is not None else None
+        unit = self.units[index]
+        return known if known is not None or unit is None else self.test_seconds(unit.key)
+
+    def _starting(self, node: _Node) -> bool:
+        """``node`` still starts its current configuration (the test that launches it has not completed)."""
+        return any((unit := self.units[i]) is not None and unit.key == node.current for i in node.probes)
+
+    def _busy_for(self, node: _Node, startup: float) -> float:
+        """Seconds from now until ``node`` takes a queued test: what is left of its launch, then its pending tests."""
+        left = max(0.0, node.launched_at + startup - self.clock()) if self._starting(node) else 0.0
+        return left + sum(self._seconds_of(i) or 0.0 for i in node.pending)
+
+    def worth_a_copy(self, key: str) -> bool:
+        """A copy started now would end ``key``'s queue sooner by more than its startup's share of the inventory
+        (of the xdist workers where the inventory is unknown): the running copies take the queue's tests once
+        they are free, the new one once it has started (unmeasured: assumed so, K decides)."""
+        copies = [n for n in self.nodes.values() if n.current == key and not n.down]
+        left, startup = self.queued_seconds(key), self.startup_seconds(key)
+        if left is None or startup is None:
+            return True
+        busy = [self._busy_for(n, startup) for n in copies]
+        share = max(1, self._gpus(key)) / max(1, self.total or self.workers)
+        return _finish(busy, left) - _finish([*busy, startup], left) > share * startup
+
+    # -- nodes --------------------------------------------------------------------------------------------
+    def add_node(self, node_id: Hashable) -> None:
+        self.nodes.setdefault(node_id, _Node(node_id))
+
+    def mark_down(self, node_id: Hashable) -> None:
+        node = self.nodes.get(node_id)
+        if node is not None:
+            node.down = True
+
+    def remove_node(self, node_id: Hashable) -> tuple[int | None, Actions]:
+        """The node is gone: its first pending test is the one it crashed in (returned), the others go back
+        to the front of their queues."""
+        node = self.nodes.pop(node_id, None)
+        if self.hints:
+            self.hints.pop(node_id, None)
+        if node is None or not node.pending:
+            return None, self.fill_all()
+        crashed, rest = node.pending[0], node.pending[1:]
+        for index in reversed(rest):
+            self._requeue(index)
+        return crashed, self.fill_all()
+
+    def requeue(self, index: int) -> Actions:
+        """Run ``index`` again (``mark_test_pending``, e.g. a rerun after a crash)."""
+        self._requeue(index)
+        return self.fill_all()
+
+    def _requeue(self, index: int) -> None:
+        unit = self.units[index]
+        self.queues.setdefault(unit.key if unit else None, deque()).appendleft(index)
+
+    def complete(self, node_id: Hashable, index: int, duration: float = 0.0) -> Actions:
+        node = self.nodes.get(node_id)
+        if node is None:
+            return Actions()
+        if index in node.pending:
+            node.pending.remove(index)
+        unit = self.units[index]
+        if unit is not None:
+            samples = self._startups if index in node.probes else self._seconds
+            samples.setdefault(unit.key, []).append(max(0.0, duration))
+        node.probes.discard(index)
+        return self._fill_nodes([node, *(other for other in self.nodes.values() if other is not node)])
+
+    def fill_all(self) -> Actions:
+        return self._fill_nodes(sorted(self.nodes.values(), key=lambda n: not n.pending))  # busy ones keep theirs
+
+    def _fill_nodes(self, nodes: Sequence[_Node]) -> Actions:
+        """A first test for each node that runs nothing, then each node's window: a node's look-ahead into its
+        next configuration never takes the GPUs another node waits for its first test on."""
+        actions = Actions()
+        for node in nodes:
+            if not node.pending:
+                self._fill(node, actions, window=1)
+        for node in nodes:
+            self._fill(node, actions)
+        self._hint(actions)
+        return actions
+
+    # -- choosing -----------------------------------------------------------------------------------------
+    def _choose(self, node: _Node, holds: int) -> tuple[tuple[str, str | None] | None, bool]:
+        """``((kind, key), blocked)``: what ``node``, holding ``holds`` tests, takes next (kind ``same``,
+        ``resident``, ``new``, ``unkeyed`` or ``steal``), and whether something was left only because its GPUs are
+        not free."""
+        current = node.current
+        if current is not None and self.queues.get(current):
+            return ("same", current), False
+        for key in node.residents:
+            if key != current and self.queues.get(key) and (self.info[key].stealable or not self.copies(key)):
+                return ("resident", key), False
+        free = self._free_for(node)
+        blocked = False
+        unstarted = self._unstarted(node)
+        # most work first (longest processing time: from history), else most tests; ties in collection order
+        unstarted.sort(key=lambda k: (-(self.work(k) or 0.0), -len(self.queues[k])))
+        waiter = self._waiting()
+        if waiter is not None and waiter[0] is not node and free is not None:
+            free -= self._gpus(waiter[1])  # the GPUs it waits for are kept for it
+        for key in unstarted:
+            if free is None or self._gpus(key) <= free:
+                if waiter is not None and waiter[0] is node:
+                    self._waiter = None
+                return ("new", key), False
+            blocked = True
+        if blocked and holds == 0 and waiter is None:
+            self._waiter = (node.id, unstarted[0])
+        if self.queues.get(None):
+            return ("unkeyed", None), False
+        stolen = self._steal_for(free)
+        if stolen is not None:
+            return ("steal", stolen), False
+        if blocked and holds == 1 and self.total is not None and self.workers < self.total:
+            # It would have to leave (it holds one test), and with fewer xdist workers than GPUs one that leaves
+            # is missed: it takes the configuration with the most work, whose lease its pool waits for
+            return ("new", unstarted[0]), False
+        # A copy that lacks GPUs is not waited for: a node that waits keeps its idle workers' GPUs (its pool lets
+        # them go only between its own tests), which the configurations still to start may need
+        return None, blocked
+
+    def _waiting(self) -> tuple[_Node, str] | None:
+        """The node that waits for GPUs, and for which configuration (None: none, or it no longer waits)."""
+        if self._waiter is None:
+            return None
+        node, key = self.nodes.get(self._waiter[0]), self._waiter[1]
+        if node is None or node.down or node.pending or key not in self._unstarted(node):
+            self._waiter = None
+            return None
+        return node, key
+
+    def _unstarted(self, node: _Node | None = None) -> list[str]:
+        """Configurations no node takes tests of, less those launched ahead by another node than ``node``."""
+        hinted = {key for nid, key in (self.hints or {}).items()
+                  if (node is None or nid != node.id) and nid in self.nodes and not self.nodes[nid].down}
+        return [k for k, q in self.queues.items() if k is not None and q and not self.copies(k) and k not in hinted]
+
+    def _hint(self, actions: Actions) -> None:
+        """Launch ahead: on GPUs no node's pool holds, a node that runs a configuration (soonest done first) is
+        told to start the unstarted configuration with the most work that fits, and takes its tests once its own
+        are done (its pool holds it: a resident). An xdist worker sees its tests only one ahead, so without this
+        a configuration started only as its first test came, and with fewer xdist workers than GPUs, GPUs sat
+        idle while startups queued behind tests. Never while a node waits for GPUs for its first test."""
+        if self.hints is None or self.total is None:
+            return
+        for node in self.nodes.values():
+            # What no test will take again is let go, and no longer counted, once the node has run its last test of
+            # it (told earlier, its pool would stop the workers between two of their own tests)
+            pending = {self.units[i].key for i in node.pending if self.units[i] is not None}  # type: ignore[union-attr]
+            for key in [k for k in node.pooled if k != node.current and k != self.hints.get(node.id)
+                        and not self.queues.get(k) and k not in pending]:
+                del node.pooled[key]
+                if key in node.residents:
+                    node.residents.remove(key)
+                actions.drops.append((node.id, key))
+        nodes = [n for n in self.nodes.values() if not n.down]
+        if any(not n.pending for n in nodes):
+            return  # a node waits for GPUs (or is about to leave): they are its
+        busy = [n for n in nodes if n.id not in self.hints and n.current is not None]
+        busy.sort(key=self._done_in)
+        for node in busy:
+            free = self.total - sum(self._held(n) for n in self.nodes.values())
+            fits = [k for k in self._unstarted() if self._gpus(k) <= free]
+            if not fits:
+                return
+            fits.sort(key=lambda k: (-(self.work(k) or 0.0), -len(self.queues[k])))
+            key = fits[0]
+            node.residents = [key, *(k for k in node.residents if k != key)]
+            node.pooled[key] = None
+            self.hints[node.id] = key
+            self.launches += 1
+            actions.hints.append((node.id, key))
+
+    def _done_in(self, node: _Node) -> tuple[bool, float]:
+        """How soon ``node`` is done with its current configuration, to sort by: the seconds of what is left of its
+        launch, its pending tests and its share of the configuration's queue; by the queue's test count where a
+        test's seconds are not known yet (no history, nothing measured)."""
+        key = str(node.current)
+        share = max(1, self.copies(key))
+        startup, queued = self.startup_seconds(key), self.queued_seconds(key)
+        if startup is None or queued is None:
+            return True, len(self.queues.get(key) or ()) / share
+        return False, self._busy_for(node, startup) + queued / share
+
+    def _steal_for(self, free: int | None) -> str | None:
+        if self.steal_min is None or self.steals >= self.steal_budget:
+            return None
+        running = [k for k, q in self.queues.items()
+                   if k is not None and q and self.info[k].stealable and self.copies(k)]
+        running.sort(key=lambda k: -len(self.queues[k]) / (self.copies(k) + 1))
+        for key in running:
+            left, copies, gpus = len(self.queues[key]), self.copies(key), self._gpus(key)
+            if left < self.steal_min * (copies + 1):
+                continue
+            if self.total is not None and gpus and copies + 1 > self.total // gpus:
+                continue
+            if (free is None or gpus <= free) and self.worth_a_copy(key):
+                return key
+        return None
+
+    def _launch(self, node: _Node, key: str) -> None:
+        node.residents = [key, *(k for k in node.residents if k != key)]
+        node.pooled[key] = None
+        if self.total is not None:
+            while len(node.residents) > 1 and sum(self._held(n) for n in self.nodes.values()) > self.total:
+                node.residents.pop()  # the pool evicts its least recently used idle worker (reckoned so)
+
+    def _fill(self, node: _Node, actions: Actions, window: int | None = None) -> None:
+        if node.down:
+            return
+        batch: list[int] = []
+        choice: tuple[str, str | None] | None = None
+        blocked = False
+        while len(node.pending) + len(batch) < (window or self.window):
+            choice, blocked = self._choose(node, len(node.pending) + len(batch))
+            if choice is None:
+                break
+            kind, key = choice
+            probe = False
+            if kind in ("new", "steal") and key is not None:
+                self._launch(node, key)
+                node.launched_at = self.clock()
+                self.launches += 1
+                self.steals += kind == "steal"
+                probe = True
+            elif kind == "resident" and key is not None:
+                node.residents = [key, *(k for k in node.residents if k != key)]
+                if self.hints is not None and self.hints.get(node.id) == key:
+                    del self.hints[node.id]  # its launch ahead is now its current configuration
+                    actions.hints.append((node.id, None))
+            if key is not None:
+                node.current = key
+            index = self.queues[key].popleft()
+            if probe:
+                node.probes.add(index)
+            batch.append(index)
+        if batch:
+            node.pending.extend(batch)
+            actions.sends.append((node.id, batch))
+        if not self.left():
+            self._down(node, actions)
+        elif choice is None and len(node.pending) < 2 and (node.pending or not blocked):
+            # Nothing for it now: it runs what it holds and leaves, so that its pool's GPUs are given back. A node
+            # that holds a test cannot wait (xdist runs a test only once it knows the next one, or the shutdown);
+            # one that holds none waits when only GPUs are missing (the others free theirs as they finish).
+            self._down(node, actions)
+
+    def _down(self, node: _Node, actions: Actions) -> None:
+        node.down = True
+        actions.shutdowns.append(node.id)
