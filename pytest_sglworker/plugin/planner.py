@@ -107,11 +107,14 @@ class Planner:
     def __init__(self, units: Sequence[Unit | None], *, gpus_total: int | None, steal_min: int | None,
                  workers: int, window: int = WINDOW,
                  history: tuple[Sequence[float | None], Mapping[str, float]] | None = None,
-                 clock: Callable[[], float] = time.monotonic, hints: bool = True) -> None:
+                 clock: Callable[[], float] = time.monotonic, hints: bool = True,
+                 lease_timeout: float | None = None) -> None:
         self.units = list(units)
         #: node id -> the configuration it was told to launch ahead and has not started taking tests of
         self.hints: dict[Hashable, str] | None = {} if hints else None
         self.clock = clock
+        #: how long an xdist worker's pool waits for a lease (``--sgl-lease-timeout``; None: unknown)
+        self.lease_timeout = lease_timeout
         self.history = history
         self._fills: dict[str, float] = {}
         self._test_fill: float | None = None
@@ -341,13 +344,30 @@ class Planner:
         stolen = self._steal_for(free)
         if stolen is not None:
             return ("steal", stolen), False
-        if blocked and holds == 1 and self.total is not None and self.workers < self.total:
+        if blocked and holds == 1 and self.total is not None and self.workers < self.total and self._short_wait(
+                node, unstarted[0]):
             # It would have to leave (it holds one test), and with fewer xdist workers than GPUs one that leaves
             # is missed: it takes the configuration with the most work, whose lease its pool waits for
             return ("new", unstarted[0]), False
         # A copy that lacks GPUs is not waited for: a node that waits keeps its idle workers' GPUs (its pool lets
         # them go only between its own tests), which the configurations still to start may need
         return None, blocked
+
+    def _short_wait(self, node: _Node, key: str) -> bool:
+        """Whether ``key``'s GPUs come free for ``node`` well within the lease timeout (half of it), as the other
+        nodes' seconds left (:meth:`_done_in`) tell: sooner done, sooner their GPUs are free. With no timeout
+        known, yes; with one, no when a node that holds what it needs has unknown seconds left."""
+        if self.lease_timeout is None or self.total is None:
+            return True
+        free, need = self._free_for(node) or 0, self._gpus(key)
+        for other in sorted((n for n in self.nodes.values() if n is not node and self._held(n)), key=self._done_in):
+            unknown, seconds = self._done_in(other)
+            if unknown or seconds > self.lease_timeout / 2:
+                return False
+            free += self._held(other)
+            if free >= need:
+                return True
+        return free >= need
 
     def _waiting(self) -> tuple[_Node, str] | None:
         """The node that waits for GPUs, and for which configuration (None: none, or it no longer waits)."""

@@ -211,7 +211,8 @@ class ConfigScheduling:
     an xdist ``LoadScheduling``, which takes over, unchanged, when no collected test needs a pooled worker
     (or the xdist workers collected different tests: it reports that as xdist does)."""
 
-    def __init__(self, config: pytest.Config, log: Any, *, map_dir: Path | None, steal_min: int | None) -> None:
+    def __init__(self, config: pytest.Config, log: Any, *, map_dir: Path | None, steal_min: int | None,
+                 lease_timeout: float | None = None) -> None:
         from xdist.scheduler import LoadScheduling  # type: ignore[import-untyped]
         from xdist.workermanage import parse_tx_spec_config  # type: ignore[import-untyped]
 
@@ -220,6 +221,7 @@ class ConfigScheduling:
         self.numnodes = len(parse_tx_spec_config(config))
         self.map_dir = map_dir
         self.steal_min = steal_min
+        self.lease_timeout = lease_timeout
         self.node2collection: dict[Any, list[str]] = {}
         self._nodes: list[Any] = []
         self.collection: list[str] | None = None
@@ -349,7 +351,7 @@ class ConfigScheduling:
 
         history = estimates(collection, [u.key if u else None for u in units], load_history(self.config))
         self.planner = Planner(units, gpus_total=self.map.gpus, steal_min=self.steal_min, workers=self.numnodes,
-                               history=history)
+                               history=history, lease_timeout=self.lease_timeout)
         for node in self._nodes:
             if node in self.node2collection:
                 self.planner.add_node(node)
@@ -444,7 +446,8 @@ def make_scheduler(session: SglSession, config: pytest.Config, log: Any) -> Conf
     decision = decision_for(session)
     if decision is None or not decision.use:
         return None
-    scheduler = ConfigScheduling(config, log, map_dir=map_dir_for(session), steal_min=session.settings.dist[1])
+    scheduler = ConfigScheduling(config, log, map_dir=map_dir_for(session), steal_min=session.settings.dist[1],
+                                 lease_timeout=session.settings.lease_timeout)
     _state(config)["scheduler"] = scheduler
     return scheduler
 

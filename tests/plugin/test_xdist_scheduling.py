@@ -355,14 +355,17 @@ def test_planner_lets_go_what_it_reckoned_evicted_once_its_tests_are_done() -> N
     assert [key for key, _ in ran].index("c1") < [key for key, _ in ran].index("c2")
 
 
-@pytest.mark.parametrize(("workers", "leaves"), [(2, False), (4, True)], ids=["fewer-than-gpus", "as-many"])
+@pytest.mark.parametrize(("workers", "test_s", "leaves"), [(2, 1.0, False), (4, 1.0, True), (2, 100.0, True)],
+                         ids=["fewer-than-gpus", "as-many", "a-wait-past-half-the-lease-timeout"])
 def test_planner_a_worker_holding_its_last_test_takes_a_configuration_that_waits_for_gpus(
-        workers: int, leaves: bool) -> None:
+        workers: int, test_s: float, leaves: bool) -> None:
     # 4 GPUs: a runs c0 (2 GPUs), b runs c1 (1 GPU); c2 needs 3. Once b holds only its last test of c1 it must be
     # sent a test or leave (xdist runs a test once it knows the next). With fewer xdist workers than GPUs, one
-    # that leaves is missed for the rest of the run: b takes c2, and its pool waits for the lease
+    # that leaves is missed for the rest of the run: b takes c2, and its pool waits for the lease; unless a's
+    # tests (history: test_s each) keep c0's GPUs past half the lease timeout (120 s), which the wait would hit
     units = [*[Unit("c0", 2)] * 4, *[Unit("c1")] * 2, *[Unit("c2", 3)] * 2]
-    planner = Planner(units, gpus_total=4, steal_min=None, workers=workers)
+    history = ([test_s] * 4 + [0.1] * 2 + [1.0] * 2, {"c0": 1.0, "c1": 1.0, "c2": 1.0})
+    planner = Planner(units, gpus_total=4, steal_min=None, workers=workers, history=history, lease_timeout=120.0)
     planner.add_node("a")
     planner.add_node("b")
     planner.fill_all()
