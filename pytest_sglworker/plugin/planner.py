@@ -406,7 +406,10 @@ class Planner:
         nodes = [n for n in self.nodes.values() if not n.down]
         if any(not n.pending for n in nodes):
             return  # a node waits for GPUs (or is about to leave): they are its
-        busy = [n for n in nodes if n.id not in self.hints and n.current is not None]
+        # not a node whose next configuration, after a test of its current one, is a launch it has yet to start:
+        # the launch ahead would take GPUs that launch needs, and the node would run the one after it first
+        busy = [n for n in nodes if n.id not in self.hints and n.current is not None
+                and not any(i in n.probes for i in n.pending[1:])]
         busy.sort(key=self._done_in)
         for node in busy:
             free = self.total - sum(self._held(n) for n in self.nodes.values())

@@ -795,7 +795,10 @@ class WorkerPool:
             with self._lock:
                 if not self._idle:
                     break
-                _, victim = self._idle.popitem(last=False)
+                # least recently used first; a group launched ahead last (a coming test needs it: evicted first, a
+                # box run stopped one ready for its next configuration and launched it again after another)
+                order = sorted(self._idle, key=lambda k: self._idle[k].launched_ahead)
+                victim = self._idle.pop(order[0])
             self.on_message(f"evicting idle {', '.join(m.describe() for m in victim.group)} to free its GPU "
                             f"lease for {config.label}")
             handed = self._retire(victim, failed=victim.tainted, hand_over=(wanted, holder))

@@ -375,3 +375,18 @@ def test_while_a_launch_ahead_finishes_the_idle_groups_of_finished_configuration
     stopped, ready = by_config[a.key].t_stop_requested, by_config[b.key].t_ready
     assert stopped is not None and ready is not None
     assert stopped < ready - 1.0, (stopped, ready)  # let go while b still had most of its 2 s startup to go
+
+
+def test_a_group_launched_ahead_is_evicted_last(make_pool) -> None:  # type: ignore[no-untyped-def]
+    """Idle groups go least recently used first to make room for a lease, but a group launched ahead that no test has
+    used yet goes last: a coming test needs it (it is older than a group a test just gave back)."""
+    pool = make_pool(gpus=2)
+    a, b = WorkerConfig.of(QWEN, ["--max-total-tokens", "256"]), WorkerConfig.of(QWEN, ["--max-total-tokens", "512"])
+    assert pool.launch_ahead(b, holder="ahead")
+    pool._ahead[b].thread.join(30)  # ready and idle before a is given back
+    first = pool.acquire(a, holder="a")
+    pool.release(first)
+    c = pool.acquire(WorkerConfig.of(QWEN, ["--max-total-tokens", "1024"]), holder="c")
+    assert c[0].is_alive() and not first[0].is_alive()
+    ahead = pool.acquire(b, holder="b")  # the group launched ahead, not a launch of its own
+    assert pool.stats[b.key].launches == 1 and ahead[0].is_alive()
