@@ -418,6 +418,22 @@ def test_planner_launches_ahead_on_the_worker_done_soonest_by_seconds() -> None:
     assert actions.hints == [("b", "cX")]
 
 
+def test_planner_launches_ahead_on_no_worker_with_a_launch_of_its_own_still_to_start() -> None:
+    # a holds c0's two tests and then the first test of c2, a launch it starts only after them; b runs c1. c3 is
+    # launched ahead by b: on a it would take GPUs c2's launch needs, and a would run c2 before it (by seconds a
+    # looks sooner done: c2 starts in 1 s, c1 in 40)
+    units = [*suite(2), *[Unit("c1")] * 6, Unit("c2"), Unit("c3")]
+    tests: list[float | None] = [1.0] * 10
+    planner = Planner(units, gpus_total=8, steal_min=None, workers=2,
+                      history=(tests, {"c0": 50.0, "c1": 40.0, "c2": 1.0, "c3": 0.5}))
+    planner.add_node("a")
+    planner.add_node("b")
+    actions = planner.fill_all()
+    assert [units[i].key for i in planner.nodes["a"].pending] == ["c0", "c0", "c2"]
+    assert planner.nodes["b"].current == "c1"
+    assert actions.hints == [("b", "c3")]
+
+
 def test_launch_hints_round_trip_and_anything_else_reads_as_none(tmp_path: Path) -> None:
     from types import SimpleNamespace
 
