@@ -360,8 +360,8 @@ class Planner:
         if self.lease_timeout is None or self.total is None:
             return True
         free, need = self._free_for(node) or 0, self._gpus(key)
-        for other in sorted((n for n in self.nodes.values() if n is not node and self._held(n)), key=self._done_in):
-            unknown, seconds = self._done_in(other)
+        holders = sorted((self._done_in(n), id(n), n) for n in self.nodes.values() if n is not node and self._held(n))
+        for (unknown, seconds), _, other in holders:
             if unknown or seconds > self.lease_timeout / 2:
                 return False
             free += self._held(other)

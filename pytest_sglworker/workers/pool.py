@@ -62,8 +62,7 @@ if TYPE_CHECKING:
 __all__ = ["WorkerGroup", "WorkerPool"]
 
 _ids = itertools.count(1)
-#: while the main thread waits for a launch (its own, or one started ahead), how often it lets go the idle groups
-#: no test needs (another process waits for a GPU, or the xdist controller says their tests are all done)
+#: how often the main thread, waiting for a launch (its own or one ahead), lets go idle groups no test needs
 YIELD_EVERY_S = 0.5
 
 
@@ -431,14 +430,10 @@ class WorkerPool:
             ahead = self._ahead.pop(config, None)
         if ahead is None or ahead.thread is None:
             return
-        yielded = time.monotonic() - YIELD_EVERY_S
+        looked = time.monotonic() - YIELD_EVERY_S
         while ahead.thread.is_alive():
             ahead.thread.join(0.1)
-            self.on_tick()
-            if time.monotonic() - yielded >= YIELD_EVERY_S:  # as while it waits for a launch of its own: what no
-                yielded = time.monotonic()                   # test needs goes, its GPUs to a launch elsewhere
-                self.yield_idle(keep=config)
-                self._retire_finished()
+            looked = self._while_waiting(config, looked)  # as while it waits for a launch of its own
         if raise_error and ahead.error is not None and not isinstance(ahead.error, LaunchCancelled):
             raise ahead.error
 
@@ -464,6 +459,16 @@ class WorkerPool:
                 entries = [self._idle.pop(key) for key in spare if key in self._idle]
             for entry in entries:
                 self._retire(entry, failed=entry.tainted)
+
+    def _while_waiting(self, config: WorkerConfig, looked: float) -> float:
+        """Each 0.1 s the main thread waits for ``config``'s launch: the terminal's queue; every :data:`YIELD_EVERY_S`
+        since ``looked``, idle groups no test needs go (their GPUs serve elsewhere). Returns when it last looked."""
+        self.on_tick()
+        if time.monotonic() - looked < YIELD_EVERY_S:
+            return looked
+        self.yield_idle(keep=config)
+        self._retire_finished()
+        return time.monotonic()
 
     def _retire_finished(self) -> None:
         """While the main thread waits for a launch: the idle groups of the configurations ``finished`` names."""
@@ -692,17 +697,13 @@ class WorkerPool:
                    for i in range(len(plans))]
         for thread in threads:
             thread.start()
-        yielded = time.monotonic() - YIELD_EVERY_S  # at once, then every YIELD_EVERY_S
+        looked = time.monotonic() - YIELD_EVERY_S  # at once, then every YIELD_EVERY_S
         try:
             for thread in threads:
                 while thread.is_alive():
                     thread.join(0.1)
                     if not quiet:
-                        self.on_tick()  # on the main thread: what the member threads queued for the terminal
-                        if time.monotonic() - yielded >= YIELD_EVERY_S:
-                            yielded = time.monotonic()
-                            self.yield_idle(keep=config)
-                            self._retire_finished()
+                        looked = self._while_waiting(config, looked)
                     if outer is not None and outer.is_set():
                         cancel.set()  # a launch ahead called off at the session's end: every member stops
         except BaseException:  # Ctrl-C: the members stop, then the interrupt goes on
