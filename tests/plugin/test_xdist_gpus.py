@@ -91,7 +91,12 @@ def test_xdist_workers_never_share_a_gpu_or_port(pytester: pytest.Pytester, reco
     result.assert_outcomes(passed=11)
     lives = lifetimes(record)
     assert_exclusive(lives, gpu_count=gpus)
-    assert Counter(life.fraction for life in lives)[0.4] == 3  # every fresh test got its own worker
+    # every fresh test got its own worker. A launch whose port was still bound (the launcher's documented retry:
+    # the engine logs the bind error and waits, the plugin ends it and launches again) is a life that never became
+    # ready, ended by the plugin; a full run on 2 busy CPUs met one once
+    ready = {event["pid"] for event in map(json.loads, record.read_text().splitlines()) if event["event"] == "ready"}
+    assert Counter(life.fraction for life in lives if life.pid in ready)[0.4] == 3
+    assert all(life.exit_reason == "SIGTERM" for life in lives if life.pid not in ready), lives
     assert max_concurrency(lives) >= 2, "the xdist workers never ran workers side by side"
     assert len({g for life in lives for g in life.gpus}) >= 2
 
