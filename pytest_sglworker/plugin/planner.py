@@ -325,9 +325,7 @@ class Planner:
                 return ("resident", key), False
         free = self._free_for(node)
         blocked = False
-        unstarted = self._unstarted(node)
-        # most work first (longest processing time: from history), else most tests; ties in collection order
-        unstarted.sort(key=lambda k: (-(self.work(k) or 0.0), -len(self.queues[k])))
+        unstarted = self._most_work_first(self._unstarted(node))
         waiter = self._waiting()
         if waiter is not None and waiter[0] is not node and free is not None:
             free -= self._gpus(waiter[1])  # the GPUs it waits for are kept for it
@@ -360,8 +358,9 @@ class Planner:
         if self.lease_timeout is None or self.total is None:
             return True
         free, need = self._free_for(node) or 0, self._gpus(key)
-        holders = sorted((self._done_in(n), id(n), n) for n in self.nodes.values() if n is not node and self._held(n))
-        for (unknown, seconds), _, other in holders:
+        holders = sorted(((self._done_in(n), n) for n in self.nodes.values() if n is not node and self._held(n)),
+                         key=lambda pair: pair[0])
+        for (unknown, seconds), other in holders:
             if unknown or seconds > self.lease_timeout / 2:
                 return False
             free += self._held(other)
@@ -378,6 +377,11 @@ class Planner:
             self._waiter = None
             return None
         return node, key
+
+    def _most_work_first(self, keys: list[str]) -> list[str]:
+        """``keys`` by the most work (longest processing time: from history), else the most tests; ties in
+        collection order."""
+        return sorted(keys, key=lambda k: (-(self.work(k) or 0.0), -len(self.queues[k])))
 
     def _unstarted(self, node: _Node | None = None) -> list[str]:
         """Configurations no node takes tests of, less those launched ahead by another node than ``node``."""
@@ -413,10 +417,9 @@ class Planner:
         busy.sort(key=self._done_in)
         for node in busy:
             free = self.total - sum(self._held(n) for n in self.nodes.values())
-            fits = [k for k in self._unstarted() if self._gpus(k) <= free]
+            fits = self._most_work_first([k for k in self._unstarted() if self._gpus(k) <= free])
             if not fits:
                 return
-            fits.sort(key=lambda k: (-(self.work(k) or 0.0), -len(self.queues[k])))
             key = fits[0]
             node.residents = [key, *(k for k in node.residents if k != key)]
             node.pooled[key] = None

@@ -798,8 +798,7 @@ class WorkerPool:
                     break
                 # least recently used first; a group launched ahead last (a coming test needs it: evicted first, a
                 # box run stopped one ready for its next configuration and launched it again after another)
-                order = sorted(self._idle, key=lambda k: self._idle[k].launched_ahead)
-                victim = self._idle.pop(order[0])
+                victim = self._idle.pop(min(self._idle, key=lambda k: self._idle[k].launched_ahead))
             self.on_message(f"evicting idle {', '.join(m.describe() for m in victim.group)} to free its GPU "
                             f"lease for {config.label}")
             handed = self._retire(victim, failed=victim.tainted, hand_over=(wanted, holder))
