@@ -167,6 +167,7 @@ class SglSession:
         #: the test whose fixtures are being set up (its launch triggers the launches ahead)
         self.setting_up: pytest.Item | None = None
         self._session_dir: Any = None
+        self._kept_until: float | None = None
         self._previous_handlers: dict[int, Any] = {}
         #: node id -> [seconds of setup + call + teardown, its configuration's key]: the report's "tests"
         self.test_times: dict[str, list[Any]] = {}
@@ -362,6 +363,25 @@ class SglSession:
                 self._log_dir = self._session_dir.path
         return self._log_dir
 
+    def logs_kept_until(self) -> float:
+        """Until when the logs this run reports as kept stay (seconds since the epoch): its session directory
+        was marked when the session ended (:meth:`_mark_kept_logs`); an explicit ``--sgl-log-dir`` loses logs
+        unchanged for ``retention.KEEP_DAYS`` days to the janitor."""
+        from ..resources.retention import KEEP_SECONDS
+
+        return self._kept_until or time.time() + KEEP_SECONDS
+
+    def _mark_kept_logs(self) -> None:
+        """Before the session directory's lock goes: if the run keeps a log it reports (a failed worker's, or
+        every log under ``--sgl-keep-logs``), retention leaves the directory ``KEEP_DAYS`` days, whatever the
+        sessions of other jobs beside this one count."""
+        from ..resources.retention import mark_kept
+
+        keep = self.settings.keep_logs
+        if self._session_dir is not None and any(st.failed_logs or (keep and st.kept_logs)
+                                                 for st in self.collected_stats().values()):
+            self._kept_until = mark_kept(self._session_dir.path)
+
     # -- sglang's own parser ------------------------------------------------------------------------------
     def launcher(self) -> tuple[str, ...]:
         from ..workers.launcher import default_launcher, sim_launcher
@@ -432,6 +452,8 @@ class SglSession:
                 self._watchdog.close()
                 self._watchdog = None
             if self._session_dir is not None:
+                with contextlib.suppress(Exception):  # the logs stay; only their mark is missing
+                    self._mark_kept_logs()
                 self._session_dir.release()
                 self._session_dir = None
 

@@ -9,9 +9,9 @@
   (``recipes/install-router-vocab.sh``).
 
 An install runs in a process group of its own: Ctrl-C (or SIGTERM) ends that whole group, waits for it, and
-exits 128 + the signal with one line. Without a folder, the installs go where the plugin looks for them: the user's cache directory
-(:mod:`pytest_sglworker.engine.install_dirs`), never inside site-packages or a checkout. Warm workers are
-listed and stopped through pytest (``pytest --sgl-warm list|stop``), where their options are.
+exits 128 + the signal with one line. Without a folder, the installs go where the plugin looks for them: the
+user's cache directory (:mod:`pytest_sglworker.engine.install_dirs`), never inside site-packages or a checkout.
+Warm workers are listed and stopped through pytest (``pytest --sgl-warm list|stop``), where their options are.
 """
 
 from __future__ import annotations
