@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from pathlib import Path
 
 import pytest
 
@@ -47,3 +48,29 @@ def test_the_options_help_shows_the_real_defaults() -> None:
             assert (opt.parse(shown) if opt.parse else shown) == opt.default, (opt.name, shown, opt.default)
             checked += 1
     assert checked >= 5
+
+
+def test_the_worker_fixtures_name_what_a_test_uses() -> None:
+    """``pytest --fixtures`` (and docs/reference/fixtures.md) says what ``sgl_worker`` and ``sgl_workers`` give:
+    every attribute their docstrings name exists, and the ones users had to guess are named."""
+    import inspect
+
+    from pytest_sglworker.plugin import fixtures, hookspecs
+    from pytest_sglworker.workers.group import WorkerGroup
+    from pytest_sglworker.workers.launcher import ModelInstance
+
+    def exists(cls: type, name: str) -> bool:
+        return hasattr(cls, name) or name in getattr(cls, "__dataclass_fields__", {})
+
+    for fixture, cls in ((fixtures.sgl_worker, ModelInstance), (fixtures.sgl_workers, WorkerGroup)):
+        doc = inspect.getdoc(fixture) or ""
+        names = set(re.findall(r"``\.(\w+)", doc))
+        assert names, doc
+        missing = [n for n in names if not exists(cls, n) and not exists(ModelInstance, n)]
+        assert not missing, (fixture, missing)
+        for hook in re.findall(r"``(pytest_sglworker_\w+)\(", doc):
+            assert hasattr(hookspecs, hook), hook
+    worker_doc = Path(fixtures.__file__).read_text()  # the source, as scripts/gen_reference.py reads it
+    for needed in ("``.log_path``", "``.log_tail(lines=40)``", "one string", "``.requests_served()``",
+                   "``sgl_workers.prefill[0]``", "pytest_sglworker_worker_env", "pytest_sglworker_register_specs"):
+        assert needed in worker_doc, needed
