@@ -406,7 +406,12 @@ class SglSession:
             self.flag_check = f"not checked: cannot tell which python runs the launcher {' '.join(self.launcher())!r}"
             return {}
         if python == sys.executable and importlib.util.find_spec("sglang") is None:
-            self.flag_check = f"not checked: sglang is not importable by {python}"
+            if self.settings.engine == "sim" and not self.settings.launcher:
+                # information, not a problem: the simulated engine parses sglang's flags as each worker starts
+                self.flag_check = ("checked by the simulated engine as each worker starts (sglang's own flags, "
+                                   "rebuilt from its flag table; sglang itself is not installed here)")
+            else:
+                self.flag_check = f"not checked: sglang is not importable by {python}"
             return {}
         argvs = {name: build_argv(spec, port=30000, nccl_port=30001, launcher=(), extra_args=extra,
                                   allow_foreign_host=True) for name, (spec, extra) in subjects.items()}
