@@ -102,6 +102,7 @@ class SglReporter:
                     kv += f" (MISMATCH: the ledger predicted {st.kv_tokens_predicted}, {off:+.1%})"
             adopted = adoptions.get(key, 0)
             stops = f", {adopted} adopted warm" if adopted else ""
+            stops += f", {st.interrupted} interrupted while starting" if st.interrupted else ""
             stops += f", {st.stops} stopped" if st.stops else ""
             stops += f", {st.resets} set back after runtime faults" if st.resets else ""
             stops += f", {st.not_reset} not reused (runtime faults not set back)" if st.not_reset else ""

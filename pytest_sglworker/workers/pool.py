@@ -621,8 +621,11 @@ class WorkerPool:
                 self._give_back(lease, [], leased_at, stats)
             self._stamp_released(records)
             raise
-        except BaseException:  # the lease must never outlive a failed launch (a hook, an interrupt)
+        except BaseException as exc:  # the lease must never outlive a failed launch (a hook, an interrupt)
             self._finish_records(records, outcome="interrupted")
+            if isinstance(exc, KeyboardInterrupt):  # SIGTERM and SIGHUP arrive as one too
+                with self._lock:
+                    stats.interrupted += 1
             if lease is not None:
                 self._give_back(lease, [], leased_at, stats)
             self._stamp_released(records)
