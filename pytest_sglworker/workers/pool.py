@@ -623,9 +623,7 @@ class WorkerPool:
             raise
         except BaseException as exc:  # the lease must never outlive a failed launch (a hook, an interrupt)
             self._finish_records(records, outcome="interrupted")
-            if isinstance(exc, KeyboardInterrupt):  # SIGTERM and SIGHUP arrive as one too
-                with self._lock:
-                    stats.interrupted += 1
+            stats.interrupted += isinstance(exc, KeyboardInterrupt)  # main thread only (SIGTERM too): no lock
             if lease is not None:
                 self._give_back(lease, [], leased_at, stats)
             self._stamp_released(records)
