@@ -3,7 +3,7 @@
 The public API. Importing this package is cheap (it is loaded into every pytest run of an environment that
 installs it): the launcher, pool, diagnosis and ledger are imported on first attribute access. Everything a user
 imports comes from here; the subpackages (``plugin``, ``workers``, ``resources``, ``engine``, ``sim``) are the
-layers of the implementation (docs/ARCHITECTURE.md).
+layers of the implementation (https://github.com/pytest-sglworker/pytest-sglworker/blob/main/docs/ARCHITECTURE.md).
 """
 
 from __future__ import annotations

@@ -1,9 +1,22 @@
 """The exceptions every layer may raise: the base class and the errors of specs, budgets, GPU leases and port
 blocks. Plain Python, no pytest, no import of the package: the one module every layer may import. The errors
 of a worker (it failed to start, it died) carry its diagnosis and memory ledger and live with the workers:
-:mod:`pytest_sglworker.workers.errors`."""
+:mod:`pytest_sglworker.workers.errors`.
+
+Also where an error or a help text sends its reader: :func:`docs_url`, an absolute URL (a wheel holds no
+``docs/`` folder), the one place the project's address is written (pyproject.toml's ``[project.urls]`` and the
+README's links name the same base; tests/plugin/test_docs_pointers.py keeps them so)."""
 
 from __future__ import annotations
+
+#: The project's home; its documentation pages are the repository's ``docs/`` folder, read under DOCS_URL.
+PROJECT_URL = "https://github.com/pytest-sglworker/pytest-sglworker"
+DOCS_URL = f"{PROJECT_URL}/blob/main/docs/"
+
+
+def docs_url(page: str) -> str:
+    """The absolute URL of a documentation page, ``page`` relative to ``docs/`` (``how-to/worker-oom.md``)."""
+    return DOCS_URL + page
 
 
 class SglWorkerError(Exception):

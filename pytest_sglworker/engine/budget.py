@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ..errors import docs_url
 from .sglang_facts import flag_table
 from .specs import CI_WORKER_ARGS, ModelSpec
 
@@ -22,7 +23,7 @@ _DESTS = {FRACTION_FLAG: "mem_fraction_static", PREFILL_FLAG: "cuda_graph_backen
 FIX = (
     "add CI_WORKER_ARGS to the spec's worker_args "
     f"({' '.join(CI_WORKER_ARGS)}), or lower the fraction; see 'The budget and the memory ledger' in the docs "
-    "(docs/explanation/budget-and-ledger.md)"
+    f"({docs_url('explanation/budget-and-ledger.md')})"
 )
 
 

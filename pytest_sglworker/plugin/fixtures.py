@@ -181,7 +181,16 @@ def _test_group(request: pytest.FixtureRequest, spec: ModelSpec, fixture: str) -
 def sgl_worker(request: pytest.FixtureRequest, sgl_model: ModelSpec) -> Iterator[ModelInstance]:
     """A healthy sglang worker for the current ``sgl_model``, with extra args from
     ``@pytest.mark.sgl_worker(args=[...], env={...})``. Drawn from the session pool (reused by later tests
-    of the same configuration unless ``fresh=True``)."""
+    of the same configuration unless ``fresh=True``).
+
+    What a test uses (a ``pytest_sglworker.ModelInstance``): ``.url`` (``http://127.0.0.1:PORT``), ``.client``
+    (an ``httpx.Client`` on that URL), ``.spec``, ``.port``, ``.pid``; ``.log_path`` (a ``pathlib.Path``: the
+    worker's own log, ``sglang-worker-<port>.log``); ``.log_tail(lines=40)`` (the log's last lines as one
+    string, secrets redacted); ``.requests_served()`` (the inference requests it has answered with a 2xx since
+    it became ready, counted from its log: it runs on across the tests of a pooled worker, so compare before and
+    after); ``.is_alive()``. The environment a worker starts with can be changed per spec by the hook
+    ``pytest_sglworker_worker_env(spec, lease_env)`` in a conftest; specs are registered by
+    ``pytest_sglworker_register_specs(registry)``."""
     with _test_group(request, sgl_model, "sgl_worker") as group:
         request.node.stash[WORKER_GROUP_KEY] = group
         yield group[0]
@@ -190,9 +199,12 @@ def sgl_worker(request: pytest.FixtureRequest, sgl_model: ModelSpec) -> Iterator
 @pytest.fixture
 def sgl_workers(request: pytest.FixtureRequest, sgl_model: ModelSpec) -> Iterator[WorkerGroup]:
     """The worker group of ``@pytest.mark.sgl_workers(count=N)`` or ``(prefill=P, decode=D)`` for the current
-    ``sgl_model``: ``.workers``, ``.prefill``, ``.decode``; each member has ``.role``, ``.url``,
-    ``.bootstrap_port`` (prefill) and ``log_tail()``. Started in parallel; pooled and reused by later tests
-    of the same configuration unless ``fresh=True``. Without the marker: one regular worker."""
+    ``sgl_model``: ``.workers`` (every member), ``.prefill`` and ``.decode`` (the members of that role), each a
+    list even for one member (``sgl_workers.prefill[0]``); the group is also a sequence of its members
+    (``group[0]``, ``len(group)``). Each member is what ``sgl_worker`` gives (``.url``, ``.client``,
+    ``.log_path``, ``.log_tail()``: one string, ``.requests_served()``), with ``.role`` and, for prefill,
+    ``.bootstrap_port``. Started in parallel; pooled and reused by later tests of the same configuration unless
+    ``fresh=True``. Without the marker: one regular worker."""
     with _test_group(request, sgl_model, "sgl_workers") as group:
         yield group
 

@@ -26,10 +26,11 @@ WORKERS_MARKER_DOC = (
     "or a list of lists (of dicts), one per member"
 )
 ROUTER_MARKER_DOC = (
-    "sgl_router(policy='round_robin', args=(), startup_timeout=None, workers='all', dp_aware=None, "
+    "sgl_router(policy=None, args=(), startup_timeout=None, workers='all', dp_aware=None, "
     "scope='function'): the real sglang router in front of this test's sgl_workers: started with all of them, "
-    "'none', the first N or a list of member indices; --dp-aware as asked (default: when a worker runs dp); one "
-    "router per test, or per 'class' or 'module'"
+    "'none', the first N or a list of member indices; --policy as given (default: the router's own, e.g. "
+    "policy='round_robin'); --dp-aware as asked (default: when a worker runs dp); one router per test, or per "
+    "'class' or 'module'"
 )
 REQUIRES_MARKER_DOC = "sgl_requires(*features): skip models whose spec lacks one of these features"
 OPT_OUT_MARKER_DOC = (

@@ -44,7 +44,8 @@ CARD_DESC = "GPU card for the memory ledger of --sgl-list-models, e.g. H100-80G,
 TIMELINE_DESC = "write the run's timeline (a lane per GPU, a bar per launch) as one self-contained HTML file"
 TRACE_DESC = "write the run's launches as Chrome trace-event JSON (Perfetto, chrome://tracing)"
 RETENTION_COUNT_DESC = ("how many sessions' worker logs to keep under the default log root, in session-<N> "
-                        "directories with a 'current' link (default 3, like pytest's tmp_path_retention_count)")
+                        "directories with a 'current' link (default 3, like pytest's tmp_path_retention_count); "
+                        "a session whose summary says 'log kept' is left out of the count for 7 days")
 RETENTION_POLICY_DESC = ("which worker logs to keep: 'all' (default), 'failed' (only those of workers that failed "
                          "or served a failing test), 'none' (like pytest's tmp_path_retention_policy)")
 LAUNCH_AHEAD_DESC = ("start up to N upcoming worker configurations ahead, on free GPUs, while earlier tests "

@@ -76,6 +76,10 @@ class SglReporter:
         if self.session.source_if_started is None and not self.session.worker_stats:
             return
         stats = self.session.collected_stats()
+        keep_logs = self.session.settings.keep_logs
+        kept = ""
+        if any(st.failed_logs or (keep_logs and st.kept_logs) for st in stats.values()):
+            kept = f" ({_kept_for(self.session.logs_kept_until())})"
         if not stats or config.get_verbosity() < -1:
             return
         import statistics
@@ -98,6 +102,7 @@ class SglReporter:
                     kv += f" (MISMATCH: the ledger predicted {st.kv_tokens_predicted}, {off:+.1%})"
             adopted = adoptions.get(key, 0)
             stops = f", {adopted} adopted warm" if adopted else ""
+            stops += f", {st.interrupted} interrupted while starting" if st.interrupted else ""
             stops += f", {st.stops} stopped" if st.stops else ""
             stops += f", {st.resets} set back after runtime faults" if st.resets else ""
             stops += f", {st.not_reset} not reused (runtime faults not set back)" if st.not_reset else ""
@@ -108,15 +113,24 @@ class SglReporter:
                 f"{st.failures} failed to start, {st.deaths} died{stops}{kv}"
             )
             for log in st.failed_logs:
-                terminalreporter.write_line(f"    log kept: {log}")
-            if self.session.settings.keep_logs:
+                terminalreporter.write_line(f"    log kept: {log}{kept}")
+            if keep_logs:
                 for log in st.kept_logs:
-                    terminalreporter.write_line(f"    log kept (--sgl-keep-logs): {log}")
+                    terminalreporter.write_line(f"    log kept (--sgl-keep-logs): {log}{kept}")
         if any(st.failed_logs or st.kept_logs for st in stats.values()):
             terminalreporter.write_line(f"sglworker: worker logs of this run in {self.session.log_dir} "
                                         f"(retention policy {self.session.settings.log_policy})")
         for line in warm_lines(self.session.collected_warm()):
             terminalreporter.write_line(line)
+
+
+def _kept_for(until: float) -> str:
+    """How long a kept log stays: ``kept 7 days, until 2026-12-13 05:30 UTC``."""
+    import time
+
+    from ..resources.retention import KEEP_DAYS
+
+    return f"kept {KEEP_DAYS} days, until {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(until))}"
 
 
 def _compat_module(module: Any) -> bool:

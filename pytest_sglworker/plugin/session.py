@@ -167,6 +167,7 @@ class SglSession:
         #: the test whose fixtures are being set up (its launch triggers the launches ahead)
         self.setting_up: pytest.Item | None = None
         self._session_dir: Any = None
+        self._kept_until: float | None = None
         self._previous_handlers: dict[int, Any] = {}
         #: node id -> [seconds of setup + call + teardown, its configuration's key]: the report's "tests"
         self.test_times: dict[str, list[Any]] = {}
@@ -362,6 +363,25 @@ class SglSession:
                 self._log_dir = self._session_dir.path
         return self._log_dir
 
+    def logs_kept_until(self) -> float:
+        """Until when the logs this run reports as kept stay (seconds since the epoch): its session directory
+        was marked when the session ended (:meth:`_mark_kept_logs`); an explicit ``--sgl-log-dir`` loses logs
+        unchanged for ``retention.KEEP_DAYS`` days to the janitor."""
+        from ..resources.retention import KEEP_SECONDS
+
+        return self._kept_until or time.time() + KEEP_SECONDS
+
+    def _mark_kept_logs(self) -> None:
+        """Before the session directory's lock goes: if the run keeps a log it reports (a failed worker's, or
+        every log under ``--sgl-keep-logs``), retention leaves the directory ``KEEP_DAYS`` days, whatever the
+        sessions of other jobs beside this one count."""
+        from ..resources.retention import mark_kept
+
+        keep = self.settings.keep_logs
+        if self._session_dir is not None and any(st.failed_logs or (keep and st.kept_logs)
+                                                 for st in self.collected_stats().values()):
+            self._kept_until = mark_kept(self._session_dir.path)
+
     # -- sglang's own parser ------------------------------------------------------------------------------
     def launcher(self) -> tuple[str, ...]:
         from ..workers.launcher import default_launcher, sim_launcher
@@ -386,7 +406,12 @@ class SglSession:
             self.flag_check = f"not checked: cannot tell which python runs the launcher {' '.join(self.launcher())!r}"
             return {}
         if python == sys.executable and importlib.util.find_spec("sglang") is None:
-            self.flag_check = f"not checked: sglang is not importable by {python}"
+            if self.settings.engine == "sim" and not self.settings.launcher:
+                # information, not a problem: the simulated engine parses sglang's flags as each worker starts
+                self.flag_check = ("checked by the simulated engine as each worker starts (sglang's own flags, "
+                                   "rebuilt from its flag table; sglang itself is not installed here)")
+            else:
+                self.flag_check = f"not checked: sglang is not importable by {python}"
             return {}
         argvs = {name: build_argv(spec, port=30000, nccl_port=30001, launcher=(), extra_args=extra,
                                   allow_foreign_host=True) for name, (spec, extra) in subjects.items()}
@@ -432,6 +457,8 @@ class SglSession:
                 self._watchdog.close()
                 self._watchdog = None
             if self._session_dir is not None:
+                with contextlib.suppress(Exception):  # the logs stay; only their mark is missing
+                    self._mark_kept_logs()
                 self._session_dir.release()
                 self._session_dir = None
 

@@ -35,8 +35,9 @@ from .processes import (
     tagged_sessions,
     terminate_tree,
 )
+from .retention import KEEP_SECONDS
 
-LOG_RETENTION_SECONDS = 7 * 24 * 3600
+LOG_RETENTION_SECONDS = KEEP_SECONDS  # the age at which a kept log goes (retention.py)
 
 
 @dataclass

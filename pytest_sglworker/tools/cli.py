@@ -8,19 +8,25 @@
 - ``sglworker install-router-vocab [DIR]``: the router's offline ``o200k_base.tiktoken``
   (``recipes/install-router-vocab.sh``).
 
-Without a folder, the installs go where the plugin looks for them: the user's cache directory
-(:mod:`pytest_sglworker.engine.install_dirs`), never inside site-packages or a checkout. Warm workers are
-listed and stopped through pytest (``pytest --sgl-warm list|stop``), where their options are.
+An install runs in a process group of its own: Ctrl-C (or SIGTERM) ends that whole group, waits for it, and
+exits 128 + the signal with one line. Without a folder, the installs go where the plugin looks for them: the
+user's cache directory (:mod:`pytest_sglworker.engine.install_dirs`), never inside site-packages or a checkout.
+Warm workers are listed and stopped through pytest (``pytest --sgl-warm list|stop``), where their options are.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import shutil
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
+from types import FrameType
 
 from ..engine.install_dirs import default_real_engine_dir, default_router_vocab_dir
 
@@ -59,22 +65,119 @@ def _parser() -> argparse.ArgumentParser:
 
 def _gpu_check(args: Sequence[str]) -> int:
     python = os.environ.get("GPU_CHECK_PYTHON") or sys.executable
-    argv = [python, str(GPU_CHECK), *args]
+    # A bare name (``python3``) is looked up on PATH: exec does not search it.
+    found = python if os.sep in python else shutil.which(python)
+    if found is None:
+        print(f"sglworker gpu-check: cannot run {python}: not found on PATH (GPU_CHECK_PYTHON picks the python)",
+              file=sys.stderr)
+        return 2
+    argv = [found, str(GPU_CHECK), *args]
     try:
-        os.execv(python, argv)  # the check handles SIGINT/SIGTERM itself: it must be the process signalled
+        os.execv(found, argv)  # the check handles SIGINT/SIGTERM itself: it must be the process signalled
     except OSError as exc:
-        print(f"sglworker gpu-check: cannot run {python}: {exc} (GPU_CHECK_PYTHON picks the python)",
+        print(f"sglworker gpu-check: cannot run {found}: {exc} (GPU_CHECK_PYTHON picks the python)",
               file=sys.stderr)
         return 2
     raise AssertionError("unreachable")  # pragma: no cover
 
 
-def _install(script: str, folder: Path, base_python_var: str) -> int:
+#: After an interrupt: how long the install's process group has to end after each signal (SIGINT, SIGTERM)
+#: before the next one (then SIGKILL).
+GRACE_S = 10.0
+
+
+def _recipe_environ(base_python_var: str) -> dict[str, str]:
+    """The recipe's environment: this one with ``base_python_var`` defaulted to this Python, and without the
+    folder that holds this package on ``PYTHONPATH`` (``scripts/sglworker`` puts a checkout there to run this
+    command): the recipes build environments of their own, whose pip would otherwise see the checkout's
+    metadata and report its dependencies as missing."""
     env = dict(os.environ)
     env.setdefault(base_python_var, sys.executable)
-    done = subprocess.run(["bash", str(RECIPES / script), str(folder)], env=env, stdin=subprocess.DEVNULL,
-                          check=False)
-    return done.returncode
+    ours = _HERE.parent.parent
+    kept = [entry for entry in env.get("PYTHONPATH", "").split(os.pathsep)
+            if entry and not _same_dir(entry, ours)]
+    if kept:
+        env["PYTHONPATH"] = os.pathsep.join(kept)
+    else:
+        env.pop("PYTHONPATH", None)
+    return env
+
+
+def _same_dir(entry: str, folder: Path) -> bool:
+    try:
+        return Path(entry).resolve() == folder
+    except OSError:
+        return False
+
+
+def _group_members(pgid: int, leader: int) -> list[int]:
+    """The live processes of the process group ``pgid`` other than its (unreaped) leader. While the leader is
+    not reaped its pid, hence the group id, cannot be reused: every member found is the install's."""
+    import psutil
+
+    members = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.pid != leader and os.getpgid(proc.pid) == pgid and proc.status() != psutil.STATUS_ZOMBIE:
+                members.append(proc.pid)
+        except (OSError, psutil.Error):
+            continue
+    return members
+
+
+def _end_group(process: subprocess.Popen[bytes], first: int) -> None:
+    """Send ``first`` to the install's process group, then SIGTERM and SIGKILL each ``GRACE_S`` later, until
+    the leader has exited and no member is left; then reap the leader."""
+    pgid = process.pid
+    for sig in (first, signal.SIGTERM, signal.SIGKILL):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, sig)
+        deadline = time.monotonic() + GRACE_S
+        while time.monotonic() < deadline:
+            # the leader's exit, without reaping it (its pid keeps the group id ours), then its group's
+            done = os.waitid(os.P_PID, pgid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+            if done and not _group_members(pgid, pgid):
+                process.wait()
+                return
+            time.sleep(0.05)
+    process.wait()
+
+
+class _Interrupted(Exception):
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+
+
+def _raise_interrupted(signum: int, frame: FrameType | None) -> None:
+    raise _Interrupted(signum)
+
+
+def _install(command: str, script: str, folder: Path, base_python_var: str) -> int:
+    """Run the recipe in a process group of its own. SIGINT (Ctrl-C) or SIGTERM to this process is forwarded to
+    that group, which is waited for (escalating to SIGTERM and SIGKILL): then one line, and the exit status
+    128 + the signal, with nothing of the install left running."""
+    previous = {sig: signal.signal(sig, _raise_interrupted) for sig in (signal.SIGINT, signal.SIGTERM)}
+    process: subprocess.Popen[bytes] | None = None
+    try:
+        try:
+            # in the recipes' own folder: a working directory that holds a checkout's metadata would be on the
+            # path of every ``python -m pip`` the recipe runs, as PYTHONPATH would
+            process = subprocess.Popen(["bash", str(RECIPES / script), str(folder.absolute())],
+                                       env=_recipe_environ(base_python_var), cwd=RECIPES,
+                                       stdin=subprocess.DEVNULL, start_new_session=True)
+            return process.wait()
+        except _Interrupted as interrupt:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            if process is not None:
+                _end_group(process, interrupt.signum)
+            name = signal.Signals(interrupt.signum).name
+            print(f"sglworker {command}: interrupted ({name}); the install stopped, nothing of it left running "
+                  f"(run it again to finish it: {folder})", file=sys.stderr)
+            return 128 + interrupt.signum
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -84,6 +187,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     parsed = _parser().parse_args(args)
     if parsed.command == "install-real-engine":
         folder = Path(parsed.venv) if parsed.venv else default_real_engine_dir()
-        return _install("install-real-engine.sh", folder, "SGLWORKER_BASE_PYTHON")
+        return _install(parsed.command, "install-real-engine.sh", folder, "SGLWORKER_BASE_PYTHON")
     folder = Path(parsed.dir) if parsed.dir else default_router_vocab_dir()
-    return _install("install-router-vocab.sh", folder, "SGLWORKER_PYTHON")
+    return _install(parsed.command, "install-router-vocab.sh", folder, "SGLWORKER_PYTHON")

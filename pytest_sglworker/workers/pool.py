@@ -621,8 +621,9 @@ class WorkerPool:
                 self._give_back(lease, [], leased_at, stats)
             self._stamp_released(records)
             raise
-        except BaseException:  # the lease must never outlive a failed launch (a hook, an interrupt)
+        except BaseException as exc:  # the lease must never outlive a failed launch (a hook, an interrupt)
             self._finish_records(records, outcome="interrupted")
+            stats.interrupted += isinstance(exc, KeyboardInterrupt)  # main thread only (SIGTERM too): no lock
             if lease is not None:
                 self._give_back(lease, [], leased_at, stats)
             self._stamp_released(records)

@@ -32,6 +32,8 @@ class ConfigStats:
     gpu_seconds: float = 0.0
     #: launches that failed to become ready
     failures: int = 0
+    #: launches an interrupt (Ctrl-C, SIGTERM, SIGHUP) ended before they became ready: neither launched nor failed
+    interrupted: int = 0
     #: unexpected exits of ready workers (during a test or while pooled)
     deaths: int = 0
     #: deliberate stops during a test (``worker.stop()``), not deaths
@@ -68,6 +70,7 @@ class ConfigStats:
             "lease_wait_seconds": round(self.lease_wait_seconds, 3),
             "gpu_seconds": round(self.gpu_seconds, 3),
             "failures": self.failures,
+            "interrupted": self.interrupted,
             "deaths": self.deaths,
             "stops": self.stops,
             "resets": self.resets,
@@ -85,7 +88,8 @@ class ConfigStats:
             label=data["label"], model=data["model"], launches=data["launches"], reuses=data["reuses"],
             startup_seconds=list(data["startup_seconds"]["samples"]),
             lease_wait_seconds=data["lease_wait_seconds"], gpu_seconds=data["gpu_seconds"],
-            failures=data["failures"], deaths=data["deaths"], stops=data.get("stops", 0),
+            failures=data["failures"], interrupted=data.get("interrupted", 0), deaths=data["deaths"],
+            stops=data.get("stops", 0),
             resets=data.get("resets", 0), not_reset=data.get("not_reset", 0),
             failed_tests=data.get("failed_tests", 0),
             failed_logs=list(data["failed_logs"]), kept_logs=list(data.get("kept_logs", ())),
@@ -100,6 +104,7 @@ class ConfigStats:
         self.lease_wait_seconds += other.lease_wait_seconds
         self.gpu_seconds += other.gpu_seconds
         self.failures += other.failures
+        self.interrupted += other.interrupted
         self.deaths += other.deaths
         self.stops += other.stops
         self.resets += other.resets

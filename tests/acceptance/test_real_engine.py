@@ -579,7 +579,7 @@ def test_log_file_holds_the_real_output_and_failed_logs_are_kept(real_run: Inner
     worker that served a failing test and of the failed launch are kept, and listed."""
     assert real_run.outcome("test_e_log_file") == "PASSED", real_run.stdout[-8000:]
     good = Path(real_run.one("test_e_log_file")["log_path"])
-    kept = [line.split("log kept: ", 1)[1].strip() for line in real_run.lines if "log kept: " in line]
+    kept = [line.split("log kept: ", 1)[1].split(" (kept ", 1)[0] for line in real_run.lines if "log kept: " in line]
     assert str(good) in kept, kept
     bad = [Path(p) for p in kept if p != str(good)]
     assert len(bad) == 1 and bad[0].parent == real_run.log_dir, kept

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from pytest_sglworker.engine.cpu_engine import real_engine_missing_reason, real_engine_python
@@ -61,7 +63,14 @@ def test_misspelt_spec_flag_is_usage_error_and_header_shows_version(pytester: py
 
 
 def test_header_says_flags_not_checked_without_sglang(pytester: pytest.Pytester) -> None:
+    """On the simulated engine that is information, not a problem: the sim parses sglang's flags as each worker
+    starts. Another launcher (the real engine's python without sglang) is not checked, and the header says why."""
     pytester.makepyfile("def test_x(sgl_worker): pass")
     result = pytester.runpytest_subprocess("--sgl-model", "qwen3-0.6b", "--sgl-engine", "sim", "--collect-only")
+    assert result.ret == 0
+    result.stdout.fnmatch_lines(["sglworker: worker flags checked by the simulated engine as each worker starts *"])
+    assert "not checked" not in result.stdout.str()
+    result = pytester.runpytest_subprocess("--sgl-model", "qwen3-0.6b", "--sgl-engine", "sim", "--sgl-launcher",
+                                           f"{sys.executable} -m pytest_sglworker.sim", "--collect-only")
     assert result.ret == 0
     result.stdout.fnmatch_lines(["sglworker: worker flags not checked: sglang is not importable by *"])

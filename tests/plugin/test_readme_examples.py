@@ -74,3 +74,31 @@ def test_a_test_file_of_the_docs_passes(pytester: pytest.Pytester, sim_env: dict
     outcomes = result.parseoutcomes()
     assert result.ret == 0 and outcomes.get("passed", 0) == source.count("    def test_") + source.count(
         "\ndef test_"), result.stdout.str()[-4000:]
+
+
+def _bash_lines(page: Path) -> list[str]:
+    return [line.strip() for block in re.findall(r"```bash\n(.*?)```", page.read_text(), re.S)
+            for line in block.splitlines() if line.strip()]
+
+
+def test_the_readmes_test_command_is_the_one_ci_runs() -> None:
+    """.ci/run runs the README's install-and-test command as written: the two must stay one line."""
+    ci = [line for line in (REPO / ".ci" / "run").read_text().splitlines() if line.startswith("python3 -m venv")]
+    readme = [line for line in _bash_lines(README) if line.endswith(".venv/bin/pytest")]
+    assert len(ci) == 1 and readme == ci, (readme, ci)
+
+
+#: The pages a newcomer starts from: their commands must work as written today.
+FIRST_PAGES = [README, *(REPO / "docs" / page for page in ("index.md", "tutorial.md", "how-to/gpu-ci.md"))]
+
+
+@pytest.mark.parametrize("page", FIRST_PAGES, ids=[str(p.relative_to(REPO)) for p in FIRST_PAGES])
+def test_no_first_command_installs_the_package_from_the_index(page: Path) -> None:
+    """pytest-sglworker is not on PyPI yet (``No matching distribution found``): the commands install it from a
+    clone or a built wheel; the index line is prose, for when it is published. (Adding an extra to an installed
+    package, ``pip install 'pytest-sglworker[ray]'``, works without the index: that one is allowed elsewhere.)"""
+    lines = _bash_lines(page)
+    from_index = [line for line in lines if re.search(r"pip install ['\"]?pytest-sglworker\b", line)]
+    assert not from_index, from_index
+    installs = [line for line in lines if "pip install" in line]
+    assert installs and all("pip install -e" in line or ".whl" in line for line in installs), installs

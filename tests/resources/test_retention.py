@@ -5,6 +5,8 @@ controller's session directory."""
 from __future__ import annotations
 
 import os
+import re
+import time
 from pathlib import Path
 
 import pytest
@@ -41,7 +43,7 @@ def test_keep_logs_overrides_the_policy(pytester: pytest.Pytester, sim_env: dict
                                            timeout=120)
     result.assert_outcomes(passed=1, failed=1)
     assert len(_logs(Path(sim_env["SGLWORKER_LOG_DIR"]))) == 2
-    result.stdout.fnmatch_lines(["*log kept (--sgl-keep-logs): *sglang-worker-*.log"])
+    result.stdout.fnmatch_lines(["*log kept (--sgl-keep-logs): *sglang-worker-*.log (kept 7 days, until *)"])
 
 
 @pytest.fixture
@@ -104,3 +106,63 @@ def test_junitxml_carries_the_log_path_and_tail(pytester: pytest.Pytester, sim_e
     err = failed.find("system-err")
     assert err is not None and "The server is fired up and ready to roll!" in (err.text or "")
     assert not list(cases["test_passes[qwen3-0.6b]"].iter("property"))
+
+
+def test_a_kept_failure_log_outlives_the_sessions_of_other_jobs(pytester: pytest.Pytester, default_root: Path) -> None:
+    """A failure log the summary calls kept (``log kept: PATH (kept 7 days, until ...)``) is still there after
+    three sessions of other jobs of the same user, started at once with the same log root and the default
+    retention count of 3, which removes every other earlier session directory."""
+    import subprocess
+    import sys
+
+    pytester.makepyfile(SUITE)
+    result = pytester.runpytest_subprocess(*SIM, "--sgl-log-retention-policy", "failed", timeout=120)
+    result.assert_outcomes(passed=1, failed=1)
+    kept = [line.split("log kept: ", 1)[1] for line in result.outlines if "log kept: " in line]
+    assert len(kept) == 1, result.outlines
+    log, _, words = kept[0].partition(" (")
+    assert re.fullmatch(r"kept 7 days, until \d{4}-\d\d-\d\d \d\d:\d\d UTC\)", words), kept
+    assert Path(log).is_file() and Path(log).parent.parent == default_root
+
+    other = pytester.mkdir("other_job")
+    (other / "test_other.py").write_text("def test_ok(sgl_worker):\n    pass\n")
+    # a session of a passing job before them: it keeps no log, the count removes its directory
+    result = pytester.runpytest_subprocess(*SIM, str(other), timeout=120)
+    result.assert_outcomes(passed=1)
+    plain = sorted(p for p in default_root.iterdir() if p.name.startswith("session-"))
+    jobs = [subprocess.Popen([sys.executable, "-m", "pytest", *SIM, "--sgl-gpus", "sim:3", str(other)],
+                             cwd=other, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             stdin=subprocess.DEVNULL) for _ in range(3)]
+    for job in jobs:
+        out, _ = job.communicate(timeout=300)
+        assert job.returncode == 0, out[-3000:]
+    sessions = sorted(p.name for p in default_root.iterdir() if p.name.startswith("session-"))
+    assert len(sessions) == 4 and plain[-1].name not in sessions, sessions  # the count removed the passing job's
+    assert Path(log).is_file(), sessions
+
+
+def test_a_kept_mark_lasts_its_days(tmp_path: Path) -> None:
+    """After KEEP_DAYS the marked directory counts again and goes like any other."""
+    from pytest_sglworker.resources import retention
+
+    root = tmp_path / "logs"
+    first = retention.make_session_dir(root, 1)
+    until = retention.mark_kept(first.path)
+    assert until == pytest.approx(os.stat(first.path / ".kept").st_mtime + retention.KEEP_SECONDS)
+    first.release()
+    second = retention.make_session_dir(root, 1)
+    second.release()
+    assert first.path.is_dir()  # marked: the count of 1 does not remove it
+    old = time.time() - retention.KEEP_SECONDS - 1
+    os.utime(first.path / ".kept", (old, old))
+    retention.make_session_dir(root, 1).release()
+    assert not first.path.exists() and not second.path.exists()
+
+
+def test_the_docs_say_how_long_a_kept_log_stays() -> None:
+    from pytest_sglworker.plugin.options import RETENTION_COUNT_DESC
+    from pytest_sglworker.resources.retention import KEEP_DAYS
+
+    repo = Path(__file__).resolve().parents[2]
+    assert f"for {KEEP_DAYS} days" in RETENTION_COUNT_DESC
+    assert f"kept {KEEP_DAYS} days, until" in (repo / "docs" / "explanation" / "failures.md").read_text()

@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from pytest_sglworker.engine import cpu_engine
@@ -92,3 +95,121 @@ def test_install_script_and_marker_agree() -> None:
     assert f"MARKER_NAME={cpu_engine.REAL_ENGINE_MARKER}" in script
     assert "set -euo pipefail" in script
     subprocess.run(["bash", "-n", str(PACKAGE / "tools" / "recipes" / "install-real-engine.sh")], check=True)
+
+
+# A driver that runs the command with its recipes taken from another folder (a fake recipe, not the real
+# multi-gigabyte install) and a short grace between the signals it sends after an interrupt.
+_DRIVER = """
+import sys
+from pathlib import Path
+import pytest_sglworker.tools.cli as cli
+cli.RECIPES = Path(sys.argv[1])
+cli.GRACE_S = 2.0
+sys.exit(cli.main(sys.argv[2:]))
+"""
+
+# An install that runs a child in the foreground (pip, say) and one in the background that ignores SIGINT, and
+# says so by writing their pids once both run.
+_SLOW_RECIPE = """set -euo pipefail
+(trap '' INT; exec sleep 1000) &
+echo $! > "$1.background"
+sh -c 'echo $$ > "$1"; exec sleep 1000' sh "$1.foreground"
+"""
+
+
+def _wait_for(path: Path, process: subprocess.Popen[str], deadline_s: float = 60.0) -> int:
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        if path.is_file() and path.read_text().strip():
+            return int(path.read_text())
+        assert process.poll() is None, process.communicate()
+        time.sleep(0.05)
+    raise AssertionError(f"the fake install never wrote {path}")
+
+
+def _running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_an_interrupted_install_ends_its_whole_process_group(tmp_path: Path, sig: signal.Signals) -> None:
+    """Ctrl-C (SIGINT to the command) or SIGTERM during an install: one line, exit 128 + the signal, and no process
+    of the install left running, neither the recipe's foreground child nor one that ignores SIGINT."""
+    recipes = tmp_path / "recipes"
+    recipes.mkdir()
+    (recipes / "install-real-engine.sh").write_text(_SLOW_RECIPE)
+    folder = tmp_path / "engine"
+    process = subprocess.Popen([sys.executable, "-c", _DRIVER, str(recipes), "install-real-engine", str(folder)],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
+    try:
+        background = _wait_for(Path(f"{folder}.background"), process)
+        foreground = _wait_for(Path(f"{folder}.foreground"), process)
+        process.send_signal(sig)
+        _, err = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert process.returncode == 128 + sig, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert err.startswith(f"sglworker install-real-engine: interrupted ({sig.name})"), err
+    assert [pid for pid in (background, foreground) if _running(pid)] == []
+
+
+def test_the_checkout_command_works_without_its_venv(tmp_path: Path) -> None:
+    """A clone without ``.venv``, another venv activated (its ``python3`` first on PATH): ``scripts/gpu-check``
+    picks that python by its bare name, which exec does not look up on PATH."""
+    clone = tmp_path / "clone"
+    ignore = shutil.ignore_patterns("__pycache__")
+    shutil.copytree(REPO / "scripts", clone / "scripts", ignore=ignore)
+    shutil.copytree(PACKAGE, clone / "pytest_sglworker", ignore=ignore)
+    env = {**_env(tmp_path), "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    for name in ("SGLWORKER_PYTHON", "GPU_CHECK_PYTHON", "PYTHONPATH"):
+        env.pop(name, None)
+    done = subprocess.run(["bash", str(clone / "scripts" / "gpu-check"), "--help"], env=env, capture_output=True,
+                          text=True, timeout=120, stdin=subprocess.DEVNULL)
+    assert done.returncode == 0 and "--dry-run" in done.stdout, done.stdout + done.stderr
+    # the console script's own lookup, given the bare name
+    done = subprocess.run([*COMMAND, "gpu-check", "--help"], env={**env, "GPU_CHECK_PYTHON": "python3"},
+                          capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+    assert done.returncode == 0 and "--dry-run" in done.stdout, done.stdout + done.stderr
+    done = subprocess.run([*COMMAND, "gpu-check", "--help"], env={**env, "GPU_CHECK_PYTHON": "no-such-python"},
+                          capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+    assert done.returncode == 2 and "cannot run no-such-python: not found on PATH" in done.stderr, done.stderr
+
+
+def test_the_recipes_pip_does_not_see_the_checkout(tmp_path: Path) -> None:
+    """``scripts/sglworker`` puts the checkout on PYTHONPATH to run this command; the recipe's environment (a venv
+    of its own, built by its pip) must not see the checkout's metadata, else pip reports the plugin's
+    dependencies as missing (``ERROR: pip's dependency resolver ...``) on an install that succeeded. The fake
+    recipe builds a bare venv and lists what its python sees; with the real engine installed, its pip's check
+    names no pytest-sglworker either."""
+    assert list(REPO.glob("*.egg-info")), "the checkout holds no metadata: install it with pip install -e ."
+    recipes = tmp_path / "recipes"
+    recipes.mkdir()
+    (recipes / "install-real-engine.sh").write_text("""set -euo pipefail
+echo "PYTHONPATH=${PYTHONPATH:-}"
+"$SGLWORKER_BASE_PYTHON" -m venv --without-pip "$1"
+"$1/bin/python" -c 'import importlib.metadata as m; print("sees:", sorted(d.name for d in m.distributions()))'
+if [[ -x "${REAL_ENGINE:-}/bin/python" ]]; then "$REAL_ENGINE/bin/python" -m pip check || true; fi
+""")
+    env = {**_env(tmp_path), "PYTHONPATH": str(REPO), "REAL_ENGINE": str(default_real_engine_dir())}
+    env["XDG_CACHE_HOME"] = os.environ.get("XDG_CACHE_HOME", str(Path.home() / ".cache"))
+    done = subprocess.run([sys.executable, "-c", _DRIVER, str(recipes), "install-real-engine", str(tmp_path / "e")],
+                          env=env, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "PYTHONPATH=\n" in done.stdout and "sees: []" in done.stdout, done.stdout
+    assert "pytest-sglworker" not in done.stdout + done.stderr
+
+
+def test_the_recipe_environment_keeps_the_users_pythonpath(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only the folder that holds this package leaves the recipe's PYTHONPATH."""
+    from pytest_sglworker.tools import cli
+
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), str(PACKAGE.parent), f"{PACKAGE.parent}/"]))
+    assert cli._recipe_environ("SGLWORKER_BASE_PYTHON")["PYTHONPATH"] == str(tmp_path)
+    monkeypatch.setenv("PYTHONPATH", str(PACKAGE.parent))
+    assert "PYTHONPATH" not in cli._recipe_environ("SGLWORKER_BASE_PYTHON")

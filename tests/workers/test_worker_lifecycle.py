@@ -410,7 +410,8 @@ def test_kept_log_keeps_its_path_when_the_port_is_reused(pytester: pytest.Pytest
     result = _run(pytester, "--sgl-port-range", "21000-21003", "-p", "no:randomly",  # one block: same port
                   "--sgl-log-retention-policy", "failed")
     result.assert_outcomes(passed=1, failed=1)
-    kept = [line.split("log kept: ", 1)[1].strip() for line in result.stdout.lines if "log kept: " in line]
+    kept = [line.split("log kept: ", 1)[1].split(" (kept ", 1)[0]
+            for line in result.stdout.lines if "log kept: " in line]
     assert kept and all(Path(path).exists() for path in kept), kept
     assert "router bug" not in Path(kept[0]).read_text() and "fired up" in Path(kept[0]).read_text()
     assert [p.name for p in Path(sim_env["SGLWORKER_LOG_DIR"]).glob("*.log")] == [Path(kept[0]).name]

@@ -1,4 +1,5 @@
-"""``sglworker gpu-check``: the first GPU run of pytest-sglworker, as one command. See docs/GPU_CHECK.md.
+"""``sglworker gpu-check``: the first GPU run of pytest-sglworker, as one command. Its documentation: the
+repository's docs/GPU_CHECK.md (``--help`` gives its address).
 
 A program shipped in the package and run by path (``sglworker gpu-check`` runs it with its own Python), not a
 module of it: its pieces (the holder, the inner sessions, the fake ``pynvml``) are scripts and folders that
@@ -655,7 +656,11 @@ class Check(StackChecks):
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="sglworker gpu-check", description=__doc__.split("\n\n")[0])
+    from pytest_sglworker.errors import docs_url
+
+    parser = argparse.ArgumentParser(prog="sglworker gpu-check", formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     description="sglworker gpu-check: the first GPU run of pytest-sglworker, as "
+                                                 f"one command.\nSee {docs_url('GPU_CHECK.md')}")
     parser.add_argument("--dry-run", action="store_true", help="fake NVML and fake CUDA: no GPU, no libcuda (CI)")
     parser.add_argument("--out", help="results folder (default: $OUT, else ./gpu-check-out)")
     parser.add_argument("--budget", type=float, default=270.0, help="seconds for the whole run (default 270)")
