@@ -58,6 +58,22 @@ for proc in psutil.process_iter(["pid"]):
 """
 
 
+def _client_server_env() -> dict[str, str]:
+    """The head's settings for its Ray Client server (``ray://``)."""
+    # The Ray Client server gives a new client's own server process 30 s to come up by default; on a loaded 2-core
+    # CI runner (both xdist workers busy) that process took longer and test_ray_client_address failed with "Proxy
+    # failed to Connect to backend". The plugin's bound for ray:// (120 s) is beyond this one.
+    extra: dict[str, str] = {"RAY_CLIENT_SERVER_CHECK_CHANNEL_TIMEOUT_S": "90"}
+    # The Ray Client server forks each new client's server process (with a preexec_fn, so a real fork()) while
+    # its own gRPC threads are busy; gRPC's fork handlers then skip their preparation ("Other threads are currently
+    # calling into gRPC, skipping fork() handlers") and the child's post-fork handler can start a gRPC thread that
+    # crashes before the exec: twice in full runs here, dmesg showed "event_engine[PID]: segfault ... in cygrpc" for
+    # the child and the client failed with "Starting Ray client server failed" (the child's logs empty). gRPC's fork
+    # support notes say to turn the handlers off when every fork is followed by an exec, as the server's are.
+    extra["GRPC_ENABLE_FORK_SUPPORT"] = "false"
+    return extra
+
+
 @dataclass(frozen=True)
 class LocalCluster:
     address: str  #: the GCS address, 127.0.0.1:PORT
@@ -124,7 +140,7 @@ def local_cluster(*, gpus: int, token: bool = False, extra_env: Mapping[str, str
     mark = uuid.uuid4().hex
     auth = cluster_env(temp, token=token)
     cluster = LocalCluster(f"127.0.0.1:{port}", client_port, temp, auth, mark)
-    env = {**cluster.client_env(), **(extra_env or {}), CLUSTER_MARK: mark}
+    env = {**cluster.client_env(), **_client_server_env(), **(extra_env or {}), CLUSTER_MARK: mark}
     ray_bin = shutil.which("ray", path=os.path.dirname(sys.executable)) or "ray"
     guard = _cluster_guard(mark)
     head = subprocess.Popen(

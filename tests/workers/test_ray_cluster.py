@@ -57,18 +57,7 @@ def ray_client_logs(limit: int = 3000) -> str:
 def ray_address() -> Iterator[str]:
     """One local Ray cluster for the module (tests/ray_local.py: hermetic, loopback only, its own temp dir, token
     authentication off explicitly); its GCS address."""
-    # The Ray Client server gives a new client's own server process 30 s to come up by default; on a loaded 2-core
-    # CI runner (both xdist workers busy) that process took longer and test_ray_client_address failed with "Proxy
-    # failed to Connect to backend". The plugin's bound for ray:// (120 s) is beyond this one.
-    extra = {"RAY_CLIENT_SERVER_CHECK_CHANNEL_TIMEOUT_S": "90"}
-    # The Ray Client server forks each new client's server process (with a preexec_fn, so a real fork()) while
-    # its own gRPC threads are busy; gRPC's fork handlers then skip their preparation ("Other threads are currently
-    # calling into gRPC, skipping fork() handlers") and the child's post-fork handler can start a gRPC thread that
-    # crashes before the exec: twice in full runs here, dmesg showed "event_engine[PID]: segfault ... in cygrpc" for
-    # the child and the client failed with "Starting Ray client server failed" (the child's logs empty). gRPC's fork
-    # support notes say to turn the handlers off when every fork is followed by an exec, as the server's are.
-    extra["GRPC_ENABLE_FORK_SUPPORT"] = "false"
-    with local_cluster(gpus=GPUS, extra_env=extra) as cluster:
+    with local_cluster(gpus=GPUS) as cluster:
         CLUSTER[0] = cluster
         CLIENT_PORT[0] = cluster.client_port
         RAY_TEMP[0] = str(cluster.temp)
