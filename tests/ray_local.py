@@ -3,7 +3,7 @@
 Whatever the user's ``~/.ray`` and environment hold, the cluster and every client of it run with what
 :func:`cluster_env` sets, on the head and on the clients alike:
 
-- **Its own authentication.** Ray (2.52 and later) turns token authentication on for ``ray start --head`` when
+- **Its own authentication.** Ray (2.60) turns token authentication on for ``ray start --head`` when
   ``RAY_AUTH_MODE`` is unset and ``~/.ray/auth_token`` exists (any earlier ``ray.init()`` on the machine leaves that
   file), and a client then joins only with ``RAY_AUTH_MODE=token`` and the token. So ``RAY_AUTH_MODE`` is always set:
   ``disabled``, or ``token`` with a token of the cluster's own in a file under its temp dir

@@ -2,8 +2,9 @@
 connection with a specific error for each way it fails (:class:`ClusterUnavailable`, a usage error at collection).
 Plain Python, no pytest; ``ray`` is imported only in this mode.
 
-Token authentication (Ray 2.52 and later): a cluster whose head runs with ``RAY_AUTH_MODE=token`` (which
-``ray start --head`` turns on by itself when ``~/.ray/auth_token`` exists) answers only clients that send its token.
+Token authentication (Ray 2.60, the version the test extra installs): a cluster whose head runs with
+``RAY_AUTH_MODE=token`` (which ``ray start --head`` turns on by itself when ``~/.ray/auth_token`` exists) answers only
+clients that send its token.
 Ray's client sends one only when its own process runs with ``RAY_AUTH_MODE=token``, taking the token from
 ``RAY_AUTH_TOKEN``, else the file ``RAY_AUTH_TOKEN_PATH`` names, else ``~/.ray/auth_token``; for an address given
 explicitly (``ray:HOST:PORT``, ``ray://HOST:PORT``, ``RAY_ADDRESS``) it never turns the mode on by itself. A client
