@@ -69,6 +69,12 @@ GPUS = 4
 SHARDS = 4
 XDIST = 4
 CLUSTER_MARK = "SGLWORKER_BENCH_RAY_CLUSTER"  # in the environment of every process of the bench's cluster
+#: What the cluster's head and its clients (the measured pytest runs) set, whatever the user's ~/.ray holds (as
+#: tests/ray_local.py): token authentication off explicitly (``ray start --head`` turns it on by itself when
+#: ~/.ray/auth_token exists), and Ray's single-machine mode, the one in which it keeps 127.0.0.1 as the node's
+#: address instead of replacing it by the machine's other one (its servers then listen on loopback only).
+RAY_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+RAY_DROPPED = ("RAY_ADDRESS", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
 BASE = ("-q", "-p", "no:cacheprovider", "--sgl-engine", "sim", "--sgl-model", "qwen3-0.6b")
 VARIANTS = {"local": ("--sgl-gpus", f"sim:{GPUS}"), "ray": ("--sgl-cluster", "ray")}
 PHASES = (("total", "t_lease_requested", "t_ready"), ("lease", "t_lease_requested", "t_leased"),
@@ -114,8 +120,9 @@ def cluster_processes(mark: str) -> list[Any]:
 
 def start_cluster(temp: str, mark: str) -> tuple[subprocess.Popen[bytes], str]:
     port = common.free_port()
-    env = common.clean_env(**{CLUSTER_MARK: mark})
-    env.pop("RAY_ADDRESS", None)
+    env = common.clean_env(**{CLUSTER_MARK: mark}, **RAY_ENV, RAY_TMPDIR=temp)
+    for key in RAY_DROPPED:
+        env.pop(key, None)
     ray_bin = shutil.which("ray", path=os.path.dirname(sys.executable)) or "ray"
     head = subprocess.Popen([ray_bin, "start", "--head", "--block", f"--num-gpus={GPUS}", f"--num-cpus={GPUS}",
                              f"--port={port}", "--disable-usage-stats", "--include-dashboard=false",
@@ -171,9 +178,10 @@ def run_pytest(work: Path, name: str, args: list[str], address: str | None) -> d
     report = work / "reports" / f"{name}.json"
     env = common.clean_env(SGLSIM_STARTUP_SECONDS=STARTUP, SGLWORKER_LOG_DIR=str(work / "logs"),
                            SGLWORKER_LOCK_DIR=str(work / "locks"))
-    env.pop("RAY_ADDRESS", None)
+    for key in RAY_DROPPED:
+        env.pop(key, None)
     if address is not None:
-        env["RAY_ADDRESS"] = address
+        env.update(RAY_ENV, RAY_ADDRESS=address)
     start = time.monotonic()
     done = subprocess.run([sys.executable, "-m", "pytest", *BASE, *args, "--sgl-report", str(report),
                            str(work / "suite")], env=env, cwd=work, capture_output=True, text=True)

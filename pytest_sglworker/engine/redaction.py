@@ -20,6 +20,9 @@ SECRET_ENV_PATTERN = re.compile(r"TOKEN|SECRET|PASSWORD|PASSWD|API_?KEY|CREDENTI
 _SECRET_NAME_WORD = re.compile(r"(?:^|_)(?:TOKEN|SECRET|PASSWORD|PASSWD|API_?KEY|CREDENTIALS?|AUTH)(?:_|$)",
                                re.IGNORECASE)
 _NOT_SECRET_VALUES = frozenset({"true", "false", "none", "null", "auto"})
+#: Secret-looking names that hold no secret: Ray's authentication *mode* (``token``, ``disabled``), which a worker
+#: on a Ray cluster with token authentication inherits; redacted, every "token" of its log would read "***".
+_NOT_SECRET_NAMES = frozenset({"RAY_AUTH_MODE"})
 MASK = "***"
 
 
@@ -54,7 +57,7 @@ def mask_argv(argv: Sequence[str]) -> list[str]:
 
 
 def _secret_name(name: str) -> bool:
-    return bool(SECRET_ENV_PATTERN.search(name) and _SECRET_NAME_WORD.search(name))
+    return bool(SECRET_ENV_PATTERN.search(name) and _SECRET_NAME_WORD.search(name)) and name not in _NOT_SECRET_NAMES
 
 
 def mask_env(env: Mapping[str, str]) -> dict[str, str]:

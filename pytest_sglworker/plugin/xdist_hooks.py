@@ -86,12 +86,12 @@ class XdistHooks:
             return
         from ..resources.processes import SESSION_ID
         from ..workers.sources.ray import forwarded_env
-        from ..workers.sources.ray_connect import CONNECT_TIMEOUT, cluster_address
+        from ..workers.sources.ray_connect import CONNECT_TIMEOUT, cluster_address, ray_auth
         from ..workers.sources.ray_hosts import ControllerHosts
 
         if self.ray_hosts is None:
             self.ray_hosts = ControllerHosts(cluster, address=cluster_address(cluster), actor_env=forwarded_env(),
-                                             session=SESSION_ID, timeout=CONNECT_TIMEOUT)
+                                             session=SESSION_ID, timeout=CONNECT_TIMEOUT, auth=ray_auth())
         self.ray_hosts.add(str(node.workerinput["workerid"]))
         node.workerinput["sglworker_ray_ahead"] = SESSION_ID
 

@@ -303,10 +303,11 @@ def test_secrets_never_appear_in_what_the_plugin_writes(pytester: pytest.Pyteste
 
 def test_secret_values() -> None:
     env = {"HF_TOKEN": "hf_abcdef", "OPENAI_API_KEY": "sk-abcdef", "AWS_SECRET_ACCESS_KEY": "aws-abcdef",
-           "TOKENIZERS_PARALLELISM": "false", "GITHUB_TOKEN": "true", "SHORT_TOKEN": "abc", "PATH": "/usr/bin"}
+           "TOKENIZERS_PARALLELISM": "false", "GITHUB_TOKEN": "true", "SHORT_TOKEN": "abc", "PATH": "/usr/bin",
+           "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "ray-abcdef"}  # Ray's mode is none: "tokens" stays readable
     argv = ["--api-key", "key-1234", "--admin-api-key=adm-1234", "--max-total-tokens", "4096", "--hf-token", "hf_9999"]
     assert set(secret_values(env, argv)) == {"hf_abcdef", "sk-abcdef", "aws-abcdef", "key-1234", "adm-1234",
-                                             "hf_9999"}
+                                             "hf_9999", "ray-abcdef"}
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -1,12 +1,12 @@
 """``--sgl-cluster ray`` (issue 13, the Ray part), proven on a CPU with one local Ray cluster per module.
 
-The cluster (``ray start --head --block --num-gpus 4 --num-cpus 4``, a private temp dir, a free port) is
-started once for the module, without the per-test leftover mark (it outlives single tests), and stopped at the
-end, checked gone. Every inner session runs the simulated engine on it; the engine records its lifetimes and
-its ``CUDA_VISIBLE_DEVICES`` (``SGLSIM_RECORD``), so that a GPU held by two live workers at once shows as a
-double booking, as in tests/plugin/test_xdist_gpus.py. The actors and the engines they start carry the test's
-leftover mark (the plugin forwards ``SGL*`` variables to them), so the leftover check of tests/conftest.py
-covers them too.
+The cluster (``ray start --head --block --num-gpus 4 --num-cpus 4``, a free port, tests/ray_local.py: hermetic
+whatever the user's ``~/.ray`` holds, loopback only, a private temp dir) is started once for the module, without the
+per-test leftover mark (it outlives single tests), and stopped at the end, checked gone. Every inner session runs
+the simulated engine on it; the engine records its lifetimes and its ``CUDA_VISIBLE_DEVICES`` (``SGLSIM_RECORD``),
+so that a GPU held by two live workers at once shows as a double booking, as in tests/plugin/test_xdist_gpus.py.
+The actors and the engines they start carry the test's leftover mark (the plugin forwards ``SGL*`` variables to
+them), so the leftover check of tests/conftest.py covers them too.
 """
 
 from __future__ import annotations
@@ -16,17 +16,15 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
 import pytest
+from ray_local import DROPPED, LocalCluster, local_cluster
 from worker_lives import assert_exclusive, lifetimes, max_concurrency
 
 pytestmark = [pytest.mark.ray, pytest.mark.xdist_group("ray")]  # one local cluster at a time
@@ -34,12 +32,13 @@ pytestmark = [pytest.mark.ray, pytest.mark.xdist_group("ray")]  # one local clus
 ray = pytest.importorskip("ray", reason="Ray is not installed: pip install 'pytest-sglworker[ray]'")
 
 SIM = ("-p", "no:cacheprovider", "--sgl-engine", "sim", "--sgl-model", "qwen3-0.6b", "--sgl-cluster", "ray")
-CLUSTER_MARK = "SGLWORKER_RAY_TEST_CLUSTER"
 GPUS = 4
 #: the Ray Client server's port of the module's cluster
 CLIENT_PORT = [0]
 #: The module cluster's --temp-dir (Ray's session logs are under it until the cluster's teardown removes it).
 RAY_TEMP = [""]
+#: the module's cluster (what a client of it sets)
+CLUSTER: list[LocalCluster | None] = [None]
 
 
 def ray_client_logs(limit: int = 3000) -> str:
@@ -54,88 +53,15 @@ def ray_client_logs(limit: int = 3000) -> str:
     return "\n".join(parts) or f"(no ray_client_server logs under {logs})"
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _cluster_processes(mark: str) -> list[psutil.Process]:
-    found = []
-    for proc in psutil.process_iter(["pid"]):
-        try:
-            if proc.environ().get(CLUSTER_MARK) == mark and proc.status() != psutil.STATUS_ZOMBIE:
-                found.append(proc)
-        except (psutil.Error, OSError):
-            continue
-    return found
-
-
-#: Run by :func:`_cluster_guard`: block until the test process's end of the pipe closes, then kill, by PID, every
-#: process that carries the cluster's mark (``ray start --block`` alone did not always stop its cluster on SIGTERM).
-GUARD = """
-import os, sys, psutil
-sys.stdin.buffer.read()
-for proc in psutil.process_iter(["pid"]):
-    try:
-        if proc.pid != os.getpid() and proc.environ().get(sys.argv[1]) == sys.argv[2]:
-            proc.kill()
-    except (psutil.Error, OSError):
-        pass
-"""
-
-
-def _cluster_guard(mark: str) -> subprocess.Popen[bytes]:
-    """A process that ends the module's cluster when this test process ends by any means (a SIGTERM or SIGKILL
-    that skips the fixture's teardown included): the kernel closes the pipe's write end, which only we hold."""
-    return subprocess.Popen([sys.executable, "-c", GUARD, CLUSTER_MARK, mark], stdin=subprocess.PIPE,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-                            env={k: v for k, v in os.environ.items() if k != "SGLWORKER_TEST_MARK"})
-
-
 @pytest.fixture(scope="module")
 def ray_address() -> Iterator[str]:
-    """One local Ray cluster for the module; its GCS address."""
-    port, client_port = _free_port(), _free_port()
-    CLIENT_PORT[0] = client_port
-    temp = tempfile.mkdtemp(prefix="sglray-", dir="/tmp")  # short: Ray's socket paths have a length limit
-    RAY_TEMP[0] = temp
-    mark = uuid.uuid4().hex
-    env = {k: v for k, v in os.environ.items() if k not in ("SGLWORKER_TEST_MARK", "RAY_ADDRESS")}
-    env[CLUSTER_MARK] = mark
-    # The Ray Client server gives a new client's own server process 30 s to come up by default; on a loaded 2-core
-    # CI runner (both xdist workers busy) that process took longer and test_ray_client_address failed with "Proxy
-    # failed to Connect to backend". The plugin's bound for ray:// (120 s) is beyond this one.
-    env["RAY_CLIENT_SERVER_CHECK_CHANNEL_TIMEOUT_S"] = "90"
-    # The Ray Client server forks each new client's server process (with a preexec_fn, so a real fork()) while
-    # its own gRPC threads are busy; gRPC's fork handlers then skip their preparation ("Other threads are currently
-    # calling into gRPC, skipping fork() handlers") and the child's post-fork handler can start a gRPC thread that
-    # crashes before the exec: twice in full runs here, dmesg showed "event_engine[PID]: segfault ... in cygrpc" for
-    # the child and the client failed with "Starting Ray client server failed" (the child's logs empty). gRPC's fork
-    # support notes say to turn the handlers off when every fork is followed by an exec, as the server's are.
-    env["GRPC_ENABLE_FORK_SUPPORT"] = "false"
-    ray_bin = shutil.which("ray", path=os.path.dirname(sys.executable)) or "ray"
-    guard = _cluster_guard(mark)
-    head = subprocess.Popen(
-        [ray_bin, "start", "--head", "--block", f"--num-gpus={GPUS}", f"--num-cpus={GPUS}", f"--port={port}",
-         "--disable-usage-stats", "--include-dashboard=false", f"--temp-dir={temp}",
-         "--node-ip-address=127.0.0.1", f"--ray-client-server-port={client_port}"],
-        env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
-        start_new_session=True)
-    address = f"127.0.0.1:{port}"
-    try:
-        probe = ("import ray, sys; ray.init(address=sys.argv[1], log_to_driver=False); "
-                 f"assert ray.cluster_resources().get('GPU') == {GPUS}")
-        deadline = time.monotonic() + 90
-        while True:
-            assert head.poll() is None, "ray start --head exited"
-            ok = subprocess.run([sys.executable, "-c", probe, address], env=env, capture_output=True,
-                                timeout=60).returncode == 0
-            if ok:
-                break
-            assert time.monotonic() < deadline, "the local Ray cluster did not come up within 90 s"
-            time.sleep(0.5)
-        yield address
+    """One local Ray cluster for the module (tests/ray_local.py: hermetic, loopback only, its own temp dir, token
+    authentication off explicitly); its GCS address."""
+    with local_cluster(gpus=GPUS) as cluster:
+        CLUSTER[0] = cluster
+        CLIENT_PORT[0] = cluster.client_port
+        RAY_TEMP[0] = str(cluster.temp)
+        yield cluster.address
         # Nothing of the plugin's is left on the cluster: every GPU is back, no placement group of ours lives.
         check = ("import ray, sys, time; ray.init(address=sys.argv[1], log_to_driver=False)\n"
                  "deadline = time.monotonic() + 20\n"
@@ -146,38 +72,54 @@ def ray_address() -> Iterator[str]:
                  f"    if (free == {GPUS} and not live) or time.monotonic() > deadline: break\n"
                  "    time.sleep(0.5)\n"
                  "print(free, live)\n")
-        out = subprocess.run([sys.executable, "-c", check, address], env=env, capture_output=True, text=True,
-                             timeout=60).stdout.strip().splitlines()
+        out = subprocess.run([sys.executable, "-c", check, cluster.address], env=cluster.client_env(),
+                             capture_output=True, text=True, timeout=60).stdout.strip().splitlines()
         assert out and out[-1] == f"{float(GPUS)} []", f"left on the Ray cluster (free GPUs, placement groups): {out}"
-    finally:
-        with_pids = _cluster_processes(mark)
-        with contextlib.suppress(OSError, psutil.Error):
-            os.killpg(head.pid, signal.SIGTERM)  # ray start --block stops the cluster's processes
-        deadline = time.monotonic() + 10
-        while _cluster_processes(mark) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        for proc in _cluster_processes(mark):  # what did not stop in time: by PID, only this cluster's
-            with contextlib.suppress(OSError, psutil.Error):
-                proc.kill()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            head.wait(10)
-        guard.stdin.close()  # type: ignore[union-attr]
-        guard.wait(30)
-        deadline = time.monotonic() + 10
-        while _cluster_processes(mark) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        left = _cluster_processes(mark)
-        shutil.rmtree(temp, ignore_errors=True)
-        assert not left, f"Ray processes left after the cluster's stop: {[p.pid for p in left]} of {len(with_pids)}"
 
 
 @pytest.fixture
 def on_ray(ray_address: str, sim_env: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """The inner sessions' environment: the cluster's address, and the simulated engine's record file."""
+    """The inner sessions' environment: the cluster's address and what its clients set (tests/ray_local.py), and
+    the simulated engine's record file."""
+    cluster = CLUSTER[0]
+    assert cluster is not None
+    for key in DROPPED:
+        if key != "SGLWORKER_TEST_MARK":
+            monkeypatch.delenv(key, raising=False)
+    for key, value in cluster.auth.items():
+        monkeypatch.setenv(key, value)
     monkeypatch.setenv("RAY_ADDRESS", ray_address)
     record = tmp_path / "sim-record.jsonl"
     monkeypatch.setenv("SGLSIM_RECORD", str(record))
     return record
+
+
+NODES = """
+import json, ray, sys
+ray.init(address=sys.argv[1], log_to_driver=False)
+print(json.dumps([{"address": n["NodeManagerAddress"], "alive": n["Alive"],
+                   "node": sorted(k for k in n["Resources"] if k.startswith("node:") and k != "node:__internal_head__")}
+                  for n in ray.nodes()]))
+"""
+
+
+def test_the_cluster_advertises_and_binds_loopback_only(ray_address: str) -> None:
+    """Its node's address is 127.0.0.1 (Ray's node list and its ``node:<ip>`` resource: what clients are sent to),
+    and every port its processes listen on is a loopback one."""
+    cluster = CLUSTER[0]
+    assert cluster is not None
+    out = subprocess.run([sys.executable, "-c", NODES, ray_address], env=cluster.client_env(), capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    nodes = json.loads(out.stdout.strip().splitlines()[-1])
+    assert nodes == [{"address": "127.0.0.1", "alive": True, "node": ["node:127.0.0.1"]}], nodes
+    listening = []
+    for proc in cluster.processes():
+        with contextlib.suppress(psutil.Error):
+            listening += [(proc.name(), c.laddr.ip, c.laddr.port) for c in proc.net_connections(kind="inet")
+                          if c.status == psutil.CONN_LISTEN]
+    assert listening, "no listening socket found among the cluster's processes"
+    assert all(ip in ("127.0.0.1", "::ffff:127.0.0.1") for _, ip, _ in listening), listening
 
 
 def _run(pytester: pytest.Pytester, *args: str, timeout: float = 120) -> pytest.RunResult:

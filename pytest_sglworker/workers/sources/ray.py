@@ -63,6 +63,7 @@ from .ray_connect import (
     cluster_address,
     connect,
     parse_cluster,
+    ray_auth,
 )
 from .ray_hosts import WorkerHost
 
@@ -436,7 +437,7 @@ class RayLeaseManager:
 
     # -- connection ---------------------------------------------------------------------------------------
     def _connect(self, timeout: float) -> None:
-        connect(self.ray, self.cluster, cluster_address(self.cluster), timeout)
+        connect(self.ray, self.cluster, cluster_address(self.cluster), timeout, ray_auth())
 
     def _cluster_address(self) -> str:
         with contextlib.suppress(Exception):

@@ -44,7 +44,7 @@ from typing import Any
 
 from ...resources.processes import OWNER_ENV, SESSION_ID, hostname, owner_tag
 from ..errors import LaunchError
-from .ray_connect import NAMESPACE
+from .ray_connect import NAMESPACE, RayAuth
 
 #: idle hosts kept per node (more given back are ended)
 IDLE_PER_NODE = 4
@@ -430,13 +430,15 @@ class ControllerHosts:
     """The xdist controller's hosts started ahead: it joins the cluster in the background and starts one named host
     on its node (when the node has GPUs) for each xdist worker it starts (:meth:`add`, as xdist sets the worker up),
     and a Ray worker process of its own for the tasks those hosts submit. The thread gets everything it needs from
-    the main thread (the address, the actors' environment). :meth:`close` ends the hosts (the session's end)."""
+    the main thread (the address, the credentials, the actors' environment). :meth:`close` ends the hosts (the
+    session's end)."""
 
     def __init__(self, cluster: Any, *, address: str, actor_env: Mapping[str, str], session: str,
-                 timeout: float) -> None:
+                 timeout: float, auth: RayAuth) -> None:
         self.session = session
         self._cluster = cluster
         self._address = address
+        self._auth = auth
         self._actor_env = dict(actor_env)
         self._timeout = timeout
         self._wanted: list[str] = []
@@ -458,7 +460,7 @@ class ControllerHosts:
 
         try:
             ray = _import_ray()
-            connect(ray, self._cluster, self._address, self._timeout)
+            connect(ray, self._cluster, self._address, self._timeout, self._auth)
             node = gpu_node_here(ray)
             if node is None:
                 return
