@@ -53,6 +53,10 @@ class Sim:
         self.generation_tokens_total = 0
         self.cached_tokens_total = 0
         self.cache: deque[tuple[int, ...]] = deque(maxlen=256)
+        #: the generations in flight by request id, each with its abort flag (``/abort_request``)
+        self.live: dict[str, threading.Event] = {}
+        #: the open sessions (``/open_session``), see :mod:`.routes.sessions`
+        self.sessions: dict[str, Any] = {}
         self.startup_time = time.time()
         self.startup_timings: dict[str, Any] = {}
         #: the HTTP server once bound (a :class:`.server.SimHTTPServer`)
@@ -96,6 +100,8 @@ class Sim:
                     n += 1
                 best = max(best, n)
             cached = min(best, max(len(key) - 1, 0)) // self.plan.page_size * self.plan.page_size
+            if self.plan.args.get("disable_radix_cache"):
+                cached = 0  # no prefix cache: every prompt is computed in full
             self.cache.append(key + tuple(gen.output_ids))
             self.num_requests_total += 1
             self.prompt_tokens_total += len(key)
