@@ -178,3 +178,18 @@ def test_sessions_keep_a_conversations_tokens(plain: SimProc) -> None:
     status, body = _generate(plain, input_ids=[14], session_params={"id": sid, "rid": rid1})
     assert (status, body) == (400, {"error": {"message": f"Invalid request: session id {sid} does not exist"}})
     assert plain.client.post("/close_session", json={"session_id": "nope"}).status_code == 200
+
+
+def test_triton_attention_on_the_cpu_dies_at_the_first_forward_pass(launcher: Launcher) -> None:
+    """The real CPU engine accepts --attention-backend triton --device cpu, binds, and its scheduler dies of
+    Triton's 'RuntimeError: 0 active drivers ([]). There should only be one.' at the warmup request (exit -9: its
+    own kill_process_tree); with --skip-server-warmup, at the first request."""
+    flags = ("--device", "cpu", "--attention-backend", "triton")
+    warm = launcher(*CI_ARGS, "--max-total-tokens", "1024", *flags, model=TINY)
+    assert warm.wait_exit(60) == -9
+    assert "RuntimeError: 0 active drivers ([]). There should only be one." in warm.log()
+    cold = _sim(launcher, *flags)
+    with pytest.raises(Exception):  # noqa: B017 - the connection dies with the server, whatever httpx calls it
+        cold.client.post("/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 2}})
+    assert cold.wait_exit(60) == -9
+    assert "0 active drivers" in cold.log()

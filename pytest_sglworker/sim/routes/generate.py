@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..constrained import ConstraintError, constrained_text, grammar_of
+from ..refusals import triton_driver_crash, triton_on_cpu
 from ..state import Sim
 from ..tokens import Generation, embedding, logprobs, prompt_seed, token_ids_logprobs
 from .checks import (
@@ -56,6 +57,8 @@ SKIP_TOKENIZER_TEXT = ("The engine initialized with skip_tokenizer_init=True can
 
 def generate(ctx: Request) -> None:
     sim = ctx.sim
+    if triton_on_cpu(sim.plan):  # the first forward pass after --skip-server-warmup: the scheduler dies
+        triton_driver_crash(sim)
     rid = sim.new_id()
     rids: list[str] = []
     req: dict[str, Any] = {}
