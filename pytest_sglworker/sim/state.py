@@ -21,7 +21,7 @@ from .core import ENV_FAULT, Log, Recorder
 from .faults import Faults, FaultState
 from .load import Loads
 from .plan import Plan
-from .tokens import Generation, Vocab, constrained, generate
+from .tokens import NO_SAMPLING, Generation, Sampling, Vocab, constrained, generate
 
 #: The version ``/server_info`` and the gRPC servicer report.
 VERSION = "0.5.23-sim"
@@ -79,16 +79,17 @@ class Sim:
 
     def generate(self, prompt_ids: list[int], source_ids: list[int] | None, max_new_tokens: int | None,
                  stop: list[str], ignore_eos: bool, stop_token_ids: list[int] | None = None,
-                 constraint: str | None = None, stop_regex: list[str] | None = None) -> Generation:
+                 constraint: str | None = None, stop_regex: list[str] | None = None,
+                 sampling: Sampling = NO_SAMPLING) -> Generation:
         """One generation of a prompt (``constraint``: the output a regex or JSON schema allows, see
         :mod:`.constrained`), counted in the metrics, the prefix cache and the loads, and logged as sglang logs
-        a prefill batch."""
+        a prefill batch. ``sampling``: the knobs that change the tokens (:class:`.tokens.Sampling`)."""
         if constraint is not None:
             gen = constrained(self.vocab, prompt_ids, constraint, max_new_tokens, stop, stop_token_ids or (),
                               ignore_eos)
         else:
             gen = generate(self.vocab, prompt_ids, prompt_ids if source_ids is None else source_ids, max_new_tokens,
-                           stop, ignore_eos, stop_token_ids or (), stop_regex or ())
+                           stop, ignore_eos, stop_token_ids or (), stop_regex or (), sampling)
         key = tuple(prompt_ids)
         with self.lock:
             best = 0

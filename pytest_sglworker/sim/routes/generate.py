@@ -23,7 +23,7 @@ from typing import Any
 from ..constrained import ConstraintError, constrained_text, grammar_of
 from ..refusals import triton_driver_crash, triton_on_cpu
 from ..state import Sim
-from ..tokens import Generation, embedding, logprobs, prompt_seed, token_ids_logprobs
+from ..tokens import Generation, Sampling, embedding, logprobs, prompt_seed, token_ids_logprobs
 from .checks import (
     DecodeRefusal,
     flat_logprobs,
@@ -193,7 +193,7 @@ def _generation(sim: Sim, ids: list[int], params: dict[str, Any]) -> Generation:
     stop_ids, stop_regex = stop_options(params)
     return sim.generate(ids, None, int_field(params.get("max_new_tokens", 128), "max_new_tokens"),
                         as_stop_list(params.get("stop")), bool(params.get("ignore_eos", False)), stop_ids,
-                        constraint=output, stop_regex=stop_regex)
+                        constraint=output, stop_regex=stop_regex, sampling=Sampling.of(params))
 
 
 def _flat_asks(req: dict[str, Any]) -> tuple[bool, bool, bool]:
