@@ -1,12 +1,14 @@
 """Server flags and routes of sglang 0.5.23 that a client observes, on the simulated engine as the real engine
 answered them (the real answers, recorded on the CPU engine with the tiny Llama by
 ``tests/engine_scripts/record_server_flags.py``, are ``tests/data/sim/server_flags_real.json``; the messages, the
-abort's finish reason and the session prompts pinned below are theirs): ``--incremental-streaming-output`` streams each chunk's own text and ids; ``--skip-tokenizer-init`` answers
-no text and refuses a text prompt with the tokenizer manager's 400; ``--disable-radix-cache`` reports no cached
-tokens (and takes ``input_embeds``); a caller's ``rid`` is the answer's id, a batch that repeats one is refused;
-``/abort_request`` (by rid, ``abort_all``) ends a running request with ``finish_reason {"type": "abort"}``; the
-session routes keep a conversation's tokens; sampling knobs act on the output in the real engine's direction.
-Real subprocesses over the tiny Llama's config and tokenizer; nothing left running."""
+abort's finish reason and the session prompts pinned below are theirs): ``--incremental-streaming-output``
+streams each chunk's own text and ids; ``--skip-tokenizer-init`` answers no text and refuses a text prompt with
+the tokenizer manager's 400; ``--disable-radix-cache`` reports no cached tokens (and takes ``input_embeds``); a
+caller's ``rid`` is the answer's id, a batch that repeats one is refused; ``/abort_request`` (by rid,
+``abort_all``) ends a running request with ``finish_reason {"type": "abort"}``; the session routes keep a
+conversation's tokens; ``--attention-backend triton --device cpu`` dies at the first forward pass; sampling knobs
+act on the output in the real engine's direction. Real subprocesses over the tiny Llama's config and tokenizer;
+nothing left running."""
 
 from __future__ import annotations
 
