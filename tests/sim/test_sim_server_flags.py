@@ -180,6 +180,9 @@ def test_sessions_keep_a_conversations_tokens(plain: SimProc) -> None:
     status, body = _generate(plain, input_ids=[14], session_params={"id": sid, "rid": rid1})
     assert (status, body) == (400, {"error": {"message": f"Invalid request: session id {sid} does not exist"}})
     assert plain.client.post("/close_session", json={"session_id": "nope"}).status_code == 200
+    r = plain.client.post("/open_session", json={"capacity_of_str_len": 10, "streaming": True})
+    assert r.json() == {"error": {"message": "Streaming sessions are disabled. Please relaunch with "
+                                             "--enable-streaming-session."}}
 
 
 def test_triton_attention_on_the_cpu_dies_at_the_first_forward_pass(launcher: Launcher) -> None:
