@@ -246,3 +246,24 @@ def _diversity(text: str) -> float:
 
     words = re.findall(r"\b\w+\b", text.lower())
     return len(set(words)) / len(words) if words else 1.0
+
+
+def test_a_streaming_session_continues_its_last_turn(launcher: Launcher) -> None:
+    """As upstream's test_session_control.py::test_streaming_session asks of the real engine: each turn's prompt is
+    the last turn's prompt and output and its own tokens, whose cached tokens are that history; replace is
+    refused."""
+    sim = _sim(launcher, "--enable-streaming-session")
+    try:
+        sid = sim.client.post("/open_session", json={"capacity_of_str_len": 1000, "streaming": True}).json()
+        previous = 0
+        for turn, ids in enumerate(([11, 12, 13], [14, 15], [16])):
+            status, body = _generate(sim, input_ids=ids, session_params={"id": sid, "rid": None})
+            assert status == 200, body
+            meta = body["meta_info"]
+            assert meta["cached_tokens"] == (previous if turn else 0)
+            previous = meta["prompt_tokens"] + meta["completion_tokens"]
+        status, body = _generate(sim, input_ids=[17], session_params={"id": sid, "replace": True})
+        assert (status, body) == (400, {"error": {"message": "Streaming sessions do not support replace."}})
+    finally:  # a server of its own: ended with the test (the module's are ended with the module)
+        sim.proc.kill()
+        sim.proc.wait(30)

@@ -8,7 +8,9 @@ the generation ends at its next token with ``finish_reason {"type": "abort", "me
 tokens so far kept. A session keeps each finished request of it by id; a later request that names one
 (``session_params.rid``) is that request's prompt and output (``drop_previous_output``: its prompt only;
 ``offset``: cut there) followed by its own tokens (a leading BOS dropped), ``replace`` forgets the children of
-the request it names (all of them without a rid). What sglang refuses is its abort of the request
+the request it names (all of them without a rid); in a streaming session (``streaming: true``, with
+``--enable-streaming-session``) each request continues the last one, and replace, offset and
+``drop_previous_output`` are refused. What sglang refuses is its abort of the request
 (:class:`~pytest_sglworker.sim.constrained.ConstraintError`: 400, or one abort chunk when streamed).
 """
 
@@ -145,7 +147,13 @@ def session_prompt(sim: Sim, params: Any, ids: list[int]) -> list[int]:
         if session is None:
             raise ConstraintError(f"Invalid request: session id {params['id']} does not exist")
         rid, last = params.get("rid"), None
-        if params.get("replace") and rid is None:
+        if session.streaming:  # one request at a time, each continuing the last (sglang: only plain appends)
+            for key, refusal in (("replace", "replace"), ("drop_previous_output", "drop_previous_output"),
+                                 ("offset", "offset")):
+                if params.get(key):
+                    raise ConstraintError(f"Streaming sessions do not support {refusal}.")
+            last = next(iter(session.nodes.values()), None)
+        elif params.get("replace") and rid is None:
             session.nodes.clear()
         elif rid is not None:
             last = session.nodes.get(str(rid))
@@ -173,6 +181,8 @@ def remember(sim: Sim, params: Any, rid: str, gen: Generation) -> None:
     with sim.lock:
         session = sim.sessions.get(str(params["id"]))
         if session is not None:
+            if session.streaming:
+                session.nodes.clear()  # the newest turn is the one the next continues
             parent = params.get("rid")
             session.nodes[rid] = _Node(list(gen.prompt_ids), list(gen.output_ids),
                                        None if parent is None else str(parent))
