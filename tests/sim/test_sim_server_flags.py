@@ -267,3 +267,46 @@ def test_a_streaming_session_continues_its_last_turn(launcher: Launcher) -> None
     finally:  # a server of its own: ended with the test (the module's are ended with the module)
         sim.proc.kill()
         sim.proc.wait(30)
+
+
+def _recorded() -> dict[str, Any]:
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "data" / "sim" / "server_flags_real.json"
+    return dict(json.loads(path.read_text(encoding="utf-8"))["answers"])
+
+
+def test_the_sim_answers_as_the_real_engine_recorded(plain: SimProc, incremental: SimProc,
+                                                     no_tokenizer: SimProc) -> None:
+    """The same requests as tests/engine_scripts/record_server_flags.py, held to the real engine's recorded answers
+    where they do not depend on the model's numbers (statuses, messages, ids, counts, keys)."""
+    import json
+
+    real = _recorded()
+    assert _generate(plain, text="hi", rid="my-rid-1")[1]["meta_info"]["id"] == real["rid_single"]
+    assert [o["meta_info"]["id"] for o in _generate(plain, text=["a", "b"], rid=["x1", "x2"])[1]] == real["rid_batch"]
+    status, body = _generate(plain, text=["a", "b"], rid=["dup", "dup"])
+    assert [status, body] == [real["rid_dup"][0], json.loads(real["rid_dup"][1])]
+    cached = [_generate(incremental, text="the same prompt for the cache test")[1]["meta_info"]["cached_tokens"]
+              for _ in range(2)]
+    assert cached == real["noradix_cached"]
+    status, body = _generate(no_tokenizer, text="hello")
+    assert [status, body] == [real["skip_text"][0], json.loads(real["skip_text"][1])]
+    status, body = _generate(no_tokenizer, input_ids=[1, 2, 3])
+    assert status == real["skip_ids"][0] and set(body) == set(json.loads(real["skip_ids"][1])) == {"output_ids",
+                                                                                                  "meta_info"}
+    assert {k for c in _generate(no_tokenizer, input_ids=[1, 2, 3], stream=True)[1] for k in c} == {
+        k for c in real["skip_stream"] for k in c}
+    _, chunks = _generate(incremental, text="hello world", stream=True)
+    recorded = real["incr_stream"]
+    for side in (chunks, recorded):  # each chunk only its new ids, the counts cumulative
+        counts = [c["completion_tokens"] if "completion_tokens" in c else c["meta_info"]["completion_tokens"]
+                  for c in side]
+        assert sum(len(c["output_ids"]) for c in side) == counts[-1] == 4
+    sid = plain.client.post("/open_session", json={"capacity_of_str_len": 1000, "session_id": "mine"})
+    assert [sid.status_code, sid.text.replace(" ", "")] == [real["open_named"][0], real["open_named"][1]]
+    again = plain.client.post("/open_session", json={"capacity_of_str_len": 1000, "session_id": "mine"})
+    assert [again.status_code, again.json()] == [real["open_named_again"][0], json.loads(real["open_named_again"][1])]
+    closed = plain.client.post("/close_session", json={"session_id": "nope"})
+    assert [closed.status_code, closed.text] == real["close_unknown"]
