@@ -31,7 +31,9 @@ What this module gives:
   ``DEFAULT_TIMEOUT_FOR_SERVER_LAUNCH``, ...), read from sglang when first asked for (sglang must be importable
   for those). The ``DEFAULT_*MODEL*`` constants follow the spec mapping: one that a spec serves is the path that
   spec's worker loads, so that ``get_tokenizer(DEFAULT_SMALL_MODEL_NAME_FOR_TEST)`` in a test reads the model its
-  server runs.
+  server runs. A helper of that module that starts an engine itself (``run_bench_serving``,
+  ``run_and_check_memory_leak``, ...) starts it through the plugin's launch, or is refused naming the supported
+  path (:mod:`.helpers`).
 
 Outside a pytest session with the plugin (``python -m unittest``), :func:`popen_launch_server` and
 :func:`kill_process_tree` are sglang's own: the file runs as it did upstream.
@@ -45,6 +47,7 @@ from typing import Any
 
 from ..engine.specs import SpecRegistry, active_registry
 from .dropins import kill_process_tree, popen_launch_server
+from .helpers import helper
 from .models import ENV_MODELS, CompatError, budget_opt_out, map_model, mapped_constant, rename_flag
 
 if sys.modules.get("pytest") is not None:
@@ -85,6 +88,9 @@ def __getattr__(name: str) -> Any:
                           "drop-ins (popen_launch_server, kill_process_tree)", name=name) from None
     if not hasattr(module, name):
         raise AttributeError(f"module {__name__!r} has no attribute {name!r} (nor has {SGLANG_TEST_UTILS})")
+    launching = helper(name, module)  # a helper that starts an engine: through the plugin, or refused
+    if launching is not None:
+        return launching
     return mapped_constant(name, getattr(module, name), _registry())
 
 

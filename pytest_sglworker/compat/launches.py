@@ -237,6 +237,7 @@ class CompatRuntime:
         self._fixtures: list[tuple[Any, Any]] = []
         self._item: pytest.Item | None = None
         self._calling: pytest.Item | None = None
+        self._timeouts_said: set[float] = set()  # file timeouts already said to differ from --sgl-startup-timeout
 
     # -- hooks ----------------------------------------------------------------------------------------------
     @pytest.hookimpl(wrapper=True)
@@ -409,6 +410,12 @@ class CompatRuntime:
                 guard.release()
             raise
         startup = float(timeout) if timeout and float(timeout) > 0 else base.startup_timeout
+        if startup != base.startup_timeout and startup not in self._timeouts_said:
+            self._timeouts_said.add(startup)  # once per value: a suite passes sglang's constant to every launch
+            self.session.terminal.message(
+                f"pytest_sglworker.compat: {where}: popen_launch_server(timeout={startup:g}) is the startup timeout "
+                f"of this server (and of every launch with that timeout), not --sgl-startup-timeout "
+                f"({base.startup_timeout:g} s)", always=True)
         return dataclasses.replace(base, port_range=(port, last), port_retries=1, startup_timeout=startup,
                                    reuse_addr=True, on_port_wait=on_wait), guards
 

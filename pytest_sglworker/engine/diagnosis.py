@@ -628,6 +628,8 @@ def _secondary(events: list[_Event], cause: _Event) -> tuple[tuple[str, ...], tu
             continue
         if e.role == "soft" and e.kind is cause.kind:
             continue
+        if cause.kind is not None and e.kind is cause.kind and rule_for(cause.kind).repeats:
+            continue  # the same event again (another pid): its summary counts them
         seen.add(e.text[0])
         if len(out) < MAX_SECONDARY:
             out.append(_secondary_line(e))

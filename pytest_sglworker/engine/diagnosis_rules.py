@@ -57,6 +57,7 @@ class Kind(str, Enum):
     BAD_FLAG = "bad_flag"
     SIM_FAULT = "sim_fault"
     KILLED_BY_SIGNAL = "killed_by_signal"
+    WEB_WORKER_CRASH_LOOP = "web_worker_crash_loop"
     UNKNOWN = "unknown"
 
     def __str__(self) -> str:
@@ -160,6 +161,8 @@ class Rule:
     memory: bool = False
     #: a memory failure where what ran out is the KV pool's room: the ledger's reading of the log says so
     kv_pool: bool = False
+    #: later errors of this kind are the same event again, counted by the summary rather than listed as secondary
+    repeats: bool = False
     flags: int = 0
     _hard: re.Pattern[str] | None = field(init=False, repr=False, compare=False, default=None)
     _alone: re.Pattern[str] | None = field(init=False, repr=False, compare=False, default=None)
@@ -526,6 +529,15 @@ def _killed_summary(f: Facts) -> str:
     )
 
 
+_WEB_WORKER_DIED = r"Child process \[(\d+)\] died"
+
+
+def _web_worker_summary(f: Facts) -> str:
+    deaths = len(re.findall(_WEB_WORKER_DIED, f.related)) or 1
+    return (f"a web-server worker process of the HTTP server died {'once' if deaths == 1 else f'{deaths} times'} "
+            "and was restarted (uvicorn's supervisor: Child process [N] died)")
+
+
 def _unknown_summary(f: Facts) -> str:
     short = f.first if len(f.first) <= 200 else f.first[:197] + "..."
     return short + (f" (traceback starts at log line {f.traceback_line})" if f.traceback_line is not None else "")
@@ -692,6 +704,19 @@ RULES: tuple[Rule, ...] = (
             r"|\bexited with (?:exit )?code (-\d+)",
         ),
         memory=True,
+    ),
+    Rule(
+        Kind.WEB_WORKER_CRASH_LOOP,
+        _web_worker_summary,
+        _fixed(
+            "with --tokenizer-worker-num above 1 the HTTP server runs that many uvicorn worker processes, and one that "
+            "dies is restarted without a traceback of its own, again and again: run with --tokenizer-worker-num 1 "
+            "to see the worker's own error; a worker killed with nothing logged is most often the host's OOM "
+            "killer (CPU RAM: each worker holds a tokenizer), see `dmesg`"
+        ),
+        # uvicorn/supervisors/multiprocess.py, keep_subprocess_alive(): an INFO line, every restart
+        patterns=(_WEB_WORKER_DIED,),
+        repeats=True,
     ),
     Rule(Kind.UNKNOWN, _unknown_summary, _unknown_advice),
     Rule(Kind.NONE, _fixed("no error in the log"), _fixed("")),

@@ -20,8 +20,11 @@ from typing import Any, NoReturn
 from ..engine.sglang_facts import READY_LINE, WARMUP_PROMPT, decode_capture_sizes, prefill_capture_sizes
 from .core import ENV_ESCAPED, ENV_FAULT, Log, wait_forever
 from .plan import Plan
+from .refusals import kill_tree_line as _kill_tree_line
+from .refusals import scheduler_traceback as _scheduler_traceback
+from .refusals import triton_driver_crash, triton_on_cpu
 from .server import SimHTTPServer, SimHTTPServer6
-from .state import SITE, Sim, kill_self
+from .state import Sim, kill_self
 from .vocab import FALLBACK_RULE
 
 #: Seconds after which an ``escape_child`` child exits by itself, so that no test leaves it forever.
@@ -44,22 +47,10 @@ def _server_args_line(plan: Plan) -> str:
     return f"server_args={shown!r}"
 
 
-def _scheduler_traceback(frames: list[tuple[str, int, str, str]], last: str) -> str:
-    lines = ["Traceback (most recent call last):"]
-    lines += [f'  File "{SITE}/{path}", line {line}, in {func}\n    {code}' for path, line, func, code in frames]
-    lines.append(last)
-    return "\n".join(lines)
-
-
 _SCHEDULER_FRAME = ("sglang/srt/managers/scheduler.py", 6362, "run_scheduler_process",
                     "scheduler = Scheduler(server_args, port_args)")
 _INIT_FRAME = ("sglang/srt/managers/scheduler.py", 568, "__init__", "self.init_model_worker()")
 _SIGQUIT = "Received sigquit from a child process. It usually means the child failed."
-
-
-def _kill_tree_line(log: Log) -> None:
-    pid = os.getpid()
-    log.info(f"kill_process_tree called: parent_pid={pid}, include_parent=True, pid={pid}")
 
 
 def _bar(what: str, key: str, size: int, mem: float, done: int, total: int) -> str:
@@ -470,6 +461,8 @@ def run_startup(sim: Sim, pre_bind: float, warmup: float) -> SimHTTPServer | Non
         wait_forever()
     if not args["skip_server_warmup"]:
         time.sleep(warmup)
+        if triton_on_cpu(plan) and not plan.is_embedding:
+            triton_driver_crash(sim)
         if plan.is_embedding:
             sim.vocab.encode(WARMUP_PROMPT)
             route = "/encode"

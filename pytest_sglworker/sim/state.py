@@ -21,7 +21,7 @@ from .core import ENV_FAULT, Log, Recorder
 from .faults import Faults, FaultState
 from .load import Loads
 from .plan import Plan
-from .tokens import Generation, Vocab, constrained, generate
+from .tokens import NO_SAMPLING, Generation, Sampling, Vocab, constrained, generate
 
 #: The version ``/server_info`` and the gRPC servicer report.
 VERSION = "0.5.23-sim"
@@ -53,6 +53,10 @@ class Sim:
         self.generation_tokens_total = 0
         self.cached_tokens_total = 0
         self.cache: deque[tuple[int, ...]] = deque(maxlen=256)
+        #: the generations in flight by request id, each with its abort flag (``/abort_request``)
+        self.live: dict[str, threading.Event] = {}
+        #: the open sessions (``/open_session``), see :mod:`.routes.sessions`
+        self.sessions: dict[str, Any] = {}
         self.startup_time = time.time()
         self.startup_timings: dict[str, Any] = {}
         #: the HTTP server once bound (a :class:`.server.SimHTTPServer`)
@@ -75,16 +79,17 @@ class Sim:
 
     def generate(self, prompt_ids: list[int], source_ids: list[int] | None, max_new_tokens: int | None,
                  stop: list[str], ignore_eos: bool, stop_token_ids: list[int] | None = None,
-                 constraint: str | None = None, stop_regex: list[str] | None = None) -> Generation:
+                 constraint: str | None = None, stop_regex: list[str] | None = None,
+                 sampling: Sampling = NO_SAMPLING) -> Generation:
         """One generation of a prompt (``constraint``: the output a regex or JSON schema allows, see
         :mod:`.constrained`), counted in the metrics, the prefix cache and the loads, and logged as sglang logs
-        a prefill batch."""
+        a prefill batch. ``sampling``: the knobs that change the tokens (:class:`.tokens.Sampling`)."""
         if constraint is not None:
             gen = constrained(self.vocab, prompt_ids, constraint, max_new_tokens, stop, stop_token_ids or (),
                               ignore_eos)
         else:
             gen = generate(self.vocab, prompt_ids, prompt_ids if source_ids is None else source_ids, max_new_tokens,
-                           stop, ignore_eos, stop_token_ids or (), stop_regex or ())
+                           stop, ignore_eos, stop_token_ids or (), stop_regex or (), sampling)
         key = tuple(prompt_ids)
         with self.lock:
             best = 0
@@ -96,6 +101,8 @@ class Sim:
                     n += 1
                 best = max(best, n)
             cached = min(best, max(len(key) - 1, 0)) // self.plan.page_size * self.plan.page_size
+            if self.plan.args.get("disable_radix_cache"):
+                cached = 0  # no prefix cache: every prompt is computed in full
             self.cache.append(key + tuple(gen.output_ids))
             self.num_requests_total += 1
             self.prompt_tokens_total += len(key)

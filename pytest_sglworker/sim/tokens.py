@@ -7,13 +7,15 @@ model's own tokenizer whenever one is found, else with the sim's fallback (:mod:
 
 Generations are deterministic, seeded by the prompt: the model echoes the prompt's (non-special) tokens
 in a cycle, 16 of them and then its EOS token, unless ``max_new_tokens``, a stop string or ``ignore_eos``
-says otherwise. Logprobs are deterministic too: every generated token is the top-1 choice of its position.
+says otherwise; a seeded sample and the penalties change the tokens in the real engine's direction (:class:`Sampling`).
+Logprobs are deterministic too: every generated token is the top-1 choice of its position.
 """
 
 from __future__ import annotations
 
 import base64
 import math
+import random
 import re
 import struct
 import zlib
@@ -74,14 +76,89 @@ def prompt_seed(ids: Sequence[int]) -> int:
     return zlib.crc32(",".join(map(str, ids)).encode())
 
 
+@dataclass(frozen=True)
+class Sampling:
+    """The sampling knobs that change a generation, as the real engine's do in direction (never in value):
+
+    - ``temperature`` above 0 *with* a ``seed`` (``sampling_params.sampling_seed``, OpenAI's ``seed``): the tokens
+      are drawn from the prompt's, with replacement (so they repeat, as a sampled small model's do), by a
+      generator seeded with the seed and the prompt: the same seed repeats, another seed differs. Without a
+      seed, or at temperature 0, the generation is the deterministic echo (the real engine samples afresh then;
+      the sim cannot be random and stay reproducible).
+    - a penalty (``frequency_penalty`` or ``presence_penalty`` above 0, ``repetition_penalty`` above 1): a token
+      the generation already holds is replaced by one it does not (the prompt's first, then the vocabulary's),
+      so the vocabulary used widens; below 0 (below 1): each token is said twice, so it narrows.
+
+    No knob (:data:`NO_SAMPLING`) leaves the echo unchanged."""
+
+    temperature: float | None = None
+    seed: int | None = None
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+
+    @classmethod
+    def of(cls, params: Any, *, seed_key: str = "sampling_seed") -> Sampling:
+        """The knobs of ``sampling_params`` (or an OpenAI request, ``seed_key="seed"``); what is not a number is
+        the default (the request checks refuse it before)."""
+        def number(key: str, default: float) -> float:
+            value = params.get(key) if isinstance(params, dict) else None
+            return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else default
+
+        seed = params.get(seed_key) if isinstance(params, dict) else None
+        temperature = params.get("temperature") if isinstance(params, dict) else None
+        return cls(float(temperature) if isinstance(temperature, (int, float)) else None,
+                   seed if isinstance(seed, int) and not isinstance(seed, bool) else None,
+                   number("frequency_penalty", 0.0), number("presence_penalty", 0.0),
+                   number("repetition_penalty", 1.0))
+
+    @property
+    def sampled(self) -> bool:
+        return self.seed is not None and self.temperature is not None and self.temperature > 0
+
+    @property
+    def penalty(self) -> int:
+        """1: a penalty against repeats, -1: one for them, 0: none."""
+        if self.frequency_penalty > 0 or self.presence_penalty > 0 or self.repetition_penalty > 1:
+            return 1
+        if self.frequency_penalty < 0 or self.presence_penalty < 0 or self.repetition_penalty < 1:
+            return -1
+        return 0
+
+
+NO_SAMPLING = Sampling()
+
+
+def _next_token(vocab: Vocab, source: list[int], output: list[int], sampling: Sampling,
+                draw: random.Random | None) -> int:
+    """The next token of a generation under ``sampling`` (see :class:`Sampling`)."""
+    position = len(output)
+    if sampling.penalty < 0 and position % 2 == 1:
+        return output[-1]
+    at = position // 2 if sampling.penalty < 0 else position
+    token = source[draw.randrange(len(source))] if draw is not None else source[at % len(source)]
+    if sampling.penalty > 0 and token in output:
+        used = set(output)
+        fresh = [t for t in source if t not in used]
+        if fresh:
+            return fresh[0]
+        start = prompt_seed(output) % vocab.vocab_size
+        for step in range(vocab.vocab_size):
+            candidate = (start + step) % vocab.vocab_size
+            if candidate not in used and candidate not in vocab.special_ids:
+                return candidate
+    return token
+
+
 def generate(vocab: Vocab, prompt_ids: list[int], source_ids: list[int], max_new_tokens: int | None,
              stop: list[str], ignore_eos: bool, stop_token_ids: Sequence[int] = (),
-             stop_regex: Sequence[str] = ()) -> Generation:
+             stop_regex: Sequence[str] = (), sampling: Sampling = NO_SAMPLING) -> Generation:
     """The prompt's tokens (``source_ids``, special ones left out), cycled, then EOS after 16 tokens;
     ``max_new_tokens`` (None: up to the EOS), stop strings (trimmed from the text), stop regexes (matched
     anywhere in the text, which keeps the match; ``matched`` is the pattern) and ``ignore_eos`` as in sglang;
-    ``output_ids`` includes a matched EOS, the text does not."""
+    ``output_ids`` includes a matched EOS, the text does not. ``sampling``: see :class:`Sampling`."""
     seed = prompt_seed(prompt_ids)
+    draw = random.Random(f"{sampling.seed}:{seed}") if sampling.sampled else None
     source = [i for i in source_ids if i not in vocab.special_ids] or [
         next(i for i in range(seed % vocab.vocab_size, seed % vocab.vocab_size + vocab.vocab_size)
              if i % vocab.vocab_size not in vocab.special_ids) % vocab.vocab_size]
@@ -100,7 +177,8 @@ def generate(vocab: Vocab, prompt_ids: list[int], source_ids: list[int], max_new
             texts.append(texts[-1] if texts else "")
             finish = {"type": "stop", "matched": vocab.eos_token_id}
             break
-        token = source[len(output) % len(source)]
+        token = (source[len(output) % len(source)] if sampling == NO_SAMPLING
+                 else _next_token(vocab, source, output, sampling, draw))
         output.append(token)
         text = vocab.decode(output)
         if token in stops:

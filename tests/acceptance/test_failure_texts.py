@@ -53,6 +53,7 @@ RULES = {
     "nccl_error": ("nccl_error.log", -9, "NCCL"),
     "bad_flag": ("real_bad_flag_unrecognized.log", 2, "rejected the arguments"),
     "killed_by_signal": ("silent_sigkill.log", -9, "SIGKILL"),
+    "web_worker_crash_loop": ("web_worker_crash_loop.log", -15, "web-server worker process of the HTTP server died"),
     "unknown": ("unknown_traceback.log", 1, "qwen9_moe"),
 }
 

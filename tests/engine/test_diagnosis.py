@@ -192,6 +192,8 @@ CASES: list[tuple[str, int | None, Kind, str | None, tuple[str, ...]]] = [
         ("traceback starts at log line 10",),
     ),
     ("github_none_7691.log", None, Kind.NONE, None, ("allocating KV pool",)),
+    ("web_worker_crash_loop.log", None, Kind.WEB_WORKER_CRASH_LOOP, "Child process [5660] died",
+     ("died 3 times", "Child process [N] died")),
     ("github_none_4840.log", None, Kind.NONE, None, ("capturing CUDA graphs",)),
     ("github_none_11716.log", None, Kind.NONE, None, ("capturing CUDA graphs",)),
 ]

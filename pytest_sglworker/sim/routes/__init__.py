@@ -10,6 +10,7 @@ A new endpoint family is one new module with its ``ROUTES`` plus one line in :da
 - :mod:`.openai`: the OpenAI-compatible ``/v1/...`` endpoints;
 - :mod:`.anthropic`: the Anthropic-compatible ``/v1/messages`` and ``/v1/messages/count_tokens``;
 - :mod:`.tokenizer`: ``/tokenize``, ``/detokenize``, ``/v1/score``;
+- :mod:`.sessions`: ``/abort_request`` and the session routes;
 - :mod:`.loads`: ``/v1/loads`` and the legacy ``/get_load`` (the requests in flight, per DP rank);
 - :mod:`.pd`: the prefill/decode checks and handshake of the generation requests (the PD bootstrap routes
   have their own server and port: :mod:`pytest_sglworker.sim.pd`).
@@ -17,7 +18,7 @@ A new endpoint family is one new module with its ``ROUTES`` plus one line in :da
 
 from __future__ import annotations
 
-from . import admin, anthropic, generate, loads, openai, tokenizer
+from . import admin, anthropic, generate, loads, openai, sessions, tokenizer
 from .common import Route
 
 #: The endpoint families of the simulated engine's HTTP server.
@@ -28,6 +29,7 @@ FAMILIES = (
     anthropic,
     tokenizer,
     loads,
+    sessions,
 )
 #: Every route of the HTTP server.
 ROUTES: tuple[Route, ...] = tuple(route for family in FAMILIES for route in family.ROUTES)

@@ -14,14 +14,16 @@ from __future__ import annotations
 
 import base64
 import struct
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from ..constrained import ConstraintError, constrained_text, grammar_of
+from ..refusals import triton_driver_crash, triton_on_cpu
 from ..state import Sim
-from ..tokens import Generation, embedding, logprobs, prompt_seed, token_ids_logprobs
+from ..tokens import Generation, Sampling, embedding, logprobs, prompt_seed, token_ids_logprobs
 from .checks import (
     DecodeRefusal,
     flat_logprobs,
@@ -46,11 +48,19 @@ from .common import (
     verify_sampling,
 )
 from .pd import handshake
+from .sessions import cut, in_flight, remember, session_prompt
+
+#: the tokenizer manager's refusal of a text prompt on a server launched with ``--skip-tokenizer-init``
+SKIP_TOKENIZER_TEXT = ("The engine initialized with skip_tokenizer_init=True cannot accept text prompts. Please "
+                       "provide input_ids or re-initialize the engine with skip_tokenizer_init=False.")
 
 
 def generate(ctx: Request) -> None:
     sim = ctx.sim
+    if triton_on_cpu(sim.plan):  # the first forward pass after --skip-server-warmup: the scheduler dies
+        triton_driver_crash(sim)
     rid = sim.new_id()
+    rids: list[str] = []
     req: dict[str, Any] = {}
     try:
         req = ctx.parse_json(require_json_type=False, endpoint="/generate")
@@ -65,11 +75,13 @@ def generate(ctx: Request) -> None:
         not_generation(sim)
         server_features(sim, req, per_prompt[0])
         prompts, batch = _generate_prompts(sim, req)
+        rids = _rids(sim, req, len(prompts), batch)
+        rid = rids[0]
         flat_logprobs(req)
         token_ids_logprob(req, sim.vocab.vocab_size, batch=batch)
         session = req.get("session_params")
-        if isinstance(session, dict) and session.get("id") is not None:  # the sim keeps no sessions
-            raise ConstraintError(f"Invalid request: session id {session['id']} does not exist")
+        if not batch:
+            prompts = [session_prompt(sim, session, prompts[0])]
         settings = [per_prompt[k] if k < len(per_prompt) else per_prompt[0] for k in range(len(prompts))]
         for ids, params in zip(prompts, settings, strict=True):
             check_length(sim, ids, params.get("max_new_tokens"))
@@ -77,6 +89,7 @@ def generate(ctx: Request) -> None:
         n = settings[0].get("n", 1) if num(settings[0].get("n", 1)) else 1
         if n > 1 and not batch:
             prompts, settings, batch = prompts * int(n), settings * int(n), True
+            rids = [rid] + [sim.new_id() for _ in range(len(prompts) - 1)]
         return_logprob = bool(req.get("return_logprob", False))
         top_n = int(req.get("top_logprobs_num") or 0)
         start_len = req.get("logprob_start_len")
@@ -117,19 +130,61 @@ def generate(ctx: Request) -> None:
     hidden = [_hidden_states(sim, gen) if asked else None
               for gen, asked in zip(gens, _hidden_asks(req, len(gens)), strict=True)]
     with_prompt = bool(req.get("return_prompt_token_ids"))
-    if req.get("stream"):
-        events = _generate_events(sim, gens, batch, started, lp, rid, hidden)
-        ctx.stream(({**e, "prompt_token_ids": gens[e.get("index", 0)].prompt_ids} for e in events) if with_prompt
-                   else events)
-        return
-    outs = []
-    for gen, hidden_rows in zip(gens, hidden, strict=True):
+    shown = _shown(sim)
+    with in_flight(sim, rids) as flags:
+        if req.get("stream"):
+            events = _generate_events(sim, gens, batch, started, lp, rids, hidden, flags,
+                                      incremental=bool(sim.plan.args.get("incremental_streaming_output")))
+            ctx.stream(shown({**e, "prompt_token_ids": gens[e.get("index", 0)].prompt_ids} if with_prompt else e)
+                       for e in events)
+        else:
+            outs = []
+            for gen, hidden_rows, request_id, flag in zip(gens, hidden, rids, flags, strict=True):
+                _run(sim, gen, flag)
+                outs.append(shown(_generate_out(sim, gen, gen.completion_tokens, started, lp, request_id,
+                                                final=True, hidden=hidden_rows)))
+                if with_prompt:
+                    outs[-1]["prompt_token_ids"] = gen.prompt_ids
+            ctx.json(200, outs if batch else outs[0])
+    if not batch:
+        remember(sim, session, rids[0], gens[0])
+
+
+def _run(sim: Sim, gen: Generation, flag: threading.Event) -> None:
+    """The simulated time of ``gen``'s tokens, one at a time; an abort ends it at the token it arrives in."""
+    if not sim.token_seconds:  # no simulated time: nothing to abort in between
         pace(sim, gen.completion_tokens)
-        outs.append(_generate_out(sim, gen, gen.completion_tokens, started, lp, rid if len(gens) == 1 else None,
-                                  final=True, hidden=hidden_rows))
-        if with_prompt:
-            outs[-1]["prompt_token_ids"] = gen.prompt_ids
-    ctx.json(200, outs if batch else outs[0])
+        return
+    for k in range(gen.completion_tokens):
+        if flag.is_set():
+            cut(gen, k)
+            return
+        pace(sim, 1)
+
+
+def _shown(sim: Sim) -> Any:
+    """What an answer shows of a generation: without its text on a server launched with ``--skip-tokenizer-init``
+    (no detokenizer: the tokenizer manager gets token ids only)."""
+    if not sim.plan.args.get("skip_tokenizer_init"):
+        return lambda out: out
+    return lambda out: {k: v for k, v in out.items() if k != "text"}
+
+
+def _rids(sim: Sim, req: dict[str, Any], count: int, batch: bool) -> list[str]:
+    """The request ids: the caller's ``rid`` (one, or one per prompt of a batch), else new ones; a batch that
+    repeats an id is the tokenizer manager's 400."""
+    given = req.get("rid")
+    if batch and isinstance(given, list):
+        seen: dict[str, int] = {}
+        for value in given:
+            seen[str(value)] = seen.get(str(value), 0) + 1
+        duplicates = [value for value, times in seen.items() if times > 1]
+        if duplicates:
+            raise BadRequest(f"Duplicate request IDs detected within the request: {duplicates}")
+        return [str(given[i]) if i < len(given) else sim.new_id() for i in range(count)]
+    if not batch and isinstance(given, str) and given:
+        return [given]
+    return [sim.new_id() for _ in range(count)]
 
 
 def _generation(sim: Sim, ids: list[int], params: dict[str, Any]) -> Generation:
@@ -138,7 +193,7 @@ def _generation(sim: Sim, ids: list[int], params: dict[str, Any]) -> Generation:
     stop_ids, stop_regex = stop_options(params)
     return sim.generate(ids, None, int_field(params.get("max_new_tokens", 128), "max_new_tokens"),
                         as_stop_list(params.get("stop")), bool(params.get("ignore_eos", False)), stop_ids,
-                        constraint=output, stop_regex=stop_regex)
+                        constraint=output, stop_regex=stop_regex, sampling=Sampling.of(params))
 
 
 def _flat_asks(req: dict[str, Any]) -> tuple[bool, bool, bool]:
@@ -191,7 +246,13 @@ def _grammar_abort(sim: Sim, rid: str, message: str) -> dict[str, Any]:
 def _generate_prompts(sim: Sim, req: dict[str, Any]) -> tuple[list[list[int]], bool]:
     """The prompts as token ids, and whether the request is a batch."""
     vocab = sim.vocab
-    text, ids = req.get("text"), req.get("input_ids")
+    text, ids, embeds = req.get("text"), req.get("input_ids"), req.get("input_embeds")
+    if text is not None and ids is None and embeds is None and sim.plan.args.get("skip_tokenizer_init"):
+        raise BadRequest(SKIP_TOKENIZER_TEXT)
+    if embeds is not None:  # a prompt given as its embeddings (the radix cache off, see checks): one id per row
+        rows = embeds if embeds and isinstance(embeds[0], list) and embeds[0] and isinstance(embeds[0][0], list) \
+            else [embeds]
+        return [[_embed_id(sim, row) for row in prompt] for prompt in rows], rows is embeds
     if text is not None:
         if isinstance(text, str):
             return [vocab.encode(text)], False
@@ -208,6 +269,14 @@ def _generate_prompts(sim: Sim, req: dict[str, Any]) -> tuple[list[list[int]], b
         raise BadRequest("1 validation error:\n  input_ids: Input should be a list of token ids or a list of such "
                          "lists", validation=True)
     raise BadRequest("Either text, input_ids or input_embeds should be provided.")
+
+
+def _embed_id(sim: Sim, row: Any) -> int:
+    """The simulated token of one embedding row: a stable id of its values, never a special one."""
+    seed = prompt_seed([int(float(x) * 1e6) for x in row] if isinstance(row, list) else [0])
+    specials = sim.vocab.special_ids
+    return next(t % sim.vocab.vocab_size for t in range(seed, seed + len(specials) + 1)
+                if t % sim.vocab.vocab_size not in specials)
 
 
 @dataclass(frozen=True)
@@ -299,17 +368,38 @@ def _generate_out(sim: Sim, gen: Generation, k: int, started: float, lp: Asked,
     return {"text": text, "output_ids": gen.output_ids[:k], "meta_info": meta}
 
 
-def _generate_events(sim: Sim, gens: list[Generation], batch: bool, started: float,
-                     lp: Asked, rid: str, hidden: list[list[Any] | None]) -> Iterator[dict[str, Any]]:
+#: the meta_info lists an incremental stream sends only the new part of (sglang's tokenizer manager)
+INCREMENTAL_META = ("output_token_logprobs", "output_top_logprobs", "output_token_ids_logprobs",
+                    "output_token_sampling_mask", "output_token_sampling_logprobs")
+
+
+def _generate_events(sim: Sim, gens: list[Generation], batch: bool, started: float, lp: Asked, rids: list[str],
+                     hidden: list[list[Any] | None], flags: list[threading.Event], *,
+                     incremental: bool = False) -> Iterator[dict[str, Any]]:
+    """The chunks of a stream: cumulative text and ids, or with ``--incremental-streaming-output`` each chunk's
+    own (its new text, its new ids, the output-side logprob lists from where the last chunk ended). An abort
+    ends a generation with its next chunk."""
     for index, gen in enumerate(gens):
-        request_id = rid if len(gens) == 1 else sim.new_id()
         n = gen.completion_tokens
         for k in range(1, max(n, 1) + 1):
             pace(sim, 1)
-            out = _generate_out(sim, gen, min(k, n), started, lp, request_id, final=k >= n, hidden=hidden[index])
+            if flags[index].is_set() and k < n:
+                cut(gen, k)
+                n = k
+            out = _generate_out(sim, gen, min(k, n), started, lp, rids[index], final=k >= n, hidden=hidden[index])
+            if incremental:
+                before = min(k, n) - 1 if n else 0
+                out["text"] = gen.deltas()[before] if n else ""
+                out["output_ids"] = gen.output_ids[before:min(k, n)]
+                meta = out["meta_info"]
+                for key in INCREMENTAL_META:
+                    if key in meta:
+                        meta[key] = meta[key][before:]
             if batch:
                 out["index"] = index
             yield out
+            if k >= n:
+                break
 
 
 def encode(ctx: Request) -> None:

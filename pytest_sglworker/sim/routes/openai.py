@@ -24,6 +24,7 @@ from ..constrained import ConstraintError, constrained_text
 from ..state import Sim
 from ..tokens import (
     Generation,
+    Sampling,
     embedding,
     embedding_base64,
     message_text,
@@ -216,7 +217,7 @@ def chat_generations(sim: Sim, req: dict[str, Any], rid: str) -> tuple[list[Gene
     output = constrained_text(grammar, prompt_seed(prompt))
     stop_ids, stop_regex = stop_options(req)
     gens = [sim.generate(prompt, source, max_tokens, stop, ignore_eos, stop_ids, constraint=output,
-                         stop_regex=stop_regex) for _ in range(n)]
+                         stop_regex=stop_regex, sampling=Sampling.of(req, seed_key="seed")) for _ in range(n)]
     handshake(sim, req, rid, gens[0])
     return gens, prompt
 
@@ -385,7 +386,7 @@ def completions(ctx: Request) -> None:
             output = constrained_text(grammar, prompt_seed(ids))
             for _ in range(n):
                 gens.append((text, sim.generate(ids, None, max_tokens, stop, ignore_eos, stop_ids, constraint=output,
-                                                stop_regex=stop_regex)))
+                                                stop_regex=stop_regex, sampling=Sampling.of(req, seed_key="seed"))))
         handshake(sim, req, rid, gens[0][1])
     except BadRequest as exc:
         ctx.bad(exc, openai=True)
