@@ -459,9 +459,11 @@ class LeaseManager:
                     # another user's entry: that GPU is not for us, the others still are
                     from ..state import describe_file_problem
 
-                    attempt.foreign[index] = (f"its lock file {self.lock_path(index).name} belongs to uid {owner} "
-                                              f"(another user) and {describe_file_problem(self.lock_path(index), exc)}"
-                                              " for you (a lock file must be a regular file every user may read)")
+                    path = self.lock_path(index)
+                    attempt.foreign[index] = (
+                        f"its lock file {path.name} cannot be opened by you ({describe_file_problem(path, exc)}); a "
+                        f"shared lock file must be a regular file every user may read (its owner, uid {owner}, can "
+                        f"run 'chmod 644 {path}')")
                     attempt.locked.add(index)
                     return None
                 raise self._unusable("GPU lock file", self.lock_path(index), exc) from None
