@@ -77,7 +77,7 @@ class Run:
                                  f"{self.output()}") from None
         out = self.output()
         assert code == 0, f"{self.who}'s session exited {code}:\n{out}"
-        for bad in ("Traceback", "INTERNALERROR", "PermissionError", "Permission denied", "cannot write"):
+        for bad in ("Traceback", "INTERNALERROR", "PermissionError", "cannot write", "free some space"):
             assert bad not in out, f"{bad!r} in {self.who}'s session:\n{out}"
         report: dict[str, Any] = json.loads(self.report_path.read_text())
         assert report["outcomes"]["passed"] == TESTS_RUN, (report["outcomes"], out)
@@ -101,11 +101,11 @@ def start_root(base: Path, lock_dir: Path, name: str) -> Run:
     return Run("root", proc, out, work / "r.json")
 
 
-def start_user(user: SecondUser, lock_dir: Path, name: str) -> Run:
+def start_user(user: SecondUser, lock_dir: Path, name: str, *args: str) -> Run:
     work = project(user.home / name, user)
     env = {"SGLWORKER_LOCK_DIR": str(lock_dir), "SGLSIM_STARTUP_SECONDS": "0.2", "TMPDIR": str(work / "tmp")}
     out = user.home / f"{name}.out"
-    proc = user.pytest([*SIM, "-n", "2", "--sgl-report", "r.json"], cwd=work, env=env, out=out)
+    proc = user.pytest([*SIM, "-n", "2", "--sgl-report", "r.json", *args], cwd=work, env=env, out=out)
     return Run(user.name, proc, out, work / "r.json")
 
 
@@ -227,3 +227,57 @@ def test_a_parent_that_is_a_symlink_into_another_users_directory_is_refused(seco
     mine = second_user.run(["mkdir", "-m", "700", str(shared / "d")], cwd=second_user.home)
     assert mine.returncode == 0, mine.stdout
     assert _as_user(second_user, shared / "d") == "accepted"
+
+
+def test_a_lock_file_the_user_cannot_open_skips_that_gpu_only(second_user: SecondUser) -> None:
+    """Root's lock file of GPU 0 made 0600: the second user's sessions lease GPU 1 and pass; the whole session never
+    fails on it, and where it has to wait for GPU 0 the message says what is true and how to fix it."""
+    lock_dir = how_to_lock_dir(second_user.base)
+    planted = lock_dir / "gpu-sim-2x80-0.lock"
+    planted.write_bytes(b"")
+    planted.chmod(0o600)
+    report = start_user(second_user, lock_dir, "two").finish()
+    assert {tuple(launch["gpus"]) for launch in report["launches"]} == {(1,)}, report["launches"]
+    one = lock_dir / "gpu-sim-1x80-0.lock"
+    one.write_bytes(b"")
+    one.chmod(0o600)
+    work = project(second_user.home / "one", second_user)
+    args = [a if a != "sim:2" else "sim:1" for a in SIM]
+    done = second_user.run([second_user.python, "-m", "pytest", *args, "--sgl-lease-timeout", "2", "-p", "no:xdist"],
+                           cwd=work, env={"SGLWORKER_LOCK_DIR": str(lock_dir), "TMPDIR": str(work / "tmp")},
+                           timeout=SESSION_TIMEOUT)
+    out = done.stdout
+    assert "Traceback" not in out and "INTERNALERROR" not in out and "free some space" not in out, out
+    assert "3 errors" in out, out
+    assert (f"GPU 0 not usable by you: its lock file gpu-sim-1x80-0.lock cannot be opened by you (Permission denied "
+            f"(it belongs to uid 0, mode 600)); a shared lock file must be a regular file every user may read (its "
+            f"owner, uid 0, can run 'chmod 644 {one}')") in " ".join(out.split()), out
+    assert planted.stat().st_uid == 0 and one.exists(), "another user's lock file is theirs"
+
+
+ROOTS_RECORD = {"pid": 1, "hostname": os.uname().nodename, "holder": "root's", "since": 0.0, "uuid": "GPU-sim-0",
+                "memory_mib": 1024, "index": 0, "namespace": "sim-2x80", "gpus": [0]}
+
+
+def test_roots_records_are_left_alone_by_the_second_user(second_user: SecondUser) -> None:
+    """The ownership checks from the other side: what root's sessions leave in the shared directory (a holder record
+    beside a free lock, a warm record, an untrusted record) is read by the unprivileged user's janitor and
+    ``--sgl-warm stop`` as another user's, and left alone."""
+    lock_dir = how_to_lock_dir(second_user.base)
+    holder = lock_dir / "gpu-sim-2x80-0.json"
+    holder.write_text(json.dumps(ROOTS_RECORD))
+    untrusted = lock_dir / "gpu-sim-4x80-1.json"
+    untrusted.write_bytes(b"{not json")
+    warm = lock_dir / "warm-1-abcdefab.json"
+    warm.write_bytes(b"{}")
+    before = {p: p.read_bytes() for p in (holder, untrusted, warm)}
+    work = project(second_user.home / "w", second_user)
+    env = {"SGLWORKER_LOCK_DIR": str(lock_dir), "TMPDIR": str(work / "tmp")}
+    stopped = second_user.run([second_user.python, "-m", "pytest", "--sgl-warm", "stop", "-p", "no:cacheprovider"],
+                              cwd=work, env=env, timeout=SESSION_TIMEOUT)
+    assert "warm-1-abcdefab.json: belongs to uid 0 (another user): left alone" in stopped.stdout, stopped.stdout
+    assert stopped.returncode == 0, stopped.stdout
+    run = start_user(second_user, lock_dir, "two")
+    report = run.finish()  # its janitor and its sweep of untrusted records read all three
+    assert {tuple(launch["gpus"]) for launch in report["launches"]} == {(1,)}, report["launches"]  # GPU 0: busy
+    assert {p: p.read_bytes() for p in (holder, untrusted, warm)} == before
