@@ -5,7 +5,9 @@ Plain Python, no pytest. A ``flock`` needs an open descriptor of the file, not t
 is created ``0644`` whatever the umask (never through a symlink, never replacing anything), opened read-write
 when this user may, else read-only (a lock file another user created first), and locked. Nothing ever reads or
 writes a lock file's content, so who may write one does not matter; the lock is the truth. So the sessions of
-every user of a shared lock directory take and release every GPU lock and port block, whoever made the file.
+every user of a shared lock directory take and release every GPU lock and port block, whoever made the file. An
+existing file is opened without ``O_CREAT`` (the create is ``O_CREAT | O_EXCL``, which fails at once on an existing
+name): Linux's ``fs.protected_regular`` refuses ``O_CREAT`` on another user's file in a sticky directory.
 
 A warm group's claim is a lock file of its owner only (``own_only``): another user's file at its path is no claim
 anybody of ours can hold (:class:`Unusable` says why), never read as "held".
