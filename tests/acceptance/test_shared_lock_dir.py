@@ -281,3 +281,45 @@ def test_roots_records_are_left_alone_by_the_second_user(second_user: SecondUser
     report = run.finish()  # its janitor and its sweep of untrusted records read all three
     assert {tuple(launch["gpus"]) for launch in report["launches"]} == {(1,)}, report["launches"]  # GPU 0: busy
     assert {p: p.read_bytes() for p in (holder, untrusted, warm)} == before
+
+
+OWNED = '''
+import sys
+from pathlib import Path
+from pytest_sglworker.resources.owned_files import FileId, append_owned, remove_own_entry
+path = Path(sys.argv[1])
+print(f"append: {append_owned(path, FileId.of(path), b'x')}")
+print(f"remove: {remove_own_entry(path)}")
+'''
+
+
+def test_another_users_file_is_theirs_as_the_second_user_sees_it(second_user: SecondUser) -> None:
+    """tests/resources/test_owned_files.py plants another user's file with chown as root; here the unprivileged user
+    meets root's file in the shared sticky directory: neither appended to nor removed, each saying why."""
+    shared = second_user.base / "sticky"
+    subprocess.run(["install", "-d", "-m", "1777", str(shared)], check=True, timeout=30)
+    roots = shared / "sglang-worker-30001.log"
+    roots.write_bytes(b"root's\n")
+    roots.chmod(0o666)  # even a file the user may write is not theirs to touch
+    done = second_user.run([second_user.python, "-c", OWNED, str(roots)], cwd=second_user.home)
+    assert done.returncode == 0, done.stdout
+    assert "append: belongs to uid 0, not to this user" in done.stdout, done.stdout
+    assert "remove: belongs to uid 0 (another user): left alone" in done.stdout, done.stdout
+    assert roots.read_bytes() == b"root's\n"
+
+
+def test_a_default_root_another_user_planted_is_refused_as_the_second_user(second_user: SecondUser) -> None:
+    """tests/acceptance/test_security.py plants the default root with chown as root; here root plants the second
+    user's ``<tmp>/pytest-sglworker-<uid>`` in a shared sticky temp directory, and the user's session refuses it."""
+    tmp = second_user.base / "tmp"
+    subprocess.run(["install", "-d", "-m", "1777", str(tmp)], check=True, timeout=30)
+    planted = tmp / f"pytest-sglworker-{second_user.uid}"
+    planted.mkdir(mode=0o777)
+    planted.chmod(0o777)
+    work = project(second_user.home / "p", second_user)
+    done = second_user.run([second_user.python, "-m", "pytest", *SIM, "-p", "no:xdist"], cwd=work,
+                           env={"TMPDIR": str(tmp)}, timeout=SESSION_TIMEOUT)
+    assert done.returncode != 0, done.stdout
+    assert f"{planted} belongs to uid 0, not to you (uid {second_user.uid})" in " ".join(done.stdout.split()), \
+        done.stdout
+    assert "Traceback" not in done.stdout and list(planted.iterdir()) == []
