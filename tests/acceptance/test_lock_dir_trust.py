@@ -22,7 +22,7 @@ from typing import Any
 import psutil
 import pytest
 from session_helpers import Session
-from warm_helpers import SIM, gone, launches, lock_dir, pids, records, run, session, wait_for
+from warm_helpers import SIM, gone, launches, lock_dir, pids, records, report_of, run, session, wait_for
 
 from pytest_sglworker.resources.state import atomic_write
 from pytest_sglworker.resources.warm_records import FORMAT, KEEPER_ENV
@@ -436,18 +436,22 @@ def test_warm_stop_ends_a_group_whose_claim_file_another_user_planted(
 @needs_root
 def test_the_next_session_does_not_wait_out_its_lease_timeout_behind_a_planted_claim(
         pytester: pytest.Pytester, sim_env: dict[str, str], warm: None, monkeypatch: pytest.MonkeyPatch) -> None:
-    """One GPU, held by a warm group whose claim file another user planted: the next session (another
-    configuration) waits for the GPU, and the keeper gives way as it does for any waiter."""
+    """One GPU, held by a warm group whose claim file another user planted: the next session of its configuration
+    cannot adopt it (and says why, not "in use by another session"), waits for the GPU, and the keeper gives way as
+    it does for any waiter."""
     one_gpu = [*SIM[:SIM.index("sim:2")], "sim:1", *SIM[SIM.index("sim:2") + 1:]]
     first = pytester.runpytest_subprocess(*one_gpu, "--sgl-model", "w", "--sgl-keep-warm=600", timeout=120)
     first.assert_outcomes(passed=1)
     (record,) = records(sim_env)
     plant_claim(sim_env, record.id)
-    result = pytester.runpytest_subprocess(*one_gpu, "--sgl-model", "other", "--sgl-lease-timeout", "90",
-                                           timeout=180)
+    result = pytester.runpytest_subprocess(*one_gpu, "--sgl-model", "w", "--sgl-lease-timeout", "90",
+                                           "--sgl-report", "r2.json", timeout=180)
     out = result.stdout.str() + result.stderr.str()
     assert "Traceback" not in out and "INTERNALERROR" not in out, out
     result.assert_outcomes(passed=1)
+    (refused,) = report_of(pytester, "r2.json")["warm"]["refused"]
+    assert refused["why"].startswith(f"its claim file warm-{record.id}.lock belongs to uid {NOBODY} (another user), "
+                                     "so no session of yours can claim it"), refused
     assert gone(record.members[0].pid) and not records(sim_env)
 
 
