@@ -8,6 +8,8 @@ any such process still alive after the test fails it.
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 import time
 import uuid
 from collections.abc import Iterator
@@ -15,6 +17,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from second_user import SecondUser, interpreter, make_second_user, shared_base, unavailable
 
 pytest_plugins = ["pytester"]
 
@@ -90,3 +93,21 @@ def sim_env(tmp_path: os.PathLike[str], monkeypatch: pytest.MonkeyPatch) -> dict
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     return env
+
+
+@pytest.fixture
+def second_user() -> Iterator[SecondUser]:
+    """A real unprivileged user (``useradd``), removed at the end (tests/second_user.py); its own directory, and a
+    root-owned one (``.base``, 0755) around it for what the test shares with it. Skips when not root."""
+    why = unavailable()
+    if why is not None:
+        pytest.skip(why)
+    base = shared_base(Path(tempfile.mkdtemp(prefix="sglworker-users-")))
+    try:
+        with make_second_user(base) as user:
+            why = interpreter(user)
+            if why is not None:
+                pytest.skip(why)
+            yield user
+    finally:
+        shutil.rmtree(base, ignore_errors=True)

@@ -1,14 +1,15 @@
 """Port blocks for workers, reserved across processes with file locks and verified free by binding.
 
-Plain Python, no pytest; ``filelock`` is imported lazily.
+Plain Python, no pytest.
 
 A block is ``size`` consecutive ports starting at an aligned base (``base = low + k * size``). The block
 ``base`` is guarded by ``<lock_dir>/port-<base>.lock`` (``flock``: released by the kernel if the holder
 dies), held until :meth:`PortBlock.release`, so two processes, or two workers of one process, never get
-the same block. Every port of a block is bound once on the host (``SO_REUSEADDR`` off) and closed
-again before the block is handed out: a port somebody else listens on (or that lingers in
-``TIME_WAIT``) makes the block skipped. The first port is the HTTP port, the second the NCCL port
-(``--nccl-port``); the rest are spare for ports the engine derives.
+the same block; in a lock directory several users share, every user's sessions take every block's lock, whoever
+created its file (:mod:`.lockfiles`), and a lock file one of them cannot open only skips that block. Every port
+of a block is bound once on the host (``SO_REUSEADDR`` off) and closed again before the block is handed out: a
+port somebody else listens on (or that lingers in ``TIME_WAIT``) makes the block skipped. The first port is the
+HTTP port, the second the NCCL port (``--nccl-port``); the rest are spare for ports the engine derives.
 
 A caller that must have one particular block (a port pinned by a test's URL) and whose engine binds its ports with
 ``SO_REUSEADDR`` (uvicorn, zmq and torch's store all do) passes ``reuse_addr=True``: the check binds the same way,
@@ -46,10 +47,10 @@ from types import TracebackType
 from typing import TYPE_CHECKING
 
 from ..errors import PortUnavailable
+from .lockfiles import LockFile
 from .waiters import PORTS_WAITING_PREFIX, flag_waiting, others_waiting_for_ports, unflag_waiting
 
 if TYPE_CHECKING:
-    from filelock import BaseFileLock
     from typing_extensions import Self
 
 __all__ = [
@@ -86,21 +87,21 @@ _RANGE_FORM = "expected LOW-HIGH with 1 <= LOW <= HIGH <= 65535, e.g. 20000-3000
 #: Block bases this process never hands out again -> why (see :func:`quarantine_port_block`).
 _QUARANTINED: dict[int, str] = {}
 #: Locks of quarantined blocks, held until the process exits (the kernel then drops them).
-_QUARANTINE_LOCKS: list[BaseFileLock] = []
+_QUARANTINE_LOCKS: list[LockFile] = []
 WAITING_PREFIX = PORTS_WAITING_PREFIX  # the flag prefix of a port waiter (see resources.waiters)
 
 
 class PortBlock:
     """A reserved block of ports: ``port`` (HTTP), ``nccl_port``, and ``ports`` (the whole block)."""
 
-    def __init__(self, ports: tuple[int, ...], *, host: str, lock: BaseFileLock, lock_path: Path,
+    def __init__(self, ports: tuple[int, ...], *, host: str, lock: LockFile, lock_path: Path,
                  waited: float = 0.0) -> None:
         self.ports = ports
         self.host = host
         self.lock_path = lock_path
         #: seconds :func:`reserve_port_block` waited for this block (0 when it was free at once)
         self.waited = waited
-        self._lock: BaseFileLock | None = lock
+        self._lock: LockFile | None = lock
         _HELD_BLOCKS.add(self)
 
     @property
@@ -124,9 +125,9 @@ class PortBlock:
         lock, self._lock = self._lock, None
         _HELD_BLOCKS.discard(self)
         if lock is not None:
-            lock.release(force=True)
+            lock.release()
 
-    def held_lock(self) -> BaseFileLock | None:
+    def held_lock(self) -> LockFile | None:
         """The block's lock, for a hand-over to another process (``--sgl-keep-warm``: see :meth:`handed_over`)."""
         return self._lock
 
@@ -345,8 +346,6 @@ def _scan(lock_dir: Path, low: int, size: int, blocks: int, host: str,
           avoid: tuple[tuple[int, int], ...] = (), *, reuse_addr: bool = False) -> tuple[PortBlock | None, _Scan]:
     """One pass over the blocks, from a per-process start: the first free one, locked, or why there is none.
     Blocks that overlap a range of ``avoid`` are not looked at."""
-    from filelock import FileLock, Timeout
-
     order = [k for k in _block_order(blocks, _start_block(blocks))
              if not any(low + k * size <= hi and low + (k + 1) * size - 1 >= lo for lo, hi in avoid)]
     scan = _Scan(len(order))
@@ -356,25 +355,25 @@ def _scan(lock_dir: Path, low: int, size: int, blocks: int, host: str,
             scan.quarantined += 1
             continue
         lock_path = lock_dir / f"port-{base}.lock"
-        lock = FileLock(lock_path, thread_local=False, mode=0o644)  # never world-writable, whatever the umask
+        lock = LockFile(lock_path)  # 0644 whatever the umask: every user may open it to lock it
         try:
-            lock.acquire(blocking=False)
-        except Timeout:
-            scan.reserved += 1
-            continue
-        except OSError as exc:  # a directory or a symlink at the lock's path: skip the block, say so
+            locked = lock.acquire()
+        except OSError as exc:  # a directory, a symlink, a file this user may not open: skip the block, say so
             from .state import describe_file_problem
 
             scan.unusable.append(f"{lock_path.name} {describe_file_problem(lock_path, exc)}")
+            continue
+        if not locked:
+            scan.reserved += 1
             continue
         ports = tuple(range(base, base + size))
         try:
             busy = next((p for p in ports if not _port_is_free(host, p, reuse_addr=reuse_addr)), None)
         except BaseException:
-            lock.release(force=True)
+            lock.release()
             raise
         if busy is not None:
-            lock.release(force=True)
+            lock.release()
             scan.in_use.append(busy)
             continue
         return PortBlock(ports, host=host, lock=lock, lock_path=lock_path), scan

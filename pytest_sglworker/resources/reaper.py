@@ -72,25 +72,29 @@ def remove_stale_holder_records(lock_dir: Path, *, session_pid: int | None = Non
     A record is removed only when its writer is gone, no worker of that writer's session still runs (until
     then the record is what keeps the GPU from being handed out, see ``gpus.holders.dead_holder_leftovers``) and
     the GPU's lock is free; it is removed while holding that lock, so a live holder's record is never touched.
+    Only this user's records: another user's is theirs, whatever it says (their own watchdog and janitor remove
+    it), and is never even a reason to look at processes.
     """
-    from filelock import FileLock, Timeout
-
     from .gpus.holders import holder_leftover_pids, read_holder_record
-    from .owned_files import remove_own_entry
+    from .lockfiles import LockFile
+    from .owned_files import entry_problem, remove_own_entry
 
     removed: list[str] = []
     if not lock_dir.is_dir():
         return removed
     for path in sorted(lock_dir.glob("gpu-*.json")):
+        if entry_problem(path) is not None:
+            continue  # another user's (or a directory): never ours to remove
         record = read_holder_record(path, only_live=False)
         if record is None or record.hostname != hostname() or (session_pid is not None and record.pid != session_pid):
             continue
         if process_alive(record.pid, record.since, record.hostname) or holder_leftover_pids(record):
             continue
-        lock = FileLock(path.with_suffix(".lock"), thread_local=False, mode=0o644)
+        lock = LockFile(path.with_suffix(".lock"))
         try:
-            lock.acquire(blocking=False)
-        except Timeout:
+            if not lock.acquire():
+                continue
+        except OSError:
             continue
         try:
             if read_holder_record(path, only_live=False) == record and remove_own_entry(path) is None:
@@ -98,7 +102,7 @@ def remove_stale_holder_records(lock_dir: Path, *, session_pid: int | None = Non
         except OSError:
             pass
         finally:
-            lock.release(force=True)
+            lock.release()
     return removed
 
 
@@ -178,11 +182,15 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     session_id = args[0]
+    lock_dir = Path(args[1]) if len(args) == 2 else None
+    if lock_dir is not None:
+        from .state import pin_directory
+
+        pin_directory(lock_dir)  # what its session checked, opened now: never followed elsewhere later
     with contextlib.suppress(OSError):
         while sys.stdin.buffer.read(4096):
             pass
     # The session is gone (or closed its end after its own teardown): kill whatever still carries its tag.
-    lock_dir = Path(args[1]) if len(args) == 2 else None
     terminate_tree(None, lambda: find_session_processes(session_id), term_timeout=10.0, kill_timeout=10.0)
     # A session that died (SIGKILL, os._exit) left its GPU holder records: the kernel dropped its locks, the
     # records say who held the GPUs until its workers were gone, which they now are.

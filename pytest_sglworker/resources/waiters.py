@@ -21,6 +21,7 @@ import os
 import threading
 from pathlib import Path
 
+from .owned_files import remove_own_entry
 from .processes import plausible_pid
 
 __all__ = [
@@ -72,7 +73,7 @@ def unflag_waiting(flag: Path | None) -> None:
 
 def live_waiters(lock_dir: Path, prefix: str) -> bool:
     """Whether a live process other than this one left a ``<prefix><pid>`` flag in ``lock_dir``; the flags of
-    dead waiters are removed."""
+    dead waiters are removed (this user's only: another user's flag is theirs)."""
     import psutil
 
     me = os.getpid()
@@ -86,8 +87,7 @@ def live_waiters(lock_dir: Path, prefix: str) -> bool:
             continue
         if psutil.pid_exists(pid):
             return True
-        with contextlib.suppress(OSError):
-            path.unlink()  # a waiter that died
+        remove_own_entry(path)  # a waiter that died; another user's flag is theirs to remove
     return False
 
 

@@ -2,7 +2,7 @@
 that makes its use exclusive, the hand-over of lock files to another process, the lease an adopter borrows, and
 how a warm group ends.
 
-Plain Python, no pytest; ``psutil`` and ``filelock`` are imported lazily. The record is :mod:`.warm_records`, the
+Plain Python, no pytest; ``psutil`` is imported lazily. The record is :mod:`.warm_records`, the
 keeper process :mod:`.warm_keeper`; what identifies a group's configuration and how a session adopts one is
 :mod:`pytest_sglworker.workers.warm`.
 
@@ -23,8 +23,7 @@ session watchdog ends a dead session's, and every janitor takes the tagged proce
    (``SCM_RIGHTS``, :func:`dup_lock_fd`): the same open files, so the keeper holds the same flocks, and there is no
    moment at which the GPUs or ports are unlocked. The keeper rewrites the GPUs' holder records under its own pid
    and writes itself into the record (state ``warm``); only on its ``ok`` does the session forget its own
-   descriptors (:func:`forget_lock`: filelock's descriptor is pointed at ``/dev/null`` before filelock "unlocks"
-   it). Without an ``ok`` the group is torn down as any other.
+   descriptors (:func:`forget_lock`: closed without unlocking). Without an ``ok`` the group is torn down as any other.
 3. **Session ends otherwise, or dies** (SIGKILL included): the socket reaches end of file; the keeper ends whatever
    its session id tags and exits. A retired group's keeper goes the same way, with nothing left to end.
 4. **Warm**: the keeper alone holds the flocks (and a shared flock on the session log directory's ``.lock``, so
@@ -35,11 +34,14 @@ session watchdog ends a dead session's, and every janitor takes the tagged proce
    their workers, so a GPU whose keeper died is not handed out while the group still runs.
 5. **Adopted**: a session that wants the group takes its **claim**, the flock of ``warm-<id>.lock``
    (:class:`Claim`): whoever holds it is the only one that may adopt, end or re-warm the group, so two sessions
-   never share one. The adopter writes itself into the record (state ``adopted``). The keeper keeps the flocks all
-   along (the session's lease is a :class:`BorrowedLease`): a session that dies while it uses the group cannot
-   leave them locked, since the keeper sees its adopter gone and ends the group. At the adopter's end the group is
-   kept warm again (state ``warm``, a new expiry, the claim released) or ended (:func:`end_warm`: its members, then
-   its keeper, which unlocks as it exits).
+   never share one. The claim's lock file must be this user's: another user's file at its path (planted where
+   the sticky directory lets anybody create one) is no claim anybody of this user can hold (:func:`claim_blocked`),
+   so the record's keeper, the janitor or ``--sgl-warm stop`` ends the group without one, and says why; it is
+   never read as "held by another session". The adopter writes itself into the record (state ``adopted``). The
+   keeper keeps the flocks all along (the session's lease is a :class:`BorrowedLease`): a session that dies while
+   it uses the group cannot leave them locked, since the keeper sees its adopter gone and ends the group. At the
+   adopter's end the group is kept warm again (state ``warm``, a new expiry, the claim released) or ended
+   (:func:`end_warm`: its members, then its keeper, which unlocks as it exits).
 
 Records are written atomically (:func:`~.state.atomic_write`), read without trusting the lock directory (a
 symlink, a FIFO, an oversized or malformed file is *untrusted*: ignored, and removed by the janitor when no
@@ -60,6 +62,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from .lockfiles import LockFile
 from .owned_files import append_owned, entry_problem, remove_own_entry, unlink_owned
 from .processes import AdoptedProcess, find_tagged_processes, hostname, process_alive, prove_process, terminate_tree
 from .retention import keeps
@@ -68,6 +71,7 @@ from .warm_records import (
     KEEPER_GRACE,
     WarmEntry,
     WarmRecord,
+    adopter_alive,
     claim_path,
     keeper_alive,
     read_warm_record,
@@ -78,8 +82,6 @@ from .warm_records import (
 )
 
 if TYPE_CHECKING:
-    from filelock import BaseFileLock
-
     from .gpus.inventory import GpuInfo
     from .gpus.release import ReleaseReport
 
@@ -87,6 +89,7 @@ __all__ = [
     "BorrowedLease",
     "Claim",
     "StopResult",
+    "claim_blocked",
     "dup_lock_fd",
     "end_keeper",
     "end_members",
@@ -103,45 +106,18 @@ __all__ = [
 # ---------------------------------------------------------------------------------------------- hand-over
 
 
-def _lock_fds(lock: BaseFileLock) -> list[int]:
-    """This process's descriptors open on the lock's file (compared by device and inode, from /proc/self/fd)."""
-    st = os.stat(lock.lock_file)
-    found = []
-    for name in os.listdir("/proc/self/fd"):
-        with contextlib.suppress(OSError, ValueError):
-            fd = int(name)
-            other = os.fstat(fd)
-            if (other.st_dev, other.st_ino) == (st.st_dev, st.st_ino):
-                found.append(fd)
-    return found
-
-
-def dup_lock_fd(lock: BaseFileLock) -> int:
+def dup_lock_fd(lock: LockFile) -> int:
     """A new descriptor of the open file whose flock ``lock`` holds (the same open file, so the same flock), for a
-    keeper to inherit. ``OSError`` when this process has no single descriptor on the lock's file (a file system
-    without ``flock``, where filelock falls back to a marker file): such a lock cannot be handed over."""
-    if not lock.is_locked:
+    keeper to inherit. ``OSError`` when ``lock`` is not held."""
+    if lock.fd is None:
         raise OSError(f"{lock.lock_file} is not locked by this process")
-    fds = _lock_fds(lock)
-    if len(fds) != 1:
-        raise OSError(f"cannot tell which of {len(fds)} descriptor(s) of {lock.lock_file} holds its flock")
-    return os.dup(fds[0])
+    return os.dup(lock.fd)
 
 
-def forget_lock(lock: BaseFileLock) -> None:
+def forget_lock(lock: LockFile) -> None:
     """Drop this process's hold of ``lock`` *without unlocking it*: another process holds the same open file now
-    (:func:`dup_lock_fd`, its duplicate closed here since). The descriptor filelock knows is pointed at
-    ``/dev/null`` first, so whatever filelock does with it (unlock, close, at release or at garbage collection)
-    touches nothing of the lock. ``OSError`` when this process has not exactly that one descriptor on the file."""
-    fds = _lock_fds(lock)
-    if len(fds) != 1:
-        raise OSError(f"cannot tell which of {len(fds)} descriptor(s) of {lock.lock_file} is filelock's")
-    null = os.open(os.devnull, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-    try:
-        os.dup2(null, fds[0], inheritable=False)
-    finally:
-        os.close(null)
-    lock.release(force=True)
+    (:func:`dup_lock_fd`, its duplicate closed here since)."""
+    lock.forget()
 
 
 # ---------------------------------------------------------------------------------------------- claims
@@ -151,24 +127,28 @@ class Claim:
     """This process's exclusive hold on one warm group: the flock of ``warm-<id>.lock``. Only its holder adopts
     the group, ends it, or keeps it warm again; the record is read again once it is held."""
 
-    def __init__(self, lock_dir: Path, wid: str, lock: BaseFileLock) -> None:
+    def __init__(self, lock_dir: Path, wid: str, lock: LockFile | None) -> None:
         self.lock_dir = Path(lock_dir)
         self.id = wid
-        self._lock: BaseFileLock | None = lock
+        self._lock: LockFile | None = lock
 
     @classmethod
     def take(cls, lock_dir: Path, wid: str, *, wait: float = 0.0) -> Claim | None:
-        """The claim, or None when another process holds it (still after ``wait`` seconds)."""
-        from filelock import FileLock, Timeout
-
-        lock = FileLock(claim_path(lock_dir, wid), thread_local=False, mode=0o600)
+        """The claim, or None when another process holds it (still after ``wait`` seconds) or nobody of this user
+        can hold it (:func:`claim_blocked` says why: then there is no use waiting)."""
+        lock = LockFile(claim_path(lock_dir, wid), mode=0o600, own_only=True)
         try:
-            lock.acquire(timeout=wait, poll_interval=0.02) if wait > 0 else lock.acquire(blocking=False)
-        except Timeout:
-            return None
+            if not lock.acquire(timeout=wait):
+                return None
         except OSError:
-            return None  # a directory or a symlink in the way: nobody may claim it
+            return None  # another user's file, a directory or a symlink in the way: nobody of ours may claim it
         return cls(lock_dir, wid, lock)
+
+    @classmethod
+    def unclaimable(cls, lock_dir: Path, wid: str) -> Claim:
+        """A stand-in for the claim of a group whose claim nobody of this user can hold (:func:`claim_blocked`):
+        what :func:`end_warm` needs to end it; it holds no lock."""
+        return cls(lock_dir, wid, None)
 
     @property
     def held(self) -> bool:
@@ -190,7 +170,19 @@ class Claim:
     def release(self) -> None:
         lock, self._lock = self._lock, None
         if lock is not None:
-            lock.release(force=True)
+            lock.release()
+
+
+def claim_blocked(lock_dir: Path, wid: str) -> str | None:
+    """Why nobody of this user can hold the claim of warm group ``wid`` (another user's file, a directory or a
+    symlink where its lock file goes), or None when it can be held (it may be held right now). A group whose claim
+    is blocked has no adopter and no other ender of this user: its record's holder ends it without the claim, and
+    says why."""
+    path = claim_path(lock_dir, wid)
+    why = entry_problem(path)
+    if why is None or why == "is gone":
+        return None
+    return f"its claim file {path.name} {why.replace(': left alone', '')}, so no session of yours can claim it"
 
 
 # ---------------------------------------------------------------------------------------------- ending
@@ -304,7 +296,9 @@ def _remove_untrusted(lock_dir: Path, entry: WarmEntry) -> str | None:
             return f"{lock.name} is a symlink that {why}"
     claim = Claim.take(lock_dir, wid)
     if claim is None:
-        return f"its claim {lock.name} is held by another process or unusable"
+        if claim_blocked(lock_dir, wid) is None:
+            return f"its claim {lock.name} is held by another process"
+        claim = Claim.unclaimable(lock_dir, wid)  # nobody of ours can hold it: nobody of ours uses the record
     try:
         if read_warm_record(entry.path).record is not None:
             return "it was rewritten meanwhile"
@@ -341,8 +335,11 @@ def reap_warm(lock_dir: Path | None) -> list[str]:
         if alive and not (record.state == "warm" and now > record.expires_at + KEEPER_GRACE):
             continue
         claim = Claim.take(lock_dir, record.id)
-        if claim is None:
+        blocked = claim_blocked(lock_dir, record.id) if claim is None else None
+        if claim is None and blocked is None:
             continue  # a live adopter, or someone ending it right now
+        if claim is None:
+            claim = Claim.unclaimable(lock_dir, record.id)
         current = claim.read()
         if current is None or current != record:
             claim.release()
@@ -350,6 +347,8 @@ def reap_warm(lock_dir: Path | None) -> list[str]:
         keeper = record.keeper.pid if record.keeper else "?"
         why = (f"it expired at {_when(record.expires_at)} and its keeper (pid {keeper}) did not end it" if alive
                else "its keeper is gone")
+        if blocked is not None:
+            why += f" ({blocked}: ended without it)"
         end_warm(claim, record, why)
         done.append(f"{record.label} ({why})")
     return done
@@ -411,6 +410,9 @@ def _stop_one(lock_dir: Path, entry: WarmEntry, result: StopResult) -> None:
     if record.hostname != hostname():
         return
     claim = Claim.take(lock_dir, record.id, wait=1.0)
+    blocked = claim_blocked(lock_dir, record.id) if claim is None else None
+    if blocked is not None and not (record.state == "adopted" and adopter_alive(record)):
+        claim = Claim.unclaimable(lock_dir, record.id)
     current = claim.read() if claim is not None else None
     if claim is None or current is None:
         if claim is not None:
@@ -420,8 +422,9 @@ def _stop_one(lock_dir: Path, entry: WarmEntry, result: StopResult) -> None:
         user = f"pytest pid {who.pid} ({who.holder})" if who else "another session"
         result.left.append(f"{record.label}: in use by {user}; that session ends it or keeps it warm when it ends")
         return
-    end_warm(claim, current, "stopped by pytest --sgl-warm stop")
-    result.ended.append(current.describe())
+    end_warm(claim, current, "stopped by pytest --sgl-warm stop" + (
+        f" ({blocked}: ended without it)" if blocked is not None else ""))
+    result.ended.append(current.describe() + (f" ({blocked}: ended without it)" if blocked is not None else ""))
 
 
 def _owner(path: Path) -> int | str:

@@ -42,8 +42,9 @@ from dataclasses import replace
 from pathlib import Path
 from types import FrameType
 
+from .owned_files import remove_own_entry
 from .processes import OWNER_ENV, find_session_processes, hostname, terminate_tree
-from .warm import Claim, end_members, members_alive, note_in_logs, remove_holder_records, remove_logs
+from .warm import Claim, claim_blocked, end_members, members_alive, note_in_logs, remove_holder_records, remove_logs
 from .warm_records import (
     KEEPER_ENV,
     Party,
@@ -267,6 +268,10 @@ class _Keeper:
                     if claim.read() == record:
                         return self.finish(record, claim, why)
                     claim.release()
+                else:
+                    blocked = claim_blocked(self.lock_dir, self.id)
+                    if blocked is not None:  # nobody of this user can hold it: nobody else ends the group
+                        return self.finish(record, None, f"{why} ({blocked}: ended without it)")
             time.sleep(max(0.01, min(POLL, record.expires_at - time.time())))
 
     def finish(self, record: WarmRecord, claim: Claim | None, why: str | None) -> int:
@@ -285,6 +290,8 @@ class _Keeper:
                     remove_logs(record)
                 if claim is None:
                     claim = Claim.take(self.lock_dir, self.id, wait=2.0)
+                if claim is None and claim_blocked(self.lock_dir, self.id) is not None:
+                    remove_own_entry(record_path(self.lock_dir, self.id))  # nobody of ours can claim it
                 if claim is not None:
                     claim.remove()
         finally:
@@ -328,6 +335,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError:
         print("stdin is not the session's socket", file=sys.stderr)
         return 2
+    from .state import pin_directory
+
+    pin_directory(args[0])  # the lock directory its session checked, opened once: never followed elsewhere later
     return _Keeper(Path(args[0]), wid, sock).run()
 
 

@@ -46,7 +46,7 @@ from ..engine.redaction import mask_argv, secret_values
 from ..engine.sglang_facts import LOOPBACK_HOST
 from ..resources.owned_files import link_owned, why_not_ours
 from ..resources.processes import SESSION_ID, AdoptedProcess, hostname, prove_process
-from ..resources.warm import BorrowedLease, Claim, dup_lock_fd, end_warm, forget_lock, note_in_logs
+from ..resources.warm import BorrowedLease, Claim, claim_blocked, dup_lock_fd, end_warm, forget_lock, note_in_logs
 from ..resources.warm_records import (
     Party,
     WarmMember,
@@ -302,6 +302,9 @@ class Warm:
              environ: Mapping[str, str], member_envs: Callable[[Any], list[dict[str, str]]]) -> Adopted | None:
         claim = Claim.take(self.settings.lock_dir, record.id)
         if claim is None:
+            if (blocked := claim_blocked(self.settings.lock_dir, record.id)) is not None:  # no use waiting for it
+                self._event("refused", record, f"{blocked} (its keeper ends it for a waiter, at its TTL)", ended=False)
+                return None
             claim = Claim.take(self.settings.lock_dir, record.id, wait=1.0) if not (
                 record.state == "adopted" and adopter_alive(record)) else None
             if claim is None:

@@ -9,6 +9,11 @@ identities, other owners (``chown``, as root), and entries that are no records a
 empty or garbled files). The one thing a record of this user may do is what this user may do anyway: so a record
 of this user is generated never to hold the whole truth about a live process or a victim (pid, start time and exact
 tag; path and file identity), while another user's record may hold all of it and must still be ignored.
+
+The positive half: beside the hostile entries lies one legitimate record of this user (its keeper gone, its member a
+live process this test started with the member's owner tag, its log the file the record identifies): the janitor
+must still end that group, remove its record and treat its log as its policy says. A checker that refused to act on
+anything would pass the negative half alone.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -205,8 +211,52 @@ def _lay(lock_dir: Path, planted: list[tuple[str, str, Any, bool]]) -> None:
             os.lchown(path, NOBODY, NOBODY)
 
 
+@dataclass
+class Legit:
+    """A legitimate warm record of this user whose keeper is gone: the janitor must end it."""
+
+    proc: subprocess.Popen[bytes]
+    record: Path
+    log: Path
+    policy: str
+
+
+def _legit(box: Sandbox, lock_dir: Path, policy: str) -> Legit:
+    wid = f"{_dead_pid()}-{uuid.uuid4().hex[:8]}"
+    tag = f"{wid}:{uuid.uuid4().hex[:12]}"
+    proc = _start(OWNER_ENV, tag)
+    deadline = time.monotonic() + 30
+    while OWNER_ENV not in psutil.Process(proc.pid).environ() and time.monotonic() < deadline:
+        time.sleep(0.01)  # until the exec has happened
+    since = psutil.Process(proc.pid).create_time()
+    folder = Path(tempfile.mkdtemp(dir=box.root))
+    log = folder / "sglang-worker-30009.log"
+    log.write_bytes(b"its own log\n")
+    log.chmod(0o600)
+    st = log.stat()
+    now = time.time()
+    record = {
+        "format": FORMAT, "id": wid, "hostname": os.uname().nodename, "state": "warm", "keeper": None,
+        "kept_by": {"pid": _dead_pid(), "since": now - 60}, "adopter": None, "ttl": 60.0, "created": now - 60,
+        "last_used": now - 60, "expires_at": now + 3600, "config": {"key": "k", "label": "legit", "model": "m"},
+        "identity": {}, "namespace": "sim", "gpus": [0], "gpu_uuids": ["GPU-sim-0"], "memory_mib": 1024,
+        "log_dir": None, "log_policy": policy, "tainted": False, "uses": 0,
+        "members": [{"role": "worker", "index": 0, "kind": "HttpWorker", "pid": proc.pid, "since": since, "tag": tag,
+                     "port": 30009, "ports": {"http": 30009}, "gpus": "0", "log": str(log), "links": [],
+                     "log_id": [st.st_dev, st.st_ino], "argv": "x", "started_at": now - 60, "startup_seconds": 1.0,
+                     "probe_seconds": 0.0}],
+    }
+    path = lock_dir / f"warm-{wid}.json"
+    path.write_text(json.dumps(record))
+    path.chmod(0o600)
+    return Legit(proc, path, log, policy)
+
+
 def _state(box: Sandbox) -> dict[str, Any]:
-    files = {str(p): (p.read_bytes(), p.stat().st_nlink, p.stat().st_ino) for p in box.victims}
+    files = {}
+    for p in box.victims:
+        st = p.stat()
+        files[str(p)] = (p.read_bytes(), st.st_nlink, st.st_ino, stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid)
     procs = {}
     for x in box.live:
         proc = psutil.Process(x.pid)
@@ -223,9 +273,18 @@ def test_no_hostile_lock_directory_touches_what_is_not_ours(sandbox: Sandbox, da
     planted = data.draw(entries(sandbox))
     lock_dir = Path(tempfile.mkdtemp(dir=sandbox.root))
     lock_dir.chmod(0o1777)
+    legit: Legit | None = None
     try:
         _lay(lock_dir, planted)
+        legit = _legit(sandbox, lock_dir, data.draw(st.sampled_from(["none", "all"])))
         reap_dead_sessions(lock_dir=lock_dir)
+        # the positive half: the legitimate record was acted on
+        assert legit.proc.wait(30) is not None, "the legitimate warm group's member was not ended"
+        assert not legit.record.exists(), "the legitimate record was not removed"
+        if legit.policy == "none":
+            assert not legit.log.exists(), "the legitimate group's log was not removed (policy none)"
+        else:
+            assert b"warm worker ended: its keeper is gone" in legit.log.read_bytes()
         render_warm(lock_dir, "list")
         matched = matching(warm_records(lock_dir), config_key="k", namespace="sim", visible={0: "GPU-sim-0"})
         assert all(os.lstat(lock_dir / f"warm-{r.id}.json").st_uid == os.getuid() for r in matched), \
@@ -243,4 +302,7 @@ def test_no_hostile_lock_directory_touches_what_is_not_ours(sandbox: Sandbox, da
             if foreign:
                 assert os.path.lexists(lock_dir / name), f"another user's {name} was removed"
     finally:
+        if legit is not None and legit.proc.poll() is None:
+            legit.proc.kill()
+            legit.proc.wait()
         shutil.rmtree(lock_dir, ignore_errors=True)

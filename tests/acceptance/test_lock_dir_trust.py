@@ -22,7 +22,7 @@ from typing import Any
 import psutil
 import pytest
 from session_helpers import Session
-from warm_helpers import SIM, gone, launches, lock_dir, pids, records, run, session, wait_for
+from warm_helpers import SIM, gone, launches, lock_dir, pids, records, report_of, run, session, wait_for
 
 from pytest_sglworker.resources.state import atomic_write
 from pytest_sglworker.resources.warm_records import FORMAT, KEEPER_ENV
@@ -378,3 +378,100 @@ def test_a_report_path_that_is_not_a_regular_file_is_never_replaced(pytester: py
     result.stdout.fnmatch_lines([f"*ERROR: cannot write the run report to {fifo} (--sgl-report): not a regular "
                                  "file is in the way*"])
     assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
+
+
+# --------------------------------------------------------------------------------------------------------
+# another user's files where this user's lock files and records go (issue 38, findings 1 and 3)
+# --------------------------------------------------------------------------------------------------------
+
+
+def plant_claim(sim_env: dict[str, str], wid: str) -> Path:
+    """An empty ``warm-<id>.lock`` of another user beside a warm record of ours: the sticky directory lets anybody
+    create a file at a name nobody has taken yet."""
+    path = shared(sim_env) / f"warm-{wid}.lock"
+    assert not path.exists()
+    path.write_bytes(b"")
+    os.chown(path, NOBODY, NOBODY)
+    return path
+
+
+def _blocked(wid: str) -> str:
+    return (f"its claim file warm-{wid}.lock belongs to uid {NOBODY} (another user), so no session of yours can "
+            "claim it: ended without it")
+
+
+@needs_root
+def test_a_planted_claim_file_does_not_keep_a_warm_group_past_its_ttl(
+        pytester: pytest.Pytester, sim_env: dict[str, str], warm: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    run(pytester, "r1", "--sgl-keep-warm=600")
+    (record,) = records(sim_env)
+    assert record.keeper is not None
+    planted = plant_claim(sim_env, record.id)
+    # its TTL runs out now: the record says so, written whole as the plugin writes one (the keeper reads it)
+    path = lock_dir(sim_env) / f"warm-{record.id}.json"
+    content = json.loads(path.read_text())
+    content["expires_at"] = time.time() - 1
+    atomic_write(path, json.dumps(content), mode=0o600)
+    wait_for(lambda: gone(record.keeper.pid), 60, "the keeper to end its group at its TTL")  # type: ignore[union-attr]
+    assert gone(record.members[0].pid), "the warm worker outlived its keeper"
+    assert not records(sim_env) and not path.exists()
+    assert planted.exists() and planted.stat().st_uid == NOBODY, "another user's file is theirs: never removed"
+
+
+@needs_root
+def test_warm_stop_ends_a_group_whose_claim_file_another_user_planted(
+        pytester: pytest.Pytester, sim_env: dict[str, str], warm: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    run(pytester, "r1", "--sgl-keep-warm=600")
+    (record,) = records(sim_env)
+    planted = plant_claim(sim_env, record.id)
+    stopped = warm_stop(pytester)
+    out = stopped.stdout.str()
+    assert "in use by" not in out, out
+    assert f"({_blocked(record.id)})" in out, out
+    assert stopped.ret == 0, out
+    assert gone(record.members[0].pid) and not records(sim_env)
+    assert planted.exists()
+
+
+@needs_root
+def test_the_next_session_does_not_wait_out_its_lease_timeout_behind_a_planted_claim(
+        pytester: pytest.Pytester, sim_env: dict[str, str], warm: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One GPU, held by a warm group whose claim file another user planted: the next session of its configuration
+    cannot adopt it (and says why, not "in use by another session"), waits for the GPU, and the keeper gives way as
+    it does for any waiter."""
+    one_gpu = [*SIM[:SIM.index("sim:2")], "sim:1", *SIM[SIM.index("sim:2") + 1:]]
+    first = pytester.runpytest_subprocess(*one_gpu, "--sgl-model", "w", "--sgl-keep-warm=600", timeout=120)
+    first.assert_outcomes(passed=1)
+    (record,) = records(sim_env)
+    plant_claim(sim_env, record.id)
+    result = pytester.runpytest_subprocess(*one_gpu, "--sgl-model", "w", "--sgl-lease-timeout", "90",
+                                           "--sgl-report", "r2.json", timeout=180)
+    out = result.stdout.str() + result.stderr.str()
+    assert "Traceback" not in out and "INTERNALERROR" not in out, out
+    result.assert_outcomes(passed=1)
+    (refused,) = report_of(pytester, "r2.json")["warm"]["refused"]
+    assert refused["why"].startswith(f"its claim file warm-{record.id}.lock belongs to uid {NOBODY} (another user), "
+                                     "so no session of yours can claim it"), refused
+    assert gone(record.members[0].pid) and not records(sim_env)
+
+
+@needs_root
+@pytest.mark.parametrize("kind", ["untrusted", "stale"])
+def test_another_users_holder_record_is_busy_and_never_removed(pytester: pytest.Pytester, sim_env: dict[str, str],
+                                                                 warm: None, kind: str) -> None:
+    """Finding 3: root's session reads another user's GPU holder record as "busy" (the session leases the other GPU)
+    and leaves it where it is, whether it cannot be trusted (the sweep) or names a holder that is gone (after
+    locking)."""
+    content: dict[str, Any] | bytes = b"{not json" if kind == "untrusted" else {
+        "pid": dead_pid(), "hostname": os.uname().nodename, "holder": "theirs", "since": time.time() - 60,
+        "uuid": "GPU-sim-0", "memory_mib": 1024, "index": 0, "namespace": "sim-2x80", "gpus": [0]}
+    planted = plant(shared(sim_env), "gpu-sim-2x80-0.json", content, owner=NOBODY)
+    before = planted.read_bytes()
+    result, report = run(pytester, "r1")
+    assert [launch["gpus"] for launch in report["launches"]] == [[1]], report["launches"]
+    assert planted.exists() and planted.read_bytes() == before and planted.stat().st_uid == NOBODY
+    if kind == "untrusted":
+        result.stdout.fnmatch_lines([f"*gpu-sim-2x80-0.json (not valid JSON*; kept: it belongs to uid {NOBODY} "
+                                     "(another user), whose sessions remove it)*"])
+    janitor_session(pytester, "j")  # the janitor of a later session leaves it too
+    assert planted.exists() and planted.read_bytes() == before

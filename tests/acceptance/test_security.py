@@ -146,7 +146,9 @@ def test_planted_default_root_is_refused(pytester: pytest.Pytester, shared_tmp: 
         (0o700, "me", False, None),
         (0o700, "nobody", False, "belongs to uid 65534, not to you"),
         (0o755, "nobody", True, "belongs to uid 65534, not to you"),  # a shared lock dir: sticky or root's
-        (0o1777, "nobody", True, None),
+        (0o1777, "nobody", True, "belongs to uid 65534, not to you"),  # sticky binds all but the dir's owner
+        (0o1777, "root", True, None),  # the how-to's: install -d -m 1777 as root
+        (0o755, "root", True, None if os.geteuid() == 0 else "is not writable"),
         (0o1777, "nobody", False, "belongs to uid 65534"),
         (0o777, "me", False, "is writable by other users (mode 777)"),
         (0o777, "me", True, "is writable by other users (mode 777)"),  # no sticky bit
@@ -160,10 +162,10 @@ def test_directory_ownership_and_mode(tmp_path: Path, mode: int, owner: str, sha
     path = tmp_path / "dir"
     path.mkdir()
     path.chmod(mode)
-    if owner == "nobody":
+    if owner in ("nobody", "root") and owner != ("root" if os.geteuid() == 0 else ""):
         if os.geteuid() != 0:
             pytest.skip("needs root to give a directory to another user")
-        os.chown(path, NOBODY, NOBODY)
+        os.chown(path, NOBODY if owner == "nobody" else 0, NOBODY if owner == "nobody" else 0)
     if refused is None:
         assert ensure_private_dir(path, what="lock directory", shared_ok=shared_ok) == path
     else:

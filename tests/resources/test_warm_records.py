@@ -137,23 +137,23 @@ def test_a_flock_handed_over_by_descriptor_is_never_unlocked_on_the_way(tmp_path
     import subprocess
     import sys
 
-    from filelock import FileLock
+    from pytest_sglworker.resources.lockfiles import LockFile
 
     path = tmp_path / "gpu-sim-1x80-0.lock"
-    lock = FileLock(path, thread_local=False, mode=0o644)
-    lock.acquire(blocking=False)
+    lock = LockFile(path)
+    assert lock.acquire()
     copy = dup_lock_fd(lock)  # what a keeper gets
     keeper = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE,
                               pass_fds=[copy])
     try:
         os.close(copy)
-        (tmp_path / "other.lock").write_text("")
-        with pytest.raises(OSError, match="cannot tell which of 0 descriptor"):
-            forget_lock(FileLock(tmp_path / "other.lock"))  # no descriptor of that file here
+        with pytest.raises(OSError, match="is not locked by this process"):
+            dup_lock_fd(LockFile(tmp_path / "other.lock"))  # nothing held: nothing to hand over
         forget_lock(lock)  # the session lets go of its own descriptor, without unlocking
         assert not lock.is_locked
         assert _held(path), "the flock went with the session's descriptor"
-        del lock  # whatever filelock does at garbage collection touches /dev/null, not the lock
+        lock.release()  # whatever the session does with the forgotten lock touches nothing
+        del lock
         assert _held(path)
     finally:
         assert keeper.stdin is not None

@@ -214,9 +214,12 @@ def lock_is_held(path: Path) -> bool:
     takes a shared lock for an instant; it never creates the file."""
     import fcntl
 
+    from ..state import in_dir
+
     flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
     try:
-        fd = os.open(path, flags)
+        dir_fd, name = in_dir(path)
+        fd = os.open(name, flags, dir_fd=dir_fd)
     except OSError:
         return False
     try:

@@ -7,7 +7,12 @@ Candidate groups come best first (runs of consecutive indices, aligned runs firs
 lock can be taken, its free memory (re-read after locking) suffices, and no worker of a dead holder still
 runs on it. A process that waits for a lease flags itself in the lock directory
 (:mod:`pytest_sglworker.resources.waiters`), so that holders of idle pooled workers let go. Plain Python, no
-pytest; ``filelock`` is imported lazily.
+pytest.
+
+In a lock directory several users share, every user's session takes and releases every GPU lock, whoever created
+its file (:mod:`..lockfiles`). Another user's holder record is only ever read as "busy": a GPU whose lock is free
+but whose record belongs to another user (a holder of theirs that died, whose own janitor removes it) is skipped,
+never cleared; a lock file this user cannot open skips that GPU, never the whole session.
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ from types import TracebackType
 from typing import TYPE_CHECKING
 
 from ...errors import LeaseImpossible, LeaseTimeout
+from ..lockfiles import LockFile
+from ..owned_files import entry_problem, remove_own_entry
 from ..processes import hostname
 from ..waiters import flag_waiting, lease_waiting_prefix, live_waiters, others_waiting_for_ports, unflag_waiting
 from .holders import (
@@ -42,7 +49,6 @@ from .inventory import GpuInfo, Inventory, join_indices
 from .release import ReleaseReport, wait_for_release
 
 if TYPE_CHECKING:
-    from filelock import BaseFileLock
     from typing_extensions import Self
 
 __all__ = ["Lease", "LeaseManager"]
@@ -61,7 +67,7 @@ class Lease:
         self,
         manager: LeaseManager,
         gpus: tuple[GpuInfo, ...],
-        locks: list[BaseFileLock],
+        locks: list[LockFile],
         *,
         holder: str,
         memory_mib: int,
@@ -127,7 +133,7 @@ class Lease:
             self._report = report
             return report
 
-    def held_locks(self) -> list[BaseFileLock]:
+    def held_locks(self) -> list[LockFile]:
         """The locks this lease holds (for a hand-over to another process, ``--sgl-keep-warm``: see
         :meth:`handed_over`)."""
         return list(self._locks)
@@ -150,10 +156,7 @@ class Lease:
             path = holder_record_path(manager.lock_dir, manager.namespace, index)
             record = read_holder_record(path, only_live=False)
             if record is not None and record.pid == os.getpid():
-                try:
-                    path.unlink()
-                except OSError:
-                    pass
+                remove_own_entry(path)  # another user's record naming our pid is theirs
         _let_go(self._locks)
         self._locks = []
 
@@ -182,6 +185,9 @@ class _Attempt:
     low: set[int] = field(default_factory=set)
     #: GPU index -> (dead holder pid, pids of the workers it left running there)
     orphans: dict[int, tuple[int, tuple[int, ...]]] = field(default_factory=dict)
+    #: GPU index -> why this user cannot take it although nobody holds its lock (another user's lock file it may
+    #: not open, another user's holder record left beside a free lock)
+    foreign: dict[int, str] = field(default_factory=dict)
 
 
 class LeaseManager:
@@ -258,8 +264,6 @@ class LeaseManager:
         lock is free (under that lock), and say so in one message (``on_message``, else a
         :class:`HolderRecordWarning`). Also removes temporary files that dead writers left. Returns the
         names of the records removed. Called when the manager is made; never raises for what it finds."""
-        from filelock import FileLock, Timeout
-
         found: list[str] = []
         removed: list[str] = []
         try:
@@ -271,32 +275,34 @@ class LeaseManager:
             if problem is None:
                 continue
             outcome = "kept: its lock is held"
-            lock = FileLock(path.with_suffix(".lock"), thread_local=False, mode=0o644)
-            try:
-                lock.acquire(blocking=False)
-            except Timeout:
-                pass
-            except OSError as exc:
-                from ..state import describe_file_problem
-
-                outcome = f"kept: its lock file {describe_file_problem(lock.lock_file, exc)}"
+            owner = _owner(path)
+            if owner is not None and owner != os.getuid():
+                outcome = f"kept: it belongs to uid {owner} (another user), whose sessions remove it"
             else:
+                lock = LockFile(path.with_suffix(".lock"))
                 try:
-                    _, problem_now = inspect_holder_record(path)
-                    if problem_now is not None:
-                        try:
-                            path.unlink()
-                        except IsADirectoryError:
-                            outcome = "kept: a directory is never removed"
-                        except OSError as exc:
-                            outcome = f"kept: cannot remove it ({exc.strerror or exc})"
+                    locked = lock.acquire()
+                except OSError as exc:
+                    from ..state import describe_file_problem
+
+                    locked = False
+                    outcome = f"kept: its lock file {describe_file_problem(lock.lock_file, exc)}"
+                if locked:
+                    try:
+                        _, problem_now = inspect_holder_record(path)
+                        if problem_now is not None:
+                            why = remove_own_entry(path)
+                            if why is None:
+                                outcome = "removed"
+                                removed.append(path.name)
+                            elif why.startswith("is a directory"):
+                                outcome = "kept: a directory is never removed"
+                            else:
+                                outcome = f"kept: it {why}"
                         else:
-                            outcome = "removed"
-                            removed.append(path.name)
-                    else:
-                        outcome = "rewritten meanwhile"
-                finally:
-                    lock.release(force=True)
+                            outcome = "rewritten meanwhile"
+                    finally:
+                        lock.release()
             key = (path.name, problem)
             if key not in self._reported_untrusted:
                 self._reported_untrusted.add(key)
@@ -393,12 +399,19 @@ class LeaseManager:
                 _let_go(locks)
                 continue
             # We hold the locks now, so any record still there is stale (a live process that left it behind,
-            # a planted one): it must not make the GPU look used. Our own record replaces it below.
+            # a planted one): one of this user's must not make the GPU look used, and our own record replaces it
+            # below. Another user's is theirs (their holder died; their watchdog or janitor removes it): the GPU
+            # stays busy for us until then, and the record is never touched.
+            foreign = self._foreign_records(group)
+            if foreign:
+                attempt.foreign.update(foreign)
+                attempt.locked.update(foreign)
+                _let_go(locks)
+                continue
             for index in group:
                 path = self.record_path(index)
-                if path.exists() and not path.is_dir():
-                    with contextlib.suppress(OSError):
-                        path.unlink()
+                if os.path.lexists(path) and not path.is_dir():
+                    remove_own_entry(path)
             # Re-read after locking: someone may have started on a GPU between the reading and the lock.
             try:
                 fresh = {g.index: g for g in self.inventory.snapshot()}
@@ -415,42 +428,73 @@ class LeaseManager:
                 self._write_records(chosen, holder, memory_mib, workers)
             except BaseException:
                 for index in group:
-                    with contextlib.suppress(OSError):
-                        self.record_path(index).unlink()
+                    remove_own_entry(self.record_path(index))
                 _let_go(locks)
                 raise
             return Lease(self, chosen, locks, holder=holder, memory_mib=memory_mib), attempt
         return None, attempt
 
-    def _lock_group(self, group: Sequence[int], attempt: _Attempt) -> list[BaseFileLock] | None:
-        from filelock import FileLock, Timeout
-
-        locks: list[BaseFileLock] = []
+    def _foreign_records(self, group: Sequence[int]) -> dict[int, str]:
+        """The GPUs of ``group`` whose holder record belongs to another user, with why that makes them busy."""
+        found = {}
         for index in group:
-            lock = FileLock(self.lock_path(index), thread_local=False, mode=0o644)  # not umask-dependent
+            why = entry_problem(self.record_path(index))
+            if why is not None and why.startswith("belongs to uid"):
+                owner = _owner(self.record_path(index))
+                found[index] = (f"its holder record {self.record_path(index).name} belongs to uid {owner} (another "
+                                "user) although its lock is free: a holder of theirs that died; their session's "
+                                "watchdog or next janitor removes it")
+        return found
+
+    def _lock_group(self, group: Sequence[int], attempt: _Attempt) -> list[LockFile] | None:
+        locks: list[LockFile] = []
+        for index in group:
+            lock = LockFile(self.lock_path(index))  # 0644 whatever the umask: every user may open it to lock it
             try:
-                lock.acquire(blocking=False)
-            except Timeout:
+                locked = lock.acquire()
+            except OSError as exc:  # a directory, a symlink, a file this user may not open at the lock's path
+                _let_go(locks)
+                owner = _owner(self.lock_path(index))
+                if owner is not None and owner != os.getuid():
+                    # another user's entry: that GPU is not for us, the others still are
+                    from ..state import describe_file_problem
+
+                    path = self.lock_path(index)
+                    attempt.foreign[index] = (
+                        f"its lock file {path.name} cannot be opened by you ({describe_file_problem(path, exc)}); a "
+                        f"shared lock file must be a regular file every user may read (its owner, uid {owner}, can "
+                        f"run 'chmod 644 {path}')")
+                    attempt.locked.add(index)
+                    return None
+                raise self._unusable("GPU lock file", self.lock_path(index), exc) from None
+            if not locked:
                 attempt.locked.add(index)
                 _let_go(locks)
                 return None
-            except OSError as exc:  # a directory, a symlink, a file of another user at the lock's path
-                _let_go(locks)
-                raise self._unusable("GPU lock file", self.lock_path(index), exc) from None
             locks.append(lock)
         return locks
 
     def _unusable(self, what: str, path: Path, exc: OSError) -> Exception:
+        import errno
+
         from ..state import UnusableFile, describe_file_problem
 
         problem = describe_file_problem(path, exc)
-        if not problem.startswith("is "):  # not something in the way: a full disk, no permission
-            return UnusableFile(f"cannot write the {what} {path}: {problem}; free some space or choose another "
-                                "--sgl-lock-dir")
-        return UnusableFile(
-            f"cannot use the {what} {path}: it {problem}; remove it (the lock directory "
-            f"{self.lock_dir} holds only files the plugin makes) or choose another --sgl-lock-dir"
-        )
+        if problem.startswith("is "):  # something in the way
+            return UnusableFile(
+                f"cannot use the {what} {path}: it {problem}; remove it (the lock directory "
+                f"{self.lock_dir} holds only files the plugin makes) or choose another --sgl-lock-dir"
+            )
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            fix = "free some space or choose another --sgl-lock-dir"
+        elif exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+            owner = _owner(path)
+            whose = f" (it belongs to uid {owner}; you are uid {os.getuid()})" if owner is not None else ""
+            fix = (f"check the permissions of {path}{whose} and of the lock directory {self.lock_dir}, or choose "
+                   "another --sgl-lock-dir")
+        else:
+            fix = "choose another --sgl-lock-dir"
+        return UnusableFile(f"cannot write the {what} {path}: {problem}; {fix}")
 
     def _write_records(self, gpus: Sequence[GpuInfo], holder: str, memory_mib: int,
                        workers: Sequence[str] = ()) -> None:
@@ -489,6 +533,8 @@ class LeaseManager:
                 dead, pids = attempt.orphans[gpu.index]
                 parts.append(f"{label} still used by worker process(es) {join_indices(pids)} of pid {dead}, which "
                              "died without releasing its lease (its session watchdog ends them)")
+            elif gpu.index in attempt.foreign:
+                parts.append(f"{label} not usable by you: {attempt.foreign[gpu.index]}")
             elif gpu.index in attempt.locked:
                 parts.append(f"{label} locked (holder record not written yet or unreadable)")
             elif gpu.index in attempt.low:
@@ -530,9 +576,17 @@ def _candidate_groups(eligible: Sequence[int], tp: int, attempt: _Attempt) -> It
         yield group
 
 
-def _let_go(locks: Sequence[BaseFileLock]) -> None:
+def _owner(path: Path) -> int | None:
+    """The uid that owns the entry at ``path`` (not followed), or None when there is none."""
+    try:
+        return os.lstat(path).st_uid
+    except OSError:
+        return None
+
+
+def _let_go(locks: Sequence[LockFile]) -> None:
     """Let go of the locks of a group this attempt took and does not keep, at once: an attempt that raises keeps
     its frame (and with it the lock objects, whose finalizer would let go of them) for as long as its traceback
     lives."""
     for lock in locks:
-        lock.release(force=True)
+        lock.release()
