@@ -109,6 +109,11 @@ def _marker_kwargs(request: pytest.FixtureRequest, name: str, defaults: dict[str
     return found
 
 
+def _given(value: Any) -> Any:
+    """A marker's count as given; 1 when it is left out (None)."""
+    return 1 if value is None else value
+
+
 def _whole(value: Any, what: str, nodeid: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         pytest.fail(f"@pytest.mark.workers({what}={value!r}) on {nodeid}: {what} is a whole number >= 1",
@@ -213,15 +218,15 @@ def setup_backend(request: pytest.FixtureRequest, model_pool: Any) -> Iterator[t
     with rt.owning(nodeid):
         try:
             if backend == "pd":
-                prefill = _whole(workers["prefill"] or 1, "prefill", nodeid)
-                decode = _whole(workers["decode"] or 1, "decode", nodeid)
+                prefill = _whole(_given(workers["prefill"]), "prefill", nodeid)
+                decode = _whole(_given(workers["decode"]), "decode", nodeid)
                 prefills, decodes = model_pool.launch_pd_workers(model_id, prefill, decode)
                 instances = prefills + decodes
                 gateway = Gateway()
                 gateway.start(prefill_workers=prefills, decode_workers=decodes, policy=gw["policy"],
                               timeout=gw["timeout"], extra_args=gw["extra_args"])
             else:
-                count = _whole(workers["count"] or 1, "count", nodeid)
+                count = _whole(_given(workers["count"]), "count", nodeid)
                 mode = ConnectionMode(backend)
                 instances = (model_pool.launch_workers([WorkerIdentity(model_id, mode, index=i)
                                                         for i in range(count)])

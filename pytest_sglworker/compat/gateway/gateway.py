@@ -211,7 +211,15 @@ class Gateway:
             resp = httpx.delete(f"{self.base_url}/workers/{found}", timeout=timeout)
         except httpx.HTTPError as exc:
             return False, str(exc)
-        return (True, "Worker removed") if resp.status_code == 200 else (False, resp.text)
+        if resp.status_code not in (200, 202):
+            return False, resp.text
+        # sglang-router 0.3.2 queues the removal (202): done once the router no longer lists the worker
+        deadline = time.monotonic() + timeout
+        while any(w.id == found for w in self.list_workers()):
+            if time.monotonic() >= deadline:
+                return False, f"Worker {found} still listed {timeout}s after its removal was accepted"
+            time.sleep(0.1)
+        return True, "Worker removed"
 
     def list_models(self, timeout: float = 5.0) -> list[dict[str, Any]]:
         resp = self._get("/v1/models", timeout)
