@@ -42,6 +42,8 @@ from pytest_sglworker import CI_WORKER_ARGS, ModelSpec
 def pytest_sglworker_register_specs(registry):
     registry.add(ModelSpec(name="tiny", model={TINY!r}, memory_gb=1, features=frozenset({{"chat"}}),
                            worker_args=(*CI_WORKER_ARGS, "--skip-server-warmup")))
+    registry.add(ModelSpec(name="tiny-oom", model={TINY!r}, memory_gb=1, features=frozenset({{"chat"}}),
+                           worker_args=(*CI_WORKER_ARGS, "--skip-server-warmup"), env={{"SGLSIM_FAULT": "crash_oom"}}))
 '''
 
 #: Written as upstream's files are: the same markers, fixtures and imports.
@@ -165,6 +167,13 @@ class TestI_BadMarker:
         raise AssertionError("never set up")
 
 
+@pytest.mark.model("qwen-7b")
+@pytest.mark.parametrize("setup_backend", ["http"], indirect=True)
+class TestK_StartupFailure:
+    def test_never_runs(self, setup_backend):
+        raise AssertionError("never set up")
+
+
 def test_j_not_offered():
     with pytest.raises(ImportError, match="the plugin leases GPUs itself"):
         from infra import GPUAllocator  # noqa: F401
@@ -197,7 +206,7 @@ def _run_inner(pytester: pytest.Pytester, sim_env: dict[str, str], monkeypatch: 
     for key in ("SGLWORKER_MODELS", "SGLWORKER_LAUNCHER", "SGLWORKER_GPUS", "SGLWORKER_REPORT", "OPENAI_API_KEY",
                 "E2E_MODEL", "SKIP_BACKEND_SETUP", "SKIP_MODEL_POOL", "E2E_STARTUP_TIMEOUT"):
         monkeypatch.delenv(key, raising=False)
-    monkeypatch.setenv(compat_models.ENV_MODELS, "llama-8b=tiny")
+    monkeypatch.setenv(compat_models.ENV_MODELS, "llama-8b=tiny,qwen-7b=tiny-oom")
     pytester.makeconftest(INNER_CONFTEST)
     pytester.makepyfile(test_gateway_suite=INNER_TESTS)
     # the suite's own infra/ left beside its files: shadowed by the drop-in, never imported
@@ -269,6 +278,13 @@ def test_bad_input_fails_its_class_with_what_to_do(inner: InnerRun) -> None:
     assert "INTERNALERROR" not in inner.stdout and inner.ret == 1
 
 
+def test_a_worker_that_fails_to_start_fails_its_class_with_the_diagnosis(inner: InnerRun) -> None:
+    assert inner.outcomes("TestK_StartupFailure::test_never_runs[http]") == {"ERROR"}
+    assert re.search(r"worker tiny-oom: CUDA out of memory .* exited during startup", inner.stdout), \
+        inner.stdout[-6000:]
+    assert "never set up" not in inner.stdout
+
+
 def test_workers_are_the_plugins_pooled_and_reused_across_classes(inner: InnerRun) -> None:
     """The http worker of TestA serves the IGW tests, backend_router and model_client too (one launch, pooled
     between owners); the grpc worker, the two-worker group and the PD group are one launch each: six workers."""
@@ -277,12 +293,14 @@ def test_workers_are_the_plugins_pooled_and_reused_across_classes(inner: InnerRu
     for launch in workers:
         by_label.setdefault(launch["label"], []).append(launch)
     assert sorted((label, len(launches)) for label, launches in by_label.items()) == [
-        ("tiny [1P+1D]", 2), ("tiny [1x]", 1), ("tiny [1x] --grpc-mode", 1), ("tiny [2x]", 2)], by_label
+        ("tiny [1P+1D]", 2), ("tiny [1x]", 1), ("tiny [1x] --grpc-mode", 1), ("tiny [2x]", 2),
+        ("tiny-oom [1x]", 1)], by_label
     served = {t["nodeid"].split("::", 1)[1] for t in by_label["tiny [1x]"][0]["tests"]}
     assert {"TestA_Chat", "TestE_IGW::test_igw_add_and_remove", "test_f_backend_router[http]",
             "test_g_model_client"} <= served, served
-    assert all(launch["argv"].startswith(launch["argv"].split(" -m ")[0]) and "pytest_sglworker.sim" in launch["argv"]
-               and "--mem-fraction-static=0.6" in launch["argv"] for launch in workers)
+    argvs = [launch.get("argv") or "" for launch in workers if launch["label"] != "tiny-oom [1x]"]
+    assert all(" -m pytest_sglworker.sim " in argv and "--mem-fraction-static=0.6" in argv for argv in argvs), \
+        [a for a in argvs if " -m pytest_sglworker.sim " not in a or "--mem-fraction-static=0.6" not in a]
 
 
 def test_routers_are_the_real_router_with_a_log_per_port(inner: InnerRun) -> None:
