@@ -318,3 +318,44 @@ def test_a_gateway_the_test_left_running_is_stopped_and_said(inner: InnerRun) ->
                      r"test_gateway_suite\.py::TestE_IGW::test_forgotten_gateway, was still running after the test "
                      r"test_gateway_suite\.py::TestE_IGW::test_forgotten_gateway; stopped it \(call "
                      r"gateway\.shutdown\(\)\)", inner.stdout), inner.stdout[-6000:]
+
+
+SKIPS = '''
+import pytest
+
+
+@pytest.mark.parametrize("setup_backend", ["http"], indirect=True)
+class TestSetup:
+    def test_needs_backend(self, setup_backend):
+        raise AssertionError("SKIP_BACKEND_SETUP is set")
+
+
+@pytest.mark.model("llama-8b")
+def test_needs_a_pool_worker(model_client):
+    raise AssertionError("SKIP_MODEL_POOL is set")
+
+
+@pytest.mark.parametrize("backend_router", ["grpc"], indirect=True)
+def test_router_of_the_default_model(backend_router):
+    raise AssertionError("SKIP_MODEL_POOL is set")
+'''
+
+
+def test_the_suites_switches_skip_as_upstreams_do(pytester: pytest.Pytester, sim_env: dict[str, str],
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """``SKIP_BACKEND_SETUP`` skips ``setup_backend``; ``SKIP_MODEL_POOL`` makes an empty pool, so the tests that need
+    a worker skip with upstream's words; ``E2E_MODEL`` is the model ``backend_router`` asks for."""
+    monkeypatch.setenv("SKIP_BACKEND_SETUP", "1")
+    monkeypatch.setenv("SKIP_MODEL_POOL", "true")
+    monkeypatch.setenv("E2E_MODEL", "qwen-7b")
+    pytester.makeconftest(INNER_CONFTEST)
+    pytester.makepyfile(test_switches=SKIPS)
+    result = pytester.runpytest_subprocess("-rA", "-p", "no:cacheprovider", "-p", "no:xdist", "--sgl-engine", "sim",
+                                           timeout=120)
+    result.assert_outcomes(skipped=3)
+    result.stdout.fnmatch_lines_random([
+        "SKIPPED * SKIP_BACKEND_SETUP is set",
+        "SKIPPED * Model llama-8b not available in model pool",
+        "SKIPPED * Model qwen-7b:grpc not available in pool",
+    ])
+    assert "sglang-worker" not in result.stdout.str()  # nothing launched

@@ -145,28 +145,31 @@ def model_pool(pytestconfig: pytest.Config) -> Any:
     return ModelPool()
 
 
+def _marked_model(request: pytest.FixtureRequest, fixture: str) -> str:
+    mark = request.node.get_closest_marker(PARAM_MODEL)
+    if mark is None or not mark.args:
+        pytest.fail(f"Test must be marked with @pytest.mark.{PARAM_MODEL}('model-id') to use {fixture} fixture")
+    return str(mark.args[0])
+
+
 @pytest.fixture
 def model_client(request: pytest.FixtureRequest, model_pool: Any) -> Any:
     """An OpenAI client for the worker of the test's ``@pytest.mark.model(...)``."""
-    mark = request.node.get_closest_marker(PARAM_MODEL)
-    if mark is None or not mark.args:
-        pytest.fail(f"Test must be marked with @pytest.mark.{PARAM_MODEL}('model-id') to use model_client fixture")
+    model_id = _marked_model(request, "model_client")
     try:
-        return model_pool.get_client(mark.args[0])
+        return model_pool.get_client(model_id)
     except KeyError:
-        pytest.skip(f"Model {mark.args[0]} not available in model pool")
+        pytest.skip(f"Model {model_id} not available in model pool")
 
 
 @pytest.fixture
 def model_base_url(request: pytest.FixtureRequest, model_pool: Any) -> str:
     """The base URL of the worker of the test's ``@pytest.mark.model(...)``."""
-    mark = request.node.get_closest_marker(PARAM_MODEL)
-    if mark is None or not mark.args:
-        pytest.fail(f"Test must be marked with @pytest.mark.{PARAM_MODEL}('model-id') to use model_base_url fixture")
+    model_id = _marked_model(request, "model_base_url")
     try:
-        return str(model_pool.get_base_url(mark.args[0]))
+        return str(model_pool.get_base_url(model_id))
     except KeyError:
-        pytest.skip(f"Model {mark.args[0]} not available in model pool")
+        pytest.skip(f"Model {model_id} not available in model pool")
 
 
 def _openai_client(base_url: str, api_key: str = "not-used") -> Any:
