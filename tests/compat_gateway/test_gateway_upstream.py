@@ -32,6 +32,9 @@ REPO = Path(__file__).resolve().parents[2]
 MANIFEST_PATH = REPO / "tests" / "data" / "gateway_e2e" / "MANIFEST.json"
 MANIFEST: dict[str, Any] = json.loads(MANIFEST_PATH.read_text(encoding="utf-8"))
 SOURCE_ENV = "SGLWORKER_SGLANG_TESTS"
+#: ``1``: the slow tier rewrites tests/data/gateway_e2e/outcomes.json (then run tests/compat_gateway/outcomes_doc.py)
+WRITE_ENV = "SGLWORKER_GATEWAY_E2E_WRITE"
+OUTCOMES_FILE = REPO / "tests" / "data" / "gateway_e2e" / "outcomes.json"
 TINY = str(REPO / "tests" / "data" / "sim" / "tiny-llama")
 PREFIX = "sgl-model-gateway/e2e_test/"
 
@@ -50,7 +53,7 @@ def pytest_sglworker_register_specs(registry):
     registry.add(ModelSpec(name="tiny-embed", model={TINY!r}, memory_gb=1, features=frozenset({{"embedding"}}),
                            worker_args=(*args, "--is-embedding")))
 '''
-MODEL_MAP = "llama-8b=tiny,llama-1b=tiny,embedding=tiny-embed"
+MODEL_MAP = "llama-8b=tiny,llama-1b=tiny,gpt-oss=tiny,embedding=tiny-embed"
 
 
 def _upstream_file(info: dict[str, Any]) -> tuple[Path | None, str]:
@@ -81,6 +84,20 @@ def test_the_manifest_pins_every_file_and_classifies_only_their_tests() -> None:
         for nodeid, why in tests.items():
             assert nodeid.split("::")[0] in files, nodeid
             assert why["kind"] in ("inherent", "defect, not fixed yet") and why["reason"].strip(), nodeid
+
+
+def test_the_generated_page_is_the_committed_outcomes() -> None:
+    """``docs/GATEWAY_E2E.md`` is what ``outcomes_doc.py`` renders from the manifest and the committed outcomes, and
+    every committed outcome that is not a pass or upstream's own skip is classified (none unexplained)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from outcomes_doc import DOC_FILE, render
+
+    outcomes = json.loads(OUTCOMES_FILE.read_text(encoding="utf-8"))
+    assert DOC_FILE.read_text(encoding="utf-8") == render(MANIFEST, outcomes), \
+        "regenerate it: python tests/compat_gateway/outcomes_doc.py"
+    for engine, ran in outcomes["engines"].items():
+        classified = MANIFEST["classified"].get(engine, {})
+        assert {t for t, o in ran.items() if o not in ("PASSED", "SKIPPED")} == set(classified), engine
 
 
 def test_the_script_writes_the_pinned_files_from_a_clone(tmp_path: Path) -> None:
@@ -123,11 +140,13 @@ def test_the_script_writes_the_pinned_files_from_a_clone(tmp_path: Path) -> None
 
 # ------------------------------------------------------------------------------------------------ the slow tier
 def _outcomes(lines: list[str]) -> dict[str, str]:
+    """Each test's outcome from the run's verbose lines (``e2e_test/FILE::TEST PASSED [ 5%]``); a test that passed
+    and then errored at teardown is an error."""
     found: dict[str, str] = {}
     for line in lines:
-        m = re.match(r"^(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS) e2e_test/(\S+)", line)
-        if m:
-            found[m.group(2)] = m.group(1)
+        m = re.match(r"^e2e_test/(\S+::\S+) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b", line)
+        if m and found.get(m.group(1)) != "ERROR":
+            found[m.group(1)] = m.group(2)
     return found
 
 
@@ -156,8 +175,8 @@ def test_upstream_files_run_unchanged_on_the_simulated_engine(pytester: pytest.P
                 "SKIP_BACKEND_SETUP", "SKIP_MODEL_POOL"):
         monkeypatch.delenv(key, raising=False)
     monkeypatch.setenv(compat_models.ENV_MODELS, MODEL_MAP)
-    result = pytester.runpytest_subprocess("-rA", "-p", "no:cacheprovider", "-p", "no:xdist", "--sgl-engine", "sim",
-                                           "e2e_test", timeout=900)
+    result = pytester.runpytest_subprocess("-v", "-rA", "-p", "no:cacheprovider", "-p", "no:xdist", "--sgl-engine",
+                                           "sim", "e2e_test", timeout=900)
     lines = result.outlines + result.errlines
     outcomes = _outcomes(lines)
     classified = MANIFEST["classified"].get("sim", {})
@@ -167,6 +186,12 @@ def test_upstream_files_run_unchanged_on_the_simulated_engine(pytester: pytest.P
              if test not in classified and outcome not in ("PASSED", "SKIPPED")}
     stale = {test: outcomes.get(test) for test in classified
              if test.split("::")[0] in found and outcomes.get(test) not in ("FAILED", "ERROR")}
+    if os.environ.get(WRITE_ENV) == "1":  # the outcomes the generated page shows
+        written = json.loads(OUTCOMES_FILE.read_text()) if OUTCOMES_FILE.is_file() else {"engines": {}}
+        written["commit"] = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short=12", "HEAD"],
+                                           capture_output=True, text=True, check=True).stdout.strip()
+        written["engines"]["sim"] = dict(sorted(outcomes.items()))
+        OUTCOMES_FILE.write_text(json.dumps(written, indent=1) + "\n")
     assert not wrong, f"not classified, and not passing: {wrong}\n" + "\n".join(lines[-120:])
     assert not stale, f"classified as failing, but now {stale}: update tests/data/gateway_e2e/MANIFEST.json"
     assert "INTERNALERROR" not in "\n".join(lines)
