@@ -253,8 +253,9 @@ class GatewayRuntime:
 
     # -- workers --------------------------------------------------------------------------------------------
     def group(self, model_id: str, mode: ConnectionMode, shape: GroupShape, *, fresh_owner: bool = False) -> _Held:
-        """A group of ``shape`` of ``model_id`` in ``mode``: one the current owner's scope holds already, else one
-        from the session's source, owned by the current owner."""
+        """A group of ``shape`` of ``model_id`` in ``mode``: one an owner still holds (upstream's pool hands out one
+        instance per model and mode; not with ``fresh_owner``), else one from the session's source, owned by the
+        current owner."""
         session = self.session
         try:
             spec = spec_for(model_id, session)
@@ -266,10 +267,9 @@ class GatewayRuntime:
             config = WorkerConfig.resolve(spec, extra, group=shape, subject=f"{model_id}:{mode.value} for {owner}")
         except (SglWorkerError, ValueError) as exc:
             raise pytest.fail.Exception(str(exc), pytrace=False) from None
-        live = {h.owner for h in self.held}
         if not fresh_owner:
             for held in self.held:
-                if held.group.config == config and held.owner in live and held.group.is_alive():
+                if held.group.config == config and held.group.is_alive():
                     return held
         options = None
         timeout = os.environ.get(ENV_STARTUP_TIMEOUT, "").strip()
