@@ -40,6 +40,9 @@ def render(manifest: dict[str, Any], outcomes: dict[str, Any]) -> str:
     for name, info in manifest["files"].items():
         cells = []
         for engine in engines:
+            if name in manifest.get("deselected", {}).get(engine, {}):
+                cells.append("left out (below)")
+                continue
             ran = {t: o for t, o in outcomes["engines"][engine].items() if t.split("::")[0] == name}
             counts: dict[str, int] = {}
             for outcome in ran.values():
@@ -57,6 +60,12 @@ def render(manifest: dict[str, Any], outcomes: dict[str, Any]) -> str:
             outcome = outcomes["engines"][engine].get(test, "not run").lower()
             lines.append(f"| `{test}` | {outcome} | {why['kind']} | {why['reason']} |")
         lines.append("")
+    for engine in engines:
+        left_out = manifest.get("deselected", {}).get(engine, {})
+        if left_out:
+            lines += [f"## Left out on the {ENGINES[engine]}", "", "| file | why |", "|---|---|"]
+            lines += [f"| `{name}` | {why} |" for name, why in left_out.items()]
+            lines.append("")
     lines += ["## Not taken", "", "| files | why |", "|---|---|"]
     lines += [f"| `{files}` | {why} |" for files, why in manifest["not_taken"].items()]
     lines.append("")

@@ -84,6 +84,8 @@ def test_the_manifest_pins_every_file_and_classifies_only_their_tests() -> None:
         for nodeid, why in tests.items():
             assert nodeid.split("::")[0] in files, nodeid
             assert why["kind"] in ("inherent", "defect, not fixed yet") and why["reason"].strip(), nodeid
+    for engine, left_out in MANIFEST.get("deselected", {}).items():
+        assert engine in ("sim", "real") and all(name in files and why.strip() for name, why in left_out.items())
 
 
 def test_the_generated_page_is_the_committed_outcomes() -> None:
@@ -150,12 +152,50 @@ def _outcomes(lines: list[str]) -> dict[str, str]:
     return found
 
 
+#: The real engine's specs: the CPU recipe (cpu_engine_spec) on a tiny model built with the engine's Python, with the
+#: same --skip-server-warmup (the gRPC servicer's warmup ids are over the tiny vocab) and --is-embedding.
+REAL_CONFTEST = '''
+pytest_plugins = ["pytest_sglworker.compat.gateway"]
+
+import dataclasses
+
+from pytest_sglworker import cpu_engine_spec
+
+
+def pytest_sglworker_register_specs(registry):
+    chat = cpu_engine_spec("tiny", {model!r})
+    registry.add(dataclasses.replace(chat, worker_args=(*chat.worker_args, "--skip-server-warmup")))
+    embed = cpu_engine_spec("tiny-embed", {model!r})
+    registry.add(dataclasses.replace(embed, worker_args=(*embed.worker_args, "--skip-server-warmup", "--is-embedding")))
+'''
+
+
+def _engine_args(engine: str, pytester: pytest.Pytester, tmp_path: Path) -> list[str]:
+    """The inner session's engine options and its conftest; a skip with the install command for a missing engine."""
+    if engine == "sim":
+        (pytester.path / "e2e_test" / "conftest.py").write_text(INNER_CONFTEST)
+        return ["--sgl-engine", "sim"]
+    from pytest_sglworker.engine.cpu_engine import build_tiny_model, real_engine_missing_reason, real_engine_python
+
+    python = real_engine_python()
+    if python is None:
+        pytest.skip(real_engine_missing_reason())
+    model = build_tiny_model(python, tmp_path / "tiny")
+    (pytester.path / "e2e_test" / "conftest.py").write_text(REAL_CONFTEST.format(model=str(model)))
+    return ["--sgl-launcher", f"{python} -m sglang.launch_server", "--sgl-gpus", "sim:4", "--sgl-startup-timeout",
+            "300"]
+
+
 @pytest.mark.slow
 @pytest.mark.router
 @pytest.mark.skipif(importlib.util.find_spec("sglang_router") is None or importlib.util.find_spec("openai") is None,
                     reason="needs the sglang router and openai: pip install 'pytest-sglworker[test]'")
-def test_upstream_files_run_unchanged_on_the_simulated_engine(pytester: pytest.Pytester, sim_env: dict[str, str],
-                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("engine", ["sim", pytest.param("real", marks=pytest.mark.real_engine)])
+def test_upstream_files_run_unchanged(engine: str, pytester: pytest.Pytester, sim_env: dict[str, str],
+                                      monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Every pinned file found, on the simulated engine and on the real CPU engine: each test passes or is skipped
+    by upstream's own reason, but those the manifest classifies for that engine (which must still fail) and the
+    files it leaves out on that engine (``deselected``, with why)."""
     found: dict[str, Path] = {}
     missing = []
     for name, info in MANIFEST["files"].items():
@@ -166,20 +206,23 @@ def test_upstream_files_run_unchanged_on_the_simulated_engine(pytester: pytest.P
             found[name] = path
     if not found:
         pytest.skip("; ".join(missing))
+    left_out = MANIFEST.get("deselected", {}).get(engine, {})
     for name, path in found.items():
+        if name in left_out:
+            continue
         target = pytester.path / "e2e_test" / name
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_bytes(path.read_bytes())  # unchanged: the pinned bytes
-    (pytester.path / "e2e_test" / "conftest.py").write_text(INNER_CONFTEST)
+    engine_args = _engine_args(engine, pytester, tmp_path)
     for key in ("SGLWORKER_MODELS", "SGLWORKER_GPUS", "OPENAI_API_KEY", "XAI_API_KEY", "E2E_MODEL",
                 "SKIP_BACKEND_SETUP", "SKIP_MODEL_POOL"):
         monkeypatch.delenv(key, raising=False)
     monkeypatch.setenv(compat_models.ENV_MODELS, MODEL_MAP)
-    result = pytester.runpytest_subprocess("-v", "-rA", "-p", "no:cacheprovider", "-p", "no:xdist", "--sgl-engine",
-                                           "sim", "e2e_test", timeout=900)
+    result = pytester.runpytest_subprocess("-v", "-rA", "-p", "no:cacheprovider", "-p", "no:xdist", *engine_args,
+                                           "e2e_test", timeout=1500)
     lines = result.outlines + result.errlines
     outcomes = _outcomes(lines)
-    classified = MANIFEST["classified"].get("sim", {})
+    classified = MANIFEST["classified"].get(engine, {})
     ran = {test for test in outcomes if test.split("::")[0] in found}
     assert ran, "\n".join(lines[-80:])
     wrong = {test: outcome for test, outcome in outcomes.items()
@@ -190,7 +233,7 @@ def test_upstream_files_run_unchanged_on_the_simulated_engine(pytester: pytest.P
         written = json.loads(OUTCOMES_FILE.read_text()) if OUTCOMES_FILE.is_file() else {"engines": {}}
         written["commit"] = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short=12", "HEAD"],
                                            capture_output=True, text=True, check=True).stdout.strip()
-        written["engines"]["sim"] = dict(sorted(outcomes.items()))
+        written["engines"][engine] = dict(sorted(outcomes.items()))
         OUTCOMES_FILE.write_text(json.dumps(written, indent=1) + "\n")
     assert not wrong, f"not classified, and not passing: {wrong}\n" + "\n".join(lines[-120:])
     assert not stale, f"classified as failing, but now {stale}: update tests/data/gateway_e2e/MANIFEST.json"
