@@ -79,6 +79,9 @@ class TestA_Chat:
         assert chunks[0].choices[0].delta.role == "assistant"
         assert sum(1 for c in chunks if c.choices and c.choices[0].finish_reason) == 1
         assert gateway.health() and len(gateway.list_models()) == 1
+        listed = gateway.list_workers()[0]
+        assert gateway.get_worker(listed.id).url == listed.url
+        assert "smg_" in (gateway.get_metrics() or "")  # its Prometheus port, from the plugin's port block
 
 
 @pytest.mark.workers(count=2)
