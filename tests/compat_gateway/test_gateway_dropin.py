@@ -177,6 +177,13 @@ class TestK_StartupFailure:
         raise AssertionError("never set up")
 
 
+@pytest.mark.parametrize("setup_backend", ["http"], indirect=True)
+class TestL_AFailingTest:
+    def test_fails(self, setup_backend):
+        _, _, _, gateway = setup_backend
+        assert gateway.list_workers() == [], "fails on purpose: its report shows the worker and the router"
+
+
 def test_j_not_offered():
     with pytest.raises(ImportError, match="the plugin leases GPUs itself"):
         from infra import GPUAllocator  # noqa: F401
@@ -286,6 +293,17 @@ def test_a_worker_that_fails_to_start_fails_its_class_with_the_diagnosis(inner: 
     assert re.search(r"worker tiny-oom: CUDA out of memory .* exited during startup", inner.stdout), \
         inner.stdout[-6000:]
     assert "never set up" not in inner.stdout
+
+
+def test_a_failing_tests_report_shows_its_worker_and_router(inner: InnerRun) -> None:
+    assert inner.outcomes("TestL_AFailingTest::test_fails[http]") == {"FAILED"}
+    start = next(i for i, line in enumerate(inner.lines) if "TestL_AFailingTest.test_fails" in line
+                 and line.startswith("_"))
+    end = next(i for i in range(start + 1, len(inner.lines)) if inner.lines[i].startswith(("_" * 5, "=" * 5)))
+    section = "\n".join(inner.lines[start:end])
+    assert re.search(r"-+ sglang worker tiny 127\.0\.0\.1:\d+ -+\nlog: \S+/sglang-worker-\d+(-\d+)?\.log", section), \
+        section[:4000]
+    assert re.search(r"log: \S+/sglang-router-\d+(-\d+)?\.log", section), section[:4000]
 
 
 def test_workers_are_the_plugins_pooled_and_reused_across_classes(inner: InnerRun) -> None:
