@@ -762,7 +762,7 @@ def test_write_html_and_trace_atomically(tmp_path: Path, monkeypatch: pytest.Mon
     assert stat.S_IMODE((tmp_path / "trace.json").stat().st_mode) == 0o644
     check_trace(json.loads((tmp_path / "trace.json").read_text()))
 
-    def boom(src: str, dst: str) -> None:
+    def boom(src: str, dst: str, **dir_fds: object) -> None:
         raise OSError("disk full")
 
     monkeypatch.setattr(os, "replace", boom)

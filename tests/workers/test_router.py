@@ -234,7 +234,7 @@ def test_gateway(sgl_router):
         # a skipped optional tier is not a failed start in the run's summary; the router's log is still kept
         router_line = next(line for line in result.outlines if line.startswith("router") and "launched" in line)
         assert ", 0 failed to start" in router_line, router_line
-        result.stdout.fnmatch_lines(["*log kept: *sglang-router-*.log"])
+        result.stdout.fnmatch_lines(["*log kept: *sglang-router-*.log (kept 7 days, until *)"])
     result.stdout.fnmatch_lines(["*o200k_base.tiktoken*run 'sglworker install-router-vocab', or set "
                                  "TIKTOKEN_ENCODINGS_BASE to a folder that holds it*"])
 

@@ -89,7 +89,7 @@ def test_startup_exit_fails_fast_with_code_diagnosis_and_tail(pytester: pytest.P
     # the failed worker's log is kept and named in the summary
     logs = list(Path(sim_env["SGLWORKER_LOG_DIR"]).glob("sglang-worker-*.log"))
     assert len(logs) == 1 and "Capture" in logs[0].read_text()
-    result.stdout.fnmatch_lines(["*log kept: *sglang-worker-*.log"])
+    result.stdout.fnmatch_lines(["*log kept: *sglang-worker-*.log (kept 7 days, until *)"])
 
 
 def test_startup_timeout_reports_details(pytester: pytest.Pytester, sim_env: dict[str, str]) -> None:
