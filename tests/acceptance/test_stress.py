@@ -227,7 +227,7 @@ def test_an_interrupt_at_a_random_moment_ends_the_session_in_order(stress_suite:
     out = session.output()
     expected = int(pytest.ExitCode.INTERRUPTED) if signame == "SIGINT" else 128 + signum
     assert code == expected, (f"signal {delay:.1f} s after the session was configured (the plugin's handlers "
-                              f"installed), ended {took:.1f} s later with {code}", out[-6000:])
+                              f"installed), ended {took:.1f} s later with {code}; its output:\n{out[-12000:]}")
     assert "INTERNALERROR" not in out, out[-6000:]
     deadline = time.monotonic() + 15
     while _marked_alive() and time.monotonic() < deadline:
