@@ -31,10 +31,30 @@ from session_helpers import Session
 SIM = ["--sgl-engine", "sim", "--sgl-model", "qwen3-0.6b", "--sgl-gpus", "sim:4", "--sgl-launch-ahead", "3",
        "-p", "no:cacheprovider", "-p", "no:randomly"]
 
+#: the name of the file the inner session's controller writes once it is configured (see CONFTEST)
+CONFIGURED = "configured.txt"
+
 CONFTEST = """
+import signal
 import sys
 
+import pytest
+
 sys.setswitchinterval(1e-6)  # a thread switch every microsecond: a race the GIL would hide shows up here
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_configure(config):
+    # After every plugin's own pytest_configure (the session's signal handlers are installed there): the controller
+    # says which handler each interrupting signal has now, in a file the outer test waits for.
+    if hasattr(config, "workerinput"):
+        return
+    names = {int(s): getattr(signal.getsignal(s), "__qualname__", repr(signal.getsignal(s)))
+             for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    text = "".join(f"{signal.Signals(s).name} {name}\\n" for s, name in names.items())
+    with open(config.rootpath / "configured.txt.part", "w") as fh:
+        fh.write(text)
+    (config.rootpath / "configured.txt.part").rename(config.rootpath / "configured.txt")
 """
 
 SUITE = """
@@ -168,18 +188,32 @@ def test_an_interrupt_at_a_random_moment_ends_the_session_in_order(stress_suite:
                                                                    seed: int) -> None:
     """A signal lands at a random moment (seeded: the same moment on every run of this test) while workers, groups
     and a router start and serve under ``-n 2``: the session ends within the bound, with the signal's exit status,
-    nothing left running, no lease held, and the report written and marked interrupted."""
+    nothing left running, no lease held, and the report written and marked interrupted.
+
+    The moment counts from an event of the inner session, not from its start: once its controller is configured
+    (the plugin's signal handlers installed, which the inner conftest reports in a file), a seeded delay, then the
+    signal. Counted from the process's start, a loaded machine let the signal land while pytest was still
+    importing, before any plugin could handle it, and the process died of it."""
     stress_suite.makepyfile(test_stress_router=ROUTER_SUITE)
     report = stress_suite.path / "report.json"
-    delay = random.Random(seed).uniform(1.0, 8.0)
+    configured = stress_suite.path / CONFIGURED
+    delay = random.Random(seed).uniform(0.0, 7.0)
     session = Session(stress_suite, *SIM, "-n", "2", "--dist", "loadgroup", f"--sgl-report={report}",
                       process_group=True)
     try:
-        started = time.monotonic()
-        while time.monotonic() - started < delay and session.proc.poll() is None:
+        deadline = time.monotonic() + INTERRUPT_BOUND * 5  # a hang guard only: a slow start just waits longer
+        while not configured.exists() and session.proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert configured.exists(), f"the session never said it was configured:\n{session.output()[-4000:]}"
+        handlers = configured.read_text()
+        assert "SIGINT SglSession._on_sigint" in handlers and "SIGTERM SglSession._on_signal" in handlers and \
+            "SIGHUP SglSession._on_signal" in handlers, f"the plugin's signal handlers are not installed:\n{handlers}"
+        moment = time.monotonic() + delay
+        while time.monotonic() < moment and session.proc.poll() is None:
             time.sleep(0.05)
         if session.proc.poll() is not None:
-            pytest.fail(f"the session ended before the signal at {delay:.1f} s:\n{session.output()[-4000:]}")
+            pytest.fail(f"the session ended before the signal, {delay:.1f} s after it was configured:\n"
+                        f"{session.output()[-4000:]}")
         signum = int(getattr(signal, signame))
         sent = time.monotonic()
         if signame == "SIGINT":
@@ -192,7 +226,8 @@ def test_an_interrupt_at_a_random_moment_ends_the_session_in_order(stress_suite:
         session.kill()
     out = session.output()
     expected = int(pytest.ExitCode.INTERRUPTED) if signame == "SIGINT" else 128 + signum
-    assert code == expected, (f"signal at {delay:.1f} s, ended {took:.1f} s later with {code}", out[-6000:])
+    assert code == expected, (f"signal {delay:.1f} s after the session was configured (the plugin's handlers "
+                              f"installed), ended {took:.1f} s later with {code}; its output:\n{out[-12000:]}")
     assert "INTERNALERROR" not in out, out[-6000:]
     deadline = time.monotonic() + 15
     while _marked_alive() and time.monotonic() < deadline:

@@ -184,14 +184,28 @@ def test_warm_worker_another_session_holds_is_left_to_it(pytester: pytest.Pytest
 
 def test_keeper_ends_the_group_at_its_ttl_without_a_later_session(pytester: pytest.Pytester,
                                                                   sim_env: dict[str, str], warm: None) -> None:
+    """The TTL counts from the hand-over to the keeper (the run report's ``until``), not from this test's clock:
+    the group may well be gone before the inner session has even ended (a loaded machine takes seconds to end a
+    pytest process), so everything the test needs comes from the report, never from a record it reads later."""
     _, report = run(pytester, "r1", "--sgl-keep-warm=3")
     (kept,) = report["warm"]["kept"]
-    (record,) = records(sim_env)
-    assert record.keeper is not None
+    assert kept["ttl"] == 3 and kept["keeper_pid"] is not None, kept
+    assert kept["until"] == pytest.approx(kept["kept_since"] + 3, abs=0.01), kept  # its last use (the hand-over)
     # the keeper ends it, for its TTL (its own log line says so), with no session to do it
-    wait_for(lambda: gone(record.members[0].pid) and gone(record.keeper.pid), 60, "the keeper to end the group")
+    wait_for(lambda: all(gone(pid) for pid in [*kept["pids"], kept["keeper_pid"]]), 120, "the keeper to end the group")
     assert not records(sim_env) and not list(lock_dir(sim_env).glob("gpu-*.json"))
-    assert "warm worker ended: its TTL ran out" in Path(kept["logs"][0]).read_text()
+    (line,) = [x for x in Path(kept["logs"][0]).read_text().splitlines() if "warm worker ended" in x]
+    until = time.strftime("%H:%M:%S", time.localtime(kept["until"]))
+    assert line.endswith(f"warm worker ended: its TTL ran out (kept warm for 3 s after its last use, until {until})"), \
+        line
+    # not before its time: the line's own time (whole seconds) is the expiry's second or later (across midnight too)
+    late = (_seconds_of_day(line.split()[1].rstrip("]")) - _seconds_of_day(until)) % 86400
+    assert late < 43200, (line, until)
+
+
+def _seconds_of_day(hms: str) -> int:
+    h, m, s = map(int, hms.split(":"))
+    return h * 3600 + m * 60 + s
 
 
 @pytest.mark.parametrize("keeper_fate", ["frozen", "killed"])

@@ -109,13 +109,24 @@ def test_xdist_workers_never_share_a_gpu_or_port(pytester: pytest.Pytester, reco
 def test_xdist_workers_outnumbering_gpus_wait_for_a_lease(pytester: pytest.Pytester, record: Path,
                                                           tmp_path: Path) -> None:
     pytester.makepyfile("""
+        import os
         import time
+        from pathlib import Path
+
         import pytest
 
         @pytest.mark.sgl_worker(fresh=True)
         @pytest.mark.parametrize("i", range(6))
         def test_hold(sgl_worker, i):
-            time.sleep(0.3)  # hold the only GPU a moment, so that the other xdist workers queue
+            # the first holds the only GPU until another xdist worker waits for it (its waiter flag), however long
+            # a loaded machine takes to start the others; the rest hold it a moment
+            deadline = time.monotonic() + (60 if i == 0 else 0.3)
+            locks = Path(os.environ["SGLWORKER_LOCK_DIR"])
+            while time.monotonic() < deadline:
+                if i == 0 and any(p.name.startswith("waiting-") and not p.name.startswith("waiting-ports-")
+                                  for p in locks.iterdir()):
+                    break
+                time.sleep(0.02)
     """)
     report = tmp_path / "report.json"
     result = _run(pytester, "-n", "4", "--sgl-gpus", "sim:1", "--sgl-model", "qwen3-0.6b",

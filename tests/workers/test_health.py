@@ -25,6 +25,7 @@ from pytest_sglworker.workers.health import (
     http_request,
     wait_until_ready,
 )
+from pytest_sglworker.workers.process import ManagedProcess
 
 
 class _Server:
@@ -219,21 +220,28 @@ def child(tmp_path: Path) -> Iterator[_Target]:
     proc.wait()
 
 
+class _NeverProbed(Readiness):
+    def probe(self, target, deadline, abort):  # type: ignore[no-untyped-def]
+        raise AssertionError(f"probed a process that had exited with {target.process.returncode}")
+
+
+@pytest.mark.timeout(120)  # a backstop far below the 3600 s startup timeout; the assertion comes first
 def test_exit_fails_at_once(tmp_path: Path) -> None:
     proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
     proc.wait()
     target = _Target(proc=proc, log_path=tmp_path / "log")
     with pytest.raises(WorkerStartupError, match="exited during startup with code 3"):
-        wait_until_ready(target, _Scripted(), timeout=300)
+        wait_until_ready(target, _NeverProbed(), timeout=3600)
 
 
 def test_deadline_holds_and_says_the_last_answer(child: _Target) -> None:
     readiness = _Scripted()
-    raised = _raised(lambda: wait_until_ready(child, readiness, timeout=0.5))
+    child.started_at = time.monotonic()  # the wait's clock starts now, not when the fixture started the child
+    raised = _raised(lambda: wait_until_ready(child, readiness, timeout=2))
     assert isinstance(raised, WorkerStartupTimeout), raised
-    assert re.search(r"did not become healthy within 0.5 s \(last health answer: HTTP 503\)", str(raised)), raised
+    assert re.search(r"did not become healthy within 2 s \(last health answer: HTTP 503\)", str(raised)), raised
     # no probe began after the deadline: the wait ended there, whatever the answers were
-    assert readiness.probes and max(readiness.probes) < child.started_at + 0.5, readiness.probes
+    assert readiness.probes and max(readiness.probes) < child.started_at + 2, readiness.probes
 
 
 def test_fatal_log_line_fails_after_the_grace(child: _Target, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -301,5 +309,104 @@ def test_a_stale_server_is_never_ready(serve, child: _Target) -> None:  # type: 
 
     child.port = serve(ok).port
     child.owns = False
+    child.started_at = time.monotonic()  # the wait's clock starts now, not when the fixture started the child
+    # every probe until the deadline may see the stale server (one is enough): a loaded machine's slow answer
+    # costs a probe, not the test
     with pytest.raises(WorkerStartupTimeout, match="stale server on the port"):
-        wait_until_ready(child, HttpHealth(), timeout=0.5)
+        wait_until_ready(child, HttpHealth(), timeout=5)
+
+
+class _ExitOnSecondProbe(_Scripted):
+    """Not ready; its second probe makes the child exit (and waits until it has) before answering: every probe
+    after that one is a probe of a process known to have exited, which the wait must never make."""
+
+    def __init__(self, exit_file: Path) -> None:
+        super().__init__()
+        self.exit_file = exit_file
+        self.exited_at: float | None = None
+
+    def probe(self, target, deadline, abort):  # type: ignore[no-untyped-def]
+        assert self.exited_at is None, (
+            f"probed again after the process exited with {target.process.returncode}: the wait does not see the "
+            "exit (it would go on until its startup timeout)")
+        self.probes.append(time.monotonic())
+        if len(self.probes) == 2:
+            self.exit_file.write_text("")
+            target.process.wait(60)
+            self.exited_at = time.monotonic()
+        return Probe(False, "HTTP 503")
+
+
+@pytest.mark.timeout(120)  # a backstop far below the 3600 s startup timeout; the assertion above comes first
+def test_an_exit_during_the_wait_fails_it_at_once(tmp_path: Path) -> None:
+    """The process is alive when the wait begins and exits during it (between two probes): the wait fails at its
+    next look with the exit named, not at its startup timeout, and probes nothing after the exit."""
+    exit_file = tmp_path / "exit-now"
+    proc = subprocess.Popen([sys.executable, "-c",
+                             "import os, sys, time\n"
+                             "while not os.path.exists(sys.argv[1]): time.sleep(0.01)\n"
+                             "raise SystemExit(3)\n", str(exit_file)])
+    try:
+        target = _Target(proc=proc, log_path=tmp_path / "log")
+        target.log_path.write_text("")
+        readiness = _ExitOnSecondProbe(exit_file)
+        with pytest.raises(WorkerStartupError, match=r"exited during startup with code 3 after"):
+            wait_until_ready(target, readiness, timeout=3600)
+        assert readiness.exited_at is not None and len(readiness.probes) == 2, readiness.probes
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+# ------------------------------------------------------------------------- the real ownership check
+
+
+_OWN_SERVER = """
+import socket, sys
+sock = socket.socket()
+sock.bind(("127.0.0.1", 0))
+sock.listen(8)
+open(sys.argv[1] + ".part", "w").write(str(sock.getsockname()[1]))
+__import__("os").rename(sys.argv[1] + ".part", sys.argv[1])
+while True:
+    conn, _ = sock.accept()
+    conn.recv(65536)
+    conn.sendall(b"HTTP/1.1 200 OK\\r\\nContent-Length: 0\\r\\nConnection: close\\r\\n\\r\\n")
+    conn.close()
+"""
+
+
+def _managed(proc: subprocess.Popen[bytes], port: int, log: Path) -> ManagedProcess:
+    log.write_text("")
+    return ManagedProcess(argv=[sys.executable], host="127.0.0.1", port=port, log_path=log, process=proc,
+                          owner_tag="test:real-owns-port")
+
+
+def test_a_stale_server_is_not_ours_by_the_real_check(serve, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """The same as above with the real :meth:`ManagedProcess.owns_port` (the kernel's listeners of the port and
+    the process tree's sockets): a server of another process (this test's) answering 200 on the worker's port is
+    a stale one, never the worker's readiness; the worker's own server answering on its port is."""
+    def ok(conn: socket.socket, stop: threading.Event) -> None:
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+
+    stale = serve(ok)
+    port_file = tmp_path / "port"
+    proc = subprocess.Popen([sys.executable, "-c", _OWN_SERVER, str(port_file)])
+    try:
+        deadline = time.monotonic() + 60
+        while not port_file.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        own_port = int(port_file.read_text())
+        not_ours = _managed(proc, stale.port, tmp_path / "stale.log")
+        probe = HttpHealth().probe(not_ours, time.monotonic() + 30, lambda: False)
+        assert not probe.ready and probe.stale and "not this worker" in probe.status, probe
+        assert not not_ours.listen_inodes
+        ours = _managed(proc, own_port, tmp_path / "own.log")
+        probe = HttpHealth().probe(ours, time.monotonic() + 30, lambda: False)
+        assert probe.ready and not probe.stale, probe
+        assert ours.listen_inodes, "the socket it listens on is remembered as its own"
+        wait_until_ready(ours, HttpHealth(), timeout=60)
+        assert ours.ready_at is not None
+    finally:
+        proc.kill()
+        proc.wait()

@@ -177,12 +177,20 @@ def test_nothing_launched_ahead_outlives_the_session(pytester: pytest.Pytester, 
     record = tmp_path / "record.jsonl"
     monkeypatch.setenv("SGLSIM_RECORD", str(record))
     pytester.makepyfile("""
+        import os
         import time
         import pytest
 
         @pytest.mark.sgl_worker(args=["--max-total-tokens", "1024"])
         def test_stops_the_run(sgl_worker):
-            time.sleep(1.5)  # the next two are launched ahead meanwhile
+            # until the next two, launched ahead, have started (their engines record their start), however long a
+            # loaded machine takes to start them
+            deadline = time.monotonic() + 100
+            while time.monotonic() < deadline:
+                with open(os.environ["SGLSIM_RECORD"]) as fh:
+                    if sum('"event": "start"' in line for line in fh) >= 3:
+                        break
+                time.sleep(0.05)
             raise AssertionError("-x ends the run here")
 
         @pytest.mark.sgl_worker(args=["--max-total-tokens", "2048"], env={"SGLSIM_STARTUP_SECONDS": "0.2"})
@@ -191,8 +199,8 @@ def test_nothing_launched_ahead_outlives_the_session(pytester: pytest.Pytester, 
         @pytest.mark.sgl_worker(args=["--max-total-tokens", "4096"], env={"SGLSIM_STARTUP_SECONDS": "300"})
         def test_never_runs_either(sgl_worker): pass
     """)
-    # the session has 120 s: waiting for the 300 s startup ahead instead of calling it off would fail it
-    result = pytester.runpytest_subprocess(*SIM, "--sgl-gpus", "sim:4", "--sgl-launch-ahead", "2", "-x", timeout=120)
+    # the session has 240 s: waiting for the 300 s startup ahead instead of calling it off would fail it
+    result = pytester.runpytest_subprocess(*SIM, "--sgl-gpus", "sim:4", "--sgl-launch-ahead", "2", "-x", timeout=240)
     result.assert_outcomes(failed=1)
     events = [json.loads(line) for line in record.read_text().splitlines()]
     started = {e["pid"] for e in events if e["event"] == "start"}

@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from pytest_sglworker import ModelSpec, WorkerStartupError, WorkerStartupTimeout, spawn_worker
+from pytest_sglworker.resources.ports import PORT_BLOCK_SIZE, reserve_port_block
 from pytest_sglworker.workers.launcher import LaunchOptions, sim_launcher
 
 SIM = ["--sgl-engine", "sim", "--sgl-model", "qwen3-0.6b", "-p", "no:cacheprovider"]
@@ -399,7 +400,14 @@ def test_example_router_e2e_suite_runs_on_the_sim(pytester: pytest.Pytester, sim
     assert not re.search(r"\[sglworker\] \d+ s ", result.stdout.str())  # quick startups show no status line
 
 
-def test_kept_log_keeps_its_path_when_the_port_is_reused(pytester: pytest.Pytester, sim_env: dict[str, str]) -> None:
+def test_kept_log_keeps_its_path_when_the_port_is_reused(pytester: pytest.Pytester, sim_env: dict[str, str],
+                                                         tmp_path: Path) -> None:
+    """Two workers on the same port (a range of one block), one after the other: the first one's kept log is not
+    overwritten by the second's. The block is one that is free now (bound and closed by the plugin's own check),
+    not a fixed one: a fixed block (it was 21000-21003, sglang's default test port, which other suites of this
+    machine use) held by any other process made the inner session wait for it until pytester's timeout."""
+    with reserve_port_block(tmp_path / "probe-locks") as block:
+        low = block.port
     pytester.makepyfile("""
         def test_fails(sgl_worker):
             assert False, "router bug"
@@ -407,12 +415,13 @@ def test_kept_log_keeps_its_path_when_the_port_is_reused(pytester: pytest.Pytest
         def test_passes_after(sgl_spawn_worker):
             sgl_spawn_worker("qwen3-0.6b")
     """)
-    result = _run(pytester, "--sgl-port-range", "21000-21003", "-p", "no:randomly",  # one block: same port
-                  "--sgl-log-retention-policy", "failed")
+    result = _run(pytester, "--sgl-port-range", f"{low}-{low + PORT_BLOCK_SIZE - 1}", "-p", "no:randomly",
+                  "--sgl-log-retention-policy", "failed", timeout=300)  # one block: the same port twice
     result.assert_outcomes(passed=1, failed=1)
     kept = [line.split("log kept: ", 1)[1].split(" (kept ", 1)[0]
             for line in result.stdout.lines if "log kept: " in line]
     assert kept and all(Path(path).exists() for path in kept), kept
+    assert Path(kept[0]).name == f"sglang-worker-{low}.log", kept
     assert "router bug" not in Path(kept[0]).read_text() and "fired up" in Path(kept[0]).read_text()
     assert [p.name for p in Path(sim_env["SGLWORKER_LOG_DIR"]).glob("*.log")] == [Path(kept[0]).name]
 
