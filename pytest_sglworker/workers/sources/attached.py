@@ -398,7 +398,8 @@ class AttachedSource:
             return None
         silent = [m for m in group if not m.responds()]
         if silent:
-            why = f" ({silent[0].last_problem})" if silent[0].last_problem else ""
+            problem = getattr(silent[0], "last_problem", "")  # an AttachedWorker's (the group's members are)
+            why = f" ({problem})" if problem else ""
             return SglWorkerError(f"{silent[0].describe()} stopped answering its health check during the test{why}")
         return None
 
