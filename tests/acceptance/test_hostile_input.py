@@ -375,3 +375,53 @@ def test_an_attached_worker_that_turns_to_malformed_http_fails_the_test_it_serve
                                  "the test (malformed chunked body: chunk size b'zz' is not a hex number)",
                                  "*= 1 passed, 1 error in *"])
     assert chunked_worker.asked["/health_generate"] >= 2
+
+
+# --------------------------------------------------------------------------------------------------------
+# warm record file names that hold terminal escapes or newlines (issue #38, finding 5)
+# --------------------------------------------------------------------------------------------------------
+
+#: Clears the screen, homes the cursor, and forges a line of ``--sgl-warm stop``'s own.
+FORGING = "warm-\x1b[2J\x1b[H\rx\nended warm w (pid 1, port 2)\u202e.json"
+
+
+def test_warm_list_and_stop_print_no_name_of_the_lock_directory_raw(pytester: pytest.Pytester,
+                                                                    sim_env: dict[str, str]) -> None:
+    """A warm record's file name chosen by another user (or planted in your own directory) is printed escaped: no
+    terminal escape reaches the terminal, no line of the plugin's is forged. Before: printed raw by both."""
+    import os
+
+    lock_dir = Path(sim_env["SGLWORKER_LOCK_DIR"])
+    lock_dir.mkdir(mode=0o700, parents=True)
+    (lock_dir / FORGING).write_text("not a record")
+    theirs = None
+    if os.geteuid() == 0:  # as root: the same name under another user's ownership too
+        theirs = lock_dir / FORGING.replace("warm-", "warm-theirs-")
+        theirs.write_text("not a record")
+        os.chown(theirs, 65534, 65534)
+    pytester.makepyfile("def test_a(sgl_worker): pass\n")
+    escaped = r"warm-\x1b[2J\x1b[H\rx\nended warm w (pid 1, port 2)\u202e.json"
+    for action, said in (("list", f"  {escaped}: untrusted ("), ("stop", f"  left {escaped}: untrusted (")):
+        result = pytester.runpytest_subprocess("--sgl-warm", action, "-p", "no:cacheprovider", timeout=60)
+        out = _no_crash(result)
+        assert not any(c in out for c in "\x1b\r\u202e"), (action, out)
+        assert [line for line in out.splitlines() if line.startswith(("ended", "  ended"))] == [], (action, out)
+        assert said in out, (action, out)
+        if theirs is not None:
+            assert escaped.replace("warm-", "warm-theirs-") + ": belongs to uid 65534" in out, (action, out)
+    assert (lock_dir / FORGING).exists()  # a name no record of the plugin has: left where it is, said so
+
+
+def test_a_session_prints_no_name_of_the_lock_directory_raw(pytester: pytest.Pytester,
+                                                            sim_env: dict[str, str]) -> None:
+    """The session's own messages (here the janitor's about an untrusted GPU holder record it removed) show a file
+    name of the lock directory escaped, whatever module wrote the message."""
+    lock_dir = Path(sim_env["SGLWORKER_LOCK_DIR"])
+    lock_dir.mkdir(mode=0o700, parents=True)
+    (lock_dir / "gpu-\x1b[2J\x1b[H-0.json").write_text("not a record")
+    pytester.makepyfile("def test_a(sgl_worker): pass\n")
+    result = pytester.runpytest_subprocess(*SIM, timeout=120)
+    out = _no_crash(result)
+    assert result.ret == pytest.ExitCode.OK, out
+    assert "\x1b" not in out, out
+    result.stdout.fnmatch_lines([r"*ignored 1 untrusted GPU holder record(s) in *: gpu-\x1b[[]2J\x1b[[]H-0.json (*"])
