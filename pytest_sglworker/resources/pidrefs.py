@@ -216,14 +216,14 @@ class ProcessRef:
     def signal_group(self, sig: int) -> bool:
         """Send ``sig`` to the process group this process leads, only where it is provably that group: through
         the pidfd (Linux 6.9+: the group of that process, whatever has its number since), else while the leader
-        still holds its pid. False when not sent (the caller then signals each member it proved,
-        :meth:`member`)."""
+        still holds its pid. True when done (sent, or the group provably empty); False when it cannot be done
+        provably (the caller then signals each member it proves, :meth:`member`)."""
         if self._fd is not None and self._group_flag:
             try:
                 signal.pidfd_send_signal(self._fd, sig, None, PIDFD_SIGNAL_PROCESS_GROUP)
                 return True
             except ProcessLookupError:  # nobody left in the group
-                return False
+                return True
             except PermissionError:
                 return False
             except OSError as exc:
@@ -234,9 +234,11 @@ class ProcessRef:
             return False
         try:
             os.killpg(self.pid, sig)
-            return True
-        except (ProcessLookupError, PermissionError):
+        except ProcessLookupError:
+            pass
+        except PermissionError:
             return False
+        return True
 
     def member(self, pid: int) -> ProcessRef | None:
         """A ref of ``pid`` if it is provably in this process's group or session: ours (same uid), its process

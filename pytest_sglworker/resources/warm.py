@@ -213,7 +213,7 @@ def end_members(record: WarmRecord, *, timeout: float = 10.0) -> list[int]:
     killed: list[int] = []
     for member in record.members:
         proven = prove_process(member.pid, member.since, member.tag) is None
-        handle = AdoptedProcess(member.pid, member.since) if proven else None
+        handle = AdoptedProcess(member.pid, member.since, tag=member.tag) if proven else None
         killed += terminate_tree(handle, lambda tag=member.tag: find_tagged_processes(tag),  # type: ignore[misc]
                                  term_timeout=timeout, kill_timeout=timeout)
     return killed
