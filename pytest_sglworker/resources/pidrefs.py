@@ -126,6 +126,7 @@ class ProcessRef:
         #: the last moment (:func:`boot_clock`) the process was seen holding its pid (running or not yet reaped)
         self.last_held = held_at
         self._group_flag = True  # whether the kernel takes PIDFD_SIGNAL_PROCESS_GROUP (found out at first use)
+        self._closed = False
         self._finalizer = weakref.finalize(self, _close, fd) if fd is not None else None
 
     @classmethod
@@ -160,13 +161,16 @@ class ProcessRef:
         return self._fd is not None
 
     def close(self) -> None:
-        """Close the pidfd (the process is ended, or no longer ours to signal). Idempotent."""
+        """Close the pidfd (the process is ended, or no longer ours to signal): from then on nothing is sent
+        through this ref, and it holds nothing. Idempotent."""
         if self._finalizer is not None:
             self._finalizer()
         self._fd = None
+        self._closed = True
 
     def _matches(self, ident: Identity | None) -> bool:
-        return ident is not None and ident.start == self.ident.start and ident.uid == self.ident.uid
+        return (not self._closed and ident is not None and ident.start == self.ident.start
+                and ident.uid == self.ident.uid)
 
     def held(self) -> bool:
         """Whether the process still holds its pid (running, or exited and not yet reaped); records the moment

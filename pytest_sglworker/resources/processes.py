@@ -575,15 +575,12 @@ class AdoptedProcess:
         ref = ProcessRef.prove(self._pid)
         if ref is None:
             return None
-        try:
-            started = psutil.boot_time() + ref.ident.start / _clock_ticks()  # psutil's create_time of that start
-        except (psutil.Error, OSError):
-            started = None
-        if started is None or not same_start(started, self.create_time) or ref.ident.zombie or (
-                tag is not None and (prove_process(self._pid, self.create_time, tag) is not None or not ref.held())):
-            ref.close()
-            return None
-        return ref
+        started = psutil.boot_time() + ref.ident.start / _clock_ticks()  # psutil's create_time of that start
+        if not same_start(started, self.create_time):
+            return None  # (a ref dropped closes its pidfd)
+        if tag is not None and (prove_process(self._pid, self.create_time, tag) is not None or not ref.held()):
+            return None  # not that tag, or the pid changed hands while it was read
+        return ref  # a zombie is proven, and gone at once (poll)
 
     @property
     def pid(self) -> int:
@@ -603,8 +600,9 @@ class AdoptedProcess:
         return UNKNOWN_EXIT
 
     def send_signal(self, sig: int) -> None:
-        """Signal the process, only while it runs and is provably the one this handle was proven on."""
-        if self.ref is not None and self.poll() is None:
+        """Signal the process, only while it is provably the one this handle was proven on (a zombie's signal is
+        lost: nothing to run)."""
+        if self.ref is not None:
             self.ref.signal(sig)
 
     def kill(self) -> None:

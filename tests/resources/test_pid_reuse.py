@@ -133,6 +133,44 @@ def test_an_adopted_worker_whose_pid_was_reused_is_never_signalled(
     assert_untouched(newcomer, out)
 
 
+def _recorder(tmp_path: Path, env: dict[str, str]) -> tuple[subprocess.Popen[bytes], Path]:
+    out = tmp_path / f"signals-{uuid.uuid4().hex[:6]}"
+    proc = subprocess.Popen([sys.executable, "-c", NEWCOMER, str(out)], env=env, start_new_session=True)
+    wait_for(Path(f"{out}.ready").exists, "the process to set its handlers")
+    return proc, out
+
+
+def test_an_adopted_handle_is_proven_by_its_owner_tag_and_uid_too(mode: str, tmp_path: Path) -> None:
+    """The pid and start time match, but the tag is another worker's (or the process is another user's): the
+    handle holds nothing, counts the process as gone and never signals it."""
+    tag = owner_tag()
+    proc, out = _recorder(tmp_path, {**os.environ, OWNER_ENV: tag})
+    try:
+        created = psutil.Process(proc.pid).create_time()
+        assert AdoptedProcess(proc.pid, created, tag=tag).ref is not None  # the right tag: proven
+        wrong = AdoptedProcess(proc.pid, created, tag=owner_tag())
+        assert wrong.ref is None and wrong.poll() is not None
+        wrong.terminate()
+        terminate_tree(wrong, lambda: [], term_timeout=0.5, kill_timeout=0.5)
+        assert_untouched(proc, out)
+    finally:
+        proc.kill()
+        proc.wait()
+    if os.geteuid() != 0:
+        return
+    theirs = subprocess.Popen(["sleep", "600"], env={**os.environ, OWNER_ENV: tag}, user=65534, group=65534,
+                              start_new_session=True)  # as root: another user's process, of the right tag
+    try:
+        wait_for(lambda: psutil.Process(theirs.pid).uids().real == 65534, "the other user's process")
+        adopted = AdoptedProcess(theirs.pid, psutil.Process(theirs.pid).create_time(), tag=tag)
+        assert adopted.ref is None and adopted.poll() is not None
+        adopted.kill()
+        assert theirs.poll() is None
+    finally:
+        theirs.kill()
+        theirs.wait()
+
+
 def test_a_launched_worker_reaped_elsewhere_is_never_signalled_through_its_old_pid(
         mode: str, reuse: Callable[[int, Path], subprocess.Popen[bytes]], tmp_path: Path) -> None:
     """A worker this session started, reaped behind its handle's back (another thread's ``waitpid``): its handle's
@@ -216,3 +254,18 @@ def _pidfds() -> int:
         except OSError:
             continue
     return count
+
+
+def test_a_closed_ref_signals_nothing(mode: str, tmp_path: Path) -> None:
+    """After its teardown a handle's ref is closed: a later signal through it (``worker.kill()`` of a stopped
+    worker) is not sent, with a pidfd or without (no fallback to the pid)."""
+    proc, out = _recorder(tmp_path, dict(os.environ))
+    try:
+        ref = pidrefs.ProcessRef.prove(proc.pid)
+        assert ref is not None and ref.held() and ref.has_pidfd is (mode == "pidfd")
+        ref.close()
+        assert not ref.signal(signal.SIGTERM) and not ref.held() and not ref.signal_group(signal.SIGTERM)
+        assert_untouched(proc, out)
+    finally:
+        proc.kill()
+        proc.wait()
