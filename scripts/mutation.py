@@ -90,7 +90,7 @@ TARGETS: dict[str, Target] = {
         "process-tree teardown and the marker sweep: the root gets SIGTERM first, then its group, every descendant "
         "and every process carrying its owner tag, then SIGKILL for what is left; the session sweep ends every "
         "process tagged with the session; a tag is matched whole",
-        ("tests/resources/test_teardown.py",),
+        ("tests/resources/test_teardown.py", "tests/resources/test_pid_reuse.py"),
         ("find_tagged_processes", "find_session_processes", "process_tree", "terminate_tree", "_terminate",
          "sweep_session"),
     ),

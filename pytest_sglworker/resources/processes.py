@@ -264,8 +264,6 @@ def process_tree(root_pid: int, tag: str | None = None, *, sweep: bool = True,
                 continue
     if own is not None and not own.held():  # not (or no longer) held: only what started while it was
         procs = {pid: proc for pid, proc in procs.items() if _started_before(pid, own)}
-    if own is not None and ref is None:
-        own.close()
     if sweep and tag is not None:
         for proc in find_tagged_processes(tag):
             procs.setdefault(proc.pid, proc)

@@ -495,3 +495,17 @@ def test_a_root_that_vanishes_before_it_is_read_leaves_the_rest_of_its_tree(tmp_
         root.kill()
         root.wait()
     assert {pids["stayed"]} <= found and root.pid not in found
+
+
+def test_a_stopped_member_is_resumed_to_handle_its_sigterm(tmp_path: Path, started: list[int]) -> None:
+    """A member of the tree frozen by SIGSTOP (a debugger, a job control stop) gets SIGCONT with its SIGTERM and
+    ends cleanly: nothing needs SIGKILL."""
+    tag = owner_tag(session_id())
+    root, pids = family(tmp_path, started, tag)
+    os.kill(pids["child"], signal.SIGSTOP)
+    wait_for(lambda: psutil.Process(pids["child"]).status() == psutil.STATUS_STOPPED, "the child to stop")
+    killed = terminate_tree(root, lambda: process_tree(root.pid, tag), term_timeout=10.0, kill_timeout=10.0)
+    assert killed == []
+    out = next(tmp_path.glob("family-*.json"))
+    assert Path(f"{out}.child").read_text() in ("parent alive", "parent gone")  # its SIGTERM handler ran
+    assert [name for name, pid in pids.items() if not gone(pid)] == []
