@@ -89,7 +89,8 @@ TARGETS: dict[str, Target] = {
         "pytest_sglworker/resources/processes.py",
         "process-tree teardown and the marker sweep: the root gets SIGTERM first, then its group, every descendant "
         "and every process carrying its owner tag, then SIGKILL for what is left; the session sweep ends every "
-        "process tagged with the session; a tag is matched whole",
+        "process tagged with the session; a tag is matched whole; every signal reaches only a process proven ours at "
+        "that moment (a reused pid, another user's process, a group whose leader is gone: never by number)",
         ("tests/resources/test_teardown.py", "tests/resources/test_pid_reuse.py"),
         ("find_tagged_processes", "find_session_processes", "process_tree", "terminate_tree", "_terminate",
          "sweep_session"),

@@ -465,6 +465,8 @@ def test_a_member_of_the_session_that_is_another_users_is_not_swept(started: lis
     started.append(theirs)
     try:
         wait_for(lambda: psutil.Process(theirs).uids().real == 65534, "the other user's process")
+        middle = {c.pid for c in psutil.Process(leader.pid).children()}
+        wait_for(lambda: psutil.Process(theirs).ppid() not in middle, "the middle process to exit (an orphan)")
         assert os.getsid(theirs) == leader.pid
         found = {p.pid for p in process_tree(leader.pid)}
         assert leader.pid in found and theirs not in found
