@@ -256,10 +256,10 @@ def process_tree(root_pid: int, tag: str | None = None, *, sweep: bool = True,
     if sweep and own is not None:
         for proc in psutil.process_iter(["pid", "uids"]):
             try:
-                if proc.pid in procs or proc.info["uids"] is None or proc.info["uids"].real != uid:
+                if proc.info["uids"] is None or proc.info["uids"].real != uid:
                     continue
                 if os.getsid(proc.pid) == root_pid:
-                    procs[proc.pid] = proc
+                    procs.setdefault(proc.pid, proc)
             except (OSError, psutil.Error):
                 continue
     if own is not None and not own.held():  # not (or no longer) held: only what started while it was
@@ -707,7 +707,7 @@ def _terminate(process: ProcessHandle | None, ref: ProcessRef | None, collect: C
     procs.update((p.pid, p) for p in collect())
     leftovers = [p for p in procs.values() if _alive(p)]
     killed: list[int] = []
-    if ref is not None:
+    if ref is not None and process is not None and process.poll() is None:  # a root deaf to SIGTERM: its group
         _signal_group(ref, signal.SIGKILL)
     for proc in leftovers:
         if signal_proven(proc, signal.SIGKILL):
