@@ -89,9 +89,11 @@ TARGETS: dict[str, Target] = {
         "pytest_sglworker/resources/processes.py",
         "process-tree teardown and the marker sweep: the root gets SIGTERM first, then its group, every descendant "
         "and every process carrying its owner tag, then SIGKILL for what is left; the session sweep ends every "
-        "process tagged with the session; a tag is matched whole",
-        ("tests/resources/test_teardown.py",),
-        ("find_tagged_processes", "find_session_processes", "process_tree", "terminate_tree", "sweep_session"),
+        "process tagged with the session; a tag is matched whole; every signal reaches only a process proven ours at "
+        "that moment (a reused pid, another user's process, a group whose leader is gone: never by number)",
+        ("tests/resources/test_teardown.py", "tests/resources/test_pid_reuse.py"),
+        ("find_tagged_processes", "find_session_processes", "process_tree", "terminate_tree", "_terminate",
+         "sweep_session"),
     ),
     "gpu_leases": Target(
         "pytest_sglworker/resources/gpus/leases.py",
@@ -119,8 +121,8 @@ TARGETS: dict[str, Target] = {
         "pytest_sglworker/resources/processes.py",
         "adoption identity: a process is adopted only when its pid, start time, uid and owner tag all match the "
         "record (a reused pid is never signalled)",
-        ("tests/resources/test_teardown.py", "-k", "adopt or proven"),
-        ("AdoptedProcess._process", "AdoptedProcess.poll", "AdoptedProcess.send_signal", "prove_process"),
+        ("tests/resources/test_teardown.py", "tests/resources/test_pid_reuse.py", "-k", "adopt or proven"),
+        ("AdoptedProcess._prove", "AdoptedProcess.poll", "AdoptedProcess.send_signal", "prove_process"),
     ),
     "headline": Target(
         "pytest_sglworker/plugin/deaths.py",

@@ -77,3 +77,64 @@ def test_the_manifest_pins_every_file_and_the_repository_holds_none() -> None:
     for info in entries:
         assert len(info["commit"]) == 40 and len(info["sha256"]) == 64 and info["upstream"].startswith("test/")
     assert not (REPO / "tests" / "data" / "sglang_tests" / "upstream").exists()
+
+
+def test_a_manifest_entry_that_is_no_commit_or_plain_path_is_refused_and_never_reaches_git(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A commit of ``--output=PATH`` was taken by ``git show`` as its option and wrote that file; a path of
+    ``../x`` would be written outside DEST. Each such entry is refused by name; the good one is still written."""
+    clone = tmp_path / "sglang"
+    clone.mkdir()
+    git(clone, "init", "-q")
+    (clone / "t.py").write_text("x = 1\n")
+    git(clone, "add", "-A")
+    git(clone, "commit", "-qm", "one")
+    head = git(clone, "rev-parse", "HEAD")
+    digest = hashlib.sha256(b"x = 1\n").hexdigest()
+    planted = tmp_path / "planted"
+    bad = {
+        "option": {"upstream": "t.py", "commit": f"--output={planted}", "sha256": digest},
+        "short": {"upstream": "t.py", "commit": head[:12], "sha256": digest},
+        "upper": {"upstream": "t.py", "commit": head.upper(), "sha256": digest},
+        "up": {"upstream": "../escaped.py", "commit": head, "sha256": digest},
+        "absolute": {"upstream": str(tmp_path / "abs.py"), "commit": head, "sha256": digest},
+        "dash": {"upstream": "-p/t.py", "commit": head, "sha256": digest},
+        "newline": {"upstream": "t.py\nnot written: forged", "commit": head, "sha256": digest},
+        "digest": {"upstream": "t.py", "commit": head, "sha256": "--stat"},
+    }
+    manifest = tmp_path / "MANIFEST.json"
+    manifest.write_text(json.dumps({"files": {**bad, "good": {"upstream": "t.py", "commit": head, "sha256": digest}}}))
+    dest = tmp_path / "dest"
+    assert load_script().main([str(clone), str(dest), "--manifest", str(manifest)]) == 1
+    assert list(tmp_path.glob("planted*")) == []  # git wrote "planted:t.py", its --output
+    assert not (tmp_path / "escaped.py").exists() and not (tmp_path / "abs.py").exists()
+    assert (dest / "t.py").read_text() == "x = 1\n"
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == len(bad), err  # one line each, none forged
+    assert f"not written: manifest entry 't.py': commit '--output={planted}' is not 40 lowercase hex digits" in err
+    assert f"not written: manifest entry 't.py': commit '{head[:12]}' is not 40 lowercase hex digits" in err
+    assert "not written: manifest entry 't.py': sha256 '--stat' is not 64 lowercase hex digits" in err
+    for path in ("../escaped.py", str(tmp_path / "abs.py"), "-p/t.py", "t.py\\nnot written: forged"):
+        said = f"not written: manifest entry '{path}': not a plain relative path"
+        assert any(line.startswith(said) for line in err), (path, err)
+
+
+def test_a_symlink_in_dest_that_leads_out_of_it_is_not_followed(tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    clone = tmp_path / "sglang"
+    (clone / "test").mkdir(parents=True)
+    git(clone, "init", "-q")
+    (clone / "test" / "t.py").write_text("x = 1\n")
+    git(clone, "add", "-A")
+    git(clone, "commit", "-qm", "one")
+    manifest = tmp_path / "MANIFEST.json"
+    head = git(clone, "rev-parse", "HEAD")
+    manifest.write_text(json.dumps({"files": {"t.py": {"upstream": "test/t.py", "commit": head,
+                                                       "sha256": hashlib.sha256(b"x = 1\n").hexdigest()}}}))
+    dest, outside = tmp_path / "dest", tmp_path / "outside"
+    dest.mkdir()
+    outside.mkdir()
+    (dest / "test").symlink_to(outside)
+    assert load_script().main([str(clone), str(dest), "--manifest", str(manifest)]) == 1
+    assert list(outside.iterdir()) == []
+    assert "leads out of" in capsys.readouterr().err

@@ -188,7 +188,9 @@ def warm_lines(events: dict[str, list[dict[str, Any]]]) -> list[str]:
                      "them, pytest --sgl-warm stop ends them")
     for e in events.get("not_kept", []):
         lines.append(f"sglworker: not kept warm: {e['label']}: {e['why']}")
-    return lines
+    from ..resources.shown import shown
+
+    return [shown(line) for line in lines]  # labels, reasons and log paths read from warm records
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -288,10 +290,10 @@ def render_warm(lock_dir: Any, action: str) -> tuple[str, int]:
 
             lines.append(f"  interrupted ({signal.Signals(done.interrupted).name}) after the group it was ending had "
                          "ended; the rest are left as they were (run it again to end them)")
-            return "\n".join(lines), int(pytest.ExitCode.INTERRUPTED)
+            return _shown_lines(lines), int(pytest.ExitCode.INTERRUPTED)
         if not (done.ended or done.removed or done.left or done.others):
             lines.append("  none")
-        return "\n".join(lines), 1 if done.left else 0
+        return _shown_lines(lines), 1 if done.left else 0
     now = time.time()
     entries = warm_records(lock_dir)
     for entry in entries:
@@ -324,4 +326,13 @@ def render_warm(lock_dir: Any, action: str) -> tuple[str, int]:
         lines.append("  none")
     else:
         lines.append("(pytest --sgl-warm stop ends those no session uses)")
-    return "\n".join(lines), 0
+    return _shown_lines(lines), 0
+
+
+def _shown_lines(lines: list[str]) -> str:
+    """The lines, each one line whatever the names and fields read from the lock directory hold (escaped, see
+    :func:`~pytest_sglworker.resources.shown.shown`: another user's file name cannot clear the screen or forge a
+    line)."""
+    from ..resources.shown import shown
+
+    return "\n".join(shown(line) for line in lines)

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from ..resources.shown import shown
 from .keys import xdist_worker_id
 
 if TYPE_CHECKING:
@@ -111,6 +112,7 @@ class Terminal:
         with self._uncaptured():
             self._clear(tr)
             tr.ensure_newline()
+            text = "\n".join(map(shown, text.split("\n")))  # names read from the lock directory: no escapes
             tr.write_line(f"sglworker: {text}" if always else f"[sglworker] {text}", red=text.startswith("ERROR"))
 
     def progress(self, instance: ModelInstance, elapsed: float) -> None:

@@ -13,7 +13,11 @@ The protocol
 - sglang's scheduler and detokenizer rename themselves (setproctitle), which overwrites their environment
   in ``/proc``: they are found as members of the worker's session instead (the worker root leads it,
   :func:`with_session_members`). A child that leaves the session keeps the tag.
-- Only processes found this way are signalled, by PID, and only ours (same uid). Nothing is matched by name.
+- Only processes found this way are signalled, and only ours (same uid), each proven at the moment of the signal
+  (:mod:`.pidrefs`): through a pidfd held from its launch (:class:`ChildProcess`) or its adoption
+  (:class:`AdoptedProcess`), else by its pid, start time and uid read again just before. A process group is
+  signalled whole only through its leader's pidfd or while its leader still holds its pid; otherwise each member
+  is proven on its own. Nothing is matched by name.
 - Teardown (:func:`terminate_tree`) signals the root first (sglang then stops its children cleanly), then
   the group and every collected process, then SIGKILLs what is left and waits until it is gone.
 - A worker that may be kept warm (``--sgl-keep-warm``) carries the session id of its group's keeper instead of the
@@ -39,7 +43,9 @@ import subprocess
 import time
 import uuid
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+from .pidrefs import ProcessRef, identity, started_before
 
 if TYPE_CHECKING:
     import psutil
@@ -51,7 +57,9 @@ __all__ = [
     "START_TIME_SLACK",
     "UNKNOWN_EXIT",
     "AdoptedProcess",
+    "ChildProcess",
     "ProcessHandle",
+    "ProcessRef",
     "end_process",
     "find_session_processes",
     "find_tagged_processes",
@@ -65,10 +73,12 @@ __all__ = [
     "owner_tag",
     "plausible_pid",
     "process_alive",
+    "process_ref",
     "process_tree",
     "prove_process",
     "same_start",
     "session_worker_pids",
+    "signal_proven",
     "socket_inodes",
     "tag_session",
     "tag_session_pid",
@@ -220,30 +230,49 @@ def tagged_sessions() -> dict[str, list[psutil.Process]]:
     return {session: with_session_members(procs) for session, procs in groups.items()}
 
 
-def process_tree(root_pid: int, tag: str | None = None, *, sweep: bool = True) -> list[psutil.Process]:
-    """The root and every descendant; with ``sweep``, also every process of the session the root leads and
-    every process carrying ``tag`` (a child that left the session)."""
+def process_tree(root_pid: int, tag: str | None = None, *, sweep: bool = True,
+                 ref: ProcessRef | None = None) -> list[psutil.Process]:
+    """The root and every descendant; with ``sweep``, also every process of ours (same uid) in the session the
+    root leads and every process carrying ``tag`` (a child that left the session).
+
+    ``ref`` proves the root (:class:`ChildProcess`, :class:`AdoptedProcess`; without it, the process that has
+    ``root_pid`` now, if ours): the root and its descendants are taken only while it still holds its pid, and a
+    member of its session only while it does, or when the member started before the root was last seen holding
+    it (the session's number may have been reused since: its new members started after)."""
     import psutil
 
     procs: dict[int, psutil.Process] = {}
-    try:
-        root = psutil.Process(root_pid)
-        procs[root.pid] = root
-        for child in root.children(recursive=True):
-            procs[child.pid] = child
-    except psutil.Error:
-        pass
-    if sweep:
-        for proc in psutil.process_iter():
+    own = ref if ref is not None else ProcessRef.prove(root_pid)
+    uid = own.ident.uid if own is not None else os.getuid()
+    held = own is not None and own.held()
+    if held:
+        try:
+            root = psutil.Process(root_pid)
+            procs[root.pid] = root
+            for child in root.children(recursive=True):
+                procs[child.pid] = child
+        except psutil.Error:
+            pass
+    if sweep and own is not None:
+        for proc in psutil.process_iter(["pid", "uids"]):
             try:
-                if proc.pid not in procs and os.getsid(proc.pid) == root_pid:
-                    procs[proc.pid] = proc
+                if proc.info["uids"] is None or proc.info["uids"].real != uid:
+                    continue
+                if os.getsid(proc.pid) == root_pid:
+                    procs.setdefault(proc.pid, proc)
             except (OSError, psutil.Error):
                 continue
-        if tag is not None:
-            for proc in find_tagged_processes(tag):
-                procs.setdefault(proc.pid, proc)
+    if own is not None and not own.held():  # not (or no longer) held: only what started while it was
+        procs = {pid: proc for pid, proc in procs.items() if _started_before(pid, own)}
+    if sweep and tag is not None:
+        for proc in find_tagged_processes(tag):
+            procs.setdefault(proc.pid, proc)
     return list(procs.values())
+
+
+def _started_before(pid: int, ref: ProcessRef) -> bool:
+    ident = identity(pid)
+    return ident is not None and started_before(ident, ref.last_held)
 
 
 # The kernel's answer to "who listens on this port", without reading its whole TCP table: psutil's
@@ -413,18 +442,21 @@ def listeners(ports: Iterable[int]) -> dict[int, list[int]]:
 
 
 def end_process(pid: int, timeout: float = 10.0) -> bool:
-    """SIGKILL one process we identified, by pid, and wait (bounded) until it is gone. True if gone."""
-    import psutil
-
+    """SIGKILL one process of ours we identified, by pid, and wait (bounded) until it is gone. True if gone. It is
+    held (:class:`ProcessRef`) from before the kill: the wait is for it, the kill reaches no other process."""
+    ref = ProcessRef.prove(pid)
+    if ref is None:
+        return identity(pid) is None
     try:
-        proc = psutil.Process(pid)
-        proc.kill()
-        proc.wait(timeout)
-    except psutil.NoSuchProcess:
+        ref.signal(signal.SIGKILL)
+        deadline = time.monotonic() + timeout
+        while ref.running():
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.02)
         return True
-    except (psutil.Error, OSError):
-        return False
-    return not _alive(proc)
+    finally:
+        ref.close()
 
 
 def process_alive(pid: int, since: float, host: str) -> bool:
@@ -495,34 +527,65 @@ def same_start(a: float, b: float) -> bool:
     return abs(a - b) <= START_TIME_SLACK
 
 
+class ChildProcess(subprocess.Popen[bytes]):
+    """A ``subprocess.Popen`` that holds a :class:`ProcessRef` of its child from the moment it started (a pidfd
+    where the kernel gives one): its signals reach that child only, never a process that got its pid after it
+    was reaped (by this handle, or by another thread's ``waitpid``). Each :meth:`poll` that finds it running
+    asks the ref whether it still holds its pid (the moment is what proves the members of its group,
+    :meth:`ProcessRef.member`)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.ref: ProcessRef | None = ProcessRef.child(self.pid)
+
+    def poll(self) -> int | None:
+        code = super().poll()
+        if code is None and self.ref is not None:  # (``waitpid`` of a pid reused by another child answers too)
+            self.ref.held()
+        return code
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is not None:
+            return
+        if self.ref is None:
+            super().send_signal(sig)
+        else:
+            self.ref.signal(sig)
+
+
 class AdoptedProcess:
     """A handle on a process that is not our child (a warm worker kept by an earlier session), shaped like the
-    parts of ``subprocess.Popen`` the plugin uses: it is identified by its pid *and* its start time, so a pid
-    the kernel reused is never signalled; :meth:`poll` is None while it runs and :data:`UNKNOWN_EXIT` once it is
-    gone (a zombie counts as gone: its parent reaps it, not us)."""
+    parts of ``subprocess.Popen`` the plugin uses: it is proven at construction by its pid, its start time, its
+    uid (ours) and, given ``tag``, its owner tag, and then held (:class:`ProcessRef`: a pidfd where the kernel
+    gives one), so a pid the kernel reused is never signalled; :meth:`poll` is None while it runs and
+    :data:`UNKNOWN_EXIT` once it is gone (a zombie counts as gone: its parent reaps it, not us). A process that
+    cannot be proven is gone from the start."""
 
-    def __init__(self, pid: int, create_time: float) -> None:
+    def __init__(self, pid: int, create_time: float, *, tag: str | None = None) -> None:
         self._pid = pid
         self.create_time = create_time
         self.returncode: int | None = None
+        self.ref: ProcessRef | None = self._prove(tag)
+
+    def _prove(self, tag: str | None) -> ProcessRef | None:
+        import psutil
+
+        ref = ProcessRef.prove(self._pid)
+        if ref is None:
+            return None
+        started = psutil.boot_time() + ref.ident.start / _clock_ticks()  # psutil's create_time of that start
+        if not same_start(started, self.create_time):
+            return None  # (a ref dropped closes its pidfd)
+        if tag is not None and (prove_process(self._pid, self.create_time, tag) is not None or not ref.held()):
+            return None  # not that tag, or the pid changed hands while it was read
+        return ref  # a zombie is proven, and gone at once (poll)
 
     @property
     def pid(self) -> int:
         return self._pid
 
-    def _process(self) -> psutil.Process | None:
-        import psutil
-
-        try:
-            proc = psutil.Process(self._pid)
-            if not same_start(proc.create_time(), self.create_time) or proc.status() == psutil.STATUS_ZOMBIE:
-                return None
-            return proc
-        except psutil.Error:
-            return None
-
     def poll(self) -> int | None:
-        if self.returncode is None and self._process() is None:
+        if self.returncode is None and (self.ref is None or not self.ref.running()):
             self.returncode = UNKNOWN_EXIT
         return self.returncode
 
@@ -535,20 +598,26 @@ class AdoptedProcess:
         return UNKNOWN_EXIT
 
     def send_signal(self, sig: int) -> None:
-        """Signal the process, by pid, only while it is still the process of that pid and start time."""
-        import psutil
-
-        proc = self._process()
-        if proc is None:
-            return
-        with contextlib.suppress(psutil.NoSuchProcess):
-            proc.send_signal(sig)
+        """Signal the process, only while it is provably the one this handle was proven on (a zombie's signal is
+        lost: nothing to run)."""
+        if self.ref is not None:
+            self.ref.signal(sig)
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
 
     def terminate(self) -> None:
         self.send_signal(signal.SIGTERM)
+
+
+def process_ref(process: object) -> ProcessRef | None:
+    """The :class:`ProcessRef` a handle holds (:class:`ChildProcess`, :class:`AdoptedProcess`), else None."""
+    ref = getattr(process, "ref", None)
+    return ref if isinstance(ref, ProcessRef) else None
+
+
+def _clock_ticks() -> int:
+    return os.sysconf("SC_CLK_TCK")
 
 
 def prove_process(pid: int, create_time: float, tag: str, *, env_name: str = OWNER_ENV) -> str | None:
@@ -594,50 +663,108 @@ def terminate_tree(
     exit 0), whereas a SIGTERM to the whole group kills the scheduler first and the parent then sleeps 5 s
     and ends with -9. Then SIGTERM to the group and to every collected process still alive (escaped
     children included), a bounded wait, SIGKILL to what is left, and a wait until every collected process
-    is gone (zombies count as gone). A stopped (SIGSTOPped) root gets SIGCONT with its SIGTERM."""
-    import psutil
+    is gone (zombies count as gone). A stopped (SIGSTOPped) root gets SIGCONT with its SIGTERM.
 
+    Every signal reaches only a process proven ours at that moment: the root through the :class:`ProcessRef`
+    its handle holds (a plain ``Popen`` still running gets one here), the group through the root's pidfd or
+    while the root holds its pid, else each of its members proven on its own (:meth:`ProcessRef.member`); a
+    collected process through a pidfd opened and checked against it (:func:`signal_proven`). The root's ref is
+    closed at the end: the tree is gone."""
+    ref = process_ref(process)
+    if ref is None and process is not None and process.poll() is None:
+        ref = ProcessRef.child(process.pid)  # a child not yet reaped: its pid is still its own
+    try:
+        return _terminate(process, ref, collect, term_timeout, kill_timeout)
+    finally:
+        if ref is not None:
+            ref.close()
+
+
+def _terminate(process: ProcessHandle | None, ref: ProcessRef | None, collect: Callable[[], list[psutil.Process]],
+               term_timeout: float, kill_timeout: float) -> list[int]:
     # The graces' lengths: how long a wait may last, never whether it happens (timing, which no test bounds)
     resend_after = min(1.0, term_timeout)  # pragma: no mutate
     root_rest = max(0.0, term_timeout - 1.0)  # pragma: no mutate
     group_grace = min(5.0, term_timeout) if process is not None else term_timeout  # pragma: no mutate
     procs = {p.pid: p for p in collect()}
     if process is not None and process.poll() is None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            process.send_signal(signal.SIGCONT)  # a frozen worker handles nothing until it runs again
-            process.send_signal(signal.SIGTERM)
+        _signal_root(process, ref, signal.SIGCONT)  # a frozen worker handles nothing until it runs again
+        _signal_root(process, ref, signal.SIGTERM)
         # A signal can land on a thread that does not act on it (a resumed engine's HTTP thread while its main
         # thread sleeps): once more after a second, then the rest of the grace.
         _wait_gone(process, [], resend_after)
         if process.poll() is None:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                process.send_signal(signal.SIGTERM)
+            _signal_root(process, ref, signal.SIGTERM)
             _wait_gone(process, [], root_rest)
         procs.update((p.pid, p) for p in collect())
     remaining = [p for p in procs.values() if _alive(p)]
-    if process is not None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(process.pid, signal.SIGTERM)
+    if ref is not None:
+        _signal_group(ref, signal.SIGTERM)
     for proc in remaining:
-        with contextlib.suppress(psutil.Error):
-            proc.resume()
-            proc.terminate()
+        signal_proven(proc, signal.SIGCONT)
+        signal_proven(proc, signal.SIGTERM)
     _wait_gone(process, remaining, group_grace)
     procs.update((p.pid, p) for p in collect())
     leftovers = [p for p in procs.values() if _alive(p)]
     killed: list[int] = []
-    if process is not None and process.poll() is None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(process.pid, signal.SIGKILL)
+    if ref is not None and process is not None and process.poll() is None:  # a root deaf to SIGTERM: its group
+        _signal_group(ref, signal.SIGKILL)
     for proc in leftovers:
-        with contextlib.suppress(psutil.Error):
-            proc.kill()
+        if signal_proven(proc, signal.SIGKILL):
             killed.append(proc.pid)
     _wait_gone(process, leftovers, kill_timeout)
     if process is not None:
         with contextlib.suppress(subprocess.TimeoutExpired):
             process.wait(timeout=kill_timeout)
     return sorted(set(killed))
+
+
+def _signal_root(process: ProcessHandle, ref: ProcessRef | None, sig: int) -> None:
+    if ref is not None:
+        ref.signal(sig)
+        return
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        process.send_signal(sig)
+
+
+def _signal_group(leader: ProcessRef, sig: int) -> None:
+    """``sig`` to the leader's process group: whole where that is provably its group
+    (:meth:`ProcessRef.signal_group`), else to each process of ours in a group of that number proven to be in it
+    (:meth:`ProcessRef.member`)."""
+    if leader.signal_group(sig):
+        return
+    import psutil
+
+    for proc in psutil.process_iter(["pid", "uids"]):
+        try:
+            if proc.info["uids"] is None or proc.info["uids"].real != leader.ident.uid:
+                continue
+            if os.getpgid(proc.pid) != leader.pid:
+                continue
+        except (OSError, psutil.Error):
+            continue
+        member = leader.member(proc.pid)
+        if member is not None and member is not leader:
+            member.signal(sig)
+            member.close()
+
+
+def signal_proven(proc: psutil.Process, sig: int) -> bool:
+    """Send ``sig`` to the process ``proc`` was read from, only while it is ours (same uid) and still that
+    process (psutil's pid and start time, checked after its pidfd was opened). True when sent."""
+    import psutil
+
+    ref = ProcessRef.prove(proc.pid)
+    if ref is None:
+        return False
+    try:
+        if not proc.is_running():  # the pid names another process now (or none)
+            return False
+        return ref.signal(sig)
+    except psutil.Error:
+        return False
+    finally:
+        ref.close()
 
 
 def sweep_session(session_id: str = SESSION_ID, *, timeout: float = 10.0) -> list[int]:

@@ -66,6 +66,7 @@ from .lockfiles import LockFile
 from .owned_files import append_owned, entry_problem, remove_own_entry, unlink_owned
 from .processes import AdoptedProcess, find_tagged_processes, hostname, process_alive, prove_process, terminate_tree
 from .retention import keeps
+from .shown import shown
 from .signals import signals_deferred
 from .warm_records import (
     KEEPER_GRACE,
@@ -204,7 +205,7 @@ def end_members(record: WarmRecord, *, timeout: float = 10.0) -> list[int]:
     killed: list[int] = []
     for member in record.members:
         proven = prove_process(member.pid, member.since, member.tag) is None
-        handle = AdoptedProcess(member.pid, member.since) if proven else None
+        handle = AdoptedProcess(member.pid, member.since, tag=member.tag) if proven else None
         killed += terminate_tree(handle, lambda tag=member.tag: find_tagged_processes(tag),  # type: ignore[misc]
                                  term_timeout=timeout, kill_timeout=timeout)
     return killed
@@ -325,7 +326,7 @@ def reap_warm(lock_dir: Path | None) -> list[str]:
         record = entry.record
         if record is None:
             if _remove_untrusted(lock_dir, entry) is None:
-                done.append(f"an untrusted warm record {entry.path.name} ({entry.problem})")
+                done.append(f"an untrusted warm record {shown(entry.path.name)} ({shown(entry.problem or '')})")
             continue
         if record.hostname != hostname():
             continue
@@ -398,14 +399,15 @@ def _stop_one(lock_dir: Path, entry: WarmEntry, result: StopResult) -> None:
     record = entry.record
     if not entry.ours and not _ours_by_lstat(entry.path):
         owner = entry.owner if entry.owner is not None else _owner(entry.path)
-        result.others.append(f"{entry.path.name}: belongs to uid {owner} (another user): left alone")
+        result.others.append(f"{shown(entry.path.name)}: belongs to uid {owner} (another user): left alone")
         return
     if record is None:
         why = _remove_untrusted(lock_dir, entry)
         if why is None:
-            result.removed.append(f"{entry.path.name}: untrusted ({entry.problem})")
+            result.removed.append(f"{shown(entry.path.name)}: untrusted ({shown(entry.problem or '')})")
         else:
-            result.left.append(f"{entry.path.name}: untrusted ({entry.problem}) and not removed: {why}")
+            result.left.append(f"{shown(entry.path.name)}: untrusted ({shown(entry.problem or '')}) and not removed: "
+                               f"{shown(why)}")
         return
     if record.hostname != hostname():
         return

@@ -39,6 +39,7 @@ __all__ = [
     "HttpResponse",
     "Probe",
     "ProbeTimeout",
+    "ProtocolError",
     "Readiness",
     "Watched",
     "http_request",
@@ -60,6 +61,11 @@ LOG_WATCH_INTERVAL = 0.005
 
 class ProbeTimeout(OSError):
     """A request did not complete before its deadline."""
+
+
+class ProtocolError(ConnectionError):
+    """An answer that is not well-formed HTTP (its status line, a chunked body): the server's fault, an ``OSError``
+    like a connection that broke, so that every caller counts it as the server failing to answer."""
 
 
 @dataclass(frozen=True)
@@ -121,7 +127,7 @@ def http_request(
         try:
             status = int(status_line.split()[1])
         except (IndexError, ValueError):
-            raise ConnectionError(f"not an HTTP answer: {status_line[:80]!r}") from None
+            raise ProtocolError(f"not an HTTP answer: {status_line[:80]!r}") from None
         fields = {k.strip().lower(): v.strip() for k, _, v in (h.partition(":") for h in header_lines)}
         length = fields.get("content-length")
         if length is not None and length.isdigit():
@@ -157,12 +163,19 @@ def _recv(sock: socket.socket, remaining: Callable[[], float]) -> bytes:
 
 
 def _dechunk(data: bytes) -> bytes:
+    """The body of a chunked answer; :class:`ProtocolError` for a malformed one (a size that is not hex, a chunk
+    shorter than its size or not ended by CRLF)."""
     out = b""
     while data:
         size_line, _, data = data.partition(b"\r\n")
-        size = int(size_line.split(b";")[0] or b"0", 16)
+        text = size_line.split(b";")[0].strip() or b"0"
+        if not all(c in b"0123456789abcdefABCDEF" for c in text) or len(text) > 16:
+            raise ProtocolError(f"malformed chunked body: chunk size {size_line[:40]!r} is not a hex number")
+        size = int(text, 16)
         if size == 0:
             break
+        if len(data) < size + 2 or data[size:size + 2] != b"\r\n":
+            raise ProtocolError(f"malformed chunked body: a chunk of {size} bytes is cut short or not ended by CRLF")
         out, data = out + data[:size], data[size + 2:]
     return out
 

@@ -27,6 +27,7 @@ from ..engine.redaction import mask_argv, redact, secret_values
 from ..resources.owned_files import FileId
 from ..resources.processes import (
     OWNER_ENV,
+    ChildProcess,
     ProcessHandle,
     end_process,
     held_socket_inodes,
@@ -34,6 +35,7 @@ from ..resources.processes import (
     listening_inodes,
     listening_pids,
     owner_tag,
+    process_ref,
     process_tree,
     signal_name,
     socket_inodes,
@@ -359,7 +361,7 @@ class ManagedProcess:
     def _tree(self, *, sweep: bool = True) -> list[psutil.Process]:
         """The processes of this tree (see :func:`processes.process_tree`); every pid seen is remembered, for
         the GPU lease's memory-release wait."""
-        procs = process_tree(self.pid, self.owner_tag, sweep=sweep)
+        procs = process_tree(self.pid, self.owner_tag, sweep=sweep, ref=process_ref(self.process))
         self.pids_seen.update(p.pid for p in procs)
         return procs
 
@@ -447,17 +449,18 @@ def _private_file(path: str, flags: int) -> int:
     return os.open(path, flags, 0o600)
 
 
-def popen(argv: list[str], env: dict[str, str], log_path: Path) -> subprocess.Popen[bytes]:
+def popen(argv: list[str], env: dict[str, str], log_path: Path) -> ChildProcess:
     """Start ``argv`` in a session of its own, stdin closed, stdout and stderr appended to ``log_path`` (a
     private file, whose handle the parent closes at once); a missing or unusable log or launcher is a
-    :class:`LaunchError`."""
+    :class:`LaunchError`. The handle holds the child's pidfd from its start (:class:`ChildProcess`): no signal
+    of the plugin reaches another process that later gets its pid."""
     try:
         log = open(log_path, "ab", buffering=0, opener=_private_file)
     except OSError as exc:
         raise LaunchError(f"cannot write the worker log {log_path}: {exc.strerror}; choose a writable --sgl-log-dir",
                           log_path=str(log_path)) from None
     try:
-        return subprocess.Popen(
+        return ChildProcess(
             argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
             start_new_session=True, close_fds=True,
         )

@@ -291,3 +291,137 @@ def test_an_attached_worker_with_hostile_server_info_is_refused_by_name(pytester
         result.stderr.fnmatch_lines(["*--mem-fraction-static: the worker runs with nan, not in (0, 0.6]",
                                      "*fix: restart it with CI_WORKER_ARGS*"])
     assert hostile_worker.connections >= 2  # it was asked: /health_generate, then /server_info
+
+
+# --------------------------------------------------------------------------------------------------------
+# an attached worker that answers with a malformed chunked body (issue #38, finding 4)
+# --------------------------------------------------------------------------------------------------------
+
+#: A chunked answer whose chunk size is not hex, complete as far as a reader can tell (it ends like a last chunk).
+MALFORMED_CHUNKED = (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+                     b"zz\r\nok\r\n0\r\n\r\n")
+GOOD_INFO = (b'{"model_path": "Qwen/Qwen3-0.6B", "mem_fraction_static": 0.5, '
+             b'"cuda_graph_backend_prefill": "disabled"}')
+
+
+class ChunkedWorker(LoopbackServer):
+    """A healthy sglang worker, except that ``malformed`` (a path) is answered with a malformed chunked body from
+    its ``after``-th request of that path on (0: from the first)."""
+
+    timeout = 5.0
+
+    def __init__(self, malformed: str, after: int) -> None:
+        self.malformed, self.after = malformed, after
+        self.asked: dict[str, int] = {}
+        super().__init__()
+
+    def handle(self, conn: socket.socket) -> None:
+        data = b""
+        while b"\r\n\r\n" not in data:
+            chunk = conn.recv(65536)
+            if not chunk:
+                return
+            data += chunk
+        path = data.split(b" ", 2)[1].decode("latin-1")
+        seen = self.asked[path] = self.asked.get(path, 0) + 1
+        if path == self.malformed and seen > self.after:
+            conn.sendall(MALFORMED_CHUNKED)
+            return
+        status, body = {"/health_generate": ("200 OK", b"ok"), "/health": ("200 OK", b"ok"),
+                        "/server_info": ("200 OK", GOOD_INFO)}.get(path, ("404 Not Found", b"{}"))
+        conn.sendall(f"HTTP/1.1 {status}\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+                     .encode() + body)
+
+
+@pytest.fixture
+def chunked_worker(request: pytest.FixtureRequest) -> Iterator[ChunkedWorker]:
+    server = ChunkedWorker(*request.param)
+    yield server
+    server.close()
+
+
+def _attached_session(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, url: str) -> pytest.RunResult:
+    monkeypatch.delenv("SGLWORKER_GPUS", raising=False)  # nothing to launch: only the attached worker
+    pytester.makepyfile("def test_a(sgl_worker): pass\n")
+    return pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:xdist", "--sgl-engine", "real",
+                                         "--sgl-worker-url", f"qwen3-0.6b={url}", timeout=60)
+
+
+@pytest.mark.parametrize("chunked_worker", [("/server_info", 0)], indirect=True)
+def test_an_attached_worker_whose_server_info_is_malformed_http_is_a_usage_error_naming_it(
+        pytester: pytest.Pytester, sim_env: dict[str, str], monkeypatch: pytest.MonkeyPatch,
+        chunked_worker: ChunkedWorker) -> None:
+    """Before: a raw ``ValueError: invalid literal for int() with base 16`` from the chunked body's reader."""
+    url = f"http://127.0.0.1:{chunked_worker.port}"
+    result = _attached_session(pytester, monkeypatch, url)
+    _no_crash(result)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR, result.stdout.str()
+    result.stderr.fnmatch_lines([f"ERROR: --sgl-worker-url qwen3-0.6b={url}: /server_info answers with malformed "
+                                 "HTTP (malformed chunked body: chunk size b'zz' is not a hex number); is this an "
+                                 "sglang worker?"])
+
+
+@pytest.mark.parametrize("chunked_worker", [("/health_generate", 1)], indirect=True)
+def test_an_attached_worker_that_turns_to_malformed_http_fails_the_test_it_served(
+        pytester: pytest.Pytester, sim_env: dict[str, str], monkeypatch: pytest.MonkeyPatch,
+        chunked_worker: ChunkedWorker) -> None:
+    """Healthy when attached, then a malformed answer to the health check after a passing test: that test fails,
+    naming the worker and what it answered. Before: an INTERNALERROR (the ``ValueError`` escaped the check)."""
+    url = f"http://127.0.0.1:{chunked_worker.port}"
+    result = _attached_session(pytester, monkeypatch, url)
+    out = _no_crash(result)
+    assert result.ret == pytest.ExitCode.TESTS_FAILED, out
+    result.stdout.fnmatch_lines([f"attached worker qwen3-0.6b at {url} stopped answering its health check during "
+                                 "the test (malformed chunked body: chunk size b'zz' is not a hex number)",
+                                 "*= 1 passed, 1 error in *"])
+    assert chunked_worker.asked["/health_generate"] >= 2
+
+
+# --------------------------------------------------------------------------------------------------------
+# warm record file names that hold terminal escapes or newlines (issue #38, finding 5)
+# --------------------------------------------------------------------------------------------------------
+
+#: Clears the screen, homes the cursor, and forges a line of ``--sgl-warm stop``'s own.
+FORGING = "warm-\x1b[2J\x1b[H\rx\nended warm w (pid 1, port 2)\u202e.json"
+
+
+def test_warm_list_and_stop_print_no_name_of_the_lock_directory_raw(pytester: pytest.Pytester,
+                                                                    sim_env: dict[str, str]) -> None:
+    """A warm record's file name chosen by another user (or planted in your own directory) is printed escaped: no
+    terminal escape reaches the terminal, no line of the plugin's is forged. Before: printed raw by both."""
+    import os
+
+    lock_dir = Path(sim_env["SGLWORKER_LOCK_DIR"])
+    lock_dir.mkdir(mode=0o700, parents=True)
+    (lock_dir / FORGING).write_text("not a record")
+    theirs = None
+    if os.geteuid() == 0:  # as root: the same name under another user's ownership too
+        theirs = lock_dir / FORGING.replace("warm-", "warm-theirs-")
+        theirs.write_text("not a record")
+        os.chown(theirs, 65534, 65534)
+    pytester.makepyfile("def test_a(sgl_worker): pass\n")
+    escaped = r"warm-\x1b[2J\x1b[H\rx\nended warm w (pid 1, port 2)\u202e.json"
+    for action, said in (("list", f"  {escaped}: untrusted ("), ("stop", f"  left {escaped}: untrusted (")):
+        result = pytester.runpytest_subprocess("--sgl-warm", action, "-p", "no:cacheprovider", timeout=60)
+        out = _no_crash(result)
+        assert not any(c in out for c in "\x1b\r\u202e"), (action, out)
+        assert [line for line in out.splitlines() if line.startswith(("ended", "  ended"))] == [], (action, out)
+        assert said in out, (action, out)
+        if theirs is not None:
+            assert escaped.replace("warm-", "warm-theirs-") + ": belongs to uid 65534" in out, (action, out)
+    assert (lock_dir / FORGING).exists()  # a name no record of the plugin has: left where it is, said so
+
+
+def test_a_session_prints_no_name_of_the_lock_directory_raw(pytester: pytest.Pytester,
+                                                            sim_env: dict[str, str]) -> None:
+    """The session's own messages (here the janitor's about an untrusted GPU holder record it removed) show a file
+    name of the lock directory escaped, whatever module wrote the message."""
+    lock_dir = Path(sim_env["SGLWORKER_LOCK_DIR"])
+    lock_dir.mkdir(mode=0o700, parents=True)
+    (lock_dir / "gpu-\x1b[2J\x1b[H-0.json").write_text("not a record")
+    pytester.makepyfile("def test_a(sgl_worker): pass\n")
+    result = pytester.runpytest_subprocess(*SIM, timeout=120)
+    out = _no_crash(result)
+    assert result.ret == pytest.ExitCode.OK, out
+    assert "\x1b" not in out, out
+    result.stdout.fnmatch_lines([r"*ignored 1 untrusted GPU holder record(s) in *: gpu-\x1b[[]2J\x1b[[]H-0.json (*"])

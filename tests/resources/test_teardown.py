@@ -442,3 +442,72 @@ def test_a_process_started_during_the_groups_grace_is_found_and_killed(tmp_path:
     helper = int(helper_file.read_text())
     assert killed == [helper]
     assert [name for name, pid in {**pids, "helper": helper}.items() if not gone(pid)] == []
+
+
+def test_a_member_of_the_session_that_is_another_users_is_not_swept(started: list[int]) -> None:
+    """As root: a process of another user in the worker's session, not its descendant (a double fork that
+    switched its uid); the sweep by session takes processes of the session's own user only."""
+    if os.geteuid() != 0:
+        pytest.skip("a process of another user in our session needs root")
+    leader = subprocess.Popen(
+        [sys.executable, "-c", "import os, time\n"
+         "r, w = os.pipe()\n"
+         "if os.fork() == 0:\n"
+         "    if os.fork() == 0:\n"
+         "        os.setgid(65534); os.setuid(65534)\n"
+         "        os.write(w, str(os.getpid()).encode()); os.close(w); time.sleep(600)\n"
+         "    os._exit(0)\n"
+         "os.close(w); print(int(os.read(r, 32)), flush=True); time.sleep(600)"],
+        start_new_session=True, stdout=subprocess.PIPE)
+    started.append(leader.pid)
+    assert leader.stdout is not None
+    theirs = int(leader.stdout.readline())
+    started.append(theirs)
+    try:
+        wait_for(lambda: psutil.Process(theirs).uids().real == 65534, "the other user's process")
+        middle = {c.pid for c in psutil.Process(leader.pid).children()}
+        wait_for(lambda: psutil.Process(theirs).ppid() not in middle, "the middle process to exit (an orphan)")
+        assert os.getsid(theirs) == leader.pid
+        found = {p.pid for p in process_tree(leader.pid)}
+        assert leader.pid in found and theirs not in found
+    finally:
+        leader.kill()
+        leader.wait()
+        leader.stdout.close()
+
+
+def test_a_root_that_vanishes_before_it_is_read_leaves_the_rest_of_its_tree(tmp_path: Path, started: list[int],
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """The root is read (psutil) just after it was seen holding its pid: gone in between, it is passed over and
+    the members of its session are still found, no error."""
+    tag = owner_tag(session_id())
+    root, pids = family(tmp_path, started, tag)
+    real = psutil.Process
+
+    def vanished(pid: int | None = None) -> psutil.Process:
+        if pid == root.pid:
+            raise psutil.NoSuchProcess(pid)
+        return real(pid)
+
+    monkeypatch.setattr(psutil, "Process", vanished)
+    try:
+        found = {p.pid for p in process_tree(root.pid, ref=None)}
+    finally:
+        monkeypatch.undo()
+        root.kill()
+        root.wait()
+    assert {pids["stayed"]} <= found and root.pid not in found
+
+
+def test_a_stopped_member_is_resumed_to_handle_its_sigterm(tmp_path: Path, started: list[int]) -> None:
+    """A member of the tree frozen by SIGSTOP (a debugger, a job control stop) gets SIGCONT with its SIGTERM and
+    ends cleanly: nothing needs SIGKILL."""
+    tag = owner_tag(session_id())
+    root, pids = family(tmp_path, started, tag)
+    os.kill(pids["child"], signal.SIGSTOP)
+    wait_for(lambda: psutil.Process(pids["child"]).status() == psutil.STATUS_STOPPED, "the child to stop")
+    killed = terminate_tree(root, lambda: process_tree(root.pid, tag), term_timeout=10.0, kill_timeout=10.0)
+    assert killed == []
+    out = next(tmp_path.glob("family-*.json"))
+    assert Path(f"{out}.child").read_text() in ("parent alive", "parent gone")  # its SIGTERM handler ran
+    assert [name for name, pid in pids.items() if not gone(pid)] == []

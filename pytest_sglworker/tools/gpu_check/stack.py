@@ -272,12 +272,14 @@ class StackChecks:
         deadline = time.monotonic() + 15
         while True:
             marked: list[tuple[int, str]] = []
+            found: list[psutil.Process] = []
             for proc in psutil.process_iter(["pid", "cmdline"]):
                 try:
                     if proc.pid == me or proc.status() == psutil.STATUS_ZOMBIE:
                         continue
                     if proc.environ().get(RUN_ENV) == self.run_id:
                         marked.append((proc.pid, " ".join(proc.info["cmdline"] or [])[:200]))
+                        found.append(proc)
                 except (psutil.Error, OSError):
                     continue
             if not marked or time.monotonic() >= deadline:
@@ -286,9 +288,9 @@ class StackChecks:
         data["left_running"] = marked
         if marked:
             problems.append(f"{len(marked)} process(es) of this run left running (ended now): {marked[:3]}")
-            for pid, _ in marked:  # ours: they carry this run's marker
+            for proc in found:  # ours: they carry this run's marker; psutil checks the pid still names that process
                 with contextlib.suppress(psutil.Error):
-                    psutil.Process(pid).kill()
+                    proc.kill()
         holders = sorted({e["pid"] for e in self.events() if e.get("source") == "holder"})
         data["holders"] = len(holders)
         if self.nvml is not None and self.sampler is not None:

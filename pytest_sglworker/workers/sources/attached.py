@@ -154,6 +154,8 @@ class AttachedWorker:
     index: int = 0
     tail_lines: int = 40
     _client: httpx.Client | None = field(default=None, repr=False)
+    #: why its last health check failed (a refused connection, a malformed answer), for the failure that names it
+    last_problem: str = field(default="", repr=False)
 
     # what the fixtures, the router and the reports read of any worker
     role = "worker"
@@ -205,8 +207,10 @@ class AttachedWorker:
         """Answers ``/health_generate`` with 200 within ``timeout`` seconds (the whole request; default 5)."""
         try:
             status, _ = _get(self.target, HEALTH_PATH, 5.0 if timeout is None else timeout)
-        except OSError:
+        except OSError as exc:  # a malformed answer too (health.ProtocolError): the worker's failure
+            self.last_problem = str(exc) or type(exc).__name__
             return False
+        self.last_problem = "" if status == 200 else f"it answers {status}"
         return status == 200
 
     def is_alive(self) -> bool:
@@ -251,9 +255,14 @@ def attach(target: WorkerUrl, spec: ModelSpec, *, source: str = "--sgl-worker-ur
     """Prove ``target`` is up and serves ``spec``'s model; read its budget. Raises AttachedWorkerError with
     the option, the URL and the fix when it is down or serves another model; budget problems are returned on
     the worker (the session decides: a test may opt out)."""
+    from ..health import ProtocolError
+
     where = f"{source} {target}"
     try:
         status, body = _get(target, HEALTH_PATH, timeout)
+    except ProtocolError as exc:
+        raise AttachedWorkerError(f"{where}: {HEALTH_PATH} answers with malformed HTTP ({exc}); is this an sglang "
+                                  "worker?") from None
     except OSError as exc:
         reason = exc.strerror or str(exc) or type(exc).__name__
         raise AttachedWorkerError(f"{where}: the worker does not answer {HEALTH_PATH} within {timeout:g} s "
@@ -265,6 +274,9 @@ def attach(target: WorkerUrl, spec: ModelSpec, *, source: str = "--sgl-worker-ur
     for path in SERVER_INFO_PATHS:
         try:
             status, body = _get(target, path, timeout)
+        except ProtocolError as exc:
+            raise AttachedWorkerError(f"{where}: {path} answers with malformed HTTP ({exc}); is this an sglang "
+                                      "worker?") from None
         except OSError as exc:
             raise AttachedWorkerError(f"{where}: {path} did not answer within {timeout:g} s ({exc})") from None
         if status == 404:
@@ -386,7 +398,9 @@ class AttachedSource:
             return None
         silent = [m for m in group if not m.responds()]
         if silent:
-            return SglWorkerError(f"{silent[0].describe()} stopped answering its health check during the test")
+            problem = getattr(silent[0], "last_problem", "")  # an AttachedWorker's (the group's members are)
+            why = f" ({problem})" if problem else ""
+            return SglWorkerError(f"{silent[0].describe()} stopped answering its health check during the test{why}")
         return None
 
     def launch_ahead(self, config: WorkerConfig, *, holder: str, environ: Mapping[str, str]) -> bool:

@@ -161,10 +161,10 @@ class WorkerHost:
                 self.process.send_signal(sig)
 
     def _tree(self, sweep: bool = True) -> list[Any]:
-        from ...resources.processes import process_tree
+        from ...resources.processes import process_ref, process_tree
 
         assert self.process is not None
-        procs = process_tree(self.process.pid, self.tag, sweep=sweep)
+        procs = process_tree(self.process.pid, self.tag, sweep=sweep, ref=process_ref(self.process))
         self.pids_seen.update(p.pid for p in procs)
         return procs
 
