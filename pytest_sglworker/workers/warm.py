@@ -415,9 +415,8 @@ class Warm:
             spec=spec, host=LOOPBACK_HOST, port=member.port, tail_lines=self.settings.options.tail_lines,
             kind=plan.kind, index=plan.index, ports=dict(member.ports), gpus=member.gpus or None, argv=argv,
             log_path=self._link_log(member), process=AdoptedProcess(member.pid, member.since, tag=member.tag),
-            owner_tag=member.tag,
-            secrets=secret_values({**environ, **worker_env(spec, env)}, argv), times={"started": now, "ready": now},
-            ready_probe_seconds=member.probe_seconds)
+            owner_tag=member.tag, secrets=secret_values({**environ, **worker_env(spec, env)}, argv),
+            times={"started": now, "ready": now}, ready_probe_seconds=member.probe_seconds)
         instance.ready_at = instance.started_at
         instance.ready_log_offset = log_size(instance.log_path)  # what it serves this session
         instance.remember_tree()
