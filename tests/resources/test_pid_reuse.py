@@ -219,6 +219,10 @@ def test_a_group_whose_leader_is_gone_is_signalled_member_by_member(
     wait_for(marker.exists, "the member")
     wait_for(lambda: marker.read_text().isdigit(), "the member's pid")
     member = int(marker.read_text())
+    # A member is proven by having started before the last moment its leader was seen holding its pid, to the
+    # clock tick: one read within a tick of its start is (rightly) not proof. Teardown looks at the leader first.
+    wait_for(lambda: (ident := pidrefs.identity(member)) is not None
+             and pidrefs.started_before(ident, pidrefs.boot_clock()), "the member's start a clock tick past")
     calls: list[tuple[int, bool]] = []
     real_killpg = os.killpg
 
