@@ -7,6 +7,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from typing import Any, TypeVar, cast
 
 import pytest
 
@@ -52,3 +54,23 @@ class Session:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+
+
+_Shared = TypeVar("_Shared")
+
+
+def shared_run(request: pytest.FixtureRequest, key: pytest.StashKey[Any],
+               run: Callable[[Callable[[str], Any]], _Shared]) -> _Shared:
+    """What ``run(getfixturevalue)`` returns, made once per test session (in ``request.config.stash`` under ``key``)
+    for every test of a module that reads one shared inner session. A run that raised is cached too, so the other
+    tests fail with its error instead of running it again."""
+    cached = request.config.stash.get(key, None)
+    if cached is None:
+        try:
+            cached = run(request.getfixturevalue)
+        except Exception as exc:
+            cached = exc
+        request.config.stash[key] = cached
+    if isinstance(cached, Exception):
+        pytest.fail(f"the shared inner session could not run: {cached!r}")
+    return cast(_Shared, cached)

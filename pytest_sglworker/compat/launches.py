@@ -46,7 +46,7 @@ from ..errors import InventoryUnavailable, SglWorkerError
 from ..plugin.keys import WORKERS_KEY
 from ..plugin.markers import MarkerError, opt_out_reason
 from ..plugin.run_hooks import enable_run_hooks
-from ..plugin.session import SglSession, active_session, when_session_starts
+from ..plugin.session import SglSession, active_session, session_plugin, when_session_starts
 from ..resources.ports import PORT_BLOCK_SIZE, PortBlock, default_port_range, reserve_port_block
 from ..workers.config import WorkerConfig
 from ..workers.errors import WorkerDied
@@ -504,14 +504,7 @@ class CompatRuntime:
 
 def install(session: SglSession) -> CompatRuntime:
     """The session's :class:`CompatRuntime`, registered as a plugin on first call."""
-    manager = session.config.pluginmanager
-    plugin = manager.get_plugin(RUNTIME_NAME)
-    if not isinstance(plugin, CompatRuntime) or plugin.session is not session:
-        plugin = CompatRuntime(session)
-        if manager.get_plugin(RUNTIME_NAME) is not None:
-            manager.unregister(name=RUNTIME_NAME)
-        manager.register(plugin, RUNTIME_NAME)
-    return plugin
+    return session_plugin(session, RUNTIME_NAME, CompatRuntime)
 
 
 def runtime() -> CompatRuntime | None:

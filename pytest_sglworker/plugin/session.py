@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import pytest
 
@@ -77,6 +77,30 @@ def when_session_starts(callback: Callable[[SglSession], object]) -> None:
     session = active_session()
     if session is not None:
         callback(session)
+
+
+class SessionRuntime(Protocol):
+    """A drop-in's runtime: a plugin object made for one session (:func:`session_plugin`)."""
+
+    session: SglSession
+
+    def __init__(self, session: SglSession) -> None: ...
+
+
+_Runtime = TypeVar("_Runtime", bound=SessionRuntime)
+
+
+def session_plugin(session: SglSession, name: str, kind: type[_Runtime]) -> _Runtime:
+    """The plugin registered as ``name`` for ``session`` (a drop-in's runtime: one per session), made as
+    ``kind(session)`` and registered on first call; one left by an earlier session of this process is replaced."""
+    manager = session.config.pluginmanager
+    plugin = manager.get_plugin(name)
+    if not isinstance(plugin, kind) or plugin.session is not session:
+        plugin = kind(session)
+        if manager.get_plugin(name) is not None:
+            manager.unregister(name=name)
+        manager.register(plugin, name)
+    return plugin
 
 
 def _plugin_name(plugin: object) -> str:

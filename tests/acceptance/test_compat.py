@@ -34,6 +34,7 @@ from typing import Any
 
 import pytest
 from port_grab import free_port_block
+from session_helpers import shared_run
 
 from pytest_sglworker import ModelSpec, SpecRegistry
 from pytest_sglworker.compat import CompatError, ServerProcess
@@ -296,17 +297,7 @@ def _run_inner(pytester: pytest.Pytester, sim_env: dict[str, str], monkeypatch: 
 
 @pytest.fixture
 def inner(request: pytest.FixtureRequest) -> InnerRun:
-    cached = request.config.stash.get(_RUN_KEY, None)
-    if cached is None:
-        try:
-            cached = _run_inner(request.getfixturevalue("pytester"), request.getfixturevalue("sim_env"),
-                                request.getfixturevalue("monkeypatch"))
-        except Exception as exc:  # cached too: the other tests must not run it again
-            cached = exc
-        request.config.stash[_RUN_KEY] = cached
-    if isinstance(cached, Exception):
-        pytest.fail(f"the shared inner session could not run: {cached!r}")
-    return cached
+    return shared_run(request, _RUN_KEY, lambda get: _run_inner(get("pytester"), get("sim_env"), get("monkeypatch")))
 
 
 pytestmark = pytest.mark.xdist_group("compat-sim")

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from session_helpers import shared_run
 
 from pytest_sglworker.compat import models as compat_models
 
@@ -232,17 +233,7 @@ def _run_inner(pytester: pytest.Pytester, sim_env: dict[str, str], monkeypatch: 
 
 @pytest.fixture
 def inner(request: pytest.FixtureRequest) -> InnerRun:
-    cached = request.config.stash.get(_RUN_KEY, None)
-    if cached is None:
-        try:
-            cached = _run_inner(request.getfixturevalue("pytester"), request.getfixturevalue("sim_env"),
-                                request.getfixturevalue("monkeypatch"))
-        except Exception as exc:  # cached too: the other tests must not run it again
-            cached = exc
-        request.config.stash[_RUN_KEY] = cached
-    if isinstance(cached, Exception):
-        pytest.fail(f"the shared inner session could not run: {cached!r}")
-    return cached
+    return shared_run(request, _RUN_KEY, lambda get: _run_inner(get("pytester"), get("sim_env"), get("monkeypatch")))
 
 
 def test_the_suites_tests_pass_through_the_one_line(inner: InnerRun) -> None:

@@ -31,7 +31,7 @@ import pytest
 from ...errors import InventoryUnavailable, SglWorkerError
 from ...plugin.keys import WORKERS_KEY
 from ...plugin.run_hooks import enable_run_hooks
-from ...plugin.session import SglSession, active_session, when_session_starts
+from ...plugin.session import SglSession, active_session, session_plugin, when_session_starts
 from ...workers.config import GroupShape, WorkerConfig
 from ...workers.group import WorkerGroup
 from ...workers.sources.base import GroupRequest, GroupUse, SourceRefusal
@@ -381,14 +381,7 @@ class GatewayRuntime:
 
 def install(session: SglSession) -> GatewayRuntime:
     """The session's :class:`GatewayRuntime`, registered as a plugin on first call."""
-    manager = session.config.pluginmanager
-    plugin = manager.get_plugin(RUNTIME_NAME)
-    if not isinstance(plugin, GatewayRuntime) or plugin.session is not session:
-        plugin = GatewayRuntime(session)
-        if manager.get_plugin(RUNTIME_NAME) is not None:
-            manager.unregister(name=RUNTIME_NAME)
-        manager.register(plugin, RUNTIME_NAME)
-    return plugin
+    return session_plugin(session, RUNTIME_NAME, GatewayRuntime)
 
 
 def runtime() -> GatewayRuntime | None:
