@@ -419,9 +419,12 @@ def test_a_session_prints_no_name_of_the_lock_directory_raw(pytester: pytest.Pyt
     lock_dir = Path(sim_env["SGLWORKER_LOCK_DIR"])
     lock_dir.mkdir(mode=0o700, parents=True)
     (lock_dir / "gpu-\x1b[2J\x1b[H-0.json").write_text("not a record")
+    (lock_dir / "gpu-\nsglworker: ended-1.json").write_text("not a record")  # a forged line of the plugin's
     pytester.makepyfile("def test_a(sgl_worker): pass\n")
     result = pytester.runpytest_subprocess(*SIM, timeout=120)
     out = _no_crash(result)
     assert result.ret == pytest.ExitCode.OK, out
     assert "\x1b" not in out, out
-    result.stdout.fnmatch_lines([r"*ignored 1 untrusted GPU holder record(s) in *: gpu-\x1b[[]2J\x1b[[]H-0.json (*"])
+    assert not any(line.startswith("sglworker: ended") for line in result.stdout.lines), out
+    result.stdout.fnmatch_lines([r"*ignored 2 untrusted GPU holder record(s) in *: *gpu-\x1b[[]2J\x1b[[]H-0.json (*"])
+    result.stdout.fnmatch_lines([r"*gpu-\nsglworker: ended-1.json (*"])

@@ -31,6 +31,7 @@ from ...errors import LeaseImpossible, LeaseTimeout
 from ..lockfiles import LockFile
 from ..owned_files import entry_problem, remove_own_entry
 from ..processes import hostname
+from ..shown import shown
 from ..waiters import flag_waiting, lease_waiting_prefix, live_waiters, others_waiting_for_ports, unflag_waiting
 from .holders import (
     NAMESPACE_RE,
@@ -306,7 +307,7 @@ class LeaseManager:
             key = (path.name, problem)
             if key not in self._reported_untrusted:
                 self._reported_untrusted.add(key)
-                found.append(f"{path.name} ({problem}; {outcome})")
+                found.append(f"{shown(path.name)} ({problem}; {outcome})")
         remove_dead_temporaries(self.lock_dir)
         if found:
             self._notify(f"ignored {len(found)} untrusted GPU holder record(s) in {self.lock_dir}: "
