@@ -26,7 +26,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from worker_lives import assert_exclusive, lifetimes, max_concurrency
+from worker_lives import Life, assert_exclusive, lifetimes, max_concurrency
 
 from pytest_sglworker import LeaseTimeout
 from pytest_sglworker.resources.gpus import DeclaredInventory, HolderRecord, LeaseManager, _record_path, _write_record
@@ -91,12 +91,8 @@ def test_xdist_workers_never_share_a_gpu_or_port(pytester: pytest.Pytester, reco
     result.assert_outcomes(passed=11)
     lives = lifetimes(record)
     assert_exclusive(lives, gpu_count=gpus)
-    # every fresh test got its own worker. A launch whose port was still bound (the launcher's documented retry:
-    # the engine logs the bind error and waits, the plugin ends it and launches again) is a life that never became
-    # ready, ended by the plugin; a full run on 2 busy CPUs met one once
-    ready = {event["pid"] for event in map(json.loads, record.read_text().splitlines()) if event["event"] == "ready"}
-    assert Counter(life.fraction for life in lives if life.pid in ready)[0.4] == 3
-    assert all(life.exit_reason == "SIGTERM" for life in lives if life.pid not in ready), lives
+    # every fresh test got its own worker
+    assert Counter(life.fraction for life in served_lives(record, lives))[0.4] == 3
     assert max_concurrency(lives) >= 2, "the xdist workers never ran workers side by side"
     assert len({g for life in lives for g in life.gpus}) >= 2
 
@@ -400,6 +396,16 @@ def test_two_concurrent_sessions_share_gpus_through_the_lock_dir(
 # --------------------------------------------------------------------------------------------------------
 
 
+def served_lives(record: Path, lives: list[Life]) -> list[Life]:
+    """The lives of the simulated engines that became ready. A launch whose port was still bound (the launcher's
+    documented retry: the engine logs the bind error and waits, the plugin ends it and launches again, and counts
+    one launch) is a life that never became ready, ended by the plugin: asserted here, and left out. Full runs on 2
+    busy CPUs met one in two of these tests."""
+    ready = {event["pid"] for event in map(json.loads, record.read_text().splitlines()) if event["event"] == "ready"}
+    assert all(life.exit_reason == "SIGTERM" for life in lives if life.pid not in ready), lives
+    return [life for life in lives if life.pid in ready]
+
+
 def test_loadgroup_launches_each_configuration_once(pytester: pytest.Pytester, record: Path,
                                                     tmp_path: Path) -> None:
     pytester.makepyfile("""
@@ -430,7 +436,7 @@ def test_loadgroup_launches_each_configuration_once(pytester: pytest.Pytester, r
     result.stdout.re_match_lines([r".*PASSED .*test_default.*@sgl-qwen3-0\.6b\s*$"])  # groups end in any order
     result.stdout.fnmatch_lines(["*PASSED*test_a*@sgl-qwen3-0.6b-*"])
     lives = lifetimes(record)
-    assert Counter(life.fraction for life in lives) == {0.6: 1, 0.5: 1, 0.4: 1}
+    assert Counter(life.fraction for life in served_lives(record, lives)) == {0.6: 1, 0.5: 1, 0.4: 1}
     assert_exclusive(lives, gpu_count=4)
     workers = json.loads(report.read_text())["workers"]
     assert sorted((w["launches"], w["reuses"]) for w in workers.values()) == [(1, 2)] * 3, workers
