@@ -232,6 +232,17 @@ def test_absurd_numbers_in_a_registry_dict_are_a_spec_error(pytester: pytest.Pyt
 # --------------------------------------------------------------------------------------------------------
 
 
+def _request_path(conn: socket.socket) -> str | None:
+    """The path of the HTTP request on ``conn`` once its head has arrived; None when the client closed first."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = conn.recv(65536)
+        if not chunk:
+            return None
+        data += chunk
+    return data.split(b" ", 2)[1].decode("latin-1")
+
+
 class HostileWorker(LoopbackServer):
     """Answers as a healthy sglang worker would, except that ``/server_info`` is the body it is given."""
 
@@ -242,13 +253,9 @@ class HostileWorker(LoopbackServer):
         super().__init__()
 
     def handle(self, conn: socket.socket) -> None:
-        data = b""
-        while b"\r\n\r\n" not in data:
-            chunk = conn.recv(65536)
-            if not chunk:
-                return
-            data += chunk
-        path = data.split(b" ", 2)[1].decode("latin-1")
+        path = _request_path(conn)
+        if path is None:
+            return
         status, body = {"/health_generate": ("200 OK", b"ok"), "/health": ("200 OK", b"ok"),
                         "/server_info": ("200 OK", self.server_info)}.get(path, ("404 Not Found", b"{}"))
         conn.sendall(f"HTTP/1.1 {status}\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
@@ -316,13 +323,9 @@ class ChunkedWorker(LoopbackServer):
         super().__init__()
 
     def handle(self, conn: socket.socket) -> None:
-        data = b""
-        while b"\r\n\r\n" not in data:
-            chunk = conn.recv(65536)
-            if not chunk:
-                return
-            data += chunk
-        path = data.split(b" ", 2)[1].decode("latin-1")
+        path = _request_path(conn)
+        if path is None:
+            return
         seen = self.asked[path] = self.asked.get(path, 0) + 1
         if path == self.malformed and seen > self.after:
             conn.sendall(MALFORMED_CHUNKED)
