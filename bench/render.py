@@ -76,7 +76,7 @@ def documents(root: Path = REPO) -> list[Path]:
 
 def ray_summary(results: dict[str, Any]) -> str:
     """The Ray path's cost and the shard balance in one paragraph (README.md, docs/RAY.md)."""
-    from run import fmt_ratio, fmt_s
+    from common import fmt_ratio, fmt_s
 
     meta = results["meta"]
     m = meta["machine"]
