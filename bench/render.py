@@ -287,9 +287,9 @@ def rendered_document(text: str, where: str, root: Path = REPO, cache: dict[str,
     return "".join(out)
 
 
-def stale(paths: Iterable[Path], root: Path = REPO) -> dict[Path, str]:
+def stale(paths: Iterable[Path], root: Path = REPO, cache: dict[str, Any] | None = None) -> dict[Path, str]:
     """Per document whose committed text differs from its rendering: the unified diff (committed -> rendered)."""
-    cache: dict[str, Any] = {}
+    cache = {} if cache is None else cache
     diffs: dict[Path, str] = {}
     for path in paths:
         where = _where(path, root)
@@ -321,7 +321,8 @@ def main(argv: list[str] | None = None) -> int:
     root = args.root.resolve()
     paths = documents(root)
     try:
-        diffs = stale(paths, root)
+        checked: dict[str, Any] = {}
+        diffs = stale(paths, root, checked)
         unused = unused_regions(paths, root)
     except FiguresError as exc:
         print(f"bench/render.py: {exc}", file=sys.stderr)
@@ -334,8 +335,14 @@ def main(argv: list[str] | None = None) -> int:
         for diff in diffs.values():
             sys.stdout.write(diff)
         if diffs:
-            print(f"stale figures in {', '.join(str(p.relative_to(root)) for p in diffs)}: not what their "
-                  "committed JSON renders; rerender them: .venv/bin/python bench/render.py", file=sys.stderr)
+            unknown = sorted({why for key, why in checked.items() if key.startswith("git ") and isinstance(why, str)})
+            where = ", ".join(str(p.relative_to(root)) for p in diffs)
+            if unknown:  # rendering here would only write that it cannot tell
+                print(f"stale figures in {where}? their staleness lines cannot be checked here ({'; '.join(unknown)}): "
+                      "run --check in a clone that has the figures' commits", file=sys.stderr)
+            else:
+                print(f"stale figures in {where}: not what their committed JSON renders; rerender them: "
+                      ".venv/bin/python bench/render.py", file=sys.stderr)
             return 1
         return 0
     cache: dict[str, Any] = {}

@@ -321,6 +321,9 @@ def test_a_shallow_clone_without_the_commit_gets_an_honest_line(repo: tuple[Path
                "--unshallow`): whether the modules these figures measure changed since is not known here.")
     assert result.returncode == 1, result.stderr
     assert f"+{unknown}\n" in result.stdout
+    assert ("stale figures in README.md? their staleness lines cannot be checked here (this shallow clone's history "
+            "does not have it (`git fetch --unshallow`)): run --check in a clone that has the figures' commits"
+            in result.stderr), result.stderr
     assert "Traceback" not in result.stderr
     assert _render("--root", shallow).returncode == 0
     assert _line(shallow, "timeline") == unknown
