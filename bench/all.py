@@ -29,7 +29,8 @@ import render  # noqa: E402  (bench/render.py, a sibling)
 
 #: part -> (the script, its documented settings, its --quick settings); the JSON path is REGIONS' (bench/render.py).
 #: bound first: its own provenance counts any changed file under bench/ as uncommitted changes, the JSON the others
-#: write included (bench/run.py's ``machine``, which the others use, leaves the JSON out).
+#: write included (bench/common.py's ``machine``, which the others use, leaves the JSON out). Each part's script
+#: declares what its figures measure (its ``MEASURES``: bench/render.py's staleness line of its regions).
 PARTS: dict[str, tuple[str, list[str], list[str]]] = {
     "bound": ("bound.py", [], ["--quick"]),
     "run": ("run.py", [], ["--quick"]),

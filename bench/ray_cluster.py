@@ -29,7 +29,7 @@ The suite: 2 configurations of each of 4 shapes (tests x seconds a test): 6 x 0.
 so that a configuration's cost (launch plus tests) is not in proportion to its test count: balanced by count,
 the 1-test configurations pile up on the shards of the 2-test ones.
 
-Environment of every measured process as bench/run.py's ``clean_env`` (bytecode caching on, no plugin
+Environment of every measured process as bench/common.py's ``clean_env`` (bytecode caching on, no plugin
 settings, no ``RAY_ADDRESS`` but the cluster's), this tree's package first on ``PYTHONPATH`` (checked, in the
 pytest process and in a Ray actor). Progress goes to stderr, the markdown section to stdout; the exit status is 1
 when a run failed, a shard check failed or a Ray process of the cluster was left behind.
@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
-import importlib.util
 import json
 import os
 import re
@@ -56,11 +55,16 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 BENCH = REPO / "bench"
-_spec = importlib.util.spec_from_file_location("sglworker_bench_run", BENCH / "run.py")
-assert _spec is not None and _spec.loader is not None
-common = sys.modules[_spec.name] = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(common)  # bench/run.py: clean_env, machine, the formatting of ratios
+if str(BENCH) not in sys.path:
+    sys.path.insert(0, str(BENCH))
+import common  # noqa: E402  (bench/common.py: clean_env, machine, the formatting of ratios)
 
+#: What its figures measure (bench/render.py says in each region which of these changed since the figures' commit),
+#: by part (``--only``): the Ray path against local leases; the shard planner
+MEASURES = {"ray": ("pytest_sglworker/workers/sources/ray.py", "pytest_sglworker/workers/sources/ray_connect.py",
+                    "pytest_sglworker/workers/sources/ray_hosts.py", "pytest_sglworker/workers/sources/local.py",
+                    "pytest_sglworker/resources/gpus/leases.py"),
+            "shard": ("pytest_sglworker/plugin/sharding.py", "pytest_sglworker/plugin/collection.py")}
 #: (tests, seconds a test) of each configuration; 2 of each shape
 SHAPES = ((6, 0.15), (2, 0.65), (1, 1.7), (1, 2.1))
 CONFIGS = tuple(shape for shape in SHAPES for _ in range(2))

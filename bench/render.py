@@ -18,17 +18,29 @@ date and the load average of its run) and which benchmark's ``render`` make it. 
 ``bench/README.md`` and every page under ``docs/``. ``bench/all.py`` re-runs the benchmarks, writes their JSON
 and then renders; CI and ``tests/test_bench_figures.py`` run ``--check``, so a document whose figures are not
 what its committed JSON renders fails the test run.
+
+Every region ends with its **staleness line** (:func:`staleness_line`): the commit its figures ran at and which of
+the paths they measure differ now from that commit. What a benchmark measures is its module's ``MEASURES`` (the
+module of bench/ that writes the JSON, ``Region.produced_by``: a dict, for each of its parts, of paths relative to
+the repository root, files or directories); the paths that differ are git's (``git diff --name-only COMMIT --
+PATHS``: the working tree against that commit, so that a change and its re-rendered figures go in one commit, and
+the untracked files git does not ignore under those paths). A change to a measured module changes the line, so
+``--check`` fails until the documents are rendered again (rendering measures nothing). A checkout that cannot say
+(not a git checkout, a shallow clone without that commit, a commit its history does not have) gets a line that
+says so instead.
 """
 
 from __future__ import annotations
 
 import argparse
 import difflib
+import functools
 import importlib
 import json
 import re
+import subprocess
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,7 +56,7 @@ if str(BENCH) not in sys.path:  # the benchmarks import each other as bench/run.
 class Region:
     json: str  # relative to the repository root
     renderer: str  # "module:function" of bench/, called with the JSON's content; returns markdown
-    produced_by: str  # the bench/all.py part that writes the JSON
+    produced_by: str  # the bench/all.py part that writes the JSON: bench/<part>.py, which declares its MEASURES
 
 
 REGIONS: dict[str, Region] = {
@@ -76,7 +88,7 @@ def documents(root: Path = REPO) -> list[Path]:
 
 def ray_summary(results: dict[str, Any]) -> str:
     """The Ray path's cost and the shard balance in one paragraph (README.md, docs/RAY.md)."""
-    from run import fmt_ratio, fmt_s
+    from common import fmt_ratio, fmt_s
 
     meta = results["meta"]
     m = meta["machine"]
@@ -110,6 +122,97 @@ def ray_summary(results: dict[str, Any]) -> str:
     return " ".join(parts) + "\n"
 
 
+def figure_commit(data: dict[str, Any]) -> str | None:
+    """The commit a JSON's figures ran at: ``meta.machine.commit`` (bench/common.py's ``machine``), or the commit
+    named in bench/bound.json's ``machine`` line; None when it names none."""
+    meta = data.get("meta")
+    if isinstance(meta, dict) and isinstance(meta.get("machine"), dict):
+        commit = meta["machine"].get("commit")
+    else:
+        found = re.search(r"commit `([0-9a-f]{4,40})`", str(data.get("machine", "")))
+        commit = found.group(1) if found else None
+    return commit if isinstance(commit, str) and re.fullmatch(r"[0-9a-f]{4,40}", commit) else None
+
+
+def measures(name: str, data: dict[str, Any]) -> dict[str, tuple[str, ...]]:
+    """What the figures of region ``name`` measure, by part: the ``MEASURES`` of the module that writes its JSON,
+    less the parts the JSON says its run left out (``meta.parts``, where it lists them)."""
+    try:
+        module = importlib.import_module(REGIONS[name].produced_by)
+    except ModuleNotFoundError as exc:
+        raise FiguresError(f"region {name!r} is produced by part {REGIONS[name].produced_by!r}, but bench/ has no "
+                           f"module {exc.name!r}: a part's script is bench/<part>.py") from exc
+    declared: Mapping[str, Sequence[str]] | None = getattr(module, "MEASURES", None)
+    if not declared:
+        raise FiguresError(f"bench/{REGIONS[name].produced_by}.py (region {name!r}) declares no MEASURES: add "
+                           "MEASURES = {PART: (PATH, ...)}, the paths its figures measure")
+    parts = (data.get("meta") or {}).get("parts")
+    return {part: tuple(paths) for part, paths in declared.items() if not isinstance(parts, list) or part in parts}
+
+
+def _git(root: Path, *args: str) -> subprocess.CompletedProcess[str] | None:
+    try:
+        return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, check=False)
+    except OSError:
+        return None
+
+
+@functools.cache
+def _why_unknown(commit: str, root: Path) -> str | None:
+    """Why git cannot say here what changed since ``commit`` (None when it can)."""
+    top = _git(root, "rev-parse", "--show-toplevel")
+    if top is None or top.returncode != 0 or Path(top.stdout.strip()).resolve() != root.resolve():
+        return "this is not a git checkout of the repository"
+    found = _git(root, "cat-file", "-e", f"{commit}^{{commit}}")
+    if found is not None and found.returncode == 0:
+        return None
+    shallow = _git(root, "rev-parse", "--is-shallow-repository")
+    if shallow is not None and shallow.stdout.strip() == "true":
+        return "this shallow clone's history does not have it (`git fetch --unshallow`)"
+    return "this checkout's history does not have it"
+
+
+def changed_since(commit: str, paths: Sequence[str], root: Path = REPO) -> list[str] | str:
+    """The files under ``paths`` that differ in the working tree from ``commit`` (changed, added or removed,
+    untracked ones git does not ignore included), sorted; or why git cannot say here."""
+    why = _why_unknown(commit, root)
+    if why is not None:
+        return why
+    diff = _git(root, "diff", "--no-renames", "--name-only", "-z", commit, "--", *paths)
+    new = _git(root, "ls-files", "--others", "--exclude-standard", "-z", "--", *paths)
+    if diff is None or new is None or diff.returncode != 0 or new.returncode != 0:
+        return f"git could not compare it with this checkout ({((diff and diff.stderr) or '').strip() or 'no git'})"
+    return sorted({p for out in (diff.stdout, new.stdout) for p in out.split("\0") if p})
+
+
+def staleness_line(commit: str | None, measured: Mapping[str, Sequence[str]], root: Path = REPO,
+                   cache: dict[str, Any] | None = None) -> str:
+    """The last line of every region: the commit its figures ran at, and which of the paths they measure (by
+    part, where they are several) changed since; the same text as long as the same files differ."""
+    if commit is None:
+        return ("Its JSON names no commit, so whether the modules these figures measure changed since is not known "
+                "here.")
+    cache = {} if cache is None else cache
+    changes: dict[str, list[str]] = {}
+    for part, paths in measured.items():
+        key = f"git {commit} {' '.join(paths)}"
+        if key not in cache:
+            cache[key] = changed_since(commit, paths, root)
+        found = cache[key]
+        if isinstance(found, str):
+            return (f"Measured at commit `{commit}`, but {found}: whether the modules these figures measure changed "
+                    "since is not known here.")
+        changes[part] = found
+    if not any(changes.values()):
+        return f"Measured at commit `{commit}`; none of the modules these figures measure has changed since."
+    head = f"Measured at commit `{commit}`; changed since, of the modules these figures measure: "
+    if len(changes) == 1:
+        return head + ", ".join(f"`{p}`" for p in next(iter(changes.values()))) + "."
+    stale = [f"{part}: {', '.join(f'`{p}`' for p in paths)}" for part, paths in changes.items() if paths]
+    fresh = [part for part, paths in changes.items() if not paths]
+    return head + "; ".join(stale) + (f"; none for {', '.join(fresh)}" if fresh else "") + "."
+
+
 def _renderer(name: str) -> Callable[[dict[str, Any]], str]:
     module, function = REGIONS[name].renderer.split(":")
     if module == "render":
@@ -130,7 +233,9 @@ def render_region(name: str, root: Path = REPO, cache: dict[str, Any] | None = N
             cache[region.json] = json.loads(path.read_text(encoding="utf-8"))
         except json.JSONDecodeError as exc:
             raise FiguresError(f"{region.json} (region {name!r}) is not JSON: {exc}") from exc
-    return _renderer(name)(cache[region.json])
+    data = cache[region.json]
+    line = staleness_line(figure_commit(data), measures(name, data), root, cache)
+    return _renderer(name)(data).rstrip("\n") + "\n\n" + line + "\n"
 
 
 def regions_of(text: str, where: str) -> list[tuple[str, int, int]]:
@@ -182,9 +287,9 @@ def rendered_document(text: str, where: str, root: Path = REPO, cache: dict[str,
     return "".join(out)
 
 
-def stale(paths: Iterable[Path], root: Path = REPO) -> dict[Path, str]:
+def stale(paths: Iterable[Path], root: Path = REPO, cache: dict[str, Any] | None = None) -> dict[Path, str]:
     """Per document whose committed text differs from its rendering: the unified diff (committed -> rendered)."""
-    cache: dict[str, Any] = {}
+    cache = {} if cache is None else cache
     diffs: dict[Path, str] = {}
     for path in paths:
         where = _where(path, root)
@@ -216,7 +321,8 @@ def main(argv: list[str] | None = None) -> int:
     root = args.root.resolve()
     paths = documents(root)
     try:
-        diffs = stale(paths, root)
+        checked: dict[str, Any] = {}
+        diffs = stale(paths, root, checked)
         unused = unused_regions(paths, root)
     except FiguresError as exc:
         print(f"bench/render.py: {exc}", file=sys.stderr)
@@ -229,8 +335,14 @@ def main(argv: list[str] | None = None) -> int:
         for diff in diffs.values():
             sys.stdout.write(diff)
         if diffs:
-            print(f"stale figures in {', '.join(str(p.relative_to(root)) for p in diffs)}: not what their "
-                  "committed JSON renders; rerender them: .venv/bin/python bench/render.py", file=sys.stderr)
+            unknown = sorted({why for key, why in checked.items() if key.startswith("git ") and isinstance(why, str)})
+            where = ", ".join(str(p.relative_to(root)) for p in diffs)
+            if unknown:  # rendering here would only write that it cannot tell
+                print(f"stale figures in {where}? their staleness lines cannot be checked here ({'; '.join(unknown)}): "
+                      "run --check in a clone that has the figures' commits", file=sys.stderr)
+            else:
+                print(f"stale figures in {where}: not what their committed JSON renders; rerender them: "
+                      ".venv/bin/python bench/render.py", file=sys.stderr)
             return 1
         return 0
     cache: dict[str, Any] = {}

@@ -26,7 +26,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from run import (  # bench/run.py: the provenance of every figure, --render
+from common import (  # bench/common.py: the provenance of every figure, --render
     add_render_option,
     finish_meta,
     print_rendered,
@@ -36,6 +36,8 @@ from run import (  # bench/run.py: the provenance of every figure, --render
 
 from pytest_sglworker.plugin.timeline import render_html, trace_events
 
+#: What its figures measure (bench/render.py says in each region which of these changed since the figures' commit)
+MEASURES = {"timeline": ("pytest_sglworker/plugin/timeline.py",)}
 T0 = 1_733_150_000.0
 
 

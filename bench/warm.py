@@ -25,7 +25,7 @@ median over rounds with the range of the per-round values:
 
 The simulated engine starts in ``SGLSIM_STARTUP_SECONDS=5`` (a realistic startup); the real engine is sglang on a
 CPU with the tiny model (``scripts/install-real-engine.sh``), one round. The environment of the measured processes
-is cleaned as in ``bench/run.py`` (``clean_env``) and this tree's package is first on ``PYTHONPATH``. Prints one
+is cleaned as in ``bench/common.py`` (``clean_env``) and this tree's package is first on ``PYTHONPATH``. Prints one
 markdown section (bench/README.md, "Warm between runs"); ``--json PATH`` writes every sample.
 """
 
@@ -44,7 +44,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from run import (  # bench/run.py: the conventions and the machine line of every figure of the bench
+from common import (  # bench/common.py: the conventions and the machine line of every figure of the bench
     REPO,
     SUITES,
     add_render_option,
@@ -62,6 +62,10 @@ from run import (  # bench/run.py: the conventions and the machine line of every
 )
 
 SUITE = SUITES / "warm"
+#: What its figures measure (bench/render.py says in each region which of these changed since the figures' commit)
+MEASURES = {"warm": ("pytest_sglworker/workers/warm.py", "pytest_sglworker/resources/warm.py",
+                   "pytest_sglworker/resources/warm_keeper.py", "pytest_sglworker/resources/warm_records.py",
+                   "pytest_sglworker/workers/pool.py", "bench/suites/warm")}
 SIM_STARTUP = 5.0
 RATIO_GOAL = 1.1
 COST_GOAL = 1.02

@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from run import (  # bench/run.py: the conventions and the provenance of every figure of the bench
+from common import (  # bench/common.py: the conventions and the provenance of every figure of the bench
     add_render_option,
     clean_env,
     finish_meta,
@@ -48,6 +48,10 @@ from run import (  # bench/run.py: the conventions and the provenance of every f
 )
 
 REPO = Path(__file__).resolve().parent.parent
+#: What its figures measure (bench/render.py says in each region which of these changed since the figures' commit)
+MEASURES = {"xdist_sched": ("pytest_sglworker/plugin/xdist_scheduling.py", "pytest_sglworker/plugin/xdist_hooks.py",
+                          "pytest_sglworker/plugin/planner.py", "pytest_sglworker/workers/pool.py", "bench/suites/e2e",
+                          "bench/suites/two_large")}
 SUITES: dict[str, dict[str, Any]] = {
     "e2e": {"path": REPO / "bench" / "suites" / "e2e", "configurations": 6, "tests": 60,
             "env": {"BENCH_E2E_TESTS_PER_SET": "10"}},
