@@ -79,6 +79,25 @@ def test_generate_follows_a_json_schema_and_cuts_at_max_new_tokens(grpc_sim: tup
     assert cut.finish_reason == "length" and len(cut.output_ids) == 3  # the grammar does not stretch the budget
 
 
+def test_penalties_widen_the_vocabulary_as_over_http(grpc_sim: tuple[SimProc, Any, Any]) -> None:
+    """A frequency, presence or repetition penalty replaces a repeated token (the vocabulary widens); the proto's
+    unset repetition_penalty (0) is no penalty, as the servicer reads it."""
+    _, stub, pb = grpc_sim
+
+    def ids(**params: float) -> list[int]:
+        request = pb.GenerateRequest(request_id="pen", tokenized=pb.TokenizedInput(
+            original_text="ab", input_ids=[40, 41, 40, 41]), sampling_params=pb.SamplingParams(
+            max_new_tokens=12, ignore_eos=True, **params))
+        (complete,) = [r.complete for r in stub.Generate(request, timeout=30)]
+        return list(complete.output_ids)
+
+    plain = ids()
+    assert len(set(plain)) == 2  # the echo of the prompt's two tokens
+    assert ids(repetition_penalty=0.0) == plain == ids(temperature=0.7)  # no seed on the wire: no sampling
+    for knob in ({"frequency_penalty": 1.0}, {"presence_penalty": 1.0}, {"repetition_penalty": 1.3}):
+        assert len(set(ids(**knob))) > 2, knob
+
+
 def test_a_grammar_that_does_not_compile_ends_the_stream_with_invalid_argument(
         grpc_sim: tuple[SimProc, Any, Any]) -> None:
     import grpc
