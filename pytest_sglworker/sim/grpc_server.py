@@ -11,6 +11,15 @@ What it serves, as the real servicer does (smg-grpc-servicer 0.14.1 beside sglan
   ``HealthCheck``, ``Abort``, ``GetModelInfo``, ``GetServerInfo``, ``GetLoads``, ``FlushCache``; the rest
   UNIMPLEMENTED) and the standard ``grpc.health.v1.Health`` (``""`` and the scheduler service:
   ``NOT_SERVING`` until the warmup is over, ``SERVING`` after, ``NOT_FOUND`` for another service);
+- ``Generate`` under the request's constraint (the proto's ``regex`` / ``json_schema`` / ``ebnf_grammar`` oneof,
+  handed to sglang's sampling params as they are): the output :mod:`.constrained` allows, as over HTTP; a grammar
+  that does not compile is the scheduler's 400 abort, which the servicer ends the stream with as
+  ``INVALID_ARGUMENT`` and sglang's ``Failed to compile ... grammar`` message; the penalties act as over HTTP
+  (:class:`.tokens.Sampling`);
+- ``Embed`` answers smg-grpc-proto's flat ``EmbedResponse`` (``embedding_dim`` 4, ``embedding`` 5,
+  ``prompt_tokens`` 6), as the real servicer 0.14.1 does. sglang-router 0.3.2 was built against the older layout
+  (``oneof {complete = 2, error = 3}``) and finds no answer in it: its 500 ``Embedding execution returned no
+  response``, with the real engine as with the sim (checked live);
 - on ``--smg-http-sidecar-port`` (default ``--port + 1``), the HTTP sidecar: ``POST /start_profile``, ``POST
   /stop_profile``, ``GET /metrics`` with ``--enable-metrics``, 404 ``404: Not Found`` for the rest (no
   ``/health``), plus the sim's own control endpoint ``/_sim/faults`` (the request faults apply to
@@ -36,20 +45,45 @@ from concurrent import futures
 from typing import Any, NoReturn
 
 from ..engine.grpc_facts import INSTALL_HINT, SCHEDULER_SERVICE, grpc_missing_reason
+from .constrained import ConstraintError, constrained_text
 from .core import ENV_FAULT, wait_forever
 from .routes import admin
 from .routes.common import Request, Route
 from .server import Handler, SimHTTPServer
 from .state import SITE, VERSION, Sim, kill_self
-from .tokens import Generation, embedding, logprobs
+from .tokens import Generation, Sampling, embedding, logprobs, prompt_seed
 
-__all__ = ["INSTALL_HINT", "SCHEDULER_SERVICE", "WARMUP_INPUT_IDS", "GrpcSim", "missing_reason", "serve"]
+__all__ = ["CONSTRAINT_KINDS", "INSTALL_HINT", "SCHEDULER_SERVICE", "WARMUP_INPUT_IDS", "GrpcSim", "grammar_of_params",
+           "missing_reason", "sampling_of", "serve"]
 
 #: The servicer's warmup request (``smg_grpc_servicer/sglang/server.py``): "random-looking but safe" ids.
 WARMUP_INPUT_IDS = (123, 456, 789, 234, 567, 890, 345)
 #: sglang's HTTP status of an abort -> the gRPC status the servicer ends the stream with.
 _STATUS_CODES = {400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 404: "NOT_FOUND", 429: "RESOURCE_EXHAUSTED",
                  503: "UNAVAILABLE", 504: "DEADLINE_EXCEEDED"}
+
+
+#: The proto's ``SamplingParams.constraint`` oneof -> the grammar kind of :mod:`.constrained` (the servicer hands
+#: ``regex``, ``json_schema``, ``ebnf_grammar`` and ``structural_tag`` to sglang's sampling params as they are).
+CONSTRAINT_KINDS = {"regex": "regex", "json_schema": "json", "ebnf_grammar": "ebnf", "structural_tag": "structural_tag"}
+
+
+def grammar_of_params(sampling_params: Any) -> tuple[str, str] | None:
+    """The request's one grammar from the proto's ``constraint`` oneof (at most one is set, by the wire format),
+    as :func:`.constrained.grammar_of` gives it for a JSON request; None without one (an empty string is unset, as
+    sglang's ``if self.regex`` reads it)."""
+    field = sampling_params.WhichOneof("constraint")
+    value = getattr(sampling_params, field) if field else ""
+    return (CONSTRAINT_KINDS[field], value) if field and value else None
+
+
+def sampling_of(sampling_params: Any) -> Sampling:
+    """The knobs of the proto's ``SamplingParams`` that change the sim's tokens (:class:`.tokens.Sampling`), read as
+    the servicer reads them: proto3 has no unset scalar, and a ``repetition_penalty`` of 0 is the neutral 1.0. The
+    proto carries no seed, so a temperature alone leaves the echo as it is (as over HTTP without a seed)."""
+    return Sampling(temperature=sampling_params.temperature, frequency_penalty=sampling_params.frequency_penalty,
+                    presence_penalty=sampling_params.presence_penalty,
+                    repetition_penalty=sampling_params.repetition_penalty or 1.0)
 
 
 def missing_reason() -> str:
@@ -234,8 +268,14 @@ def _scheduler_servicer(sim: Sim) -> Any:
                 with sim.loads.scope():  # what it generates counts in the loads until it ends
                     request_faults(context)
                     n = max(int(sp.n or 1), 1)
+                    try:  # the grammar is compiled once the request is admitted; a failure aborts it with 400
+                        output = constrained_text(grammar_of_params(sp), prompt_seed(ids))
+                    except ConstraintError as exc:
+                        sim.log.error(f"{exc}, self.rid={request.request_id!r}")
+                        abort_status(context, 400, str(exc))
                     gens = [sim.generate(ids, None, max_new, list(sp.stop), bool(sp.ignore_eos),
-                                         list(sp.stop_token_ids) or None) for _ in range(n)]
+                                         list(sp.stop_token_ids) or None, constraint=output,
+                                         sampling=sampling_of(sp)) for _ in range(n)]
                     if plan.mode == "prefill":  # the prefill side stops after its first token
                         for gen in gens:
                             gen.output_ids, gen.texts = gen.output_ids[:1], gen.texts[:1]

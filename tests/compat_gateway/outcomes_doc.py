@@ -58,7 +58,8 @@ def render(manifest: dict[str, Any], outcomes: dict[str, Any]) -> str:
                   "|---|---|---|---|"]
         for test, why in classified.items():
             outcome = outcomes["engines"][engine].get(test, "not run").lower()
-            lines.append(f"| `{test}` | {outcome} | {why['kind']} | {why['reason']} |")
+            kind = f"{why['kind']} (either outcome)" if why.get("either") else why["kind"]
+            lines.append(f"| `{test}` | {outcome} | {kind} | {why['reason']} |")
         lines.append("")
     for engine in engines:
         left_out = manifest.get("deselected", {}).get(engine, {})

@@ -78,7 +78,8 @@ FLAGS: dict[str, tuple[str, str]] = {
     "chunked_prefill_size": (SIMULATED, f"/server_info and the startup log ({_SIM_TEST})"),
     "max_running_requests": (SIMULATED, f"/server_info and /v1/loads' running and waiting ({_SIM_TEST})"),
     "max_prefill_tokens": (SIMULATED, f"/server_info and the startup log ({_UNTESTED})"),
-    "grpc_mode": (SIMULATED, f"sglang's gRPC server instead of HTTP ({_UNTESTED})"),
+    "grpc_mode": (SIMULATED, "sglang's gRPC server instead of HTTP: Generate under the request's constraint and "
+                             "penalties, Embed's flat answer (tests/sim/test_sim_grpc.py)"),
     "smg_grpc_mode": (SIMULATED, f"the gRPC server with its HTTP sidecar ({_UNTESTED})"),
     "smg_http_sidecar_port": (SIMULATED, f"the sidecar's port ({_UNTESTED})"),
     "disaggregation_mode": (SIMULATED, f"prefill and decode servers with sglang's bootstrap handshake ({_PD_TEST})"),

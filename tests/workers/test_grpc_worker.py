@@ -342,9 +342,41 @@ def test_one_http_worker_beside_a_grpc_one(sgl_router, sgl_workers, sgl_spawn_wo
     # every request goes to the gRPC worker
     assert served_by(sgl_workers)[0] - before == 4
     assert http.log_text().count("POST /v1/chat/completions") == 0
+
+
+REGEX = "(yes|no)-[a-z]{{3,8}}-[0-9]{{2}}"
+
+
+@pytest.mark.sgl_workers(count=1)
+@pytest.mark.sgl_router(policy="round_robin")
+def test_a_regex_reaches_the_grpc_worker(sgl_router, sgl_workers):
+    # the router sends sglang's `regex` extra as the proto's constraint; the worker's output follows it
+    import re
+    chat = {{"model": TINY, "messages": [{{"role": "user", "content": "a json"}}], "max_tokens": 64, "regex": REGEX}}
+    resp = sgl_router.client.post("/v1/chat/completions", json=chat, timeout=30)
+    assert resp.status_code == 200, resp.text
+    choice = resp.json()["choices"][0]
+    assert re.fullmatch(REGEX, choice["message"]["content"]), choice
+    assert choice["finish_reason"] == "stop"
+    # a regex that does not compile: the worker ends the stream with INVALID_ARGUMENT and sglang's message, which
+    # sglang-router 0.3.2 answers as its 500 start_generation_failed, the worker's message kept
+    bad = sgl_router.client.post("/v1/chat/completions", json={{**chat, "regex": "(unclosed"}}, timeout=30)
+    assert bad.status_code == 500 and bad.json()["error"]["code"] == "start_generation_failed", bad.text
+    assert "Client specified an invalid argument" in bad.text and "Failed to compile regex grammar" in bad.text
+
+
+@pytest.mark.sgl_workers(count=1, args=["--is-embedding"])
+@pytest.mark.sgl_router(policy="round_robin")
+def test_embeddings_over_grpc_are_the_routers_no_response(sgl_router, sgl_workers):
+    # sglang-router 0.3.2 reads EmbedResponse as the old oneof (complete = 2, error = 3); the servicer 0.14.1 (and
+    # the sim) send the flat fields 4-6: the router finds no answer. The real engine gives the same 500.
+    resp = sgl_router.client.post("/v1/embeddings", json={{"model": TINY, "input": "hello"}}, timeout=30)
+    assert resp.status_code == 500, resp.text
+    assert resp.json()["error"]["code"] == "embedding_no_response", resp.text
+    assert "Receive embedding request: " in sgl_workers[0].log_text()  # the worker was asked and answered
 """)
     result = _run(pytester, "--sgl-model", "tiny-grpc", "--sgl-gpus", "sim:3", "-v")
-    result.assert_outcomes(passed=2)
+    result.assert_outcomes(passed=4)
 
 
 @needs_grpc
