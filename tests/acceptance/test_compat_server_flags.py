@@ -59,9 +59,60 @@ DESELECTED: dict[str, str] = {
         "the tests reach no network"),
 }
 
+PASSING = [
+    *(f"test_input_embeddings.py::TestInputEmbeds::{t}" for t in (
+        "test_text_based_response", "test_embedding_based_response", "test_compare_text_vs_embedding")),
+    *(f"test_penalty.py::TestPenalty::{t}" for t in (
+        "test_default_values", "test_frequency_penalty", "test_min_new_tokens", "test_presence_penalty",
+        "test_penalty_mixed", "test_frequency_penalty_reduces_word_repetition",
+        "test_presence_penalty_reduces_topic_repetition", "test_combined_penalties_reduce_repetition",
+        "test_penalty_edge_cases_extreme_penalty_values")),
+    *(f"test_skip_tokenizer_init.py::TestSkipTokenizerInit::{t}" for t in (
+        "test_simple_decode", "test_parallel_sample", "test_logprob", "test_eos_behavior",
+        "test_simple_decode_stream")),
+    *(f"test_abort.py::TestAbortAll::{t}" for t in (
+        "test_duplicate_rid_sequential_ok", "test_duplicate_rid_in_batch", "test_server_healthy_after_duplicate_rid")),
+]
+CONTEXT = "over the tiny model's 512-token context, a 400 before anything runs, on both engines"
+TRITON = ("its server asks for --attention-backend triton: the real CPU engine binds, then its scheduler dies of "
+          "Triton's '0 active drivers' at the warmup request, and the sim dies the same way (docs/SIM_FLAGS.md, "
+          "--attention-backend): the class's tests error at setup on both engines")
+NEWER = ("newer than sglang 0.5.23: setUpClass reads envs.SGLANG_QUEUED_TIMEOUT_MS (and the mixin's "
+         "_timed_out_request_status_code) that 0.5.23 does not have, an AttributeError before any launch")
+#: the selected tests that do not pass, the same way on both engines, and why
+NOT_PASSING: dict[str, tuple[str, str]] = {
+    "test_input_embeddings.py::TestInputEmbeds::test_embedding_bytes_response": ("FAILED", (
+        "newer than sglang 0.5.23: input_embeds_bytes and input_embeds_shape are not request fields of 0.5.23, "
+        "which answers 400 'Either text, input_ids or input_embeds should be provided.' (the sim too)")),
+    "test_session_control.py::TestSessionControl::test_session_control": ("ERROR", TRITON),
+    "test_session_control.py::TestSessionControl::test_session_control_with_branching": ("ERROR", TRITON),
+    "test_session_control.py::TestSessionControl::test_session_control_backtrack_with_abort": ("ERROR", (
+        f"upstream's own unittest.skip('broken'), but {TRITON}")),
+    "test_abort.py::TestAbort::test_memory_leak": ("FAILED", (
+        f"its workload asks for 2,048 new tokens, {CONTEXT}: nothing is aborted, so no 'Abort' line (the real "
+        "engine's log also has triton's 'nanobind: leaked 4 instances!' at exit, which the helper reads as a leak)")),
+    "test_abort.py::TestAbortWithApiKey::test_memory_leak_with_api_key": ("FAILED", (
+        f"its workload asks for 2,048 new tokens, {CONTEXT}: nothing is aborted, so no 'Abort' line")),
+    "test_abort.py::TestAbortAll::test_abort_all": ("FAILED", (
+        f"AbortAllMixin asks for 16,000 new tokens, {CONTEXT}: the answers have no meta_info to show an abort")),
+    "test_abort.py::TestAbortAll::test_duplicate_rid_concurrent_rejected": ("FAILED", (
+        f"its first request asks for 512 new tokens, {CONTEXT}: the 400 is the context's, not 'Duplicate request "
+        "ID'")),
+    "test_abort.py::TestAbortAllWithRetraction::test_abort_all_with_retraction": ("FAILED", (
+        f"4,000 new tokens, {CONTEXT}: the answers have no meta_info to show an abort")),
+    "test_abort.py::TestAbortWithWaitingTimeout::test_waiting_timeout": ("ERROR", NEWER),
+    "test_abort.py::TestAbortWithWaitingTimeoutCustomStatusCode::test_waiting_timeout": ("ERROR", NEWER),
+    "test_abort.py::TestAbortWithRunningTimeout::test_running_timeout": ("FAILED", (
+        f"512 new tokens after 'Today is ', {CONTEXT}: the error is the context's 400, not the running timeout's "
+        "503")),
+}
 #: every selected test's outcome, (real engine, sim)
-OUTCOMES: dict[str, tuple[str, str]] = {}
-#: the tests whose outcome differs between the engines, and the line of docs/SIM_FLAGS.md that explains it
+OUTCOMES: dict[str, tuple[str, str]] = {
+    **{nodeid: ("PASSED", "PASSED") for nodeid in PASSING},
+    **{nodeid: (outcome, outcome) for nodeid, (outcome, _) in NOT_PASSING.items()},
+}
+#: the tests whose outcome differs between the engines, and the line of docs/SIM_FLAGS.md that explains it: none
+#: since the sim's seeded samples repeat words (two penalty tests once failed on the sim only, 1.000 -> 1.000)
 DIFFERENCES: dict[str, str] = {}
 
 INNER_CONFTEST = '''
