@@ -47,7 +47,7 @@ MODELS = "meta-llama/Llama-3.2-1B-Instruct=tiny-cpu,meta-llama/Llama-3.1-8B-Inst
 #: afresh; uvicorn's supervisor kills one that does not answer its liveness ping within sglang's
 #: ``SGLANG_UVICORN_WORKER_HEALTHCHECK_TIMEOUT`` (10 s), and an import takes longer than that on a loaded 2-core
 #: machine: the workers are killed and restarted every 10 s ('Child process [N] died') until the load drops (one
-#: run here: 7 minutes, most of the 420 s startup timeout); the sim, one process, does not simulate the workers
+#: run here: 24 deaths in 3 minutes, then ready); the sim, one process, does not simulate the workers
 WORKER_HEALTHCHECK = "300"
 
 #: upstream tests not run, by node id (a class: all its tests), and why; the same on both engines
