@@ -38,7 +38,7 @@ def default_dest() -> Path:
 
 def entries(manifest: dict[str, object]) -> list[dict[str, str]]:
     found = []
-    for section in ("files", "families"):
+    for section in ("files", "families", "server_flags"):
         found.extend(dict(info) for info in manifest.get(section, {}).values())  # type: ignore[attr-defined]
     return found
 

@@ -80,14 +80,16 @@ def prompt_seed(ids: Sequence[int]) -> int:
 class Sampling:
     """The sampling knobs that change a generation, as the real engine's do in direction (never in value):
 
-    - ``temperature`` above 0 *with* a ``seed`` (``sampling_params.sampling_seed``, OpenAI's ``seed``): the tokens
-      are drawn from the prompt's, with replacement (so they repeat, as a sampled small model's do), by a
-      generator seeded with the seed and the prompt: the same seed repeats, another seed differs. Without a
-      seed, or at temperature 0, the generation is the deterministic echo (the real engine samples afresh then;
-      the sim cannot be random and stay reproducible).
+    - ``temperature`` above 0 *with* a ``seed`` (``sampling_params.sampling_seed``, OpenAI's ``seed``): the prompt's
+      words (a word: its tokens up to the next one that starts with a space) are drawn with replacement, half the
+      time among the words already said (so words repeat, as a sampled small model's do), by a generator seeded
+      with the seed and the prompt: the same seed repeats, another seed differs. Without a seed, or at temperature
+      0, the generation is the deterministic echo (the real engine samples afresh then; the sim cannot be random
+      and stay reproducible).
     - a penalty (``frequency_penalty`` or ``presence_penalty`` above 0, ``repetition_penalty`` above 1): a token
-      the generation already holds is replaced by one it does not (the prompt's first, then the vocabulary's),
-      so the vocabulary used widens; below 0 (below 1): each token is said twice, so it narrows.
+      (in a seeded sample: a word) the generation already holds is replaced by one it does not (the prompt's
+      first, then the vocabulary's), so the vocabulary used widens; below 0 (below 1): each token (word) is said
+      twice, so it narrows.
 
     No knob (:data:`NO_SAMPLING`) leaves the echo unchanged."""
 
@@ -129,25 +131,60 @@ class Sampling:
 NO_SAMPLING = Sampling()
 
 
-def _next_token(vocab: Vocab, source: list[int], output: list[int], sampling: Sampling,
-                draw: random.Random | None) -> int:
+def _next_token(vocab: Vocab, source: list[int], output: list[int], sampling: Sampling) -> int:
     """The next token of a generation under ``sampling`` (see :class:`Sampling`)."""
     position = len(output)
     if sampling.penalty < 0 and position % 2 == 1:
         return output[-1]
     at = position // 2 if sampling.penalty < 0 else position
-    token = source[draw.randrange(len(source))] if draw is not None else source[at % len(source)]
+    token = source[at % len(source)]
     if sampling.penalty > 0 and token in output:
         used = set(output)
         fresh = [t for t in source if t not in used]
         if fresh:
             return fresh[0]
-        start = prompt_seed(output) % vocab.vocab_size
-        for step in range(vocab.vocab_size):
-            candidate = (start + step) % vocab.vocab_size
-            if candidate not in used and candidate not in vocab.special_ids:
-                return candidate
+        candidate = _fresh_token(vocab, used, output)
+        if candidate is not None:
+            return candidate
     return token
+
+
+def _fresh_token(vocab: Vocab, used: set[int], salt: Sequence[int]) -> int | None:
+    """A token of the vocabulary that is not special and not in ``used`` (where to start looking: ``salt``)."""
+    start = prompt_seed(salt) % vocab.vocab_size
+    for step in range(vocab.vocab_size):
+        candidate = (start + step) % vocab.vocab_size
+        if candidate not in used and candidate not in vocab.special_ids:
+            return candidate
+    return None
+
+
+def _words(vocab: Vocab, source: list[int]) -> list[tuple[int, ...]]:
+    """``source`` cut into words: a new one at each token whose text starts with whitespace."""
+    words: list[list[int]] = []
+    for token in source:
+        if not words or vocab.decode([token])[:1].isspace():
+            words.append([token])
+        else:
+            words[-1].append(token)
+    return [tuple(w) for w in words]
+
+
+def _sampled(vocab: Vocab, source: list[int], sampling: Sampling, draw: random.Random, length: int) -> list[int]:
+    """A seeded sample's first ``length`` tokens: the prompt's words, drawn with replacement (:class:`Sampling`)."""
+    words = _words(vocab, source)
+    out: list[int] = []
+    said: list[tuple[int, ...]] = []
+    while len(out) < length:
+        # half the time a word already said: a small model's sample repeats itself
+        word = said[draw.randrange(len(said))] if said and draw.random() < 0.5 else words[draw.randrange(len(words))]
+        if sampling.penalty > 0 and word in said:
+            fresh = [w for w in words if w not in said]
+            token = None if fresh else _fresh_token(vocab, set(out), out)
+            word = fresh[0] if fresh else ((token,) if token is not None else word)
+        said.append(word)
+        out.extend(word * (2 if sampling.penalty < 0 else 1))
+    return out[:length]
 
 
 def generate(vocab: Vocab, prompt_ids: list[int], source_ids: list[int], max_new_tokens: int | None,
@@ -168,6 +205,7 @@ def generate(vocab: Vocab, prompt_ids: list[int], source_ids: list[int], max_new
     texts: list[str] = []
     finish: dict[str, Any] | None = None
     stops = set(stop_token_ids)
+    sampled = _sampled(vocab, source, sampling, draw, min(limit, natural)) if draw is not None else None
     while finish is None:
         if len(output) >= limit:
             finish = {"type": "length", "length": limit}
@@ -177,8 +215,12 @@ def generate(vocab: Vocab, prompt_ids: list[int], source_ids: list[int], max_new
             texts.append(texts[-1] if texts else "")
             finish = {"type": "stop", "matched": vocab.eos_token_id}
             break
-        token = (source[len(output) % len(source)] if sampling == NO_SAMPLING
-                 else _next_token(vocab, source, output, sampling, draw))
+        if sampled is not None:
+            token = sampled[len(output)]
+        elif sampling == NO_SAMPLING:
+            token = source[len(output) % len(source)]
+        else:
+            token = _next_token(vocab, source, output, sampling)
         output.append(token)
         text = vocab.decode(output)
         if token in stops:

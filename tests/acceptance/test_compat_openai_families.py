@@ -7,7 +7,8 @@ The files (``MANIFEST.json``'s ``families``, upstream's bytes found as ``test_co
 not part of this repository; tests/data/sglang_tests/README.md
 lists the files of the families not taken, each with why) run as ``test_compat_real_engine.py`` runs its own two:
 copied with the one import changed into one inner pytest session per engine, a subprocess of the real engine's
-Python (``sglang.test.test_utils`` needs ``datasets`` there; skipped with the fix otherwise). Besides the tiny
+Python (``sglang.test.test_utils`` needs ``datasets`` there, which the engine's recipe installs; a failure with
+the fix otherwise). Besides the tiny
 model's spec, the inner session says, without editing the files:
 
 - ``SGLWORKER_COMPAT_MODELS``: ``DEFAULT_SMALL_MODEL_NAME_FOR_TEST`` (Llama-3.2-1B),

@@ -160,6 +160,14 @@ def _upstream_file(name: str, info: dict[str, Any]) -> tuple[Path | None, str]:
     return path, ""
 
 
+def engine_import_failure(python: Path, stderr: str) -> str:
+    """What a real engine that cannot import ``sglang.test.test_utils`` means for the compat tiers, and the fix."""
+    return (f"the real engine at {python} cannot import sglang.test.test_utils, which every upstream sglang test "
+            f"file imports: {(stderr.strip().splitlines() or ['?'])[-1]}. An install made by an older recipe lacks "
+            "'datasets': run `sglworker install-real-engine` again (the recipe installs it now), or install the "
+            "missing package into that venv with its own pip")
+
+
 def _with_one_import_changed(text: str) -> str:
     changed = text.replace(IMPORT_FROM, IMPORT_TO, 1)
     differing = [(a, b) for a, b in zip(text.splitlines(), changed.splitlines(), strict=True) if a != b]
@@ -233,7 +241,8 @@ def _prepare_inner(base: Path, python: Path, model: Path, sources: dict[str, Pat
                    conftest: str = INNER_CONFTEST) -> tuple[dict[str, str], list[str]]:
     """The inner session's ``conftest`` and copies of the upstream files in the folder ``base``, its environment,
     and its command up to the options of its engine: ``(env, command)``. Skips when the engine's Python cannot
-    import what the files import (``sglang.test.test_utils`` needs ``datasets``)."""
+    import what the files import (``sglang.test.test_utils`` needs ``datasets``): fails, never skips, since the
+    engine is installed and its recipe installs ``datasets``; a skip here hid the whole tier once."""
     base.mkdir(parents=True, exist_ok=True)
     (base / "conftest.py").write_text(conftest.format(model=str(model)), encoding="utf-8")
     for name, path in sources.items():
@@ -242,9 +251,7 @@ def _prepare_inner(base: Path, python: Path, model: Path, sources: dict[str, Pat
     probe = subprocess.run([str(python), "-c", "import sglang.test.test_utils"], env=env, capture_output=True,
                            text=True, timeout=600, check=False)
     if probe.returncode != 0:
-        pytest.skip(f"{python} cannot import sglang.test.test_utils, which the files import: "
-                    f"{(probe.stderr.strip().splitlines() or ['?'])[-1]} (install the missing package into the "
-                    "engine's venv, e.g. 'pip install datasets', or put a folder holding it on PYTHONPATH)")
+        pytest.fail(engine_import_failure(python, probe.stderr), pytrace=False)
     site = str(Path(pytest.__file__).resolve().parents[1])
     return env, [str(python), "-c", BOOT.format(site=site), "-p", "pytest_sglworker.plugin", "-rA", "-p",
                  "no:cacheprovider"]

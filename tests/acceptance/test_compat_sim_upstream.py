@@ -4,7 +4,7 @@ runs has the same outcome here (all pass), except those that need what only real
 reason (:data:`DESELECTED`, on top of the real tier's own).
 
 The files import sglang, so the inner session runs in the real engine's Python (``sglang.test.test_utils`` needs
-``datasets`` there, as for the real tier; skipped with the fix otherwise); only the servers are simulated. One
+``datasets`` there, as for the real tier; a failure with the fix otherwise); only the servers are simulated. One
 inner session for both files (``slow``: five classes, five servers, one after the other on sglang's test port).
 """
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import hashlib
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -190,6 +191,54 @@ def real_python() -> Path:
 @pytest.fixture(scope="module")
 def tiny_model(real_python: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(real_python, tmp_path_factory.mktemp("tiny") / "model")
+
+
+RECIPE = Path(__file__).resolve().parents[2] / "pytest_sglworker" / "tools" / "recipes" / "real_engine"
+
+
+def _names(path: Path) -> dict[str, str]:
+    """``{normalized name: line}`` of a requirements or constraints file (PEP 503 names)."""
+    found = {}
+    for line in path.read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            found[re.sub(r"[-_.]+", "-", re.split(r"[=<>~! \[]", line, maxsplit=1)[0]).lower()] = line
+    return found
+
+
+def test_every_package_of_the_engine_recipe_is_pinned_datasets_included() -> None:
+    """Each requirement has an exact pin; ``datasets`` is one (``sglang.test.test_utils`` imports it: without it
+    every upstream test file of the compat tiers fails to import)."""
+    required, pinned = _names(RECIPE / "requirements.txt"), _names(RECIPE / "constraints.txt")
+    assert "datasets" in required
+    assert not set(required) - set(pinned), set(required) - set(pinned)
+    assert all("==" in line for line in pinned.values()), [line for line in pinned.values() if "==" not in line]
+
+
+_VERSIONS = ("import importlib.metadata as m, json, sys\n"
+             "found = {}\n"
+             "for name in json.loads(sys.argv[1]):\n"
+             "    try:\n"
+             "        found[name] = m.version(name)\n"
+             "    except m.PackageNotFoundError:\n"
+             "        found[name] = None\n"
+             "print(json.dumps(found))")
+
+
+@pytest.mark.real_engine
+def test_the_engine_has_every_package_its_recipe_pins(real_python: Path) -> None:
+    """The installed engine holds each requirement of the recipe at its pinned version. The compat tiers run upstream
+    files that import ``sglang.test.test_utils``, which needs ``datasets``: an install by an older recipe, without it,
+    skipped those tiers once; now it fails here, in the default run (a metadata read, not the 10 s import; the
+    recipe's own last step imports ``sglang.test.test_utils``)."""
+    required, pinned = _names(RECIPE / "requirements.txt"), _names(RECIPE / "constraints.txt")
+    wanted = {name: pinned[name].split("==", 1)[1] for name in required}
+    probe = subprocess.run([str(real_python), "-c", _VERSIONS, json.dumps(sorted(wanted))], capture_output=True,
+                           text=True, timeout=120, check=True)
+    found = json.loads(probe.stdout)
+    wrong = {name: (found[name], version) for name, version in wanted.items() if found[name] != version}
+    assert not wrong, (
+        f"the real engine at {real_python} was not installed by this recipe ({{package: (installed, pinned)}}: "
+        f"{wrong}); run `sglworker install-real-engine` again")
 
 
 def _digest(folder: Path) -> dict[str, str]:

@@ -39,6 +39,8 @@ _SIM_TEST = "tests/sim/test_sim.py"
 _PD_TEST = "tests/sim/test_sim_pd.py"
 _OPS_TEST = "tests/sim/test_sim_ops.py"
 _CHAT_TEST = "tests/sim/test_sim_chat.py"
+_EFFECTS_TEST = "tests/sim/test_sim_flag_effects.py"
+_GRPC_TEST = "tests/workers/test_grpc_worker.py"
 #: what the sim does that no test of its own holds yet (the page says so)
 _UNTESTED = "no test of its own yet"
 
@@ -47,12 +49,12 @@ FLAGS: dict[str, tuple[str, str]] = {
     "model_path": (SIMULATED, f"the model directory's config and tokenizer ({_SIM_TEST})"),
     "tokenizer_path": (SIMULATED, f"the tokenizer the prompts are counted with ({_SIM_TEST})"),
     "served_model_name": (SIMULATED, f"the model name of /v1/models and the answers ({_SIM_TEST})"),
-    "host": (SIMULATED, f"the address it binds ({_UNTESTED})"),
+    "host": (SIMULATED, f"the address it binds ({_EFFECTS_TEST})"),
     "port": (SIMULATED, f"the port it binds ({_SIM_TEST})"),
     "api_key": (SIMULATED, f"401 without the key ({_SIM_TEST})"),
     "context_length": (SIMULATED, "prompt and max_tokens refusals at the context length "
                                   "(tests/sim/test_sim_openai_families.py)"),
-    "allow_auto_truncate": (SIMULATED, f"no refusal of a long max_tokens ({_UNTESTED})"),
+    "allow_auto_truncate": (SIMULATED, f"a long input or max_tokens truncated, not refused ({_EFFECTS_TEST})"),
     "is_embedding": (SIMULATED, f"/encode and /v1/embeddings served, generation refused ({_SIM_TEST})"),
     "skip_tokenizer_init": (SIMULATED, f"answers without text, a text prompt refused with 400 ({_FLAGS_TEST})"),
     "incremental_streaming_output": (SIMULATED, f"each chunk's own text and ids ({_FLAGS_TEST})"),
@@ -69,36 +71,38 @@ FLAGS: dict[str, tuple[str, str]] = {
     "enable_lora": (SIMULATED, f"lora_path refused without it ({_FIELDS_TEST})"),
     "lora_paths": (SIMULATED, f"lora_path refused without adapters ({_FIELDS_TEST})"),
     "dp_size": (SIMULATED, f"routed_dp_rank's range, one load per rank in /v1/loads ({_OPS_TEST})"),
-    "stream_response_default_include_usage": (SIMULATED, f"usage in the last chunk by default ({_UNTESTED})"),
-    "reasoning_parser": (SIMULATED, f"reasoning_content split from the content ({_UNTESTED})"),
-    "tool_call_parser": (SIMULATED, f"tool calls parsed from the content ({_UNTESTED})"),
+    "stream_response_default_include_usage": (SIMULATED, f"usage in the last chunk by default ({_EFFECTS_TEST})"),
+    "reasoning_parser": (NOT_SIMULATED, "named in /server_info only: the sim does not split reasoning_content from "
+                                          "the content (its answers are the prompt's own tokens)"),
+    "tool_call_parser": (NOT_SIMULATED, "named in /server_info only: the sim does not parse tool calls from the "
+                                         "content (its answers are the prompt's own tokens)"),
     "max_total_tokens": (SIMULATED, f"the KV pool size of the logs, /server_info and /v1/loads ({_SIM_TEST})"),
     "mem_fraction_static": (SIMULATED, f"the memory ledger's pool and its startup failure ({_SIM_TEST})"),
     "page_size": (SIMULATED, f"cached_tokens rounded to pages ({_SIM_TEST})"),
     "chunked_prefill_size": (SIMULATED, f"/server_info and the startup log ({_SIM_TEST})"),
     "max_running_requests": (SIMULATED, f"/server_info and /v1/loads' running and waiting ({_SIM_TEST})"),
-    "max_prefill_tokens": (SIMULATED, f"/server_info and the startup log ({_UNTESTED})"),
+    "max_prefill_tokens": (SIMULATED, f"/server_info and the startup log ({_EFFECTS_TEST})"),
     "grpc_mode": (SIMULATED, "sglang's gRPC server instead of HTTP: Generate under the request's constraint and "
-                             "penalties, Embed's flat answer (tests/sim/test_sim_grpc.py)"),
-    "smg_grpc_mode": (SIMULATED, f"the gRPC server with its HTTP sidecar ({_UNTESTED})"),
-    "smg_http_sidecar_port": (SIMULATED, f"the sidecar's port ({_UNTESTED})"),
+                             f"penalties, Embed's flat answer (tests/sim/test_sim_grpc.py, {_GRPC_TEST})"),
+    "smg_grpc_mode": (SIMULATED, f"the gRPC server with its HTTP sidecar ({_EFFECTS_TEST})"),
+    "smg_http_sidecar_port": (SIMULATED, f"the sidecar's port ({_EFFECTS_TEST})"),
     "disaggregation_mode": (SIMULATED, f"prefill and decode servers with sglang's bootstrap handshake ({_PD_TEST})"),
     "disaggregation_bootstrap_port": (SIMULATED, f"the prefill side's bootstrap server ({_PD_TEST})"),
     "disaggregation_transfer_backend": (SIMULATED, f"named in the handshake ({_PD_TEST})"),
-    "kv_events_config": (REFUSED, f"a config that is not JSON ends the startup as the real engine's ({_UNTESTED})"),
+    "kv_events_config": (REFUSED, f"a config that is not JSON ends the startup as the real engine's ({_EFFECTS_TEST})"),
     "attention_backend": (REFUSED, f"triton with --device cpu: the scheduler dies at the first forward pass, "
                                    f"'0 active drivers' ({_FLAGS_TEST}); other values unobservable"),
-    "prefill_attention_backend": (REFUSED, f"as --attention-backend ({_UNTESTED})"),
-    "decode_attention_backend": (REFUSED, f"as --attention-backend ({_UNTESTED})"),
+    "prefill_attention_backend": (REFUSED, f"as --attention-backend ({_EFFECTS_TEST})"),
+    "decode_attention_backend": (REFUSED, f"as --attention-backend ({_EFFECTS_TEST})"),
     "device": (SIMULATED, f"cpu with a Triton attention backend dies as the real engine does ({_FLAGS_TEST})"),
     "tp_size": (REFUSED, f"more GPUs than CUDA_VISIBLE_DEVICES has: 'invalid device ordinal' ({_SIM_TEST})"),
-    "base_gpu_id": (REFUSED, f"as --tp-size ({_UNTESTED})"),
+    "base_gpu_id": (REFUSED, f"as --tp-size ({_EFFECTS_TEST})"),
     "nccl_port": (SIMULATED, f"in the startup log ({_SIM_TEST})"),
     "cuda_graph_backend_decode": (SIMULATED, f"the capture log lines and their time ({_SIM_TEST})"),
     "cuda_graph_backend_prefill": (SIMULATED, f"the capture log lines and their time ({_SIM_TEST})"),
-    "cuda_graph_max_bs_decode": (SIMULATED, f"the captured batch sizes in the log ({_UNTESTED})"),
-    "disable_cuda_graph": (SIMULATED, f"its deprecation warning, no capture ({_UNTESTED})"),
-    "enable_hierarchical_cache": (SIMULATED, f"the host memory line of the startup log ({_UNTESTED})"),
+    "cuda_graph_max_bs_decode": (SIMULATED, f"the captured batch sizes in the log ({_EFFECTS_TEST})"),
+    "disable_cuda_graph": (SIMULATED, f"its deprecation warning, no capture ({_EFFECTS_TEST})"),
+    "enable_hierarchical_cache": (SIMULATED, f"the host memory line of the startup log ({_EFFECTS_TEST})"),
     "enable_deterministic_inference": (NOT_SIMULATED, "the real engine honours sampling_seed only with it; the sim "
                                                       "repeats a seeded sample always, to stay reproducible"),
     "random_seed": (NOT_SIMULATED, "the real engine's unseeded samples follow it; the sim's answers do not sample"),
@@ -315,6 +319,7 @@ def route_verdict(route: dict[str, Any], served: list[Any]) -> tuple[str, str] |
 def render(surface: dict[str, Any], served: list[Any]) -> str:
     routes = [(r, route_verdict(r, served)) for r in surface["routes"]]
     flags = [(f, flag_verdict(f)) for f in surface["flags"]]
+    untested = sum(1 for _, v in flags if v and _UNTESTED in v[1])
 
     def counts(items: list[tuple[Any, tuple[str, str] | None]]) -> str:
         tally = {c: sum(1 for _, v in items if v and v[0] == c) for c in CLASSES}
@@ -336,8 +341,8 @@ def render(surface: dict[str, Any], served: list[Any]) -> str:
         "routes the sim simulates are recorded in `tests/data/sim/server_flags_real.json`.",
         "",
         f"Routes: {len(routes)}: {counts(routes)}. Flags: {len(flags)}: {counts(flags)}; "
-        f"{sum(1 for _, v in flags if v and _UNTESTED in v[1])} of the simulated or refused ones have "
-        "no test of their own yet.",
+        + (f"{untested} of the simulated or refused ones have no test of their own yet." if untested else
+           "each simulated or refused one names the test that holds it."),
         "",
         "## Routes",
         "",

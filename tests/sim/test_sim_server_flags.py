@@ -240,6 +240,38 @@ def test_openai_seed_and_penalties(plain: SimProc) -> None:
     assert sum(_diversity(t) for t in penalized) > sum(_diversity(t) for t in baseline)
 
 
+#: upstream sampling/test_penalty.py's four effect tests: (prompt, baseline knobs, penalized knobs)
+UPSTREAM_PENALTY_CASES = [
+    ("Write exactly 10 very small sentences, each containing the word 'data'. Use the word 'data' as much as "
+     "possible.", {"frequency_penalty": 0.0}, {"frequency_penalty": 1.99}),
+    ("Write the word 'machine learning' exactly 20 times in a row, separated by spaces.",
+     {"presence_penalty": 0.0}, {"presence_penalty": 1.99}),
+    ("Write exactly 10 short sentences, each containing the word 'data'. Use the word 'data' as much as possible.",
+     {}, {"frequency_penalty": 1.99, "presence_penalty": 1.99, "repetition_penalty": 1.99}),
+    ("Write the word 'extreme' exactly 20 times in a row, separated by spaces.",
+     {}, {"frequency_penalty": 2.0, "presence_penalty": 2.0, "repetition_penalty": 2.0}),
+]
+
+
+@pytest.mark.parametrize(("prompt", "baseline", "penalized"), UPSTREAM_PENALTY_CASES)
+def test_a_penalty_widens_the_words_of_a_seeded_sample_as_upstream_measures_it(
+        plain: SimProc, prompt: str, baseline: dict[str, float], penalized: dict[str, float]) -> None:
+    """Upstream's measure (unique words over words, averaged over seeds 42-46 at temperature 0.8), its prompts: a
+    seeded sample repeats words (half its draws are words already said), a penalty replaces a repeat with a word not
+    said yet. The real engine passes these upstream tests with the tiny model; the sim once gave 1.000 -> 1.000."""
+    def average(knobs: dict[str, float]) -> float:
+        texts = []
+        for seed in range(42, 47):
+            r = plain.client.post("/v1/chat/completions", json={
+                "model": "m", "messages": [{"role": "user", "content": prompt}], "max_tokens": 150,
+                "temperature": 0.8, "top_p": 1.0, "seed": seed, "repetition_penalty": 1.0, **knobs})
+            assert r.status_code == 200, r.text
+            texts.append(str(r.json()["choices"][0]["message"]["content"]))
+        return sum(_diversity(t) for t in texts) / len(texts)
+
+    assert average(penalized) > average(baseline)
+
+
 def _diversity(text: str) -> float:
     """Upstream test_penalty.py's measure: unique words over words."""
     import re

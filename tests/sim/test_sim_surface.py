@@ -40,7 +40,7 @@ def test_what_the_sim_simulates_names_a_test_that_holds_it() -> None:
     for dest, (cls, why) in surface.FLAGS.items():
         if cls not in (surface.SIMULATED, surface.REFUSED):
             continue
-        named = re.findall(r"tests/sim/\w+\.py", why)
+        named = re.findall(r"tests/\w+/\w+\.py", why)
         if not named:
             assert surface._UNTESTED in why, dest
             continue

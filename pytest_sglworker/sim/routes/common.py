@@ -305,22 +305,33 @@ def verify_sampling(params: dict[str, Any], vocab_size: int, *, as_float: bool) 
                 raise BadRequest(f"logit_bias must has keys in [0, {vocab_size - 1}], got {token_id}.")
 
 
-def check_length(sim: Sim, ids: list[int], max_new_tokens: Any) -> None:
+def check_length(sim: Sim, ids: list[int], max_new_tokens: Any) -> Any:
     """sglang's input-length checks: the tokenizer manager's (context length, then input + max new tokens),
-    then the scheduler's (``max_req_input_len``)."""
+    then the scheduler's (``max_req_input_len``). Returns the max new tokens to generate: under
+    ``--allow-auto-truncate`` each check truncates instead of refusing, as sglang's do (``ids`` in place, to the
+    context length and then to ``max_req_input_len``; max new tokens to what the context leaves, at least 0)."""
     plan = sim.plan
     n, context = len(ids), plan.context_len
-    if n >= context:
+    truncate = bool(plan.args.get("allow_auto_truncate"))
+    if n >= context and truncate:
+        del ids[context:]
+        n = len(ids)
+    elif n >= context:
         raise BadRequest(f"The input ({n} tokens) is longer than the model's context length ({context} tokens).")
-    if num(max_new_tokens) and max_new_tokens + n > context:
+    if num(max_new_tokens) and max_new_tokens + n > context and truncate:
+        max_new_tokens = max(0, context - n)
+    elif num(max_new_tokens) and max_new_tokens + n > context:
         raise BadRequest(
             f"Requested token count exceeds the model's maximum context length of {context} tokens. You "
             f"requested a total of {max_new_tokens + n} tokens: {n} tokens from the input messages and "
             f"{max_new_tokens} tokens for the completion. Please reduce the number of tokens in the input "
             "messages or the completion to fit within the limit.")
-    if n >= plan.max_req_input_len:
+    if n >= plan.max_req_input_len and truncate:
+        del ids[plan.max_req_input_len:]
+    elif n >= plan.max_req_input_len:
         raise BadRequest(f"Input length ({n} tokens) exceeds the maximum allowed length ({plan.max_req_input_len} "
                          "tokens). Use a shorter input or enable --allow-auto-truncate.")
+    return max_new_tokens
 
 
 def not_generation(sim: Sim) -> None:

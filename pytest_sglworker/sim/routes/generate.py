@@ -83,8 +83,10 @@ def generate(ctx: Request) -> None:
         if not batch:
             prompts = [session_prompt(sim, session, prompts[0])]
         settings = [per_prompt[k] if k < len(per_prompt) else per_prompt[0] for k in range(len(prompts))]
-        for ids, params in zip(prompts, settings, strict=True):
-            check_length(sim, ids, params.get("max_new_tokens"))
+        for k, (ids, params) in enumerate(zip(prompts, settings, strict=True)):
+            allowed = check_length(sim, ids, params.get("max_new_tokens"))
+            if allowed != params.get("max_new_tokens"):  # --allow-auto-truncate
+                settings[k] = params = {**params, "max_new_tokens": allowed}
             verify_sampling(params, sim.vocab.vocab_size, as_float=False)
         n = settings[0].get("n", 1) if num(settings[0].get("n", 1)) else 1
         if n > 1 and not batch:

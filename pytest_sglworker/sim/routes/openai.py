@@ -211,7 +211,7 @@ def chat_generations(sim: Sim, req: dict[str, Any], rid: str) -> tuple[list[Gene
                          f"{context} completion tokens.")
     grammar = openai_grammar(req, chat=True)
     prompt, source = chat_prompt(sim, req)
-    check_length(sim, prompt, max_tokens)
+    max_tokens = check_length(sim, prompt, max_tokens)
     verify_sampling(_openai_sampling(req, max_tokens), sim.vocab.vocab_size, as_float=True)
     server_features(sim, req)
     output = constrained_text(grammar, prompt_seed(prompt))
@@ -371,8 +371,7 @@ def completions(ctx: Request) -> None:
                              "'Value error, max_tokens must be positive', 'input': " f"{max_tokens}, 'ctx': "
                              "{'error': ValueError('max_tokens must be positive')}}\n\n    POST /v1/completions",
                              validation=True)
-        for _, ids in prompts:
-            check_length(sim, ids, max_tokens)
+        max_tokens = min(check_length(sim, ids, max_tokens) for _, ids in prompts)
         verify_sampling(_openai_sampling(req, max_tokens), sim.vocab.vocab_size, as_float=True)
         server_features(sim, req)
         grammar = openai_grammar(req, chat=False)
@@ -489,7 +488,7 @@ def responses(ctx: Request) -> None:
             source = sim.vocab.encode(" ".join(message_text(m) for m in messages), add_special_tokens=False)
         else:
             prompt = source = sim.vocab.encode(" ".join(message_text(m) for m in messages))
-        check_length(sim, prompt, max_tokens)
+        max_tokens = check_length(sim, prompt, max_tokens)
         verify_sampling(_openai_sampling(req, max_tokens), sim.vocab.vocab_size, as_float=True)
         gen = sim.generate(prompt, source, max_tokens, [], False)
     except BadRequest as exc:

@@ -95,6 +95,7 @@ import torch
 import torchvision  # noqa: F401
 import sglang
 import sglang.srt.entrypoints.http_server  # noqa: F401
+import sglang.test.test_utils  # noqa: F401  (what sglang's own unittest files import: the compat tiers)
 import smg_grpc_proto  # noqa: F401  (--grpc-mode: the servicer and its stubs)
 import smg_grpc_servicer  # noqa: F401
 
