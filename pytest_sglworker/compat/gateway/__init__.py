@@ -12,16 +12,18 @@ What the suite's files are written against, served by the plugin:
   registered;
 - fixtures ``setup_backend`` (class scope; indirect parameter ``"http"``, ``"grpc"``, ``"pd"`` or a cloud name;
   yields ``(backend, model_path, openai_client, gateway)``), ``backend_router`` (function scope; ``"http"`` or
-  ``"grpc"``; yields a ``Gateway``), ``model_pool`` (session scope), ``model_client``, ``model_base_url``;
+  ``"grpc"``; yields a ``Gateway``), ``model_pool`` (session scope), ``model_client``, ``model_base_url``; and the
+  older ``e2e_http/`` suite's (:mod:`.e2e_http`);
 - environment variables ``E2E_MODEL`` (the default model id), ``E2E_STARTUP_TIMEOUT`` (workers' startup timeout),
   ``SKIP_BACKEND_SETUP`` (``setup_backend`` skips), ``SKIP_MODEL_POOL`` (an empty pool: tests that need a worker
-  skip); ``E2E_MODELS``/``E2E_BACKENDS`` (upstream: what to start up front) are accepted and change nothing, since
-  workers start when first asked for; ``SHOW_ROUTER_LOGS``/``SHOW_WORKER_LOGS`` neither: every process logs to
-  its own file, shown in the report of a test that fails;
+  skip), ``E2E_MODELS``/``E2E_BACKENDS`` (what upstream's pool starts: the tests of other models or backends are
+  skipped, :mod:`.collect`); ``SHOW_ROUTER_LOGS``/``SHOW_WORKER_LOGS`` change nothing: every process logs to its
+  own file, shown in the report of a test that fails;
 - ``from infra import ...``: :mod:`.infra`, registered as the module ``infra`` (:func:`claim_infra`).
 
 Workers are the plugin's (a registered, budgeted spec per model id, GPU leases, a log per port, failure texts,
-pooled between classes), routers the real ``sglang-router`` (:mod:`.runtime`). PD groups run on the simulated
+pooled between classes, resolved at collection and scheduled by configuration under xdist: :mod:`.collect`), routers
+the real ``sglang-router`` (:mod:`.runtime`). PD groups run on the simulated
 engine too (upstream skips PD without CUDA). A cloud backend skips without its API key, as upstream's does.
 """
 
@@ -47,9 +49,11 @@ from .constants import (
     THIRD_PARTY_MODELS,
     ConnectionMode,
 )
+from .e2e_http import e2e_model, e2e_primary_worker, e2e_router_only_rr, e2e_two_workers_dp2, genai_bench_runner
 
-__all__ = ["INFRA_MODULE", "MARKERS", "backend_router", "claim_infra", "model_base_url", "model_client", "model_pool",
-           "pytest_configure", "setup_backend"]
+__all__ = ["INFRA_MODULE", "MARKERS", "backend_router", "claim_infra", "e2e_model", "e2e_primary_worker",
+           "e2e_router_only_rr", "e2e_two_workers_dp2", "genai_bench_runner", "model_base_url", "model_client",
+           "model_pool", "pytest_configure", "setup_backend"]
 
 #: the module name the suite's files import from
 INFRA_MODULE = "infra"

@@ -27,6 +27,7 @@ from ...errors import SglWorkerError
 from ...plugin.collection import raise_or_give
 from ...plugin.keys import CONFIG_KEY, is_xdist_worker
 from ...plugin.run_hooks import enable_run_hooks
+from ...plugin.session import session_plugin, when_session_starts
 from ...workers.config import GroupShape
 from ..models import CompatError
 from .constants import (
@@ -39,12 +40,13 @@ from .constants import (
     PARAM_MODEL,
     ConnectionMode,
 )
+from .runtime import config_for
 
 if TYPE_CHECKING:
     from ...plugin.session import SglSession
 
-__all__ = ["GATEWAY_FIXTURES", "MarkerProblem", "Wanted", "e2e_selection", "mark_items", "marker_kwargs", "shape_of",
-           "wanted"]
+__all__ = ["COLLECTION_NAME", "GATEWAY_FIXTURES", "GatewayCollection", "MarkerProblem", "Wanted", "e2e_selection",
+           "install", "mark_items", "marker_kwargs", "selected_out", "shape_of", "wanted"]
 
 #: the suite's fixtures that start workers, in the order a test's request is read from
 GATEWAY_FIXTURES = ("setup_backend", "backend_router", "model_client", "model_base_url")
@@ -170,8 +172,6 @@ def selected_out(want: Wanted) -> str | None:
 
 def mark_items(session: SglSession, config: pytest.Config, items: list[pytest.Item]) -> None:
     """The collection-time work for the suite's tests (the module's docstring says what)."""
-    from .runtime import config_for
-
     problems: dict[str, str] = {}
     touched = False
     for item in items:
@@ -202,3 +202,25 @@ def mark_items(session: SglSession, config: pytest.Config, items: list[pytest.It
     if touched or problems:
         enable_run_hooks(session)  # an xdist worker's per-test errors are raised at their setup
     raise_or_give(session, config, items, problems)
+
+
+COLLECTION_NAME = "sglworker-compat-gateway-collection"
+
+
+class GatewayCollection:
+    """The drop-in's collection hook, registered with every session that starts (:func:`install`)."""
+
+    def __init__(self, session: SglSession) -> None:
+        self.session = session
+
+    @pytest.hookimpl(tryfirst=True)  # before the plugin's own (trylast) and xdist's loadgroup suffix
+    def pytest_collection_modifyitems(self, session: pytest.Session, config: pytest.Config,
+                                      items: list[pytest.Item]) -> None:
+        mark_items(self.session, config, items)
+
+
+def install(session: SglSession) -> GatewayCollection:
+    return session_plugin(session, COLLECTION_NAME, GatewayCollection)
+
+
+when_session_starts(install)

@@ -88,12 +88,12 @@ def spec_for(model_id: str, session: SglSession) -> ModelSpec:
 
 
 def config_for(session: SglSession, model_id: str, mode: ConnectionMode, shape: GroupShape, *,
-               owner: str) -> WorkerConfig:
+               owner: str, extra: tuple[str, ...] = ()) -> WorkerConfig:
     """The worker configuration of a group of ``shape`` of ``model_id``'s workers in ``mode`` (``--grpc-mode`` for
     gRPC), its budget checked: what collection resolves for a test and what the pool then asks the source for.
     Raises :class:`CompatError` for a model id no spec serves, ``BudgetViolation`` for a budget it breaks."""
     spec = spec_for(model_id, session)
-    extra = ("--grpc-mode",) if mode == ConnectionMode.GRPC else ()
+    extra = (*extra, "--grpc-mode") if mode == ConnectionMode.GRPC else extra
     return WorkerConfig.resolve(spec, extra, group=shape, subject=f"{model_id}:{mode.value} for {owner}")
 
 
@@ -226,13 +226,6 @@ class GatewayRuntime:
         return _Owning()
 
     # -- hooks ----------------------------------------------------------------------------------------------
-    @pytest.hookimpl(tryfirst=True)  # before the plugin's own (trylast) and xdist's loadgroup suffix
-    def pytest_collection_modifyitems(self, session: pytest.Session, config: pytest.Config,
-                                      items: list[pytest.Item]) -> None:
-        from .collect import mark_items
-
-        mark_items(self.session, config, items)
-
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_protocol(self, item: pytest.Item, nextitem: pytest.Item | None) -> Generator[None, Any, Any]:
         self._item = item
@@ -269,14 +262,15 @@ class GatewayRuntime:
                 seen.append(process)
 
     # -- workers --------------------------------------------------------------------------------------------
-    def group(self, model_id: str, mode: ConnectionMode, shape: GroupShape, *, fresh_owner: bool = False) -> _Held:
+    def group(self, model_id: str, mode: ConnectionMode, shape: GroupShape, *, fresh_owner: bool = False,
+              extra: tuple[str, ...] = ()) -> _Held:
         """A group of ``shape`` of ``model_id`` in ``mode``: one an owner still holds (upstream's pool hands out one
         instance per model and mode; not with ``fresh_owner``), else one from the session's source, owned by the
         current owner."""
         session = self.session
         owner = self.current_owner()
         try:
-            config = config_for(session, model_id, mode, shape, owner=owner)
+            config = config_for(session, model_id, mode, shape, owner=owner, extra=extra)
         except (SglWorkerError, ValueError) as exc:  # CompatError is a ValueError
             raise pytest.fail.Exception(str(exc), pytrace=False) from None
         spec = config.spec
