@@ -253,3 +253,45 @@ def test_each_configuration_stays_on_one_xdist_worker_and_launches_once(dist: st
     workers = _launched(report)
     assert sorted(workers) == ["tiny [1x]", "tiny [2x]"], text
     assert [workers[label]["launches"] for label in sorted(workers)] == [1, 1], workers
+
+
+AHEAD = '''
+import time
+
+import pytest
+
+
+@pytest.mark.parametrize("setup_backend", ["http"], indirect=True)
+class TestA:
+    @pytest.mark.parametrize("i", range(2))
+    def test_a(self, setup_backend, i):
+        time.sleep(1.5)
+
+
+@pytest.mark.workers(count=2)
+@pytest.mark.parametrize("setup_backend", ["http"], indirect=True)
+class TestB:
+    def test_b(self, setup_backend):
+        pass
+'''
+
+
+def test_the_next_configuration_is_launched_ahead(pytester: pytest.Pytester, sim_env: dict[str, str],
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Startups of 2 s: the two-worker group of the next class starts while the first class's tests run (the
+    plugin's launch ahead, which reads the configurations resolved at collection), and is ready when its class
+    begins."""
+    _suite(pytester, monkeypatch, AHEAD, "llama-8b=tiny")
+    monkeypatch.setenv("SGLSIM_STARTUP_SECONDS", "2")
+    report = pytester.path / "report.json"
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:xdist", "--sgl-engine", "sim",
+                                           "--sgl-gpus", "sim:4", "--sgl-report", str(report), timeout=180)
+    result.assert_outcomes(passed=3)
+    launches = json.loads(report.read_text())["launches"]
+    a = [r for r in launches if r["label"] == "tiny [1x]"]
+    b = [r for r in launches if r["label"] == "tiny [2x]"]
+    assert len(a) == 1 and len(b) == 2, [r["label"] for r in launches]
+    a_end = max(t["t_end"] for t in a[0]["tests"])
+    b_start = min(t["t_start"] for r in b for t in r["tests"])
+    assert all(r["t_leased"] < a_end for r in b), "B's workers were not started during A's tests"
+    assert all(r["t_ready"] <= b_start for r in b), "B was not ready when its class began"
