@@ -54,7 +54,8 @@ def pytest_sglworker_register_specs(registry):
     registry.add(ModelSpec(name="tiny-embed", model={TINY!r}, memory_gb=1, features=frozenset({{"embedding"}}),
                            worker_args=(*args, "--is-embedding")))
 '''
-MODEL_MAP = "llama-8b=tiny,llama-1b=tiny,gpt-oss=tiny,deepseek-7b=tiny,qwen-30b=tiny,embedding=tiny-embed"
+MODEL_MAP = ("llama-8b=tiny,llama-1b=tiny,gpt-oss=tiny,deepseek-7b=tiny,qwen-30b=tiny,qwen-7b=tiny,mistral-7b=tiny,"
+             "embedding=tiny-embed")
 
 
 def _upstream_file(info: dict[str, Any]) -> tuple[Path | None, str]:
