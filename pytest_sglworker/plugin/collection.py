@@ -47,7 +47,9 @@ class Collection:
     def pytest_collection_modifyitems(self, session: pytest.Session, config: pytest.Config,
                                       items: list[pytest.Item]) -> None:
         s = self.session.settings
-        if not (s.shard or s.worker_urls or any(uses_plugin(item) for item in items)):
+        # A test's configuration may come from a drop-in's own fixtures (pytest_sglworker.compat.gateway resolves it
+        # in its collection hook, which runs first): it is then ordered, refused and scheduled as the plugin's are.
+        if not (s.shard or s.worker_urls or any(uses_plugin(item) or CONFIG_KEY in item.stash for item in items)):
             # A run that asks for no worker: nothing to order or launch; the specs registered by conftests found
             # during collection are still checked.
             problems = self.session.spec_problems()

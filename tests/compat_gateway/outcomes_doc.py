@@ -50,6 +50,10 @@ def render(manifest: dict[str, Any], outcomes: dict[str, Any]) -> str:
             cells.append(", ".join(f"{n} {o}" for o, n in sorted(counts.items())) or "not run")
         lines.append(f"| `{name}` | `{info['commit'][:12]}` | " + " | ".join(cells) + " |")
     lines.append("")
+    pin = manifest.get("pin")
+    if pin:
+        lines += ["## One commit?", "", ("All files are at one upstream commit." if pin["one_commit"] else
+                                         "The files are not at one upstream commit. " + pin["why"]), ""]
     for engine in engines:
         classified = manifest["classified"].get(engine, {})
         if not classified:

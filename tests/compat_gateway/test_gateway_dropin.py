@@ -157,20 +157,6 @@ def test_g_model_client(model_client, model_base_url):
     assert model_client.models.list().data
 
 
-@pytest.mark.model("no-such-model")
-@pytest.mark.parametrize("setup_backend", ["http"], indirect=True)
-class TestH_UnknownModel:
-    def test_unknown(self, setup_backend):
-        raise AssertionError("never set up")
-
-
-@pytest.mark.workers(count=0)
-@pytest.mark.parametrize("setup_backend", ["http"], indirect=True)
-class TestI_BadMarker:
-    def test_bad(self, setup_backend):
-        raise AssertionError("never set up")
-
-
 @pytest.mark.model("qwen-7b")
 @pytest.mark.parametrize("setup_backend", ["http"], indirect=True)
 class TestK_StartupFailure:
@@ -265,18 +251,6 @@ def test_the_suites_own_infra_is_shadowed_and_another_one_refused(inner: InnerRu
 def test_a_cloud_backend_skips_without_its_key(inner: InnerRun) -> None:
     assert any("SKIPPED" in line and "OPENAI_API_KEY not set, skipping openai tests" in line for line in inner.lines)
     assert "runs only with OPENAI_API_KEY" not in inner.stdout
-
-
-def test_bad_input_fails_its_class_with_what_to_do(inner: InnerRun) -> None:
-    """An unknown model id and a bad workers marker are errors of the class's setup that say what to change, not
-    an internal error or a hang."""
-    assert inner.outcomes("TestH_UnknownModel::test_unknown[http]") == {"ERROR"}
-    assert "no registered model spec serves 'no-such-model'" in inner.stdout
-    assert "is not one of the suite's model ids: llama-8b, llama-1b" in inner.stdout
-    assert inner.outcomes("TestI_BadMarker::test_bad[http]") == {"ERROR"}
-    assert "@pytest.mark.workers(count=0) on test_gateway_suite.py::TestI_BadMarker: count is a whole number >= 1" \
-        in inner.stdout
-    assert "INTERNALERROR" not in inner.stdout and inner.ret == 1
 
 
 def test_a_worker_that_fails_to_start_fails_its_class_with_the_diagnosis(inner: InnerRun) -> None:

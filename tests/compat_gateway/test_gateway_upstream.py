@@ -5,11 +5,12 @@ The files are not part of this repository: ``tests/data/gateway_e2e/MANIFEST.jso
 commit, sha256) and ``scripts/gateway_e2e_files.py CLONE`` writes them from a sglang clone into the user's cache
 (or ``SGLWORKER_SGLANG_TESTS`` names their folder). The slow tier runs every pinned file it finds with the pinned
 bytes on the simulated engine and the real router, and holds the outcome to the manifest: every test passes or is
-skipped by upstream's own reason, except those ``classified`` for that engine, which must still fail as said (one
-that passes now makes its classification stale: the test says so), or may pass or fail where the classification
-says ``"either": true`` (its outcome is the sampling of a random-weight model, and the reason says so). Without
-the files it is skipped with the command that writes them. The manifest itself (every file pinned, none in the
-repository, every classified test in a pinned file) is checked in the default run, as is the script.
+skipped by upstream's own reason, except those ``classified`` for that engine, which must still fail as said, or be
+skipped by the drop-in where the classification's ``outcome`` says ``SKIPPED`` (one that passes now makes its
+classification stale: the test says so), or may pass or fail where the classification says ``"either": true`` (its
+outcome is the sampling of a random-weight model, and the reason says so). Without the files it is skipped with the
+command that writes them. The manifest itself (every file pinned, none in the repository, every classified test in
+a pinned file) is checked in the default run, as is the script.
 """
 
 from __future__ import annotations
@@ -54,7 +55,8 @@ def pytest_sglworker_register_specs(registry):
     registry.add(ModelSpec(name="tiny-embed", model={TINY!r}, memory_gb=1, features=frozenset({{"embedding"}}),
                            worker_args=(*args, "--is-embedding")))
 '''
-MODEL_MAP = "llama-8b=tiny,llama-1b=tiny,gpt-oss=tiny,qwen-7b=tiny,qwen-14b=tiny,embedding=tiny-embed"
+MODEL_MAP = ("llama-8b=tiny,llama-1b=tiny,gpt-oss=tiny,deepseek-7b=tiny,qwen-30b=tiny,qwen-7b=tiny,qwen-14b=tiny,"
+             "mistral-7b=tiny,embedding=tiny-embed")
 
 
 def _upstream_file(info: dict[str, Any]) -> tuple[Path | None, str]:
@@ -86,6 +88,7 @@ def test_the_manifest_pins_every_file_and_classifies_only_their_tests() -> None:
             assert nodeid.split("::")[0] in files, nodeid
             assert why["kind"] in ("inherent", "defect, not fixed yet") and why["reason"].strip(), nodeid
             assert why.get("either", False) in (True, False), nodeid
+            assert why.get("outcome", "FAILED") in ("FAILED", "SKIPPED"), nodeid
     for engine, left_out in MANIFEST.get("deselected", {}).items():
         assert engine in ("sim", "real") and all(name in files and why.strip() for name, why in left_out.items())
 
@@ -102,8 +105,11 @@ def test_the_generated_page_is_the_committed_outcomes() -> None:
     for engine, ran in outcomes["engines"].items():
         classified = MANIFEST["classified"].get(engine, {})
         either = {t for t, why in classified.items() if why.get("either")}
+        skipped = {t for t, why in classified.items() if why.get("outcome") == "SKIPPED"}
         not_passing = {t for t, o in ran.items() if o not in ("PASSED", "SKIPPED")}
-        assert not_passing <= set(classified) and set(classified) - not_passing <= either, engine
+        failing = set(classified) - skipped
+        assert not_passing <= failing and failing - not_passing <= either, engine
+        assert all(ran.get(t) == "SKIPPED" for t in skipped), engine
 
 
 def test_the_script_writes_the_pinned_files_from_a_clone(tmp_path: Path) -> None:
@@ -231,9 +237,11 @@ def test_upstream_files_run_unchanged(engine: str, pytester: pytest.Pytester, si
     assert ran, "\n".join(lines[-80:])
     wrong = {test: outcome for test, outcome in outcomes.items()
              if test not in classified and outcome not in ("PASSED", "SKIPPED")}
+    # a classified test still does what its classification says: fails (FAILED/ERROR), or is skipped by the drop-in;
+    # one whose classification says "either" may pass or fail
     stale = {test: outcomes.get(test) for test, why in classified.items()
              if not why.get("either") and test.split("::")[0] in found
-             and outcomes.get(test) not in ("FAILED", "ERROR")}
+             and outcomes.get(test) not in (("SKIPPED",) if why.get("outcome") == "SKIPPED" else ("FAILED", "ERROR"))}
     if os.environ.get(WRITE_ENV) == "1":  # the outcomes the generated page shows
         written = json.loads(OUTCOMES_FILE.read_text()) if OUTCOMES_FILE.is_file() else {"engines": {}}
         written["commit"] = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short=12", "HEAD"],

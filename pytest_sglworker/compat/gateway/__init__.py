@@ -12,16 +12,18 @@ What the suite's files are written against, served by the plugin:
   registered;
 - fixtures ``setup_backend`` (class scope; indirect parameter ``"http"``, ``"grpc"``, ``"pd"`` or a cloud name;
   yields ``(backend, model_path, openai_client, gateway)``), ``backend_router`` (function scope; ``"http"`` or
-  ``"grpc"``; yields a ``Gateway``), ``model_pool`` (session scope), ``model_client``, ``model_base_url``;
+  ``"grpc"``; yields a ``Gateway``), ``model_pool`` (session scope), ``model_client``, ``model_base_url``; and the
+  older ``e2e_http/`` suite's (:mod:`.e2e_http`);
 - environment variables ``E2E_MODEL`` (the default model id), ``E2E_STARTUP_TIMEOUT`` (workers' startup timeout),
   ``SKIP_BACKEND_SETUP`` (``setup_backend`` skips), ``SKIP_MODEL_POOL`` (an empty pool: tests that need a worker
-  skip); ``E2E_MODELS``/``E2E_BACKENDS`` (upstream: what to start up front) are accepted and change nothing, since
-  workers start when first asked for; ``SHOW_ROUTER_LOGS``/``SHOW_WORKER_LOGS`` neither: every process logs to
-  its own file, shown in the report of a test that fails;
+  skip), ``E2E_MODELS``/``E2E_BACKENDS`` (what upstream's pool starts: the tests of other models or backends are
+  skipped, :mod:`.collect`); ``SHOW_ROUTER_LOGS``/``SHOW_WORKER_LOGS`` change nothing: every process logs to its
+  own file, shown in the report of a test that fails;
 - ``from infra import ...``: :mod:`.infra`, registered as the module ``infra`` (:func:`claim_infra`).
 
 Workers are the plugin's (a registered, budgeted spec per model id, GPU leases, a log per port, failure texts,
-pooled between classes), routers the real ``sglang-router`` (:mod:`.runtime`). PD groups run on the simulated
+pooled between classes, resolved at collection and scheduled by configuration under xdist: :mod:`.collect`), routers
+the real ``sglang-router`` (:mod:`.runtime`). PD groups run on the simulated
 engine too (upstream skips PD without CUDA). A cloud backend skips without its API key, as upstream's does.
 """
 
@@ -34,8 +36,10 @@ from typing import Any
 
 import pytest
 
+from ...workers.config import GroupShape
 from . import infra as _infra
 from . import runtime as _runtime  # noqa: F401  (registers its hooks with every session that starts)
+from .collect import MarkerProblem, marker_kwargs, shape_of
 from .constants import (
     DEFAULT_MODEL,
     DEFAULT_ROUTER_TIMEOUT,
@@ -45,9 +49,11 @@ from .constants import (
     THIRD_PARTY_MODELS,
     ConnectionMode,
 )
+from .e2e_http import e2e_model, e2e_primary_worker, e2e_router_only_rr, e2e_two_workers_dp2, genai_bench_runner
 
-__all__ = ["INFRA_MODULE", "MARKERS", "backend_router", "claim_infra", "model_base_url", "model_client", "model_pool",
-           "pytest_configure", "setup_backend"]
+__all__ = ["INFRA_MODULE", "MARKERS", "backend_router", "claim_infra", "e2e_model", "e2e_primary_worker",
+           "e2e_router_only_rr", "e2e_two_workers_dp2", "genai_bench_runner", "model_base_url", "model_client",
+           "model_pool", "pytest_configure", "setup_backend"]
 
 #: the module name the suite's files import from
 INFRA_MODULE = "infra"
@@ -93,32 +99,13 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------- markers
-def _marker_kwargs(request: pytest.FixtureRequest, name: str, defaults: dict[str, Any]) -> dict[str, Any]:
-    """The closest ``name`` marker's keyword arguments over ``defaults``; an unknown keyword is a clear failure."""
-    mark = request.node.get_closest_marker(name)
-    found = dict(defaults)
-    if mark is None:
-        return found
-    unknown = sorted(set(mark.kwargs) - set(defaults))
-    if unknown:
-        pytest.fail(f"@pytest.mark.{name}({', '.join(f'{k}=...' for k in unknown)}) on {request.node.nodeid}: "
-                    f"{name} takes {', '.join(defaults)}", pytrace=False)
-    if name == "workers" and mark.args:  # upstream's older @pytest.mark.workers(3)
-        found["count"] = mark.args[0]
-    found.update(mark.kwargs)
-    return found
-
-
-def _given(value: Any) -> Any:
-    """A marker's count as given; 1 when it is left out (None)."""
-    return 1 if value is None else value
-
-
-def _whole(value: Any, what: str, nodeid: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        pytest.fail(f"@pytest.mark.workers({what}={value!r}) on {nodeid}: {what} is a whole number >= 1",
-                    pytrace=False)
-    return int(value)
+def _shape(request: pytest.FixtureRequest, backend: str) -> GroupShape:
+    """The workers' shape of the class's markers; a malformed one fails its setup (it is a usage error at collection
+    already, unless the fixture was asked for by name)."""
+    try:
+        return shape_of(request.node, backend)
+    except MarkerProblem as exc:
+        pytest.fail(str(exc), pytrace=False)
 
 
 def _model_id(request: pytest.FixtureRequest) -> str:
@@ -194,9 +181,11 @@ def setup_backend(request: pytest.FixtureRequest, model_pool: Any) -> Iterator[t
     if os.environ.get(ENV_SKIP_BACKEND_SETUP, "").lower() in _TRUE:
         pytest.skip(f"{ENV_SKIP_BACKEND_SETUP} is set")
     nodeid = request.node.nodeid
-    workers = _marker_kwargs(request, "workers", {"count": 1, "prefill": None, "decode": None})
-    gw = _marker_kwargs(request, "gateway", {"policy": "round_robin", "timeout": DEFAULT_ROUTER_TIMEOUT,
-                                             "extra_args": None})
+    try:
+        gw = marker_kwargs(request.node, "gateway", {"policy": "round_robin", "timeout": DEFAULT_ROUTER_TIMEOUT,
+                                                     "extra_args": None})
+    except MarkerProblem as exc:
+        pytest.fail(str(exc), pytrace=False)
     rt = runtime()
     assert rt is not None  # a fixture runs inside a session
     if backend in THIRD_PARTY_MODELS:
@@ -220,20 +209,18 @@ def setup_backend(request: pytest.FixtureRequest, model_pool: Any) -> Iterator[t
                     f"{', '.join(THIRD_PARTY_MODELS)})", pytrace=False)
     with rt.owning(nodeid):
         try:
+            shape = _shape(request, backend)
             if backend == "pd":
-                prefill = _whole(_given(workers["prefill"]), "prefill", nodeid)
-                decode = _whole(_given(workers["decode"]), "decode", nodeid)
-                prefills, decodes = model_pool.launch_pd_workers(model_id, prefill, decode)
+                prefills, decodes = model_pool.launch_pd_workers(model_id, shape.prefill, shape.decode)
                 instances = prefills + decodes
                 gateway = Gateway()
                 gateway.start(prefill_workers=prefills, decode_workers=decodes, policy=gw["policy"],
                               timeout=gw["timeout"], extra_args=gw["extra_args"])
             else:
-                count = _whole(_given(workers["count"]), "count", nodeid)
                 mode = ConnectionMode(backend)
                 instances = (model_pool.launch_workers([WorkerIdentity(model_id, mode, index=i)
-                                                        for i in range(count)])
-                             if count > 1 else [model_pool.get(model_id, mode)])
+                                                        for i in range(shape.count)])
+                             if shape.count > 1 else [model_pool.get(model_id, mode)])
                 gateway = Gateway()
                 gateway.start(worker_urls=[i.worker_url for i in instances], model_path=instances[0].model_path,
                               policy=gw["policy"], timeout=gw["timeout"], extra_args=gw["extra_args"])

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ...workers.config import GroupShape
+from .collect import Wanted, selected_out
 from .constants import ENV_SKIP_MODEL_POOL, ConnectionMode, WorkerType
 from .runtime import GatewayRuntime, ModelInstance, WorkerIdentity, runtime_or_error
 
@@ -24,7 +25,8 @@ class ModelPool:
     """Upstream's ``ModelPool`` over the plugin's pool: ``get(model_id, mode)``, ``get_workers_by_type``,
     ``launch_workers``, ``launch_pd_workers``, ``get_client``, ``get_base_url``, ``instances``, ``shutdown()``.
     Workers start when first asked for (not all up front); ``SKIP_MODEL_POOL=1`` makes it an empty pool whose
-    ``get`` raises ``KeyError`` (the tests that need a worker then skip, as upstream's do)."""
+    ``get`` raises ``KeyError`` (the tests that need a worker then skip, as upstream's do), and so does a ``get`` of
+    a model or backend that ``E2E_MODELS`` / ``E2E_BACKENDS`` leave out (upstream's pool starts only those)."""
 
     def __init__(self, rt: GatewayRuntime | None = None, *, empty: bool | None = None) -> None:
         self._rt = rt or runtime_or_error("infra.ModelPool")
@@ -39,6 +41,9 @@ class ModelPool:
         mode = ConnectionMode(mode)
         if self.empty:
             raise KeyError(f"{model_id}:{mode.value} ({ENV_SKIP_MODEL_POOL} is set: the pool starts no worker)")
+        left_out = selected_out(Wanted(model_id, mode, _shape(), mode.value))
+        if left_out:
+            raise KeyError(left_out)
         return self._rt.group(model_id, mode, _shape()).instances[0]
 
     def get_workers_by_type(self, model_id: str, worker_type: WorkerType | str) -> list[ModelInstance]:

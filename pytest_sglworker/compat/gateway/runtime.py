@@ -43,8 +43,8 @@ if TYPE_CHECKING:
     from ...workers.launcher import ModelInstance as Member
     from ...workers.router import Router
 
-__all__ = ["RUNTIME_NAME", "GatewayRuntime", "ModelInstance", "WorkerIdentity", "install", "model_path_of", "runtime",
-           "runtime_or_error", "spec_for"]
+__all__ = ["RUNTIME_NAME", "GatewayRuntime", "ModelInstance", "WorkerIdentity", "config_for", "install",
+           "model_path_of", "runtime", "runtime_or_error", "spec_for"]
 
 RUNTIME_NAME = "sglworker-compat-gateway"
 
@@ -85,6 +85,16 @@ def spec_for(model_id: str, session: SglSession) -> ModelSpec:
                 f"e.g. SGLWORKER_COMPAT_MODELS='{model_id}=<spec>' or pytest_sglworker.compat.map_model("
                 f"{model_id!r}, '<spec>') in a conftest.py, or register a spec whose model is {upstream['model']!r} "
                 f"(known specs: {', '.join(session.registry.names()) or '(none)'})") from None
+
+
+def config_for(session: SglSession, model_id: str, mode: ConnectionMode, shape: GroupShape, *,
+               owner: str, extra: tuple[str, ...] = ()) -> WorkerConfig:
+    """The worker configuration of a group of ``shape`` of ``model_id``'s workers in ``mode`` (``--grpc-mode`` for
+    gRPC), its budget checked: what collection resolves for a test and what the pool then asks the source for.
+    Raises :class:`CompatError` for a model id no spec serves, ``BudgetViolation`` for a budget it breaks."""
+    spec = spec_for(model_id, session)
+    extra = (*extra, "--grpc-mode") if mode == ConnectionMode.GRPC else extra
+    return WorkerConfig.resolve(spec, extra, group=shape, subject=f"{model_id}:{mode.value} for {owner}")
 
 
 def model_path_of(model_id: str) -> str:
@@ -252,21 +262,18 @@ class GatewayRuntime:
                 seen.append(process)
 
     # -- workers --------------------------------------------------------------------------------------------
-    def group(self, model_id: str, mode: ConnectionMode, shape: GroupShape, *, fresh_owner: bool = False) -> _Held:
+    def group(self, model_id: str, mode: ConnectionMode, shape: GroupShape, *, fresh_owner: bool = False,
+              extra: tuple[str, ...] = ()) -> _Held:
         """A group of ``shape`` of ``model_id`` in ``mode``: one an owner still holds (upstream's pool hands out one
         instance per model and mode; not with ``fresh_owner``), else one from the session's source, owned by the
         current owner."""
         session = self.session
-        try:
-            spec = spec_for(model_id, session)
-        except CompatError as exc:
-            raise pytest.fail.Exception(str(exc), pytrace=False) from None
         owner = self.current_owner()
-        extra = ("--grpc-mode",) if mode == ConnectionMode.GRPC else ()
         try:
-            config = WorkerConfig.resolve(spec, extra, group=shape, subject=f"{model_id}:{mode.value} for {owner}")
-        except (SglWorkerError, ValueError) as exc:
+            config = config_for(session, model_id, mode, shape, owner=owner, extra=extra)
+        except (SglWorkerError, ValueError) as exc:  # CompatError is a ValueError
             raise pytest.fail.Exception(str(exc), pytrace=False) from None
+        spec = config.spec
         if not fresh_owner:
             for held in self.held:
                 if held.group.config == config and held.group.is_alive():
