@@ -251,6 +251,21 @@ def flag_from_dict(data: Mapping[str, Any]) -> Flag:
                 bool(data.get("required", False)))
 
 
+def dp_ranks_bind_one_nccl_port(argv: Sequence[str]) -> bool:
+    """Whether a worker of these args would give one ``--nccl-port`` to several ranks that each bind it: sglang
+    0.5.23's data-parallel controller (``--dp-size N``, N > 1, without DP attention) makes each rank's ports with
+    ``PortArgs.init_new``, which takes ``server_args.nccl_port`` when one is given, and holds each rank's NCCL port
+    (``bind_port``): the second rank fails with ``EADDRINUSE``. Left unset, each rank picks a free port of its own.
+    With DP attention the ranks share one TP group and its one NCCL port, so a pinned port is right."""
+    try:
+        args = flag_table().parse(argv)
+        dp = int(args.last("dp_size") or 1)
+        attn_dp = int(args.last("attn_dp_size") or 1)
+    except ValueError:  # a malformed value: sglang's own parser refuses it at launch
+        return False
+    return dp > 1 and attn_dp == 1 and not args.given("enable_dp_attention")
+
+
 @functools.lru_cache(maxsize=1)
 def flag_table() -> FlagTable:
     """sglang 0.5.23's parser, read once from the data file shipped with the package."""

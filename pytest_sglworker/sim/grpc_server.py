@@ -213,17 +213,12 @@ def _scheduler_servicer(sim: Sim) -> Any:
         if verdict == "fail":
             abort_status(context, status, f"simulated failure of request {k} ({ENV_FAULT})")
 
-    def check_input(ids: list[int], max_new: int | None, context: Any) -> None:
-        n, ctx = len(ids), plan.context_len
+    def check_input(ids: list[int], context: Any) -> None:
+        """The scheduler's checks: the gRPC path has no tokenizer manager, so neither its context-length refusals
+        nor its refusal of ``max_new_tokens`` beyond the context (the scheduler caps those: :func:`capped`)."""
+        n = len(ids)
         if not ids:
             abort_status(context, 400, "Generate request has no input_ids (the gRPC API takes tokenized input)")
-        if n >= ctx:
-            abort_status(context, 400, f"The input ({n} tokens) is longer than the model's context length "
-                                       f"({ctx} tokens).")
-        if max_new is not None and max_new + n > ctx:
-            abort_status(context, 400, f"Requested token count exceeds the model's maximum context length of {ctx} "
-                                       f"tokens. You requested a total of {max_new + n} tokens: {n} tokens from "
-                                       f"the input messages and {max_new} tokens for the completion.")
         if n >= plan.max_req_input_len:
             abort_status(context, 400, f"Input length ({n} tokens) exceeds the maximum allowed length "
                                        f"({plan.max_req_input_len} tokens). Use a shorter input or enable "
@@ -260,8 +255,10 @@ def _scheduler_servicer(sim: Sim) -> Any:
                 abort_status(context, 400, "This model is served with --is-embedding and does not generate")
             sp = request.sampling_params
             ids = list(request.tokenized.input_ids)
-            max_new = sp.max_new_tokens if sp.HasField("max_new_tokens") else 128
-            check_input(ids, max_new, context)
+            check_input(ids, context)
+            # the scheduler caps max_new_tokens to what the context leaves (init_req_max_new_tokens), not refuses it
+            max_new = max(0, min(sp.max_new_tokens if sp.HasField("max_new_tokens") else 128,
+                                 plan.max_req_len - len(ids) - 1))
             with sim.lock:
                 sim.running += 1
             try:
@@ -310,7 +307,7 @@ def _scheduler_servicer(sim: Sim) -> Any:
         def Embed(self, request: Any, context: Any) -> Any:
             sim.log.info(f"Receive embedding request: {request.request_id}")
             ids = list(request.tokenized.input_ids)
-            check_input(ids, None, context)
+            check_input(ids, context)
             with sim.lock:
                 sim.running += 1
             try:

@@ -65,9 +65,14 @@ class Plan:
         return self.model.vocab.vocab_size
 
     @property
+    def max_req_len(self) -> int:
+        """sglang's scheduler's longest request, prompt and output (``tp_worker.py``)."""
+        return min(self.context_len - 1, self.max_total_tokens - 1)
+
+    @property
     def max_req_input_len(self) -> int:
         """sglang's scheduler refuses prompts of this many tokens or more (``tp_worker.py``)."""
-        return min(self.context_len - 1, self.max_total_tokens - 1) - 5
+        return self.max_req_len - 5
 
 
 def model_facts(model_path: str) -> ModelDims:

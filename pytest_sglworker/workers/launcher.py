@@ -39,7 +39,13 @@ from typing import TYPE_CHECKING, Any
 
 from ..engine.diagnosis import Kind, diagnose
 from ..engine.engine_args import python_module
-from ..engine.sglang_facts import LAUNCH_MODULE, LOOPBACK_HOST, LOOPBACK_NAMES, flag_table
+from ..engine.sglang_facts import (
+    LAUNCH_MODULE,
+    LOOPBACK_HOST,
+    LOOPBACK_NAMES,
+    dp_ranks_bind_one_nccl_port,
+    flag_table,
+)
 from ..engine.specs import ModelSpec
 from ..resources import state
 from ..resources.ports import PORT_BLOCK_SIZE, reserve_port_block
@@ -122,7 +128,8 @@ def build_argv(
     role_args: Sequence[str] = (),
     environ: Mapping[str, str] | None = None,
 ) -> list[str]:
-    """The full worker argv: launcher, model, 127.0.0.1, port, tp, the spec's args, the test's extra args,
+    """The full worker argv: launcher, model, 127.0.0.1, port, the NCCL port (not for ``--dp-size`` N > 1 without
+    DP attention, whose ranks would each bind it: they pick their own), tp, the spec's args, the test's extra args,
     then the args of its kind (``--disaggregation-mode prefill --disaggregation-bootstrap-port N``). ``environ``
     (default: this process's) names the launcher and the model roots when they are not given."""
     for where, args in (("extra args", extra_args), (f"the worker_args of spec {spec.name!r}", spec.worker_args)):
@@ -136,8 +143,8 @@ def build_argv(
     argv = list(launcher if launcher is not None else environment_launcher(environ))
     model = model_path or spec.resolve_model_path(environ)
     argv += ["--model-path", model, "--host", LOOPBACK_HOST, "--port", str(port)]
-    if nccl_port is not None:
-        argv += ["--nccl-port", str(nccl_port)]
+    if nccl_port is not None and not dp_ranks_bind_one_nccl_port([*spec.worker_args, *extra_args, *role_args]):
+        argv += ["--nccl-port", str(nccl_port)]  # data-parallel ranks each pick their own instead
     argv += ["--tp-size", str(spec.tp)]
     argv += list(spec.worker_args)
     argv += list(extra_args)

@@ -97,7 +97,9 @@ FLAGS: dict[str, tuple[str, str]] = {
     "device": (SIMULATED, f"cpu with a Triton attention backend dies as the real engine does ({_FLAGS_TEST})"),
     "tp_size": (REFUSED, f"more GPUs than CUDA_VISIBLE_DEVICES has: 'invalid device ordinal' ({_SIM_TEST})"),
     "base_gpu_id": (REFUSED, f"as --tp-size ({_EFFECTS_TEST})"),
-    "nccl_port": (SIMULATED, f"in the startup log ({_SIM_TEST})"),
+    "nccl_port": (SIMULATED, "in the startup log; a pinned port with --dp-size > 1 (no DP attention), which the real "
+                             "engine's second rank cannot bind, is not refused, and the plugin no longer pins one "
+                             f"there ({_SIM_TEST})"),
     "cuda_graph_backend_decode": (SIMULATED, f"the capture log lines and their time ({_SIM_TEST})"),
     "cuda_graph_backend_prefill": (SIMULATED, f"the capture log lines and their time ({_SIM_TEST})"),
     "cuda_graph_max_bs_decode": (SIMULATED, f"the captured batch sizes in the log ({_EFFECTS_TEST})"),

@@ -79,6 +79,21 @@ def test_generate_follows_a_json_schema_and_cuts_at_max_new_tokens(grpc_sim: tup
     assert cut.finish_reason == "length" and len(cut.output_ids) == 3  # the grammar does not stretch the budget
 
 
+def test_max_new_tokens_beyond_the_context_is_capped_as_the_scheduler_does(grpc_sim: tuple[SimProc, Any, Any]) -> None:
+    """The gRPC path has no tokenizer manager to refuse a ``max_new_tokens`` the context cannot hold: sglang's
+    scheduler caps it (``init_req_max_new_tokens``: at most the longest request less the prompt, less one). The sim
+    refused it with 400 (upstream's gateway ``test_function_calling.py`` asks for 2048 on a 512-token model), and
+    the router's circuit breaker then answered 503 for the rest of the class."""
+    _, stub, pb = grpc_sim
+    context = json.loads((Path(TINY) / "config.json").read_text())["max_position_embeddings"]
+    max_total = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30).max_context_length  # the pool, as real
+    request = _request(pb, max_new_tokens=4 * context)
+    request.sampling_params.ignore_eos = True
+    (complete,) = [r.complete for r in stub.Generate(request, timeout=60)]
+    assert complete.finish_reason == "length"
+    assert complete.completion_tokens == min(context - 1, max_total - 1) - 4 - 1  # 4 prompt tokens
+
+
 def test_penalties_widen_the_vocabulary_as_over_http(grpc_sim: tuple[SimProc, Any, Any]) -> None:
     """A frequency, presence or repetition penalty replaces a repeated token (the vocabulary widens); the proto's
     unset repetition_penalty (0) is no penalty, as the servicer reads it."""
