@@ -147,13 +147,13 @@ def simulate(units: Sequence[Unit | None], *, nodes: int = 4, gpus: int | None =
             assert node not in down, "tests sent to a node after its shutdown"
             queue[node].extend(indices)
         down.update(actions.shutdowns)
-        for node, key in actions.hints:  # the xdist worker's pool starts it now, in the background
-            if key is None:
-                continue  # the node took its launch ahead: nothing more to start
-            assert key not in launched[node]
-            launched[node].add(key)
-            model.launches += 1
-            ahead[node][key] = clock + (startup if isinstance(startup, (int, float)) else startup[key])
+        for node, keys in actions.hints:  # the xdist worker's pool starts the new ones now, in the background
+            for key in keys:
+                if key in launched[node]:
+                    continue  # launched ahead already (a list shrinks as the node takes its launches ahead)
+                launched[node].add(key)
+                model.launches += 1
+                ahead[node][key] = clock + (startup if isinstance(startup, (int, float)) else startup[key])
 
     for _ in range(nodes):
         add()
@@ -311,13 +311,25 @@ def test_model_fewer_xdist_workers_than_gpus_launch_the_next_configurations_ahea
     assert ahead.wall <= 1.3 * bound < 0.7 * late.wall, (ahead.wall, late.wall)
 
 
+def test_model_two_xdist_workers_keep_eight_gpus_starting() -> None:
+    # 12 configurations of 2 tests x 0.5 s that start in 4 s, 8 GPUs, 2 xdist workers (issue 43): one launch ahead
+    # per worker, and a configuration whose first test came behind another's started only at that test, so each
+    # worker ran its startups one after the other (30 s). Every free GPU now starts one, several per worker, and
+    # a worker's look-ahead into its next configuration launches it at once: near the bound, each launched once.
+    units = suite(*[2] * 12)
+    model = simulate(units, nodes=2, gpus=8, startup=4.0, test=0.5, steal_min=None)
+    assert sorted(model.ran) == list(range(len(units))) and model.launches == 12
+    bound = max(12 * (4.0 + 1.0) / 8, 12 * 1.0 / 2, 4.0 + 1.0)
+    assert model.wall <= 1.5 * bound, model.wall
+
+
 def test_planner_hints_use_only_gpus_no_pool_holds_and_never_twice() -> None:
     units = suite(4, 4, 4, 4, 4, gpus=2)
     planner = Planner(units, gpus_total=6, steal_min=None, workers=2)
     planner.add_node("a")
     planner.add_node("b")
     first = planner.fill_all()
-    assert {n for n, _ in first.sends} == {"a", "b"} and first.hints == [("a", "c2")]  # 2 + 2 held, 2 free
+    assert {n for n, _ in first.sends} == {"a", "b"} and first.hints == [("a", ("c2",))]  # 2 + 2 held, 2 free
     assert planner.fill_all().hints == []  # the inventory is full, and a hint is given once
     drops, hints = [], []
     for index in range(4):  # a's configuration is done: it takes the one it launched ahead, not another
@@ -328,7 +340,7 @@ def test_planner_hints_use_only_gpus_no_pool_holds_and_never_twice() -> None:
     # c0's last test has run: a's pool lets it go (told while a test of c0 was still to run, it would have
     # stopped c0's workers between two of their tests), and its GPUs take the next launch ahead
     assert drops == [("a", "c0")] and planner.nodes["a"].residents == ["c3", "c2"]
-    assert hints == [("a", None), ("a", "c3")] and planner.hints == {"a": "c3"}
+    assert hints == [("a", ()), ("a", ("c3",))] and planner.hints == {"a": ["c3"]}
 
 
 def _drops_over(planner: Planner, node: str, durations: float = 0.1) -> list[tuple[str, list[str]]]:
@@ -415,13 +427,13 @@ def test_planner_launches_ahead_on_the_worker_done_soonest_by_seconds() -> None:
     actions = planner.fill_all()
     assert planner.nodes["a"].current == "c0" and planner.nodes["b"].current == "c1"
     assert (len(planner.queues["c0"]), len(planner.queues["c1"])) == (2, 3)
-    assert actions.hints == [("b", "cX")]
+    assert actions.hints == [("b", ("cX",))]
 
 
-def test_planner_launches_ahead_on_no_worker_with_a_launch_of_its_own_still_to_start() -> None:
-    # a holds c0's two tests and then the first test of c2, a launch it starts only after them; b runs c1. c3 is
-    # launched ahead by b: on a it would take GPUs c2's launch needs, and a would run c2 before it (by seconds a
-    # looks sooner done: c2 starts in 1 s, c1 in 40)
+def test_planner_launches_ahead_on_the_worker_free_soonest_counting_its_own_launches() -> None:
+    # a holds c0's two tests and then the first test of c2: with GPUs free, c2 is launched ahead now (its startup
+    # overlaps c0's), not at its first test; b runs c1. c3 is launched ahead by b: a is busy for what is left of
+    # c0's startup (50 s) before its tests, b for c1's (40 s); by c2 alone, a would look sooner done
     units = [*suite(2), *[Unit("c1")] * 6, Unit("c2"), Unit("c3")]
     tests: list[float | None] = [1.0] * 10
     planner = Planner(units, gpus_total=8, steal_min=None, workers=2,
@@ -431,7 +443,8 @@ def test_planner_launches_ahead_on_no_worker_with_a_launch_of_its_own_still_to_s
     actions = planner.fill_all()
     assert [units[i].key for i in planner.nodes["a"].pending] == ["c0", "c0", "c2"]
     assert planner.nodes["b"].current == "c1"
-    assert actions.hints == [("b", "c3")]
+    assert actions.hints == [("a", ("c2",)), ("b", ("c3",))]
+    assert not planner.nodes["a"].probes & {8}  # c2's first test waits for no launch of its own
 
 
 def test_launch_hints_round_trip_and_anything_else_reads_as_none(tmp_path: Path) -> None:
@@ -441,17 +454,18 @@ def test_launch_hints_round_trip_and_anything_else_reads_as_none(tmp_path: Path)
     from pytest_sglworker.plugin.launch_hints import read_launch_hint, write_launch_hint
 
     config: Any = SimpleNamespace(workerinput={MAP_INPUT: str(tmp_path), "workerid": "gw1"})
-    assert read_launch_hint(config) == (None, frozenset())  # nothing written yet
-    write_launch_hint(tmp_path, "gw1", "c2", ["c0"])
-    assert read_launch_hint(config) == ("c2", frozenset({"c0"}))
+    assert read_launch_hint(config) == ((), frozenset())  # nothing written yet
+    write_launch_hint(tmp_path, "gw1", ["c2", "c3"], ["c0"])
+    assert read_launch_hint(config) == (("c2", "c3"), frozenset({"c0"}))  # in the order it takes them
     assert (tmp_path / "ahead-gw1.json").stat().st_mode & 0o077 == 0
-    write_launch_hint(tmp_path, "gw1", "c0", ["c0", "c1"])  # a configuration it is to let go is never launched
-    assert read_launch_hint(config) == (None, frozenset({"c0", "c1"}))
-    for text in ("{", "[]", '{"schema": "other", "configuration": "c2"}',
-                 '{"schema": "pytest-sglworker/xdist-launch-ahead/v1", "configuration": 3, "drop": "c0"}'):
+    write_launch_hint(tmp_path, "gw1", ["c0", "c4"], ["c0", "c1"])  # one it is to let go is never launched
+    assert read_launch_hint(config) == (("c4",), frozenset({"c0", "c1"}))
+    for text in ("{", "[]", '{"schema": "other", "configurations": ["c2"]}',
+                 '{"schema": "pytest-sglworker/xdist-launch-ahead/v1", "configuration": "c2", "drop": []}',
+                 '{"schema": "pytest-sglworker/xdist-launch-ahead/v2", "configurations": "c2", "drop": "c0"}'):
         (tmp_path / "ahead-gw1.json").write_text(text)
-        assert read_launch_hint(config) == (None, frozenset()), text
-    assert read_launch_hint(SimpleNamespace()) == (None, frozenset())  # not an xdist worker
+        assert read_launch_hint(config) == ((), frozenset()), text
+    assert read_launch_hint(SimpleNamespace()) == ((), frozenset())  # not an xdist worker
 
 
 def skew_suite() -> tuple[list[Unit | None], list[float], dict[str, float]]:
