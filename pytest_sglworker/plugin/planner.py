@@ -394,9 +394,11 @@ class Planner:
         return node, key
 
     def _most_work_first(self, keys: list[str]) -> list[str]:
-        """``keys`` by the most work (longest processing time: from history), else the most tests; ties in
-        collection order."""
-        return sorted(keys, key=lambda k: (-(self.work(k) or 0.0), -len(self.queues[k])))
+        """``keys`` by the most work (longest processing time: from history), else the most GPU-tests (tests times
+        GPUs: a configuration of two GPUs is the harder to place late, issue 43's generated suites), then the most
+        tests; ties in collection order."""
+        return sorted(keys, key=lambda k: (-(self.work(k) or 0.0), -self._gpus(k) * len(self.queues[k]),
+                                           -len(self.queues[k])))
 
     def _unstarted(self, node: _Node | None = None) -> list[str]:
         """Configurations no node takes tests of, less those launched ahead by another node than ``node``."""
@@ -415,15 +417,7 @@ class Planner:
         if self.hints is None or self.total is None:
             return
         for node in self.nodes.values():
-            # What no test will take again is let go, and no longer counted, once the node has run its last test of
-            # it (told earlier, its pool would stop the workers between two of their own tests)
-            pending = {self.units[i].key for i in node.pending if self.units[i] is not None}  # type: ignore[union-attr]
-            for key in [k for k in node.pooled if k != node.current and k not in self.hints.get(node.id, ())
-                        and not self.queues.get(k) and k not in pending]:
-                del node.pooled[key]
-                if key in node.residents:
-                    node.residents.remove(key)
-                actions.drops.append((node.id, key))
+            self._let_go(node, actions)
         nodes = [n for n in self.nodes.values() if not n.down]
         if any(not n.pending for n in nodes):
             return  # a node waits for GPUs (or is about to leave): they are its
@@ -448,6 +442,20 @@ class Planner:
                 told.append(node)
         for node in told:
             actions.hints.append((node.id, tuple(self.hints[node.id])))
+
+    def _let_go(self, node: _Node, actions: Actions, batch: Sequence[int] = ()) -> None:
+        """What no test will take again is let go, and no longer counted, once the node has run its last test of it
+        (told earlier, its pool would stop the workers between two of their own tests); ``batch``: tests it is being
+        sent now."""
+        if self.hints is None:
+            return
+        pending = {u.key for i in (*node.pending, *batch) if (u := self.units[i]) is not None}
+        for key in [k for k in node.pooled if k != node.current and k not in self.hints.get(node.id, ())
+                    and not self.queues.get(k) and k not in pending]:
+            del node.pooled[key]
+            if key in node.residents:
+                node.residents.remove(key)
+            actions.drops.append((node.id, key))
 
     def _free_at(self, node: _Node, key: str) -> tuple[bool, float]:
         """When ``node`` would take ``key``'s tests, launched ahead now, to sort by: once its own are done and those
@@ -512,7 +520,8 @@ class Planner:
             if kind in ("new", "steal") and key is not None:
                 # A look-ahead (the node holds tests before it) on GPUs no pool holds is launched ahead now, not at
                 # its first test: its startup overlaps the tests before it (without, a node's startups queued behind
-                # its own tests while their GPUs stood idle)
+                # its own tests while their GPUs stood idle); what it has run its last test of is let go first
+                self._let_go(node, actions, batch)
                 ahead = (kind == "new" and self.hints is not None and self.total is not None
                          and bool(node.pending or batch) and self._gpus(key) <= self.total - sum(
                              self._held(n) for n in self.nodes.values()))

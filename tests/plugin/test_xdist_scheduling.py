@@ -323,6 +323,34 @@ def test_model_two_xdist_workers_keep_eight_gpus_starting() -> None:
     assert model.wall <= 1.5 * bound, model.wall
 
 
+def test_planner_without_history_starts_the_most_gpu_tests_first() -> None:
+    # no durations known: a 2-GPU configuration of 3 tests (6 GPU-tests) starts before a 1-GPU one of 4, which
+    # starts before one of 2; by test count alone, the 2-GPU one came second and, on a full box, often last
+    units = [*suite(4), *[Unit("c1", 2)] * 3, *[Unit("c2")] * 2]
+    planner = Planner(units, gpus_total=8, steal_min=None, workers=1, hints=False)
+    assert planner._most_work_first(["c0", "c1", "c2"]) == ["c1", "c0", "c2"]
+    planner.add_node("a")
+    planner.fill_all()
+    assert planner.nodes["a"].current == "c1"
+
+
+def test_planner_a_look_ahead_launches_at_once_not_at_its_first_test() -> None:
+    # 2 GPUs, one xdist worker: c0 (1 GPU, 2 tests), then c1 and c2 (1 GPU, 1 test each). Its window holds c0's two
+    # tests and c1's first: with a GPU free, c1 is launched ahead at once (its startup overlaps c0's tests), not at
+    # that test. c2 comes once c0's first test has run, with no GPU free by the planner's count: a launch at its
+    # own test. Once c0's last test has run, c0 is let go
+    units = [*suite(2), Unit("c1"), Unit("c2")]
+    planner = Planner(units, gpus_total=2, steal_min=None, workers=1)
+    planner.add_node("a")
+    actions = planner.fill_all()
+    assert planner.nodes["a"].pending == [0, 1, 2] and planner.nodes["a"].probes == {0}
+    assert actions.hints == [("a", ("c1",))]
+    actions = planner.complete("a", 0, 0.5)
+    assert planner.nodes["a"].pending == [1, 2, 3] and planner.nodes["a"].probes == {3} and not actions.hints
+    actions = planner.complete("a", 1, 0.5)
+    assert ("a", "c0") in actions.drops
+
+
 def test_planner_hints_use_only_gpus_no_pool_holds_and_never_twice() -> None:
     units = suite(4, 4, 4, 4, 4, gpus=2)
     planner = Planner(units, gpus_total=6, steal_min=None, workers=2)
@@ -357,7 +385,7 @@ def test_planner_lets_go_what_it_reckoned_evicted_once_its_tests_are_done() -> N
     # one xdist worker on 2 GPUs: c0, then c1 (1 GPU each), then c2 (2 GPUs), handed out while c1's tests were
     # still to run. The planner reckons the pool evicted c0 and c1 for c2 (it counts their GPUs no more), but a
     # pool evicts only when its lease must wait: each is let go by word once its last test has run
-    units = [*suite(2, 2), Unit("c2", 2), Unit("c2", 2)]
+    units = [*suite(5, 5), Unit("c2", 2), Unit("c2", 2)]  # c2's 4 GPU-tests fewer than c0's and c1's 5
     planner = Planner(units, gpus_total=2, steal_min=None, workers=1)
     planner.add_node("a")
     planner.fill_all()
@@ -394,7 +422,7 @@ def test_planner_a_worker_waiting_for_two_gpus_is_not_starved_by_one_gpu_configu
     # 2 GPUs, 3 xdist workers: a and b take c0 and c1 (1 GPU each), c waits for c2's 2 GPUs. When a's and b's
     # GPUs come free one at a time, each would start a 1-GPU configuration on it, and c2 would wait to the end;
     # the first worker that waits has the GPUs it waits for kept for it (it may take what fits first itself)
-    units = [*suite(3, 3), *[Unit("c2", 2)] * 3, Unit("c3"), Unit("c4")]
+    units = [*suite(3, 3), Unit("c2", 2), Unit("c3"), Unit("c4")]  # c2's 2 GPU-tests fewer than c0's and c1's 3
     planner = Planner(units, gpus_total=2, steal_min=None, workers=3)
     for node in "abc":
         planner.add_node(node)
@@ -412,7 +440,7 @@ def test_planner_a_worker_waiting_for_two_gpus_is_not_starved_by_one_gpu_configu
         actions = planner.complete("c", planner.nodes["c"].pending[0], 0.1)
         sent += [(n, units[i].key) for n, s in actions.sends for i in s]  # type: ignore[union-attr]
     assert {n for n, _ in sent} == {"c"}, sent  # neither a nor b started c3 or c4 on a GPU c waited for
-    assert sorted(key for _, key in sent) == ["c2", "c2", "c2", "c3", "c4"]
+    assert sorted(key for _, key in sent) == ["c2", "c3", "c4"]
 
 
 def test_planner_launches_ahead_on_the_worker_done_soonest_by_seconds() -> None:
