@@ -724,6 +724,35 @@ def test_fewer_xdist_workers_than_gpus_launch_their_next_configuration_ahead(
         assert first["t_released"] <= max(t["t_end"] for t in second["tests"])  # let go while the second ran
 
 
+def test_every_free_gpu_starts_a_configuration_several_per_xdist_worker(
+        pytester: pytest.Pytester, record: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # 2 xdist workers, 8 GPUs, 8 configurations of 2 tests (issue 43): before either worker's first test begins,
+    # each has asked for the GPUs of four configurations (its own, its look-ahead into the next, and two more the
+    # controller told it to launch ahead on the GPUs nobody held); before, one launch ahead each, and a
+    # look-ahead launched only at its own test. Each configuration is launched once, and no GPU runs two workers
+    monkeypatch.setenv("SGLSIM_STARTUP_SECONDS", "1.5")
+    body = ["import time", "import pytest", ""]
+    for n in range(8):
+        body += [f"@pytest.mark.sgl_worker(args=['--max-total-tokens', '{4096 + n}'])",
+                 "@pytest.mark.parametrize('i', range(2))", f"def test_c{n}(sgl_worker, i):", "    time.sleep(0.2)", ""]
+    pytester.makepyfile(test_many="\n".join(body))
+    report = tmp_path / "report.json"
+    result = pytester.runpytest_subprocess(*SIM, "-n", "2", "-v", "--sgl-gpus", "sim:8", "--sgl-model", "qwen3-0.6b",
+                                           "--sgl-report", str(report), timeout=120)
+    result.assert_outcomes(passed=16)
+    ran_once(result, 16)
+    assert_no_overcommit(record, 8)
+    data = json.loads(report.read_text())
+    assert sorted(r["config"] for r in data["launches"]) == sorted({r["config"] for r in data["launches"]})
+    assert len(data["launches"]) == 8
+    by_worker: dict[str, list[dict[str, Any]]] = {}
+    for launch in data["launches"]:
+        by_worker.setdefault(launch["xdist_worker"], []).append(launch)
+    for worker, mine in by_worker.items():
+        began = min(t["t_start"] for launch in mine for t in launch["tests"])
+        assert sum(launch["t_lease_requested"] < began for launch in mine) == 4, (worker, mine)
+
+
 @pytest.mark.parametrize("dist", [(), ("--sgl-dist", "on", "--dist", "loadgroup")], ids=["auto", "on-over-loadgroup"])
 def test_affinity_six_configurations(pytester: pytest.Pytester, record: Path, tmp_path: Path,
                                      dist: tuple[str, ...]) -> None:
