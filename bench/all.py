@@ -38,6 +38,7 @@ PARTS: dict[str, tuple[str, list[str], list[str]]] = {
     "timeline": ("timeline.py", [], ["--rounds", "3"]),
     "xdist_sched": ("xdist_sched.py", [], ["--quick"]),
     "ray_cluster": ("ray_cluster.py", [], ["--reps", "1"]),
+    "box_suites": ("box_suites.py", [], ["--suites", "2", "--n", "4"]),
 }
 
 

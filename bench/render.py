@@ -68,6 +68,7 @@ REGIONS: dict[str, Region] = {
     "ray": Region("bench/results/ray_cluster.json", "ray_cluster:markdown", "ray_cluster"),
     "ray-summary": Region("bench/results/ray_cluster.json", "render:ray_summary", "ray_cluster"),
     "bound": Region("bench/bound.json", "bound:render", "bound"),
+    "box-suites": Region("bench/results/box_suites.json", "box_suites:render", "box_suites"),
 }
 
 _OPEN = re.compile(r"^<!-- figures:([A-Za-z0-9_-]+) -->$")

@@ -20,10 +20,12 @@ drives it in the tests.
   what earlier runs measured of it (:mod:`.durations`), else the run's measurements of the others (a
   configuration that still starts has measured nothing of its own, and its startup can be many times the
   others').
-- **Launch ahead**: with fewer xdist workers than GPUs, a node that runs a configuration is told to start the
-  unstarted configuration with the most work that fits the GPUs no node's pool holds (first the node that will be
-  done with its own soonest), and takes its tests once its own are done; once a configuration's tests have all
-  run, the node that ran them is told to let its idle workers go.
+- **Launch ahead**: with fewer xdist workers than GPUs, every GPU no node's pool holds starts a configuration:
+  the unstarted ones with the most work that fit, each told to the node that will take its tests soonest (once
+  its own tests and its earlier launches ahead are done, no sooner than the new one has started), which takes
+  them in that order once its own are done; a node sent the first test of a configuration behind tests of another
+  launches it at once when its GPUs are free, not at that test (issue 43: startups queued behind tests left GPUs
+  idle); once a configuration's tests have all run, the node that ran them is told to let its idle workers go.
 - **Waiting for GPUs**: the first node that waits for GPUs for a test has the GPUs of the configuration with the
   most work kept for it; a node that holds its last test and finds nothing that fits takes that configuration
   anyway when there are fewer xdist workers than GPUs (one that leaves is missed), else it leaves.
@@ -72,9 +74,9 @@ class Actions:
 
     sends: list[tuple[Hashable, list[int]]] = field(default_factory=list)
     shutdowns: list[Hashable] = field(default_factory=list)
-    #: a configuration a node is to launch ahead, on GPUs no node holds, while it runs its own (it takes that
-    #: configuration's tests once its own are done)
-    hints: list[tuple[Hashable, str | None]] = field(default_factory=list)  # None: nothing now (it took it)
+    #: the configurations a node is to launch ahead now, on GPUs no node holds, while it runs its own, in the
+    #: order it takes their tests once its own are done: its whole list each time it changes (empty: none)
+    hints: list[tuple[Hashable, tuple[str, ...]]] = field(default_factory=list)
     #: configurations whose tests are all handed out: a node's pool lets their idle workers go (with hints only)
     drops: list[tuple[Hashable, str]] = field(default_factory=list)
 
@@ -110,8 +112,9 @@ class Planner:
                  clock: Callable[[], float] = time.monotonic, hints: bool = True,
                  lease_timeout: float | None = None) -> None:
         self.units = list(units)
-        #: node id -> the configuration it was told to launch ahead and has not started taking tests of
-        self.hints: dict[Hashable, str] | None = {} if hints else None
+        #: node id -> the configurations it was told to launch ahead and has not started taking tests of, in the
+        #: order it takes them (the run's plan: the order they start in)
+        self.hints: dict[Hashable, list[str]] | None = {} if hints else None
         self.clock = clock
         #: how long an xdist worker's pool waits for a lease (``--sgl-lease-timeout``; None: unknown)
         self.lease_timeout = lease_timeout
@@ -237,8 +240,12 @@ class Planner:
         return any((unit := self.units[i]) is not None and unit.key == node.current for i in node.probes)
 
     def _busy_for(self, node: _Node, startup: float) -> float:
-        """Seconds from now until ``node`` takes a queued test: what is left of its launch, then its pending tests."""
-        left = max(0.0, node.launched_at + startup - self.clock()) if self._starting(node) else 0.0
+        """Seconds from now until ``node`` takes a queued test: what is left of its launch (``startup``: its current
+        configuration's; a launch of another one it holds a test of, that one's), then its pending tests."""
+        probing = [u.key for i in node.pending if i in node.probes and (u := self.units[i]) is not None]
+        if probing and probing[0] != node.current:
+            startup = self.startup_seconds(probing[0]) or startup
+        left = max(0.0, node.launched_at + startup - self.clock()) if probing or self._starting(node) else 0.0
         return left + sum(self._seconds_of(i) or 0.0 for i in node.pending)
 
     def worth_a_copy(self, key: str) -> bool:
@@ -291,11 +298,18 @@ class Planner:
         if index in node.pending:
             node.pending.remove(index)
         unit = self.units[index]
+        told = False
         if unit is not None:
             samples = self._startups if index in node.probes else self._seconds
             samples.setdefault(unit.key, []).append(max(0.0, duration))
+            if self.hints is not None and unit.key in self.hints.get(node_id, ()):
+                self.hints[node_id].remove(unit.key)  # it runs: no longer a launch ahead
+                told = True
         node.probes.discard(index)
-        return self._fill_nodes([node, *(other for other in self.nodes.values() if other is not node)])
+        actions = self._fill_nodes([node, *(other for other in self.nodes.values() if other is not node)])
+        if told and not any(n == node_id for n, _ in actions.hints) and self.hints is not None:
+            actions.hints.append((node_id, tuple(self.hints[node_id])))
+        return actions
 
     def fill_all(self) -> Actions:
         return self._fill_nodes(sorted(self.nodes.values(), key=lambda n: not n.pending))  # busy ones keep theirs
@@ -320,7 +334,8 @@ class Planner:
         current = node.current
         if current is not None and self.queues.get(current):
             return ("same", current), False
-        for key in node.residents:
+        ahead = self.hints.get(node.id, []) if self.hints is not None else []
+        for key in [*ahead, *(k for k in node.residents if k not in ahead)]:  # its launches ahead in plan order
             if key != current and self.queues.get(key) and (self.info[key].stealable or not self.copies(key)):
                 return ("resident", key), False
         free = self._free_for(node)
@@ -379,53 +394,82 @@ class Planner:
         return node, key
 
     def _most_work_first(self, keys: list[str]) -> list[str]:
-        """``keys`` by the most work (longest processing time: from history), else the most tests; ties in
-        collection order."""
-        return sorted(keys, key=lambda k: (-(self.work(k) or 0.0), -len(self.queues[k])))
+        """``keys`` by the most work (longest processing time: from history), else the most GPU-tests (tests times
+        GPUs: a configuration of two GPUs is the harder to place late, issue 43's generated suites), then the most
+        tests; ties in collection order."""
+        return sorted(keys, key=lambda k: (-(self.work(k) or 0.0), -self._gpus(k) * len(self.queues[k]),
+                                           -len(self.queues[k])))
 
     def _unstarted(self, node: _Node | None = None) -> list[str]:
         """Configurations no node takes tests of, less those launched ahead by another node than ``node``."""
-        hinted = {key for nid, key in (self.hints or {}).items()
-                  if (node is None or nid != node.id) and nid in self.nodes and not self.nodes[nid].down}
+        hinted = {key for nid, keys in (self.hints or {}).items()
+                  if (node is None or nid != node.id) and nid in self.nodes and not self.nodes[nid].down
+                  for key in keys}
         return [k for k, q in self.queues.items() if k is not None and q and not self.copies(k) and k not in hinted]
 
     def _hint(self, actions: Actions) -> None:
-        """Launch ahead: on GPUs no node's pool holds, a node that runs a configuration (soonest done first) is
-        told to start the unstarted configuration with the most work that fits, and takes its tests once its own
-        are done (its pool holds it: a resident). An xdist worker sees its tests only one ahead, so without this
-        a configuration started only as its first test came, and with fewer xdist workers than GPUs, GPUs sat
-        idle while startups queued behind tests. Never while a node waits for GPUs for its first test."""
+        """Launch ahead: on GPUs no node's pool holds, the unstarted configurations with the most work that fit,
+        each to the node that runs a configuration and will take its tests soonest (:meth:`_free_at`); it takes
+        their tests once its own are done (its pool holds them: residents), in the order told. An xdist worker sees
+        its tests only one ahead, so without this a configuration started only as its first test came, and with
+        fewer xdist workers than GPUs, GPUs sat idle while startups queued behind tests. Never while a node waits
+        for GPUs for its first test."""
         if self.hints is None or self.total is None:
             return
         for node in self.nodes.values():
-            # What no test will take again is let go, and no longer counted, once the node has run its last test of
-            # it (told earlier, its pool would stop the workers between two of their own tests)
-            pending = {self.units[i].key for i in node.pending if self.units[i] is not None}  # type: ignore[union-attr]
-            for key in [k for k in node.pooled if k != node.current and k != self.hints.get(node.id)
-                        and not self.queues.get(k) and k not in pending]:
-                del node.pooled[key]
-                if key in node.residents:
-                    node.residents.remove(key)
-                actions.drops.append((node.id, key))
+            self._let_go(node, actions)
         nodes = [n for n in self.nodes.values() if not n.down]
         if any(not n.pending for n in nodes):
             return  # a node waits for GPUs (or is about to leave): they are its
         # not a node whose next configuration, after a test of its current one, is a launch it has yet to start:
         # the launch ahead would take GPUs that launch needs, and the node would run the one after it first
-        busy = [n for n in nodes if n.id not in self.hints and n.current is not None
-                and not any(i in n.probes for i in n.pending[1:])]
-        busy.sort(key=self._done_in)
-        for node in busy:
+        busy = [n for n in nodes if n.current is not None and not any(i in n.probes for i in n.pending[1:])]
+        if not busy:
+            return
+        told: list[_Node] = []
+        while True:
             free = self.total - sum(self._held(n) for n in self.nodes.values())
             fits = self._most_work_first([k for k in self._unstarted() if self._gpus(k) <= free])
             if not fits:
-                return
+                break
             key = fits[0]
+            node = min(busy, key=lambda n: self._free_at(n, key))
             node.residents = [key, *(k for k in node.residents if k != key)]
             node.pooled[key] = None
-            self.hints[node.id] = key
+            self.hints.setdefault(node.id, []).append(key)
             self.launches += 1
-            actions.hints.append((node.id, key))
+            if node not in told:
+                told.append(node)
+        for node in told:
+            actions.hints.append((node.id, tuple(self.hints[node.id])))
+
+    def _let_go(self, node: _Node, actions: Actions, batch: Sequence[int] = ()) -> None:
+        """What no test will take again is let go, and no longer counted, once the node has run its last test of it
+        (told earlier, its pool would stop the workers between two of their own tests); ``batch``: tests it is being
+        sent now."""
+        if self.hints is None:
+            return
+        pending = {u.key for i in (*node.pending, *batch) if (u := self.units[i]) is not None}
+        for key in [k for k in node.pooled if k != node.current and k not in self.hints.get(node.id, ())
+                    and not self.queues.get(k) and k not in pending]:
+            del node.pooled[key]
+            if key in node.residents:
+                node.residents.remove(key)
+            actions.drops.append((node.id, key))
+
+    def _free_at(self, node: _Node, key: str) -> tuple[bool, float]:
+        """When ``node`` would take ``key``'s tests, launched ahead now, to sort by: once its own are done and those
+        of the configurations it launches ahead already (each no sooner than its startup), and ``key``'s startup;
+        by test counts where a test's seconds are not known yet (no history, nothing measured)."""
+        unknown, at = self._done_in(node)
+        for ahead in [*self.hints.get(node.id, ()), key] if self.hints is not None else [key]:
+            startup, queued = self.startup_seconds(ahead), self.queued_seconds(ahead)
+            if unknown or startup is None or queued is None:
+                unknown = True
+                at += len(self.queues.get(ahead) or ()) if ahead != key else 0
+            else:
+                at = max(at, startup) + (queued if ahead != key else 0.0)
+        return unknown, at
 
     def _done_in(self, node: _Node) -> tuple[bool, float]:
         """How soon ``node`` is done with its current configuration, to sort by: the seconds of what is left of its
@@ -474,16 +518,26 @@ class Planner:
             kind, key = choice
             probe = False
             if kind in ("new", "steal") and key is not None:
+                # A look-ahead (the node holds tests before it) on GPUs no pool holds is launched ahead now, not at
+                # its first test: its startup overlaps the tests before it (without, a node's startups queued behind
+                # its own tests while their GPUs stood idle); what it has run its last test of is let go first
+                self._let_go(node, actions, batch)
+                ahead = (kind == "new" and self.hints is not None and self.total is not None
+                         and bool(node.pending or batch) and self._gpus(key) <= self.total - sum(
+                             self._held(n) for n in self.nodes.values()))
                 self._launch(node, key)
                 node.launched_at = self.clock()
                 self.launches += 1
                 self.steals += kind == "steal"
-                probe = True
+                probe = not ahead
+                if ahead and self.hints is not None:
+                    self.hints.setdefault(node.id, []).append(key)
+                    actions.hints.append((node.id, tuple(self.hints[node.id])))
             elif kind == "resident" and key is not None:
                 node.residents = [key, *(k for k in node.residents if k != key)]
-                if self.hints is not None and self.hints.get(node.id) == key:
-                    del self.hints[node.id]  # its launch ahead is now its current configuration
-                    actions.hints.append((node.id, None))
+                if self.hints is not None and key in self.hints.get(node.id, ()):
+                    self.hints[node.id].remove(key)  # its launch ahead is now its current configuration
+                    actions.hints.append((node.id, tuple(self.hints[node.id])))
             if key is not None:
                 node.current = key
             index = self.queues[key].popleft()

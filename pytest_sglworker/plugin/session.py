@@ -561,10 +561,8 @@ class SglSession:
             wanted.append(config)
             if len(wanted) >= count:
                 break
-        if is_xdist_worker(self.config):  # the controller may have said which configuration comes next here
-            hinted = self._hinted_config(item, source)
-            if hinted is not None and hinted != current and hinted not in wanted and len(wanted) < count + 1:
-                wanted.append(hinted)
+        if is_xdist_worker(self.config):  # the controller may have said which configurations come next here
+            wanted += [c for c in self._hinted_configs(item, source) if c != current and c not in wanted]
         environ = self.worker_environ() if wanted else {}
         for config in wanted:
             try:
@@ -587,29 +585,29 @@ class SglSession:
             return
         self._follow_controller(self._source)
 
-    def _follow_controller(self, source: WorkerSource) -> str | None:
+    def _follow_controller(self, source: WorkerSource) -> tuple[str, ...]:
         """The xdist controller's word: the idle workers of the configurations whose tests have all run are
-        stopped; the configuration to launch ahead is returned (None: none)."""
+        stopped; the configurations to launch ahead are returned, in order."""
         from .launch_hints import read_launch_hint
 
-        key, drop = read_launch_hint(self.config)
+        keys, drop = read_launch_hint(self.config)
         if drop:
             source.retire_idle(drop)
-        return key
+        return keys
 
-    def _hinted_config(self, item: pytest.Item, source: WorkerSource) -> WorkerConfig | None:
-        """The configuration the xdist controller told this worker to launch ahead (one of its own tests'), or
-        None; the idle workers of those whose tests are all handed out are let go first."""
-        key = self._follow_controller(source)
-        if key is None:
-            return None
+    def _hinted_configs(self, item: pytest.Item, source: WorkerSource) -> list[WorkerConfig]:
+        """The configurations the xdist controller told this worker to launch ahead (its own tests'), in order;
+        the idle workers of those whose tests are all handed out are let go first."""
+        keys = self._follow_controller(source)
+        if not keys:
+            return []
         if self._configs_by_key is None:
             self._configs_by_key = {}
             for collected in item.session.items:
                 config = collected.stash.get(CONFIG_KEY, None)
                 if config is not None and poolable(collected):
                     self._configs_by_key.setdefault(config.key, config)
-        return self._configs_by_key.get(key)
+        return [self._configs_by_key[key] for key in keys if key in self._configs_by_key]
 
     def _upcoming(self, item: pytest.Item) -> list[pytest.Item]:
         if self.queue and not is_xdist_worker(self.config):

@@ -229,7 +229,7 @@ class ConfigScheduling:
         self.map = CollectionMap()
         self.delegate: Any = None
         self._shadow: Any = LoadScheduling(config, log)
-        self._ahead: dict[Any, str | None] = {}  # node -> the configuration it is told to launch ahead
+        self._ahead: dict[Any, tuple[str, ...]] = {}  # node -> the configurations it is told to launch ahead
         self._drops: dict[Any, set[str]] = {}  # node -> the configurations its pool is to let go when idle
 
     # -- the protocol -------------------------------------------------------------------------------------
@@ -369,12 +369,12 @@ class ConfigScheduling:
 
     def _apply(self, actions: Actions) -> None:
         told = {node for node, _ in actions.hints} | {node for node, _ in actions.drops}
-        for node, key in actions.hints:
-            self._ahead[node] = key
+        for node, keys in actions.hints:
+            self._ahead[node] = keys
         for node, key in actions.drops:
             self._drops.setdefault(node, set()).add(key)
         for node in told:  # before the tests that the xdist worker reads it at
-            write_launch_hint(self.map_dir, node.gateway.id, self._ahead.get(node),  # type: ignore[attr-defined]
+            write_launch_hint(self.map_dir, node.gateway.id, self._ahead.get(node, ()),  # type: ignore[attr-defined]
                               sorted(self._drops.get(node, ())))
         for node, indices in actions.sends:
             node.send_runtest_some(indices)  # type: ignore[attr-defined]

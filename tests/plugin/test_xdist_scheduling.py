@@ -147,13 +147,13 @@ def simulate(units: Sequence[Unit | None], *, nodes: int = 4, gpus: int | None =
             assert node not in down, "tests sent to a node after its shutdown"
             queue[node].extend(indices)
         down.update(actions.shutdowns)
-        for node, key in actions.hints:  # the xdist worker's pool starts it now, in the background
-            if key is None:
-                continue  # the node took its launch ahead: nothing more to start
-            assert key not in launched[node]
-            launched[node].add(key)
-            model.launches += 1
-            ahead[node][key] = clock + (startup if isinstance(startup, (int, float)) else startup[key])
+        for node, keys in actions.hints:  # the xdist worker's pool starts the new ones now, in the background
+            for key in keys:
+                if key in launched[node]:
+                    continue  # launched ahead already (a list shrinks as the node takes its launches ahead)
+                launched[node].add(key)
+                model.launches += 1
+                ahead[node][key] = clock + (startup if isinstance(startup, (int, float)) else startup[key])
 
     for _ in range(nodes):
         add()
@@ -311,13 +311,53 @@ def test_model_fewer_xdist_workers_than_gpus_launch_the_next_configurations_ahea
     assert ahead.wall <= 1.3 * bound < 0.7 * late.wall, (ahead.wall, late.wall)
 
 
+def test_model_two_xdist_workers_keep_eight_gpus_starting() -> None:
+    # 12 configurations of 2 tests x 0.5 s that start in 4 s, 8 GPUs, 2 xdist workers (issue 43): one launch ahead
+    # per worker, and a configuration whose first test came behind another's started only at that test, so each
+    # worker ran its startups one after the other (30 s). Every free GPU now starts one, several per worker, and
+    # a worker's look-ahead into its next configuration launches it at once: near the bound, each launched once.
+    units = suite(*[2] * 12)
+    model = simulate(units, nodes=2, gpus=8, startup=4.0, test=0.5, steal_min=None)
+    assert sorted(model.ran) == list(range(len(units))) and model.launches == 12
+    bound = max(12 * (4.0 + 1.0) / 8, 12 * 1.0 / 2, 4.0 + 1.0)
+    assert model.wall <= 1.5 * bound, model.wall
+
+
+def test_planner_without_history_starts_the_most_gpu_tests_first() -> None:
+    # no durations known: a 2-GPU configuration of 3 tests (6 GPU-tests) starts before a 1-GPU one of 4, which
+    # starts before one of 2; by test count alone, the 2-GPU one came second and, on a full box, often last
+    units = [*suite(4), *[Unit("c1", 2)] * 3, *[Unit("c2")] * 2]
+    planner = Planner(units, gpus_total=8, steal_min=None, workers=1, hints=False)
+    assert planner._most_work_first(["c0", "c1", "c2"]) == ["c1", "c0", "c2"]
+    planner.add_node("a")
+    planner.fill_all()
+    assert planner.nodes["a"].current == "c1"
+
+
+def test_planner_a_look_ahead_launches_at_once_not_at_its_first_test() -> None:
+    # 2 GPUs, one xdist worker: c0 (1 GPU, 2 tests), then c1 and c2 (1 GPU, 1 test each). Its window holds c0's two
+    # tests and c1's first: with a GPU free, c1 is launched ahead at once (its startup overlaps c0's tests), not at
+    # that test. c2 comes once c0's first test has run, with no GPU free by the planner's count: a launch at its
+    # own test. Once c0's last test has run, c0 is let go
+    units = [*suite(2), Unit("c1"), Unit("c2")]
+    planner = Planner(units, gpus_total=2, steal_min=None, workers=1)
+    planner.add_node("a")
+    actions = planner.fill_all()
+    assert planner.nodes["a"].pending == [0, 1, 2] and planner.nodes["a"].probes == {0}
+    assert actions.hints == [("a", ("c1",))]
+    actions = planner.complete("a", 0, 0.5)
+    assert planner.nodes["a"].pending == [1, 2, 3] and planner.nodes["a"].probes == {3} and not actions.hints
+    actions = planner.complete("a", 1, 0.5)
+    assert ("a", "c0") in actions.drops
+
+
 def test_planner_hints_use_only_gpus_no_pool_holds_and_never_twice() -> None:
     units = suite(4, 4, 4, 4, 4, gpus=2)
     planner = Planner(units, gpus_total=6, steal_min=None, workers=2)
     planner.add_node("a")
     planner.add_node("b")
     first = planner.fill_all()
-    assert {n for n, _ in first.sends} == {"a", "b"} and first.hints == [("a", "c2")]  # 2 + 2 held, 2 free
+    assert {n for n, _ in first.sends} == {"a", "b"} and first.hints == [("a", ("c2",))]  # 2 + 2 held, 2 free
     assert planner.fill_all().hints == []  # the inventory is full, and a hint is given once
     drops, hints = [], []
     for index in range(4):  # a's configuration is done: it takes the one it launched ahead, not another
@@ -328,7 +368,7 @@ def test_planner_hints_use_only_gpus_no_pool_holds_and_never_twice() -> None:
     # c0's last test has run: a's pool lets it go (told while a test of c0 was still to run, it would have
     # stopped c0's workers between two of their tests), and its GPUs take the next launch ahead
     assert drops == [("a", "c0")] and planner.nodes["a"].residents == ["c3", "c2"]
-    assert hints == [("a", None), ("a", "c3")] and planner.hints == {"a": "c3"}
+    assert hints == [("a", ()), ("a", ("c3",))] and planner.hints == {"a": ["c3"]}
 
 
 def _drops_over(planner: Planner, node: str, durations: float = 0.1) -> list[tuple[str, list[str]]]:
@@ -345,7 +385,7 @@ def test_planner_lets_go_what_it_reckoned_evicted_once_its_tests_are_done() -> N
     # one xdist worker on 2 GPUs: c0, then c1 (1 GPU each), then c2 (2 GPUs), handed out while c1's tests were
     # still to run. The planner reckons the pool evicted c0 and c1 for c2 (it counts their GPUs no more), but a
     # pool evicts only when its lease must wait: each is let go by word once its last test has run
-    units = [*suite(2, 2), Unit("c2", 2), Unit("c2", 2)]
+    units = [*suite(5, 5), Unit("c2", 2), Unit("c2", 2)]  # c2's 4 GPU-tests fewer than c0's and c1's 5
     planner = Planner(units, gpus_total=2, steal_min=None, workers=1)
     planner.add_node("a")
     planner.fill_all()
@@ -382,7 +422,7 @@ def test_planner_a_worker_waiting_for_two_gpus_is_not_starved_by_one_gpu_configu
     # 2 GPUs, 3 xdist workers: a and b take c0 and c1 (1 GPU each), c waits for c2's 2 GPUs. When a's and b's
     # GPUs come free one at a time, each would start a 1-GPU configuration on it, and c2 would wait to the end;
     # the first worker that waits has the GPUs it waits for kept for it (it may take what fits first itself)
-    units = [*suite(3, 3), *[Unit("c2", 2)] * 3, Unit("c3"), Unit("c4")]
+    units = [*suite(3, 3), Unit("c2", 2), Unit("c3"), Unit("c4")]  # c2's 2 GPU-tests fewer than c0's and c1's 3
     planner = Planner(units, gpus_total=2, steal_min=None, workers=3)
     for node in "abc":
         planner.add_node(node)
@@ -400,7 +440,7 @@ def test_planner_a_worker_waiting_for_two_gpus_is_not_starved_by_one_gpu_configu
         actions = planner.complete("c", planner.nodes["c"].pending[0], 0.1)
         sent += [(n, units[i].key) for n, s in actions.sends for i in s]  # type: ignore[union-attr]
     assert {n for n, _ in sent} == {"c"}, sent  # neither a nor b started c3 or c4 on a GPU c waited for
-    assert sorted(key for _, key in sent) == ["c2", "c2", "c2", "c3", "c4"]
+    assert sorted(key for _, key in sent) == ["c2", "c3", "c4"]
 
 
 def test_planner_launches_ahead_on_the_worker_done_soonest_by_seconds() -> None:
@@ -415,13 +455,13 @@ def test_planner_launches_ahead_on_the_worker_done_soonest_by_seconds() -> None:
     actions = planner.fill_all()
     assert planner.nodes["a"].current == "c0" and planner.nodes["b"].current == "c1"
     assert (len(planner.queues["c0"]), len(planner.queues["c1"])) == (2, 3)
-    assert actions.hints == [("b", "cX")]
+    assert actions.hints == [("b", ("cX",))]
 
 
-def test_planner_launches_ahead_on_no_worker_with_a_launch_of_its_own_still_to_start() -> None:
-    # a holds c0's two tests and then the first test of c2, a launch it starts only after them; b runs c1. c3 is
-    # launched ahead by b: on a it would take GPUs c2's launch needs, and a would run c2 before it (by seconds a
-    # looks sooner done: c2 starts in 1 s, c1 in 40)
+def test_planner_launches_ahead_on_the_worker_free_soonest_counting_its_own_launches() -> None:
+    # a holds c0's two tests and then the first test of c2: with GPUs free, c2 is launched ahead now (its startup
+    # overlaps c0's), not at its first test; b runs c1. c3 is launched ahead by b: a is busy for what is left of
+    # c0's startup (50 s) before its tests, b for c1's (40 s); by c2 alone, a would look sooner done
     units = [*suite(2), *[Unit("c1")] * 6, Unit("c2"), Unit("c3")]
     tests: list[float | None] = [1.0] * 10
     planner = Planner(units, gpus_total=8, steal_min=None, workers=2,
@@ -431,7 +471,8 @@ def test_planner_launches_ahead_on_no_worker_with_a_launch_of_its_own_still_to_s
     actions = planner.fill_all()
     assert [units[i].key for i in planner.nodes["a"].pending] == ["c0", "c0", "c2"]
     assert planner.nodes["b"].current == "c1"
-    assert actions.hints == [("b", "c3")]
+    assert actions.hints == [("a", ("c2",)), ("b", ("c3",))]
+    assert not planner.nodes["a"].probes & {8}  # c2's first test waits for no launch of its own
 
 
 def test_launch_hints_round_trip_and_anything_else_reads_as_none(tmp_path: Path) -> None:
@@ -441,17 +482,18 @@ def test_launch_hints_round_trip_and_anything_else_reads_as_none(tmp_path: Path)
     from pytest_sglworker.plugin.launch_hints import read_launch_hint, write_launch_hint
 
     config: Any = SimpleNamespace(workerinput={MAP_INPUT: str(tmp_path), "workerid": "gw1"})
-    assert read_launch_hint(config) == (None, frozenset())  # nothing written yet
-    write_launch_hint(tmp_path, "gw1", "c2", ["c0"])
-    assert read_launch_hint(config) == ("c2", frozenset({"c0"}))
+    assert read_launch_hint(config) == ((), frozenset())  # nothing written yet
+    write_launch_hint(tmp_path, "gw1", ["c2", "c3"], ["c0"])
+    assert read_launch_hint(config) == (("c2", "c3"), frozenset({"c0"}))  # in the order it takes them
     assert (tmp_path / "ahead-gw1.json").stat().st_mode & 0o077 == 0
-    write_launch_hint(tmp_path, "gw1", "c0", ["c0", "c1"])  # a configuration it is to let go is never launched
-    assert read_launch_hint(config) == (None, frozenset({"c0", "c1"}))
-    for text in ("{", "[]", '{"schema": "other", "configuration": "c2"}',
-                 '{"schema": "pytest-sglworker/xdist-launch-ahead/v1", "configuration": 3, "drop": "c0"}'):
+    write_launch_hint(tmp_path, "gw1", ["c0", "c4"], ["c0", "c1"])  # one it is to let go is never launched
+    assert read_launch_hint(config) == (("c4",), frozenset({"c0", "c1"}))
+    for text in ("{", "[]", '{"schema": "other", "configurations": ["c2"]}',
+                 '{"schema": "pytest-sglworker/xdist-launch-ahead/v1", "configuration": "c2", "drop": []}',
+                 '{"schema": "pytest-sglworker/xdist-launch-ahead/v2", "configurations": "c2", "drop": "c0"}'):
         (tmp_path / "ahead-gw1.json").write_text(text)
-        assert read_launch_hint(config) == (None, frozenset()), text
-    assert read_launch_hint(SimpleNamespace()) == (None, frozenset())  # not an xdist worker
+        assert read_launch_hint(config) == ((), frozenset()), text
+    assert read_launch_hint(SimpleNamespace()) == ((), frozenset())  # not an xdist worker
 
 
 def skew_suite() -> tuple[list[Unit | None], list[float], dict[str, float]]:
@@ -680,6 +722,35 @@ def test_fewer_xdist_workers_than_gpus_launch_their_next_configuration_ahead(
         assert second["t_lease_requested"] < began, (first, second)  # asked for ahead, not at its first test
         assert second["t_ready"] <= min(t["t_start"] for t in second["tests"])
         assert first["t_released"] <= max(t["t_end"] for t in second["tests"])  # let go while the second ran
+
+
+def test_every_free_gpu_starts_a_configuration_several_per_xdist_worker(
+        pytester: pytest.Pytester, record: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # 2 xdist workers, 8 GPUs, 8 configurations of 2 tests (issue 43): before either worker's first test begins,
+    # each has asked for the GPUs of four configurations (its own, its look-ahead into the next, and two more the
+    # controller told it to launch ahead on the GPUs nobody held); before, one launch ahead each, and a
+    # look-ahead launched only at its own test. Each configuration is launched once, and no GPU runs two workers
+    monkeypatch.setenv("SGLSIM_STARTUP_SECONDS", "1.5")
+    body = ["import time", "import pytest", ""]
+    for n in range(8):
+        body += [f"@pytest.mark.sgl_worker(args=['--max-total-tokens', '{4096 + n}'])",
+                 "@pytest.mark.parametrize('i', range(2))", f"def test_c{n}(sgl_worker, i):", "    time.sleep(0.2)", ""]
+    pytester.makepyfile(test_many="\n".join(body))
+    report = tmp_path / "report.json"
+    result = pytester.runpytest_subprocess(*SIM, "-n", "2", "-v", "--sgl-gpus", "sim:8", "--sgl-model", "qwen3-0.6b",
+                                           "--sgl-report", str(report), timeout=120)
+    result.assert_outcomes(passed=16)
+    ran_once(result, 16)
+    assert_no_overcommit(record, 8)
+    data = json.loads(report.read_text())
+    assert sorted(r["config"] for r in data["launches"]) == sorted({r["config"] for r in data["launches"]})
+    assert len(data["launches"]) == 8
+    by_worker: dict[str, list[dict[str, Any]]] = {}
+    for launch in data["launches"]:
+        by_worker.setdefault(launch["xdist_worker"], []).append(launch)
+    for worker, mine in by_worker.items():
+        began = min(t["t_start"] for launch in mine for t in launch["tests"])
+        assert sum(launch["t_lease_requested"] < began for launch in mine) == 4, (worker, mine)
 
 
 @pytest.mark.parametrize("dist", [(), ("--sgl-dist", "on", "--dist", "loadgroup")], ids=["auto", "on-over-loadgroup"])
