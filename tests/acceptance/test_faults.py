@@ -1014,6 +1014,14 @@ subprocess.Popen([sys.executable, "-c", sys.argv[2], *sys.argv[1:2], *sys.argv[3
 # The spawner exits at once: the escapee is re-parented, no descendant of the worker any more.
 subprocess.run([sys.executable, "-c", SPAWNER, str(sock.fileno()), ESCAPEE, mode, str(port)],
                pass_fds=(sock.fileno(),), check=True)
+# Ready only once the escapee is in place (its pid file is written after it closed the inherited socket, or kept
+# it): else, on a loaded machine, the teardown could meet it still starting, holding the HTTP port it was handed.
+import time
+deadline = time.monotonic() + 60
+while not os.path.exists(os.environ["ESCAPEE_PID_FILE"]):
+    if time.monotonic() > deadline:
+        sys.exit("the escapee never wrote its pid file")
+    time.sleep(0.05)
 
 
 class Handler(BaseHTTPRequestHandler):
