@@ -358,6 +358,27 @@ def reap_warm(lock_dir: Path | None) -> list[str]:
     return done
 
 
+def end_run(lock_dir: Path | None, run: str) -> list[str]:
+    """At the end of run ``run`` (its xdist controller): end the groups handed over within it that nobody holds now
+    (a group a session of the run still holds is left to it, and to its keeper). Returns their labels."""
+    done: list[str] = []
+    here = hostname()
+    for entry in warm_records(lock_dir) if lock_dir is not None else []:
+        record = entry.mine
+        if record is None or record.run is None or record.run.session != run or record.hostname != here:
+            continue
+        claim = Claim.take(lock_dir, record.id, wait=1.0)  # type: ignore[arg-type]
+        if claim is None:
+            continue
+        current = claim.read()
+        if current is None or current.run is None or current.run.session != run:
+            claim.release()
+            continue
+        end_warm(claim, current, "the run it was handed over in ended")
+        done.append(current.label)
+    return done
+
+
 def _ours_by_lstat(path: Path) -> bool:
     """Whether the entry at ``path`` (not followed) belongs to this user: what a record that could not be opened
     (a symlink, a directory) is judged by."""

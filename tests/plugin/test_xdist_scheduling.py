@@ -108,6 +108,8 @@ class Model:
     crashed: list[int] = field(default_factory=list)
     spans: dict[tuple[int, str], list[float]] = field(default_factory=dict)  # (node, key) -> [start, end]
     max_pending: int = 0
+    #: groups launched ahead by one node, handed over to the node that ran their tests: (giver, taker, key)
+    handed: list[tuple[int, int, str]] = field(default_factory=list)
 
     def max_copies(self, key: str | None = None) -> int:
         """The most nodes that ran ``key`` (any configuration: None) at once."""
@@ -147,6 +149,11 @@ def simulate(units: Sequence[Unit | None], *, nodes: int = 4, gpus: int | None =
             assert node not in down, "tests sent to a node after its shutdown"
             queue[node].extend(indices)
         down.update(actions.shutdowns)
+        for giver, taker, key in actions.handovers:  # the taker adopts the giver's group, ready when it would be
+            model.handed.append((giver, taker, key))
+            launched[taker].add(key)
+            if key in ahead[giver]:
+                ahead[taker][key] = ahead[giver].pop(key)
         for node, keys in actions.hints:  # the xdist worker's pool starts the new ones now, in the background
             for key in keys:
                 if key in launched[node]:
@@ -490,7 +497,7 @@ def test_launch_hints_round_trip_and_anything_else_reads_as_none(tmp_path: Path)
     assert read_launch_hint(config) == (("c4",), frozenset({"c0", "c1"}))
     for text in ("{", "[]", '{"schema": "other", "configurations": ["c2"]}',
                  '{"schema": "pytest-sglworker/xdist-launch-ahead/v1", "configuration": "c2", "drop": []}',
-                 '{"schema": "pytest-sglworker/xdist-launch-ahead/v2", "configurations": "c2", "drop": "c0"}'):
+                 '{"schema": "pytest-sglworker/xdist-launch-ahead/v3", "configurations": "c2", "drop": "c0"}'):
         (tmp_path / "ahead-gw1.json").write_text(text)
         assert read_launch_hint(config) == ((), frozenset()), text
     assert read_launch_hint(SimpleNamespace()) == ((), frozenset())  # not an xdist worker
