@@ -282,7 +282,7 @@ class Warm:
     xdist_worker: str | None = None
     #: what happened, for the summary and the run report: {"adopted": [...], "kept": [...], "refused": [...]}
     events: dict[str, list[dict[str, Any]]] = field(
-        default_factory=lambda: {"adopted": [], "kept": [], "refused": [], "handed": []})
+        default_factory=lambda: {"adopted": [], "kept": [], "refused": []})
     _engines: dict[str, Any] = field(default_factory=dict)
 
     def _engine(self, launcher: Sequence[str], environ: Mapping[str, str]) -> Any:
@@ -598,7 +598,7 @@ class Warm:
             event.update(why=why, ended=ended)
         if kind == "adopted":
             event.update(uses=record.uses, run=record.run is not None, adopter_pid=os.getpid())
-        self.events[kind].append(event)
+        self.events.setdefault(kind, []).append(event)  # "handed": only in a run that hands groups over
 
 
 def _create_time(pid: int) -> float:

@@ -5,13 +5,13 @@ group is torn down, leased and logged as any other, and nothing outlives the run
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
 
 import psutil
 import pytest
-
 
 SIM = ("-p", "no:cacheprovider", "--sgl-engine", "sim", "--sgl-model", "qwen3-0.6b")
 
@@ -125,5 +125,38 @@ def test_nothing_outlives_the_run_when_the_adopting_test_fails_or_is_skipped(
         result.assert_outcomes(passed=16, failed=3)
     else:
         result.assert_outcomes(passed=16, skipped=3)
+    started, _ = _sims(handover / "sim-record.jsonl")
+    _nothing_left(handover, started)
+
+
+def test_nothing_outlives_an_interrupted_run(pytester: pytest.Pytester, handover: Path) -> None:
+    """Once a group launched ahead is handed to the run (its record in the lock directory), Ctrl-C on the run (SIGINT to
+    its process group): the run ends, and with it every engine, keeper and record."""
+    import signal
+    import subprocess
+    import sys
+
+    from pytest_sglworker.resources.warm_records import warm_records
+
+    pytester.makepyfile(test_handover=SUITE)
+    locks = handover / "locks"
+    proc = subprocess.Popen([sys.executable, "-m", "pytest", *SIM, "-n", "2", "--sgl-gpus", "sim:8"],
+                            cwd=pytester.path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        records = []
+        while time.monotonic() < deadline and proc.poll() is None:
+            records = [e.record for e in warm_records(locks) if e.record is not None and e.record.run is not None]
+            if records:
+                break
+            time.sleep(0.02)
+        assert records, "no group was handed to the run"
+        os.killpg(proc.pid, signal.SIGINT)
+        output, _ = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+    assert proc.returncode != 0, output.decode(errors="replace")[-3000:]
     started, _ = _sims(handover / "sim-record.jsonl")
     _nothing_left(handover, started)

@@ -269,3 +269,25 @@ def test_a_group_published_within_a_run_is_only_that_runs(tmp_path: Path) -> Non
     assert matching(between_runs, config_key="w", namespace="sim-2x80", visible=visible, run="run-abc")
     assert run_alive(record) and run_alive(replace(record, run=None))
     assert not run_alive(replace(record, run=Party(os.getpid(), time.time() - 10**6, "run-abc")))  # a reused pid
+
+
+def test_the_keeper_ends_a_group_of_a_run_that_is_gone(tmp_path: Path) -> None:
+    """A group handed over within a run gives no reason to end while its run's process lives, and one once it is gone
+    (a reused pid counts as gone): nothing it holds outlives the run, even when nobody ends it on purpose."""
+    import socket
+
+    from pytest_sglworker.resources.warm_keeper import _Keeper
+
+    ours, theirs = socket.socketpair()
+    try:
+        keeper = _Keeper(tmp_path, "4242-abcdef12", theirs)
+        me = Party(os.getpid(), time.time(), "run-abc")
+        alive = make_record(hostname=hostname(), run=me)
+        with pytest.MonkeyPatch.context() as mp:  # its members live: only the run decides
+            mp.setattr("pytest_sglworker.resources.warm_keeper.members_alive", lambda record: True)
+            assert keeper.why_end(alive) is None
+            gone = replace(alive, run=Party(os.getpid(), time.time() - 10**6, "run-abc"))
+            assert keeper.why_end(gone) == f"the run that published it (pid {os.getpid()}) ended"
+    finally:
+        ours.close()
+        theirs.close()
