@@ -1,12 +1,13 @@
 """The xdist controller's word to one xdist worker about launching ahead (``ahead-<worker id>.json`` in the run's
 private directory that ``workerinput`` names): the configurations to launch ahead now, in the order the xdist worker
 will take their tests, the configurations whose tests have all run, whose idle workers to let go, and the groups
-another xdist worker launched ahead whose tests come here (``adopt``: key -> the giver's id; issue 43). Written by the
+handed over within the run (issue 43): those launched ahead here whose tests went to another xdist worker (``hand``),
+and those another xdist worker launched ahead whose tests come here (``adopt``: key -> the giver's id). Written by the
 scheduler (:mod:`.xdist_scheduling`), read by the xdist worker's session between tests and while its pool waits for
-a launch. A giver's answer, whether it handed its group launched ahead over to the run, is a file of its own
-(``handed-<giver>-<digest>.json``) that a taker waits for (:class:`RunHandOver`, the pool's
-:class:`~..workers.pool_warm.HandOver`, whose ``answer`` runs on a launch-ahead thread: plain values and files only).
-A pytest-facing module of plain functions: it imports :mod:`.keys` and the atomic write of ``resources``.
+a launch. A giver's answer, whether it handed its group over to the run, is a file of its own
+(``handed-<giver>-<digest>.json``) that the taker waits for (:class:`RunHandOver`, the pool's
+:class:`~..workers.pool_warm.HandOver`). A pytest-facing module of plain functions: it imports :mod:`.keys` and the
+atomic write of ``resources``.
 """
 
 from __future__ import annotations
@@ -27,16 +28,17 @@ ANSWER_SCHEMA = "pytest-sglworker/xdist-hand-over/v1"
 
 
 def write_launch_hint(directory: Path | None, worker: str, keys: Sequence[str], drop: Sequence[str],
-                      adopt: Mapping[str, str] | None = None) -> None:
+                      hand: Sequence[str] = (), adopt: Mapping[str, str] | None = None) -> None:
     """On the controller: tell xdist worker ``worker`` to launch the configurations ``keys`` ahead (in that order),
-    to let the idle workers of the configurations ``drop`` go (every test of theirs is handed out), and to adopt the
-    groups of ``adopt`` (key -> the xdist worker id of the giver, which launched it ahead)."""
+    to let the idle workers of the configurations ``drop`` go (every test of theirs is handed out), to hand its groups
+    launched ahead of ``hand`` over to the run, and to adopt the groups of ``adopt`` (key -> the xdist worker id of the
+    giver, which launched it ahead)."""
     if directory is None or not directory.is_dir():
         return
     try:
         atomic_write(directory / f"ahead-{worker}.json",
                      json.dumps({"schema": AHEAD_SCHEMA, "configurations": list(keys), "drop": list(drop),
-                                 "adopt": dict(adopt or {})}), mode=0o600)
+                                 "hand": list(hand), "adopt": dict(adopt or {})}), mode=0o600)
     except OSError:
         pass  # launching ahead is an optimisation: the configuration starts with its first test
 
@@ -65,8 +67,7 @@ def _answer_path(directory: Path, giver: str, key: str) -> Path:
 
 class RunHandOver:
     """The pool's word on groups handed over within the run (:class:`~..workers.pool_warm.HandOver`): the groups this
-    xdist worker is to adopt, read from its hint file, and the givers' answers beside it. Made on the main thread
-    from plain values (the run's private directory, this worker's id): :meth:`answer` runs on launch-ahead threads."""
+    xdist worker hands over and those it adopts, read from its hint file, and the givers' answers beside it."""
 
     def __init__(self, config: Any) -> None:
         self.directory = _run_dir(config)
@@ -77,6 +78,11 @@ class RunHandOver:
         adopt = data.get("adopt") if data is not None else None
         return {k: v for k, v in adopt.items() if isinstance(k, str) and isinstance(v, str)} \
             if isinstance(adopt, dict) else {}
+
+    def to_hand_over(self) -> tuple[str, ...]:
+        data = _read_hint(self.directory, self.worker)
+        hand = data.get("hand") if data is not None else None
+        return tuple(k for k in hand if isinstance(k, str)) if isinstance(hand, list) else ()
 
     def answer(self, key: str, published: bool) -> None:
         if self.directory is None or self.worker is None:

@@ -607,6 +607,7 @@ class SglSession:
         keys, drop = read_launch_hint(self.config)
         if drop:
             source.retire_idle(drop)
+        source.hand_over_ahead()  # those launched ahead here whose tests went to another xdist worker
         return keys
 
     def _hinted_configs(self, item: pytest.Item, source: WorkerSource) -> list[WorkerConfig]:

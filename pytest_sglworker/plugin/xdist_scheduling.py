@@ -232,6 +232,7 @@ class ConfigScheduling:
         self._shadow: Any = LoadScheduling(config, log)
         self._ahead: dict[Any, tuple[str, ...]] = {}  # node -> the configurations it is told to launch ahead
         self._drops: dict[Any, set[str]] = {}  # node -> the configurations its pool is to let go when idle
+        self._hand: dict[Any, list[str]] = {}  # node -> the configurations whose group it hands over in the run
         self._adopt: dict[Any, dict[str, str]] = {}  # node -> the groups handed to it: key -> the giver's id
 
     # -- the protocol -------------------------------------------------------------------------------------
@@ -381,11 +382,13 @@ class ConfigScheduling:
         for node, key in actions.drops:
             self._drops.setdefault(node, set()).add(key)
         for giver, taker, key in actions.handovers:
+            self._hand.setdefault(giver, []).append(key)
             self._adopt.setdefault(taker, {})[key] = str(giver.gateway.id)  # type: ignore[attr-defined]
-            told.add(taker)
+            told |= {giver, taker}
         for node in told:  # before the tests that the xdist worker reads it at
             write_launch_hint(self.map_dir, node.gateway.id, self._ahead.get(node, ()),  # type: ignore[attr-defined]
-                              sorted(self._drops.get(node, ())), self._adopt.get(node, {}))
+                              sorted(self._drops.get(node, ())), self._hand.get(node, ()),
+                              self._adopt.get(node, {}))
         for node, indices in actions.sends:
             node.send_runtest_some(indices)  # type: ignore[attr-defined]
         for node in actions.shutdowns:

@@ -128,6 +128,7 @@ class WorkerPool(PoolWarm):
         #: the xdist controller's word on groups handed over within the run (see :mod:`.pool_warm`)
         self.handover = handover
         self._handed: set[WorkerConfig] = set()
+        self._answered: set[str] = set()
         self.not_kept: dict[str, str] = {}  # --sgl-keep-warm: why each configuration's last group was not kept
         self._closing: str | None = None  # "keep" or "stop" once close() has begun
         #: guards the entries (idle, busy, ahead) and the figures: a launch ahead registers its group and counts
@@ -406,14 +407,11 @@ class WorkerPool(PoolWarm):
                                      lease_times=times)
             except BaseException as exc:  # handed to the test that needs it
                 ahead.error = exc
-                self._answer_failed_ahead(config)
                 return
             with self._lock:
                 entry = self._busy.pop(group.id)
                 entry.launched_ahead = True
-            if not self._hand_over_ahead(entry):  # within the run: whoever runs its tests adopts it
-                with self._lock:
-                    self._idle[group.id] = entry
+                self._idle[group.id] = entry
 
         ahead.thread = threading.Thread(target=run, name=f"sglworker-ahead-{config.key}", daemon=True)
         with self._lock:
@@ -455,6 +453,7 @@ class WorkerPool(PoolWarm):
             return looked
         self.yield_idle(keep=config)
         self._retire_finished()
+        self.hand_over_ahead()
         return time.monotonic()
 
     def _retire_finished(self) -> None:

@@ -4,16 +4,16 @@ under xdist, handing a group launched ahead over within the run.
 
 **Within a run** (issue 43). The xdist controller plans every startup of the run, whatever xdist worker runs its
 tests: a configuration one xdist worker (the giver) launched ahead may have its tests sent to another one (the
-taker) that is idle. Under xdist with the controller's scheduler, every group launched ahead has a keeper, and the
-launch-ahead thread hands it, once it is ready, to that keeper as a warm record that names the run
-(:meth:`~.warm.Warm.publish`), then writes its answer; whichever xdist worker runs its tests (the giver too) adopts it
-through the proofs warm adoption has (pid, start time, owner tag, argv, environment, readiness). A taker the
-controller told to expect it waits for the giver's answer before it would launch its own; a launch ahead that failed
-or was called off answers "no", and the taker launches its own. The words travel through a :class:`HandOver` the
-session gives (files of the run's private directory); no answer is waited for longer than the lease timeout, nor
-after the controller says the giver is gone. Nothing outlives the run: the xdist worker that adopted a group retires
-it as any other; a group nobody adopted is ended by the controller at the end of the run, or by its keeper once the
-run's controller is gone.
+taker) that is idle. Under xdist with the controller's scheduler, every group launched ahead has a keeper; when the
+controller says its tests went elsewhere, the giver hands it (once ready, between its tests or while it waits for a
+launch) to that keeper as a warm record that names the run (:meth:`~.warm.Warm.publish`), and answers the taker. The
+taker, before it would launch the configuration, waits for that answer and adopts the group through the proofs warm
+adoption has (pid, start time, owner tag, argv, environment, readiness); "no" (the launch failed, the group was let
+go) and it launches its own. A group launched ahead whose tests stay with the giver is not handed over: it is used
+there as before. The words travel through a :class:`HandOver` the session gives (files of the run's private
+directory); no answer is waited for longer than the lease timeout, nor after the controller says the giver is gone.
+Nothing outlives the run: the taker retires an adopted group as any other; a group nobody adopted is ended by the
+controller at the end of the run, or by its keeper once the run's controller is gone. All on the main thread.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 from .config import WorkerConfig
@@ -38,12 +38,13 @@ __all__ = ["HandOver", "PoolWarm"]
 
 
 class HandOver(Protocol):
-    """The xdist controller's word about groups handed over within the run, and the giver's answers (plain files:
-    :meth:`answer` is called from a launch-ahead thread)."""
+    """The xdist controller's word about groups handed over within the run, and the giver's answers."""
+
+    def to_hand_over(self) -> Collection[str]:
+        """On the giver: the configurations whose group launched ahead here goes to another xdist worker."""
 
     def answer(self, key: str, published: bool) -> None:
-        """The giver, once its launch ahead of ``key`` is over: whether its group was handed over (False: a taker
-        launches its own)."""
+        """On the giver: whether its group of ``key`` was handed over (False: the taker launches its own)."""
 
     def expects(self, key: str) -> bool:
         """On the taker: whether a group of ``key`` is being handed to it (wait for the giver's answer)."""
@@ -66,6 +67,8 @@ class PoolWarm:
     _ahead: dict[WorkerConfig, Ahead]
     #: configurations whose group this process handed over within the run (not launched ahead again here)
     _handed: set[WorkerConfig]
+    #: configurations whose hand-over this process answered
+    _answered: set[str]
 
     if TYPE_CHECKING:
         def stats_for(self, config: WorkerConfig) -> ConfigStats: ...
@@ -74,6 +77,7 @@ class PoolWarm:
                          lease: Lease | BorrowedLease | None) -> list[dict[str, str]]: ...
         def _while_waiting(self, config: WorkerConfig, looked: float) -> float: ...
         def _count_gpu_seconds(self, lease: Any, leased_at: float, stats: ConfigStats) -> None: ...
+        def _retire(self, entry: Entry, *, failed: bool, hand_over: tuple[Any, str] | None = None) -> Any: ...
 
     def _keep_warm(self, still: Callable[[], bool] | None = None) -> None:
         assert self.warm is not None
@@ -126,26 +130,33 @@ class PoolWarm:
         return () if keeper is None else (f"{keeper.session_id}:",)
 
     # -- within the run ------------------------------------------------------------------------------------------
-    def _hand_over_ahead(self, entry: Entry) -> bool:
-        """The giver's part, on the launch-ahead thread once the group is ready (under xdist with handing over on):
-        the group goes to its keeper as a record of the run, for whichever xdist worker of the run runs its tests (this
-        one too), and the answer is written for a taker. False: kept here (it could not be handed over)."""
-        if self.handover is None or self.warm is None or self.warm.settings.run is None or entry.keeper is None:
-            return False
-        request = KeepRequest(entry.group, entry.lease, entry.records, entry.envs, entry.environ, entry.tainted,
-                              entry.keeper)
-        handed = self.warm.publish(request)
-        if handed:
+    def hand_over_ahead(self) -> None:
+        """The giver's part, on the main thread (between tests, and while it waits for a launch): each configuration
+        the controller sent to another xdist worker whose group was launched ahead here goes to its keeper, once ready,
+        as a record of the run, and the taker is told; one that cannot be handed over is retired, and the taker told
+        "no" (it launches its own)."""
+        if self.handover is None or self.warm is None or self.warm.settings.run is None:
+            return
+        for key in [k for k in self.handover.to_hand_over() if k not in self._answered]:
             with self._lock:
-                self._handed.add(entry.config)
-                self._count_gpu_seconds(entry.lease, entry.leased_at, self.stats_for(entry.config))
-        self.handover.answer(entry.config.key, handed)
-        return handed
-
-    def _answer_failed_ahead(self, config: WorkerConfig) -> None:
-        """A launch ahead that failed or was called off: a taker waiting for its group launches its own."""
-        if self.handover is not None and self.warm is not None and self.warm.settings.run is not None:
-            self.handover.answer(config.key, False)
+                if any(c.key == key and a.thread is not None and a.thread.is_alive() for c, a in self._ahead.items()):
+                    continue  # still starting: handed over once ready
+                for config in [c for c in self._ahead if c.key == key]:
+                    del self._ahead[config]  # done: its group is idle, or it failed (the taker launches its own)
+                entries = [self._idle.pop(gid) for gid, e in list(self._idle.items())
+                           if e.config.key == key and e.launched_ahead]
+            handed = False
+            for entry in entries:
+                request = KeepRequest(entry.group, entry.lease, entry.records, entry.envs, entry.environ,
+                                      entry.tainted, entry.keeper)
+                if not handed and entry.group.is_alive() and self.warm.publish(request):
+                    handed = True
+                    self._handed.add(entry.config)
+                    self._count_gpu_seconds(entry.lease, entry.leased_at, self.stats_for(entry.config))
+                else:
+                    self._retire(entry, failed=entry.tainted)
+            self._answered.add(key)
+            self.handover.answer(key, handed)
 
     def _await_hand_over(self, config: WorkerConfig) -> None:
         """The taker's part, before it would launch ``config``: while a group of it is being handed to this process,

@@ -15,25 +15,36 @@ import pytest
 
 SIM = ("-p", "no:cacheprovider", "--sgl-engine", "sim", "--sgl-model", "qwen3-0.6b")
 
-#: six configurations on sim:8 under -n 2. c0 (4 tests) goes to one xdist worker (the giver), whose tests wait until
-#: the 15 tests of c1..c5 have run; c1 to the other (the taker). The controller launches c2..c5 ahead on the free
-#: GPUs, two on each worker (by test counts, alternately). The giver never ends its first test before the others are
-#: done, so the taker runs its own, then the giver's launched ahead, adopting their groups: without the hand-over,
-#: the giver would run them after c0, whose tests then fail at their deadline.
+#: six configurations on sim:8 under -n 2. c0 (4 tests) goes to one xdist worker (the giver), c1 to the other (the
+#: taker). The controller launches c2..c5 ahead on the free GPUs, two on each worker (by test counts, alternately).
+#: The giver's first test waits until the controller has handed one of its launches ahead to the other worker (which
+#: runs out of tests first): so the taker runs its own, then takes over a launch ahead of the giver and adopts its
+#: group; without the hand-over, that first test fails at its deadline.
 SUITE = '''
-import os, time
+import json, os, time
 from pathlib import Path
 import pytest
 
 DONE = Path(os.environ["HANDOVER_DONE"])
 
+def handed(run_dir):
+    for path in run_dir.glob("ahead-*.json"):
+        try:
+            if json.loads(path.read_text()).get("adopt"):
+                return True
+        except ValueError:
+            pass
+    return False
+
 @pytest.mark.sgl_worker(args=["--max-total-tokens", "4096"])
 @pytest.mark.parametrize("i", range(4))
-def test_c0(sgl_worker, i):
-    deadline = time.monotonic() + 120
-    while len(list(DONE.glob("done-*"))) < 15 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert len(list(DONE.glob("done-*"))) == 15, "the other configurations' tests did not all run meanwhile"
+def test_c0(sgl_worker, i, request):
+    if i == 0:
+        run_dir = Path(request.config.workerinput["sglworker_collection_map"])
+        deadline = time.monotonic() + 120
+        while not handed(run_dir) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert handed(run_dir), "no configuration launched ahead here was handed to the other xdist worker"
 '''
 for _n in range(1, 6):
     SUITE += f'''
@@ -116,10 +127,8 @@ def test_nothing_outlives_the_run_when_the_adopting_test_fails_or_is_skipped(
     pytester.makepyfile(test_handover=SUITE)
     if fate == "failed":
         monkeypatch.setenv("HANDOVER_FAIL", "c5")
-    else:  # c5's tests never ask for its group (launched ahead or not): c0 waits for the 12 others
+    else:  # c5's tests never ask for its group (launched ahead, maybe handed over, or not)
         monkeypatch.setenv("HANDOVER_SKIP", "c5")
-        for i in range(3):
-            (handover / "done" / f"done-5-{i}").write_text("")
     result = pytester.runpytest_subprocess(*SIM, "-n", "2", "--sgl-gpus", "sim:8", timeout=180)
     if fate == "failed":
         result.assert_outcomes(passed=16, failed=3)

@@ -513,13 +513,15 @@ def test_launch_hints_name_the_groups_to_adopt_and_the_givers_answer_them(tmp_pa
     giver = RunHandOver(SimpleNamespace(workerinput={MAP_INPUT: str(tmp_path), "workerid": "gw0"}))
     taker = RunHandOver(SimpleNamespace(workerinput={MAP_INPUT: str(tmp_path), "workerid": "gw1"}))
     assert not taker.expects("c2") and taker.awaited("c2") is None
-    write_launch_hint(tmp_path, "gw1", [], [], {"c2": "gw0", "c3": "gw0"})
+    write_launch_hint(tmp_path, "gw0", [], [], ["c2", "c3"])
+    assert giver.to_hand_over() == ("c2", "c3") and taker.to_hand_over() == ()
+    write_launch_hint(tmp_path, "gw1", [], [], [], {"c2": "gw0", "c3": "gw0"})
     assert taker.expects("c2") and taker.awaited("c2") is None  # told, no answer yet: it waits
     giver.answer("c2", True)
     giver.answer("c3", False)
     assert taker.awaited("c2") is True and taker.awaited("c3") is False
     assert not giver.expects("c2") and giver.awaited("c2") is None  # the word is the taker's
-    write_launch_hint(tmp_path, "gw1", [], [], {})  # the controller says the giver is gone: nothing to wait for
+    write_launch_hint(tmp_path, "gw1", [], [], [], {})  # the controller says the giver is gone: nothing to wait for
     assert not taker.expects("c3") and taker.awaited("c3") is None
     assert not RunHandOver(SimpleNamespace()).expects("c2")  # not an xdist worker
     RunHandOver(SimpleNamespace()).answer("c2", True)

@@ -189,6 +189,10 @@ class PoolSource:
         if self._pool is not None:
             self._pool.retire_idle(keys)
 
+    def hand_over_ahead(self) -> None:
+        if self._pool is not None:
+            self._pool.hand_over_ahead()
+
     def gpu_count(self) -> int | None:
         return len(self.leases.inventory.static_gpus())
 
