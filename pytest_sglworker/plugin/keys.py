@@ -96,3 +96,6 @@ def distributing(config: pytest.Config) -> bool:
 #: ``workerinput`` key of the run's private directory, where xdist workers write their collection maps and the
 #: controller its launch-ahead word (:mod:`.xdist_scheduling`, :mod:`.launch_hints`)
 MAP_INPUT = "sglworker_collection_map"
+#: the ``workerinput`` key of the run an xdist worker is part of (the controller's pid, start time and session id),
+#: whose groups launched ahead are handed over within it (:mod:`..workers.pool_warm`)
+RUN_INPUT = "sglworker_run"

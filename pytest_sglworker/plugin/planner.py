@@ -26,9 +26,16 @@ drives it in the tests.
   them in that order once its own are done; a node sent the first test of a configuration behind tests of another
   launches it at once when its GPUs are free, not at that test (issue 43: startups queued behind tests left GPUs
   idle); once a configuration's tests have all run, the node that ran them is told to let its idle workers go.
+- **Handing over**: a node that runs its last test and finds nothing new that fits takes the tests of a
+  configuration another node launched ahead and would take only later (not the one it takes next), and adopts
+  that node's group, which is handed over to it (:mod:`..workers.pool_warm`): a ready group no longer waits for its
+  own xdist worker while another sits idle (issue 43).
 - **Waiting for GPUs**: the first node that waits for GPUs for a test has the GPUs of the configuration with the
   most work kept for it; a node that holds its last test and finds nothing that fits takes that configuration
   anyway when there are fewer xdist workers than GPUs (one that leaves is missed), else it leaves.
+
+Why one module of this size: every rule above reads and changes the same nodes, queues and hints, and the tests drive
+it whole as a discrete-event model.
 """
 
 from __future__ import annotations
@@ -79,6 +86,9 @@ class Actions:
     hints: list[tuple[Hashable, tuple[str, ...]]] = field(default_factory=list)
     #: configurations whose tests are all handed out: a node's pool lets their idle workers go (with hints only)
     drops: list[tuple[Hashable, str]] = field(default_factory=list)
+    #: groups handed over within the run: ``(giver, taker, key)``, the giver launched ``key`` ahead, the taker runs
+    #: its tests and adopts the group (with hints only)
+    handovers: list[tuple[Hashable, Hashable, str]] = field(default_factory=list)
 
 
 def _median(values: Sequence[float]) -> float | None:
@@ -149,6 +159,8 @@ class Planner:
         self._waiter: tuple[Hashable, str] | None = None
         self.launches = 0
         self.steals = 0
+        #: groups handed over from the node that launched them ahead to the one that runs their tests
+        self.handed = 0
         self._seconds: dict[str, list[float]] = {}
         self._startups: dict[str, list[float]] = {}
 
@@ -350,6 +362,9 @@ class Planner:
                     self._waiter = None
                 return ("new", key), False
             blocked = True
+        handed = self._to_take_over(node) if holds <= 1 else None
+        if handed is not None:
+            return ("adopt", handed), False
         if blocked and holds == 0 and waiter is None:
             self._waiter = (node.id, unstarted[0])
         if self.queues.get(None):
@@ -365,6 +380,37 @@ class Planner:
         # A copy that lacks GPUs is not waited for: a node that waits keeps its idle workers' GPUs (its pool lets
         # them go only between its own tests), which the configurations still to start may need
         return None, blocked
+
+    def _to_take_over(self, node: _Node) -> str | None:
+        """A configuration another node launched ahead and has not started, for ``node`` to take over (it has
+        nothing else to do): the last of the node with the most launched ahead, not the one it takes next."""
+        if self.hints is None:
+            return None
+        best: tuple[int, str] | None = None
+        for other in self.nodes.values():
+            if other is node or other.down:
+                continue
+            keys = [k for k in self.hints.get(other.id, ()) if self.queues.get(k) and self.info[k].stealable
+                    and not self.copies(k)]
+            if keys and not self.queues.get(str(other.current)):
+                keys = keys[1:]  # it takes its first one next
+            if keys and (best is None or len(keys) > best[0]):
+                best = (len(keys), keys[-1])
+        return best[1] if best is not None else None
+
+    def _take_over(self, node: _Node, key: str, actions: Actions) -> None:
+        """``node`` takes ``key``'s tests, and the group the node that launched it ahead hands over."""
+        assert self.hints is not None
+        giver = next(n for n in self.nodes.values() if key in self.hints.get(n.id, ()))
+        self.hints[giver.id].remove(key)
+        giver.pooled.pop(key, None)
+        if key in giver.residents:
+            giver.residents.remove(key)
+        actions.hints.append((giver.id, tuple(self.hints[giver.id])))
+        node.residents = [key, *(k for k in node.residents if k != key)]
+        node.pooled[key] = None
+        self.handed += 1
+        actions.handovers.append((giver.id, node.id, key))
 
     def _short_wait(self, node: _Node, key: str) -> bool:
         """Whether ``key``'s GPUs come free for ``node`` well within the lease timeout (half of it), as the other
@@ -533,6 +579,8 @@ class Planner:
                 if ahead and self.hints is not None:
                     self.hints.setdefault(node.id, []).append(key)
                     actions.hints.append((node.id, tuple(self.hints[node.id])))
+            elif kind == "adopt" and key is not None:
+                self._take_over(node, key, actions)
             elif kind == "resident" and key is not None:
                 node.residents = [key, *(k for k in node.residents if k != key)]
                 if self.hints is not None and key in self.hints.get(node.id, ()):

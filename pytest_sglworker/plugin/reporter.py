@@ -86,8 +86,12 @@ class SglReporter:
 
         terminalreporter.write_sep("-", "sglang workers")
         adoptions: dict[str, int] = {}
+        taken: dict[str, int] = {}  # groups another xdist worker of this run started ahead
         for event in self.session.collected_warm().get("adopted", []):
-            adoptions[event["config"]] = adoptions.get(event["config"], 0) + 1
+            if not event.get("run"):
+                adoptions[event["config"]] = adoptions.get(event["config"], 0) + 1
+            elif event.get("adopter_pid") != event["kept_by_pid"]:
+                taken[event["config"]] = taken.get(event["config"], 0) + 1
         for key, st in stats.items():
             times = st.startup_seconds
             span = "-" if not times else f"{min(times):.1f}/{statistics.median(times):.1f}/{max(times):.1f} s"
@@ -102,6 +106,7 @@ class SglReporter:
                     kv += f" (MISMATCH: the ledger predicted {st.kv_tokens_predicted}, {off:+.1%})"
             adopted = adoptions.get(key, 0)
             stops = f", {adopted} adopted warm" if adopted else ""
+            stops += f", {taken[key]} taken over from another xdist worker" if taken.get(key) else ""
             stops += f", {st.interrupted} interrupted while starting" if st.interrupted else ""
             stops += f", {st.stops} stopped" if st.stops else ""
             stops += f", {st.resets} set back after runtime faults" if st.resets else ""
@@ -170,6 +175,12 @@ def warm_lines(events: dict[str, list[dict[str, Any]]]) -> list[str]:
     (until when, and how to end them), and, under ``--sgl-keep-warm``, each configuration not kept and why."""
     lines = []
     for e in events.get("adopted", []):
+        if e.get("run"):  # handed over within this run: worth a line only when another xdist worker had started it
+            if e.get("adopter_pid") != e["kept_by_pid"]:
+                lines.append(f"sglworker: adopted {e['label']} (pid {', '.join(map(str, e['pids']))}, port "
+                             f"{', '.join(map(str, e['ports']))}), started ahead in this run by pytest pid "
+                             f"{e['kept_by_pid']}; its log continues in {', '.join(e['logs'])}")
+            continue
         lines.append(f"sglworker: adopted warm {e['label']} (pid {', '.join(map(str, e['pids']))}, port "
                      f"{', '.join(map(str, e['ports']))}; kept warm since {_clock(e['kept_since'])} by pytest pid "
                      f"{e['kept_by_pid']}); its log continues in {', '.join(e['logs'])}")

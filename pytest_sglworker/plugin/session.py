@@ -30,12 +30,13 @@ from ..engine import budget
 from ..engine.specs import ModelSpec, SpecRegistry, set_active_registry
 from ..errors import SglWorkerError, SpecError
 from ..workers.records import RunRecords
-from .keys import CONFIG_KEY, NEXT_KEY, is_xdist_worker, xdist_worker_id
+from .keys import CONFIG_KEY, NEXT_KEY, RUN_INPUT, is_xdist_worker, xdist_worker_id
 from .markers import MarkerError, WorkerMarker, WorkersMarker, opt_out_reason, poolable, required_features
 from .options import Settings
 from .terminal import Terminal
 
 if TYPE_CHECKING:
+    from ..resources.warm_records import Party
     from ..workers.config import GroupShape, WorkerConfig
     from ..workers.kinds import WorkerKind
     from ..workers.launcher import LaunchOptions
@@ -121,11 +122,23 @@ def _workerinput(config: pytest.Config) -> dict[str, Any]:
     return found if isinstance(found, dict) else {}
 
 
+def _run_of(config: pytest.Config) -> Party | None:
+    """An xdist worker's run, when the controller hands groups over within it (``sglworker_run``: its pid, start
+    time and session id)."""
+    raw = _workerinput(config).get(RUN_INPUT)
+    if not isinstance(raw, list) or len(raw) != 3:
+        return None
+    from ..resources.warm_records import Party
+
+    return Party(int(raw[0]), float(raw[1]), str(raw[2]), "the xdist controller")
+
+
 def make_source(session: SglSession) -> WorkerSource:
     """The worker source the settings select: attached workers (``--sgl-worker-url``) for the specs they serve, in
     front of a Ray cluster (``--sgl-cluster ray``) or this machine's file-locked leases (the default). A new source
     is one line here and the option that selects it."""
     from ..workers.sources.local import LocalSource, PoolHooks, PoolSettings
+    from .launch_hints import RunHandOver
 
     s = session.settings
     terminal = session.terminal
@@ -138,12 +151,13 @@ def make_source(session: SglSession) -> WorkerSource:
                             session_log_dir=log_dir if s.log_dir is None and log_dir is not None
                             and (log_dir / ".lock").is_file() else None,
                             holder=f"{session.config.rootpath.name} (pid {os.getpid()})",
-                            ray_ahead=_workerinput(session.config).get("sglworker_ray_ahead"))
+                            ray_ahead=_workerinput(session.config).get("sglworker_ray_ahead"),
+                            run=_run_of(session.config) if s.reuse and s.cluster is None else None)
     hooks = PoolHooks(on_message=terminal.message, on_progress=terminal.progress,
                       on_progress_end=terminal.progress_end, worker_env=session.worker_env,
                       choose_kind=session.choose_kind, on_leased=session.on_leased, on_tick=terminal.flush,
                       finished=session.finished_configs if is_xdist_worker(session.config) else None,
-                      xdist_worker=xdist_worker_id(session.config))
+                      xdist_worker=xdist_worker_id(session.config), handover=RunHandOver(session.config))
     source: WorkerSource
     if s.cluster is not None:
         from ..workers.sources.ray import RaySource
@@ -593,6 +607,7 @@ class SglSession:
         keys, drop = read_launch_hint(self.config)
         if drop:
             source.retire_idle(drop)
+        source.hand_over_ahead()  # those launched ahead here whose tests went to another xdist worker
         return keys
 
     def _hinted_configs(self, item: pytest.Item, source: WorkerSource) -> list[WorkerConfig]:

@@ -100,6 +100,7 @@ class XdistHooks:
             from . import xdist_scheduling
 
             xdist_scheduling.save_history(self.session)
+            xdist_scheduling.end_run_groups(self.session)
         if self.relay is not None:
             self.relay.close()
             self.relay = None
@@ -107,6 +108,10 @@ class XdistHooks:
 
     def pytest_unconfigure(self, config: pytest.Config) -> None:
         self._close_ray_hosts()  # an interrupted start skips pytest_sessionfinish
+        if distributing(config):
+            from . import xdist_scheduling
+
+            xdist_scheduling.end_run_groups(self.session)
 
     def _close_ray_hosts(self) -> None:
         hosts, self.ray_hosts = self.ray_hosts, None

@@ -18,6 +18,7 @@ The xdist hooks that install it are in :mod:`.xdist_hooks`; ``--sgl-dist`` itsel
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
@@ -28,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from .keys import CONFIG_KEY, ITEM_ERROR_KEY, MAP_INPUT, distributing, xdist_worker_id
+from .keys import CONFIG_KEY, ITEM_ERROR_KEY, MAP_INPUT, RUN_INPUT, distributing, xdist_worker_id
 from .launch_hints import write_launch_hint
 from .markers import MarkerError, WorkerMarker, WorkersMarker
 from .planner import Actions, Planner, Unit
@@ -231,6 +232,8 @@ class ConfigScheduling:
         self._shadow: Any = LoadScheduling(config, log)
         self._ahead: dict[Any, tuple[str, ...]] = {}  # node -> the configurations it is told to launch ahead
         self._drops: dict[Any, set[str]] = {}  # node -> the configurations its pool is to let go when idle
+        self._hand: dict[Any, list[str]] = {}  # node -> the configurations whose group it hands over in the run
+        self._adopt: dict[Any, dict[str, str]] = {}  # node -> the groups handed to it: key -> the giver's id
 
     # -- the protocol -------------------------------------------------------------------------------------
     @property
@@ -313,6 +316,11 @@ class ConfigScheduling:
             return self._shadow.remove_node(node)  # type: ignore[no-any-return]
         self._sync()
         crashed, actions = self.planner.remove_node(node)
+        gone = str(node.gateway.id)  # a group it was to hand over never comes: its takers launch their own
+        for taker, handed in self._adopt.items():
+            if any(giver == gone for giver in handed.values()):
+                self._adopt[taker] = {k: g for k, g in handed.items() if g != gone}
+                actions.hints.append((taker, self._ahead.get(taker, ())))
         self._apply(actions)
         return self.collection[crashed] if crashed is not None and self.collection is not None else None
 
@@ -373,9 +381,14 @@ class ConfigScheduling:
             self._ahead[node] = keys
         for node, key in actions.drops:
             self._drops.setdefault(node, set()).add(key)
+        for giver, taker, key in actions.handovers:
+            self._hand.setdefault(giver, []).append(key)
+            self._adopt.setdefault(taker, {})[key] = str(giver.gateway.id)  # type: ignore[attr-defined]
+            told |= {giver, taker}
         for node in told:  # before the tests that the xdist worker reads it at
             write_launch_hint(self.map_dir, node.gateway.id, self._ahead.get(node, ()),  # type: ignore[attr-defined]
-                              sorted(self._drops.get(node, ())))
+                              sorted(self._drops.get(node, ())), self._hand.get(node, ()),
+                              self._adopt.get(node, {}))
         for node, indices in actions.sends:
             node.send_runtest_some(indices)  # type: ignore[attr-defined]
         for node in actions.shutdowns:
@@ -391,7 +404,8 @@ class ConfigScheduling:
         steal = f"steal={self.steal_min}" if self.steal_min else "stealing off"
         return (f"sglworker: xdist scheduled {len(p.units)} tests by worker configuration: {p.configurations} "
                 f"configuration(s) on {self.numnodes} xdist worker(s), {p.launches} launch(es) planned, {p.steals} "
-                f"of them extra copies by work stealing ({steal})")
+                f"of them extra copies by work stealing ({steal})"
+                + (f", {p.handed} group(s) launched ahead handed to another xdist worker" if p.handed else ""))
 
 
 # ---------------------------------------------------------------------------------------------- the hooks
@@ -440,6 +454,29 @@ def configure_node(session: SglSession, node: Any) -> None:
     path = map_dir_for(session)
     if path is not None:
         node.workerinput[MAP_INPUT] = str(path)
+        node.workerinput[RUN_INPUT] = list(run_party())
+
+
+def run_party() -> tuple[int, float, str]:
+    """This controller as the run its xdist workers hand groups over within: pid, start time, session id."""
+    import psutil
+
+    from ..resources.processes import SESSION_ID
+
+    return os.getpid(), psutil.Process().create_time(), SESSION_ID
+
+
+def end_run_groups(session: SglSession) -> None:
+    """On the controller, at the end of the run: the groups handed over within it that no xdist worker adopted (or
+    that one left) are ended now; their keepers would end them once this process is gone."""
+    if _state(session.config).get("map_dir") is None:
+        return  # no xdist worker was told of this run
+    from ..resources.processes import SESSION_ID
+    from ..resources.warm import end_run
+
+    with contextlib.suppress(Exception):  # never fails the run: the keepers end them anyway
+        for line in end_run(session.lock_dir(), SESSION_ID):
+            session.terminal.note(f"ended a group handed over in this run that no xdist worker took: {line}")
 
 
 def make_scheduler(session: SglSession, config: pytest.Config, log: Any) -> ConfigScheduling | None:

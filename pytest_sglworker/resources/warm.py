@@ -78,6 +78,7 @@ from .warm_records import (
     read_warm_record,
     record_id,
     record_path,
+    run_alive,
     warm_records,
     write_warm_record,
 )
@@ -333,7 +334,8 @@ def reap_warm(lock_dir: Path | None) -> list[str]:
         if record.state == "handover" and process_alive(record.kept_by.pid, record.kept_by.since, record.hostname):
             continue  # its session is handing it over right now
         alive = keeper_alive(record)
-        if alive and not (record.state == "warm" and now > record.expires_at + KEEPER_GRACE):
+        run_gone = record.state == "warm" and not run_alive(record)
+        if alive and not run_gone and not (record.state == "warm" and now > record.expires_at + KEEPER_GRACE):
             continue
         claim = Claim.take(lock_dir, record.id)
         blocked = claim_blocked(lock_dir, record.id) if claim is None else None
@@ -346,12 +348,34 @@ def reap_warm(lock_dir: Path | None) -> list[str]:
             claim.release()
             continue
         keeper = record.keeper.pid if record.keeper else "?"
-        why = (f"it expired at {_when(record.expires_at)} and its keeper (pid {keeper}) did not end it" if alive
-               else "its keeper is gone")
+        why = ("its keeper is gone" if not alive else
+               f"the run that published it (pid {record.run.pid}) ended" if run_gone and record.run else
+               f"it expired at {_when(record.expires_at)} and its keeper (pid {keeper}) did not end it")
         if blocked is not None:
             why += f" ({blocked}: ended without it)"
         end_warm(claim, record, why)
         done.append(f"{record.label} ({why})")
+    return done
+
+
+def end_run(lock_dir: Path | None, run: str) -> list[str]:
+    """At the end of run ``run`` (its xdist controller): end the groups handed over within it that nobody holds now
+    (a group a session of the run still holds is left to it, and to its keeper). Returns their labels."""
+    done: list[str] = []
+    here = hostname()
+    for entry in warm_records(lock_dir) if lock_dir is not None else []:
+        record = entry.mine
+        if record is None or record.run is None or record.run.session != run or record.hostname != here:
+            continue
+        claim = Claim.take(lock_dir, record.id, wait=1.0)  # type: ignore[arg-type]
+        if claim is None:
+            continue
+        current = claim.read()
+        if current is None or current.run is None or current.run.session != run:
+            claim.release()
+            continue
+        end_warm(claim, current, "the run it was handed over in ended")
+        done.append(current.label)
     return done
 
 

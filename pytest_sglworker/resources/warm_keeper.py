@@ -52,6 +52,7 @@ from .warm_records import (
     adopter_alive,
     read_warm_record,
     record_path,
+    run_alive,
     write_warm_record,
 )
 
@@ -232,6 +233,8 @@ class _Keeper:
         from .processes import AdoptedProcess
         from .waiters import lease_waiting_prefix, live_waiters, others_waiting_for_ports
 
+        if not run_alive(record):
+            return f"the run that published it (pid {record.run.pid if record.run else '?'}) ended"
         if time.time() >= record.expires_at:
             return (f"its TTL ran out (kept warm for {record.ttl:g} s after its last use, until "
                     f"{time.strftime('%H:%M:%S', time.localtime(record.expires_at))})")

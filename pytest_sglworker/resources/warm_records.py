@@ -43,6 +43,7 @@ __all__ = [
     "read_warm_record",
     "record_id",
     "record_path",
+    "run_alive",
     "warm_records",
     "write_warm_record",
 ]
@@ -140,6 +141,9 @@ class WarmRecord:
     tainted: bool = False
     #: how many sessions adopted it
     uses: int = 0
+    #: the pytest run that published it for adoption within the run (its xdist controller, or the session; ``session``:
+    #: the run's id): only that run's sessions adopt it, and its keeper ends it once that process is gone
+    run: Party | None = None
 
     @property
     def tags(self) -> frozenset[str]:
@@ -167,7 +171,7 @@ class WarmRecord:
             "config": {"key": self.config_key, "label": self.label, "model": self.model},
             "identity": dict(self.identity), "namespace": self.namespace, "gpus": list(self.gpus),
             "gpu_uuids": list(self.gpu_uuids), "memory_mib": self.memory_mib, "log_dir": self.log_dir,
-            "log_policy": self.log_policy, "tainted": self.tainted, "uses": self.uses,
+            "log_policy": self.log_policy, "tainted": self.tainted, "uses": self.uses, "run": party(self.run),
             "members": [{"role": m.role, "index": m.index, "kind": m.kind, "pid": m.pid, "since": m.since,
                          "tag": m.tag, "port": m.port, "ports": dict(m.ports), "gpus": m.gpus, "log": m.log,
                          "links": list(m.links), "log_id": m.log_id.as_list() if m.log_id else None,
@@ -322,7 +326,7 @@ def parse_warm_record(raw: bytes, name: str | None = None) -> WarmRecord:
         config_key=config.text("key", 512), label=config.text("label", 4096), model=config.text("model", 4096),
         identity=identity, namespace=f.text("namespace", 200, printable=True), gpus=gpus, gpu_uuids=uuids,
         memory_mib=f.whole("memory_mib", 0, 1 << 40), members=members, log_dir=log_dir, log_policy=policy,
-        tainted=f.flag("tainted"), uses=f.whole("uses", 0, 1 << 30))
+        tainted=f.flag("tainted"), uses=f.whole("uses", 0, 1 << 30), run=f.party("run", optional=True))
 
 
 def record_id(path: Path) -> str | None:
@@ -410,12 +414,21 @@ def adopter_alive(record: WarmRecord) -> bool:
     return adopter is not None and process_alive(adopter.pid, adopter.since, record.hostname)
 
 
+def run_alive(record: WarmRecord) -> bool:
+    """Whether the run that published the group (:attr:`WarmRecord.run`) still runs; True for a group kept warm
+    between runs (it names no run)."""
+    run = record.run
+    return run is None or process_alive(run.pid, run.since, record.hostname)
+
+
 def matching(records: Sequence[WarmEntry], *, config_key: str, namespace: str,
-             visible: Mapping[int, str]) -> list[WarmRecord]:
+             visible: Mapping[int, str], run: str | None = None) -> list[WarmRecord]:
     """The warm records of this host that a session could adopt for ``config_key``: same lease namespace, every
-    GPU among those this session sees (``visible``: index -> UUID), newest use first."""
+    GPU among those this session sees (``visible``: index -> UUID), newest use first. A group published within a
+    run is only for that run's sessions (``run``: this session's run id)."""
     here = hostname()
     found = [e.record for e in records if e.record is not None and e.ours and e.record.hostname == here
+             and (e.record.run is None or e.record.run.session == run)
              and e.record.config_key == config_key and e.record.namespace == namespace
              and all(visible.get(i) == u for i, u in zip(e.record.gpus, e.record.gpu_uuids, strict=False))
              and len(e.record.gpus) == len(e.record.gpu_uuids)]

@@ -11,7 +11,7 @@ Why one module of this size: the pool's promises (one lease per group, parallel 
 stopping the rest, reuse after health, eviction, launch ahead) all act on the same entries under one lock;
 launching one process is in :mod:`launcher`, leases in :mod:`gpus`, the entries and small records in
 :mod:`pool_parts`, a member's memory ledger in :mod:`member_ledger`, keeping groups warm between sessions in
-:mod:`warm`.
+:mod:`warm`, the pool's warm side (and groups handed over within a run) in :mod:`pool_warm`.
 """
 
 from __future__ import annotations
@@ -47,10 +47,11 @@ from .pool_parts import (
     record_group_failure,
     split_env,
 )
+from .pool_warm import HandOver, PoolWarm
 from .process import inherited_environ
 from .records import ConfigStats, LaunchRecord, RunRecords
 from .reset import ResetFailed, restore, snapshot
-from .warm import KeepRequest, Warm, not_kept_reason
+from .warm import Warm, not_kept_reason
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -66,7 +67,7 @@ _ids = itertools.count(1)
 YIELD_EVERY_S = 0.5
 
 
-class WorkerPool:
+class WorkerPool(PoolWarm):
     """Hands out worker groups; reuses idle ones of the same configuration when ``reuse`` is on."""
 
     def __init__(
@@ -89,6 +90,7 @@ class WorkerPool:
         on_tick: Callable[[], None] | None = None,
         finished: Callable[[], Collection[str]] | None = None,
         warm: Warm | None = None,
+        handover: HandOver | None = None,
     ) -> None:
         self.options = options
         #: called with the configuration once a test's own launch holds its lease, before its startup: the
@@ -123,6 +125,10 @@ class WorkerPool:
         #: warm groups of earlier sessions: adopted before a launch; this session's kept warm at close
         #: (``--sgl-keep-warm``; see :mod:`.warm`)
         self.warm = warm
+        #: the xdist controller's word on groups handed over within the run (see :mod:`.pool_warm`)
+        self.handover = handover
+        self._handed: set[WorkerConfig] = set()
+        self._answered: set[str] = set()
         self.not_kept: dict[str, str] = {}  # --sgl-keep-warm: why each configuration's last group was not kept
         self._closing: str | None = None  # "keep" or "stop" once close() has begun
         #: guards the entries (idle, busy, ahead) and the figures: a launch ahead registers its group and counts
@@ -186,11 +192,15 @@ class WorkerPool:
                 self._retire(entry, failed=True)
         environ = inherited_environ() if environ is None else environ
         if self.reuse and not fresh:
+            self._await_hand_over(config)
             adopted = self._adopt(config, holder=holder, environ=environ)
             if adopted is not None:
                 with self._lock:
                     self._busy[adopted.group.id] = adopted
-                    stats.reuses += 1  # a running worker serves the test: a reuse, of an earlier session's
+                    # a running worker serves the test: a reuse, of an earlier session's (one launched ahead in this
+                    # run serves its first test: its launch counted)
+                    stats.reuses += not adopted.launched_ahead
+                    adopted.launched_ahead = False
                 self._read_states(adopted)
                 return adopted.group
         group = self._launch(config, holder=holder, fresh=fresh, options=options or self.options, environ=environ)
@@ -268,10 +278,10 @@ class WorkerPool:
             self._put_spare(then, handed)
 
     def _has_group(self, config: WorkerConfig) -> bool:
-        """Whether a group of ``config`` is pooled (idle or busy) or being launched ahead."""
+        """Whether a group of ``config`` is pooled (idle or busy), being launched ahead, or handed over in the run."""
         with self._lock:
-            return config in self._ahead or any(e.config == config for e in [*self._idle.values(),
-                                                                            *self._busy.values()])
+            return config in self._ahead or config in self._handed or any(
+                e.config == config for e in [*self._idle.values(), *self._busy.values()])
 
     def _put_spare(self, config: WorkerConfig, lease: Any) -> None:
         with self._lock:
@@ -340,21 +350,6 @@ class WorkerPool:
             with contextlib.suppress(Exception):
                 self._retire(entry, failed=entry.tainted)
 
-    def _keep_warm(self, still: Callable[[], bool] | None = None) -> None:
-        assert self.warm is not None
-        with self._lock:
-            idle = [e for e in self._idle.values() if e.poolable]
-        requests = [KeepRequest(e.group, e.lease, e.records, e.envs, e.environ, e.tainted, e.keeper) for e in idle]
-        kept = self.warm.keep(requests, still=still)
-        for entry in idle:
-            if entry.group.id not in kept:
-                continue
-            with self._lock:
-                self._idle.pop(entry.group.id, None)
-                stats = self.stats_for(entry.config)
-                stats.gpu_seconds += (time.monotonic() - entry.leased_at) * max(1, len(entry.lease.gpus)
-                                                                                if entry.lease else 1)
-
     # -- launching ahead ----------------------------------------------------------------------------------
     def launch_ahead(self, config: WorkerConfig, *, holder: str, environ: Mapping[str, str] | None = None) -> bool:
         """Start ``config``'s group now, in the background, so that it is ready when its first test begins.
@@ -371,9 +366,11 @@ class WorkerPool:
             with self._lock:
                 self._idle[adopted.group.id] = adopted
             return True
+        if self.handover is not None and self.handover.expects(config.key):
+            return False  # another xdist worker hands its group over: adopted when its test asks for it
         lease = None
         environ = inherited_environ() if environ is None else environ
-        keeper = self._keeper(fresh=False, environ=environ)
+        keeper = self._keeper(fresh=False, environ=environ, ahead=True)
         requested = time.time()
         if self.leases is not None:
             lease = self._take_spare(config, others=False)
@@ -437,18 +434,6 @@ class WorkerPool:
         if raise_error and ahead.error is not None and not isinstance(ahead.error, LaunchCancelled):
             raise ahead.error
 
-    def _adopt(self, config: WorkerConfig, *, holder: str, environ: Mapping[str, str]) -> Entry | None:
-        """A warm group of ``config`` an earlier session left (``--sgl-keep-warm``), adopted, as an entry not yet
-        registered; None when there is none this session may have (see :mod:`.warm`). On the main thread."""
-        if self.warm is None:
-            return None
-        prepared = self._prepare(config, environ)
-        adopted = self.warm.adopt(config, prepared.plans, holder=holder, environ=environ,
-                                  member_envs=lambda lease: self._member_envs(config, prepared, lease))
-        if adopted is None:
-            return None
-        return Entry(adopted.group, adopted.lease, time.monotonic(), adopted.records)
-
     def yield_idle(self, *, keep: WorkerConfig | None = None) -> None:
         """When another process waits for a GPU, retire the idle groups with no known use (not ``keep``, the next
         test's configuration, nor one launched ahead), which would hold their GPUs while this process runs others."""
@@ -468,6 +453,7 @@ class WorkerPool:
             return looked
         self.yield_idle(keep=config)
         self._retire_finished()
+        self.hand_over_ahead()
         return time.monotonic()
 
     def _retire_finished(self) -> None:
@@ -514,24 +500,6 @@ class WorkerPool:
         """Each member's env from its share of the lease (a plugin's hook may change it): on the main thread."""
         return [self._member_env(config, env, plan) for env, plan in
                 zip(split_env(lease, prepared.counts), prepared.plans, strict=True)]
-
-    def _keeper(self, *, fresh: bool, environ: Mapping[str, str]) -> KeeperHandle | None:
-        """A keeper for a new pooled group when this session keeps groups warm (``--sgl-keep-warm``): started
-        before the group's members, whose owner tags then name its session (see :mod:`.warm`). On the main
-        thread."""
-        if fresh or not self.reuse or self.warm is None or self.warm.settings.ttl is None or self.leases is None:
-            return None
-        from ..resources.warm_keeper import KeeperHandle
-
-        try:
-            return KeeperHandle.start(self.warm.settings.lock_dir, environ)
-        except OSError as exc:
-            self.on_message(f"cannot start a warm keeper ({exc}): this group is not kept warm")
-            return None
-
-    @staticmethod
-    def _keeper_workers(keeper: KeeperHandle | None) -> tuple[str, ...]:
-        return () if keeper is None else (f"{keeper.session_id}:",)
 
     def _launch(self, config: WorkerConfig, *, holder: str, fresh: bool, options: LaunchOptions,
                 environ: Mapping[str, str] | None = None, lease: Lease | None = None,

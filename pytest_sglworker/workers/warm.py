@@ -24,6 +24,13 @@ fails it). A candidate that fails is ended at once (its GPUs come back before th
 reason goes to the terminal, the summary and the run report. An adopted member's log is hard-linked into this
 session's log directory (the same file, which the engine keeps writing), or, where a link cannot be made, named
 where it is.
+
+**Within a run.** Under xdist a group one xdist worker launched ahead for tests the controller then sent to another
+is handed to its keeper as a record naming the run (:meth:`Warm.publish`), and the other adopts it as above: only a
+session of that run matches it, and its keeper ends it when the run's controller is gone.
+
+Why one module of this size: identity, adoption, keeping warm and handing over within a run all write or read the
+same record from the same group state.
 """
 
 from __future__ import annotations
@@ -48,6 +55,7 @@ from ..resources.owned_files import link_owned, why_not_ours
 from ..resources.processes import SESSION_ID, AdoptedProcess, hostname, prove_process
 from ..resources.warm import BorrowedLease, Claim, claim_blocked, dup_lock_fd, end_warm, forget_lock, note_in_logs
 from ..resources.warm_records import (
+    DEFAULT_TTL,
     Party,
     WarmMember,
     WarmRecord,
@@ -237,6 +245,9 @@ class WarmSettings:
     log_policy: str = "all"
     #: who this session is, for the records and the messages
     holder: str = ""
+    #: the run this session is part of (an xdist worker's controller: pid, start time, run id), when groups launched
+    #: ahead are handed over within the run (:meth:`Warm.publish`); None: no in-run adoption
+    run: Party | None = None
 
 
 @dataclass
@@ -292,7 +303,9 @@ class Warm:
         if not entries or self.leases is None:
             return None
         visible = {g.index: g.uuid for g in self.leases.inventory.static_gpus()}
-        for record in matching(entries, config_key=config.key, namespace=self.leases.namespace, visible=visible):
+        run = self.settings.run.session if self.settings.run is not None else None
+        for record in matching(entries, config_key=config.key, namespace=self.leases.namespace, visible=visible,
+                               run=run):
             adopted = self._try(record, config, plans, holder, environ, member_envs)
             if adopted is not None:
                 return adopted
@@ -474,25 +487,37 @@ class Warm:
         return kept
 
     def _kept(self, request: KeepRequest, record: WarmRecord) -> None:
+        """The group left this session: kept warm, or handed over within the run (the record names the run)."""
         now = time.time()
         for member in request.group:
             member.close_client()
             member.times["stop_requested"] = member.times["stopped"] = now
         for launch, member in zip(request.records, request.group, strict=False):
             launch.take_times(member)
-            launch.outcome = "kept_warm"
-        self._event("kept", record, None, ended=False)
+            launch.outcome = "kept_warm" if record.run is None else "handed_over"
+        self._event("kept" if record.run is None else "handed", record, None, ended=False)
 
     def _keep_adopted(self, request: KeepRequest, ttl: float) -> None:
         lease: BorrowedLease = request.lease
         now = time.time()
-        record = replace(lease.record, state="warm", adopter=None, ttl=ttl, last_used=now, expires_at=now + ttl,
+        record = replace(lease.record, state="warm", adopter=None, ttl=ttl, run=None, last_used=now,
+                         expires_at=now + ttl,
                          tainted=lease.record.tainted or request.tainted,
                          kept_by=Party(os.getpid(), now, SESSION_ID, self.settings.holder))
         lease.keep_warm(record)
         self._kept(request, record)
 
-    def _hand_over(self, request: KeepRequest, ttl: float) -> bool:
+    def publish(self, request: KeepRequest) -> bool:
+        """Hand an idle group launched ahead to its keeper during the session, as a record of this session's run
+        (:attr:`WarmSettings.run`): only a session of the run adopts it (the xdist worker the controller sent its
+        tests to), and its keeper ends it when the run ends. Whether it was handed over (else the pool retires it)."""
+        try:
+            return self._hand_over(request, DEFAULT_TTL, run=self.settings.run)
+        except Exception as exc:  # handing over is an optimisation: the group is torn down instead
+            self.on_message(f"could not hand {request.group.config.label} over: {type(exc).__name__}: {exc}")
+            return False
+
+    def _hand_over(self, request: KeepRequest, ttl: float, *, run: Party | None = None) -> bool:
         """Write the group's record and hand its keeper duplicates of its lock descriptors; once the keeper has
         taken them, forget this process's own (the flocks stay held all along)."""
         lease: Lease | None = request.lease
@@ -506,7 +531,7 @@ class Warm:
         try:
             for lock in locks:
                 fds.append(dup_lock_fd(lock))
-            record = self._new_record(request, ttl, keeper.session_id)
+            record = replace(self._new_record(request, ttl, keeper.session_id), run=run)
             write_warm_record(self.settings.lock_dir, record)
             why = keeper.hand_over(fds)
         except OSError as exc:
@@ -572,8 +597,8 @@ class Warm:
         if kind == "refused":
             event.update(why=why, ended=ended)
         if kind == "adopted":
-            event.update(uses=record.uses)
-        self.events[kind].append(event)
+            event.update(uses=record.uses, run=record.run is not None, adopter_pid=os.getpid())
+        self.events.setdefault(kind, []).append(event)  # "handed": only in a run that hands groups over
 
 
 def _create_time(pid: int) -> float:

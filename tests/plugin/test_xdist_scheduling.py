@@ -108,6 +108,8 @@ class Model:
     crashed: list[int] = field(default_factory=list)
     spans: dict[tuple[int, str], list[float]] = field(default_factory=dict)  # (node, key) -> [start, end]
     max_pending: int = 0
+    #: groups launched ahead by one node, handed over to the node that ran their tests: (giver, taker, key)
+    handed: list[tuple[int, int, str]] = field(default_factory=list)
 
     def max_copies(self, key: str | None = None) -> int:
         """The most nodes that ran ``key`` (any configuration: None) at once."""
@@ -147,6 +149,11 @@ def simulate(units: Sequence[Unit | None], *, nodes: int = 4, gpus: int | None =
             assert node not in down, "tests sent to a node after its shutdown"
             queue[node].extend(indices)
         down.update(actions.shutdowns)
+        for giver, taker, key in actions.handovers:  # the taker adopts the giver's group, ready when it would be
+            model.handed.append((giver, taker, key))
+            launched[taker].add(key)
+            if key in ahead[giver]:
+                ahead[taker][key] = ahead[giver].pop(key)
         for node, keys in actions.hints:  # the xdist worker's pool starts the new ones now, in the background
             for key in keys:
                 if key in launched[node]:
@@ -490,10 +497,50 @@ def test_launch_hints_round_trip_and_anything_else_reads_as_none(tmp_path: Path)
     assert read_launch_hint(config) == (("c4",), frozenset({"c0", "c1"}))
     for text in ("{", "[]", '{"schema": "other", "configurations": ["c2"]}',
                  '{"schema": "pytest-sglworker/xdist-launch-ahead/v1", "configuration": "c2", "drop": []}',
-                 '{"schema": "pytest-sglworker/xdist-launch-ahead/v2", "configurations": "c2", "drop": "c0"}'):
+                 '{"schema": "pytest-sglworker/xdist-launch-ahead/v2", "configurations": ["c2"], "drop": []}',
+                 '{"schema": "pytest-sglworker/xdist-launch-ahead/v3", "configurations": "c2", "drop": "c0"}'):
         (tmp_path / "ahead-gw1.json").write_text(text)
         assert read_launch_hint(config) == ((), frozenset()), text
     assert read_launch_hint(SimpleNamespace()) == ((), frozenset())  # not an xdist worker
+
+
+def test_launch_hints_name_the_groups_to_adopt_and_the_givers_answer_them(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    from pytest_sglworker.plugin.keys import MAP_INPUT
+    from pytest_sglworker.plugin.launch_hints import RunHandOver, write_launch_hint
+
+    giver = RunHandOver(SimpleNamespace(workerinput={MAP_INPUT: str(tmp_path), "workerid": "gw0"}))
+    taker = RunHandOver(SimpleNamespace(workerinput={MAP_INPUT: str(tmp_path), "workerid": "gw1"}))
+    assert not taker.expects("c2") and taker.awaited("c2") is None
+    write_launch_hint(tmp_path, "gw0", [], [], ["c2", "c3"])
+    assert giver.to_hand_over() == ("c2", "c3") and taker.to_hand_over() == ()
+    write_launch_hint(tmp_path, "gw1", [], [], [], {"c2": "gw0", "c3": "gw0"})
+    assert taker.expects("c2") and taker.awaited("c2") is None  # told, no answer yet: it waits
+    giver.answer("c2", True)
+    giver.answer("c3", False)
+    assert taker.awaited("c2") is True and taker.awaited("c3") is False
+    assert not giver.expects("c2") and giver.awaited("c2") is None  # the word is the taker's
+    write_launch_hint(tmp_path, "gw1", [], [], [], {})  # the controller says the giver is gone: nothing to wait for
+    assert not taker.expects("c3") and taker.awaited("c3") is None
+    assert not RunHandOver(SimpleNamespace()).expects("c2")  # not an xdist worker
+    RunHandOver(SimpleNamespace()).answer("c2", True)
+
+
+def test_model_an_idle_worker_takes_over_a_configuration_another_launched_ahead(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # 2 xdist workers, 8 GPUs, six configurations of 3 tests; c0's take 1.5 s, the others' 0.2 s. Without history the
+    # launches ahead are told by test counts, two to each worker: the one that runs c0 is still at it when the other
+    # has run its own, which takes over one of the first one's launches ahead (its group, handed over: no launch)
+    units = suite(3, 3, 3, 3, 3, 3)
+    durations = [1.5 if u is not None and u.key == "c0" else 0.2 for u in units]
+    model = simulate(units, nodes=2, gpus=8, startup=1.5, test=durations, steal_min=None)
+    assert model.handed and all(giver != taker for giver, taker, _ in model.handed), model.handed
+    assert model.launches == 6
+    monkeypatch.setattr(Planner, "_to_take_over", lambda self, node: None)
+    without = simulate(units, nodes=2, gpus=8, startup=1.5, test=durations, steal_min=None)
+    assert not without.handed and without.launches == 6
+    assert model.wall < without.wall
 
 
 def skew_suite() -> tuple[list[Unit | None], list[float], dict[str, float]]:
@@ -677,6 +724,18 @@ def launches(report: Path) -> dict[str, int]:
     return {k: w["launches"] for k, w in json.loads(report.read_text())["workers"].items()}
 
 
+def launched(data: dict[str, Any]) -> list[dict[str, Any]]:
+    """The report's launch records of the groups launched, each with the tests it served: a group launched ahead is
+    handed over to the run and its tests are on the record of the xdist worker that adopted it (the same pid)."""
+    adopted = [r for r in data["launches"] if r["outcome"] == "adopted"]
+    out = []
+    for record in data["launches"]:
+        if record["outcome"] != "adopted":
+            out.append({**record, "tests": [*record["tests"], *(t for r in adopted if r["pid"] == record["pid"]
+                                                              for t in r["tests"])]})
+    return out
+
+
 def ran_once(result: pytest.RunResult, count: int) -> None:
     """Every test ran exactly once (xdist's -v lines: ``[gwN] [ NN%] PASSED <node id>``)."""
     ids = re.findall(r"\[gw\d+\] \[\s*\d+%\] (?:PASSED|FAILED|ERROR|SKIPPED) (\S+)", result.stdout.str())
@@ -714,7 +773,7 @@ def test_fewer_xdist_workers_than_gpus_launch_their_next_configuration_ahead(
     assert_no_overcommit(record, 6)
     data = json.loads(report.read_text())
     by_worker: dict[str, list[dict[str, Any]]] = {}
-    for launch in sorted(data["launches"], key=lambda r: r["t_lease_requested"]):
+    for launch in sorted(launched(data), key=lambda r: r["t_lease_requested"]):
         by_worker.setdefault(launch["xdist_worker"], []).append(launch)
     assert sorted(len(v) for v in by_worker.values()) == [2, 2], by_worker  # each configuration launched once
     for first, second in by_worker.values():
@@ -743,10 +802,10 @@ def test_every_free_gpu_starts_a_configuration_several_per_xdist_worker(
     ran_once(result, 16)
     assert_no_overcommit(record, 8)
     data = json.loads(report.read_text())
-    assert sorted(r["config"] for r in data["launches"]) == sorted({r["config"] for r in data["launches"]})
-    assert len(data["launches"]) == 8
+    assert sorted(r["config"] for r in launched(data)) == sorted({r["config"] for r in data["launches"]})
+    assert len(launched(data)) == 8
     by_worker: dict[str, list[dict[str, Any]]] = {}
-    for launch in data["launches"]:
+    for launch in launched(data):
         by_worker.setdefault(launch["xdist_worker"], []).append(launch)
     for worker, mine in by_worker.items():
         began = min(t["t_start"] for launch in mine for t in launch["tests"])

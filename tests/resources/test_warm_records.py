@@ -30,6 +30,7 @@ from pytest_sglworker.resources.warm_records import (
     parse_warm_record,
     read_warm_record,
     record_path,
+    run_alive,
     warm_records,
     write_warm_record,
 )
@@ -248,3 +249,45 @@ def test_only_this_users_records_of_this_host_config_namespace_and_gpus_match(tm
     assert [r.id for r in found] == [newer.id, older.id]
     for one in refused:
         assert matching([one], config_key="w", namespace="sim-2x80", visible=visible) == []
+
+
+def test_a_group_published_within_a_run_is_only_that_runs(tmp_path: Path) -> None:
+    """A run-tagged record (in-run adoption under xdist) round-trips, matches only a session of its run, and its
+    run is alive while the process it names runs; a record that names no run is every session's, as before."""
+    here, me = hostname(), os.getuid()
+    visible = {0: "GPU-sim-000000000000"}
+    run = Party(os.getpid(), time.time(), "run-abc", "the xdist controller")
+    record = make_record(hostname=here, run=run)
+    write_warm_record(tmp_path, record)
+    assert read_warm_record(record_path(tmp_path, record.id)).record == record
+    entries = [WarmEntry(tmp_path / "warm-x.json", record, None, me)]
+    assert [r.id for r in matching(entries, config_key="w", namespace="sim-2x80", visible=visible,
+                                   run="run-abc")] == [record.id]
+    assert matching(entries, config_key="w", namespace="sim-2x80", visible=visible, run="run-other") == []
+    assert matching(entries, config_key="w", namespace="sim-2x80", visible=visible) == []
+    between_runs = [WarmEntry(tmp_path / "warm-x.json", replace(record, run=None), None, me)]
+    assert matching(between_runs, config_key="w", namespace="sim-2x80", visible=visible, run="run-abc")
+    assert run_alive(record) and run_alive(replace(record, run=None))
+    assert not run_alive(replace(record, run=Party(os.getpid(), time.time() - 10**6, "run-abc")))  # a reused pid
+
+
+def test_the_keeper_ends_a_group_of_a_run_that_is_gone(tmp_path: Path) -> None:
+    """A group handed over within a run gives no reason to end while its run's process lives, and one once it is gone
+    (a reused pid counts as gone): nothing it holds outlives the run, even when nobody ends it on purpose."""
+    import socket
+
+    from pytest_sglworker.resources.warm_keeper import _Keeper
+
+    ours, theirs = socket.socketpair()
+    try:
+        keeper = _Keeper(tmp_path, "4242-abcdef12", theirs)
+        me = Party(os.getpid(), time.time(), "run-abc")
+        alive = make_record(hostname=hostname(), run=me)
+        with pytest.MonkeyPatch.context() as mp:  # its members live: only the run decides
+            mp.setattr("pytest_sglworker.resources.warm_keeper.members_alive", lambda record: True)
+            assert keeper.why_end(alive) is None
+            gone = replace(alive, run=Party(os.getpid(), time.time() - 10**6, "run-abc"))
+            assert keeper.why_end(gone) == f"the run that published it (pid {os.getpid()}) ended"
+    finally:
+        ours.close()
+        theirs.close()

@@ -411,6 +411,9 @@ class AttachedSource:
     def retire_idle(self, keys: Collection[str]) -> None:
         self.launching.retire_idle(keys)
 
+    def hand_over_ahead(self) -> None:
+        self.launching.hand_over_ahead()
+
     def gpu_count(self) -> int | None:
         return self.launching.gpu_count()
 

@@ -143,6 +143,10 @@ class WorkerSource(Protocol):
     def retire_idle(self, keys: Collection[str]) -> None:
         """Stop the idle workers of the configurations ``keys`` (no later test needs them)."""
 
+    def hand_over_ahead(self) -> None:
+        """Hand the groups launched ahead here whose tests the xdist controller sent to another xdist worker of the
+        run over to the run (:mod:`..pool_warm`); nothing for a source that launches nothing here."""
+
     def gpu_count(self) -> int | None:
         """How many GPUs this source leases from (the xdist scheduler budgets by it); None when unknown. May
         raise the inventory's errors."""

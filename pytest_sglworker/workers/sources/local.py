@@ -23,7 +23,9 @@ from ..records import RunRecords
 from .base import GroupRequest, GroupUse, Refusal
 
 if TYPE_CHECKING:
+    from ...resources.warm_records import Party
     from ..group import WorkerGroup
+    from ..pool_warm import HandOver
     from ..warm import Warm
 
 __all__ = ["LocalSource", "PoolHooks", "PoolSettings", "PoolSource"]
@@ -55,6 +57,9 @@ class PoolSettings:
     holder: str = ""
     #: an xdist worker's controller's session when it started a Ray host ahead for the worker (``ray_hosts``)
     ray_ahead: str | None = None
+    #: the run an xdist worker is part of (its controller: pid, start time, run id) when groups launched ahead are
+    #: handed over within the run (:mod:`..pool_warm`); None: they are not
+    run: Party | None = None
 
 
 @dataclass(frozen=True)
@@ -75,6 +80,8 @@ class PoolHooks:
     #: thread waits for a launch: their idle workers are stopped
     finished: Callable[[], Collection[str]] | None = None
     xdist_worker: str | None = None
+    #: the controller's word on groups handed over within the run (with ``PoolSettings.run``)
+    handover: HandOver | None = None
 
 
 class PoolSource:
@@ -127,7 +134,8 @@ class PoolSource:
                 reuse=self.settings.reuse, log_policy=self.settings.log_policy, on_progress=hooks.on_progress,
                 on_progress_end=hooks.on_progress_end, on_message=hooks.on_message, worker_env=self._worker_env,
                 choose_kind=hooks.choose_kind, xdist_worker=hooks.xdist_worker, on_leased=hooks.on_leased,
-                records=self.records, on_tick=hooks.on_tick, finished=hooks.finished, warm=self.make_warm(leases))
+                records=self.records, on_tick=hooks.on_tick, finished=hooks.finished, warm=self.make_warm(leases),
+                handover=hooks.handover if self.settings.run is not None else None)
         return self._pool
 
     @property
@@ -180,6 +188,10 @@ class PoolSource:
     def retire_idle(self, keys: Collection[str]) -> None:
         if self._pool is not None:
             self._pool.retire_idle(keys)
+
+    def hand_over_ahead(self) -> None:
+        if self._pool is not None:
+            self._pool.hand_over_ahead()
 
     def gpu_count(self) -> int | None:
         return len(self.leases.inventory.static_gpus())
@@ -237,11 +249,12 @@ class LocalSource(PoolSource):
         from ..warm import Warm, WarmSettings
 
         s = self.settings
-        if not s.adopt_warm and s.keep_warm is None:
+        if not s.adopt_warm and s.keep_warm is None and s.run is None:
             return None
         log_dir = s.launch.log_dir or s.lock_dir
         return Warm(WarmSettings(lock_dir=s.lock_dir, log_dir=log_dir, options=s.launch, ttl=s.keep_warm,
-                                 session_log_dir=s.session_log_dir, log_policy=s.log_policy, holder=s.holder),
+                                 session_log_dir=s.session_log_dir, log_policy=s.log_policy, holder=s.holder,
+                                 run=s.run),
                     leases, self.records, on_message=self.hooks.on_message or (lambda text: None),
                     xdist_worker=self.hooks.xdist_worker)
 

@@ -1,0 +1,171 @@
+"""Groups launched ahead are handed over within the run (issue 43): the xdist worker that runs a configuration's
+tests adopts the group another xdist worker of the run launched ahead, through the proofs warm adoption has; the
+group is torn down, leased and logged as any other, and nothing outlives the run."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+SIM = ("-p", "no:cacheprovider", "--sgl-engine", "sim", "--sgl-model", "qwen3-0.6b")
+
+#: six configurations on sim:8 under -n 2. c0 (4 tests) goes to one xdist worker (the giver), c1 to the other (the
+#: taker). The controller launches c2..c5 ahead on the free GPUs, two on each worker (by test counts, alternately).
+#: The giver's first test waits until the controller has handed one of its launches ahead to the other worker (which
+#: runs out of tests first): so the taker runs its own, then takes over a launch ahead of the giver and adopts its
+#: group; without the hand-over, that first test fails at its deadline.
+SUITE = '''
+import json, os, time
+from pathlib import Path
+import pytest
+
+DONE = Path(os.environ["HANDOVER_DONE"])
+
+def handed(run_dir):
+    for path in run_dir.glob("ahead-*.json"):
+        try:
+            if json.loads(path.read_text()).get("adopt"):
+                return True
+        except ValueError:
+            pass
+    return False
+
+@pytest.mark.sgl_worker(args=["--max-total-tokens", "4096"])
+@pytest.mark.parametrize("i", range(4))
+def test_c0(sgl_worker, i, request):
+    if i == 0:
+        run_dir = Path(request.config.workerinput["sglworker_collection_map"])
+        deadline = time.monotonic() + 120
+        while not handed(run_dir) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert handed(run_dir), "no configuration launched ahead here was handed to the other xdist worker"
+'''
+for _n in range(1, 6):
+    SUITE += f'''
+@pytest.mark.sgl_worker(args=["--max-total-tokens", "{4096 + _n}"])
+@pytest.mark.skipif(os.environ.get("HANDOVER_SKIP") == "c{_n}", reason="skipped on purpose")
+@pytest.mark.parametrize("i", range(3))
+def test_c{_n}(sgl_worker, i):
+    assert sgl_worker.client.get("/health").status_code == 200
+    (DONE / f"done-{_n}-{{i}}").write_text(os.environ["PYTEST_XDIST_WORKER"] + " " + str(sgl_worker.pid))
+    assert os.environ.get("HANDOVER_FAIL") != "c{_n}", "failing on purpose"
+'''
+
+
+@pytest.fixture
+def handover(sim_env: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    done = tmp_path / "done"
+    done.mkdir()
+    monkeypatch.setenv("HANDOVER_DONE", str(done))
+    monkeypatch.setenv("SGLSIM_RECORD", str(tmp_path / "sim-record.jsonl"))
+    monkeypatch.setenv("SGLSIM_STARTUP_SECONDS", "1.0")
+    monkeypatch.delenv("PYTEST_ADDOPTS", raising=False)
+    return tmp_path
+
+
+def _sims(record: Path) -> tuple[list[int], list[int]]:
+    """The simulated engines the run started, and those that exited."""
+    started, exited = [], []
+    for line in record.read_text().splitlines():
+        event = json.loads(line)
+        (started if event["event"] == "start" else exited if event["event"] == "exit" else []).append(event["pid"])
+    return started, exited
+
+
+def _nothing_left(tmp_path: Path, started: list[int]) -> None:
+    """Every engine started ended, every warm record and keeper with it (the keepers' exit is waited for: the
+    kernel reaps them after their last action)."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        alive = [p for p in started if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        keepers = [p for p in psutil.process_iter(["cmdline"])
+                   if "pytest_sglworker.resources.warm_keeper" in " ".join(p.info["cmdline"] or ())
+                   and str(tmp_path) in " ".join(p.info["cmdline"] or ())]
+        records = list((tmp_path / "locks").glob("warm-*.json"))
+        if not alive and not keepers and not records:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"left running: engines {alive}, keepers {keepers}, records {records}")
+
+
+def test_a_group_launched_ahead_by_one_xdist_worker_is_adopted_by_the_other(
+        pytester: pytest.Pytester, handover: Path) -> None:
+    pytester.makepyfile(test_handover=SUITE)
+    report = handover / "report.json"
+    result = pytester.runpytest_subprocess(*SIM, "-n", "2", "-v", "--sgl-gpus", "sim:8", "--sgl-report", str(report),
+                                           "--sgl-keep-logs", timeout=180)
+    result.assert_outcomes(passed=19)
+    started, exited = _sims(handover / "sim-record.jsonl")
+    assert len(started) == 6, started  # each configuration's engine launched once
+    data = json.loads(report.read_text())
+    launches: list[dict[str, Any]] = data["launches"]
+    handed = [r for r in launches if r["outcome"] == "handed_over"]
+    adopted = [r for r in launches if r["outcome"] == "adopted"]
+    assert handed and {r["pid"] for r in adopted} >= {r["pid"] for r in handed}, launches
+    by_pid = {r["pid"]: r for r in handed}  # every group launched ahead goes to the run, its launcher adopts it too
+    taken = [r for r in adopted if r["xdist_worker"] != by_pid[r["pid"]]["xdist_worker"]]
+    assert taken, "no group launched ahead by one xdist worker was adopted by the other"
+    for record in taken:  # served there, its log in the run's log directory (the same file, linked)
+        assert record["tests"], record
+        log = Path(record["log_path"])
+        assert log.is_file() and log.parent == Path(by_pid[record["pid"]]["log_path"]).parent
+    assert "handed to another xdist worker" in result.stdout.str()
+    assert "adopted" in result.stdout.str() and "started ahead in this run" in result.stdout.str()
+    _nothing_left(handover, started)
+    assert sorted(exited) == sorted(started)
+
+
+@pytest.mark.parametrize("fate", ["failed", "skipped"])
+def test_nothing_outlives_the_run_when_the_adopting_test_fails_or_is_skipped(
+        pytester: pytest.Pytester, handover: Path, monkeypatch: pytest.MonkeyPatch, fate: str) -> None:
+    pytester.makepyfile(test_handover=SUITE)
+    if fate == "failed":
+        monkeypatch.setenv("HANDOVER_FAIL", "c5")
+    else:  # c5's tests never ask for its group (launched ahead, maybe handed over, or not)
+        monkeypatch.setenv("HANDOVER_SKIP", "c5")
+    result = pytester.runpytest_subprocess(*SIM, "-n", "2", "--sgl-gpus", "sim:8", timeout=180)
+    if fate == "failed":
+        result.assert_outcomes(passed=16, failed=3)
+    else:
+        result.assert_outcomes(passed=16, skipped=3)
+    started, _ = _sims(handover / "sim-record.jsonl")
+    _nothing_left(handover, started)
+
+
+def test_nothing_outlives_an_interrupted_run(pytester: pytest.Pytester, handover: Path) -> None:
+    """Once a group launched ahead is handed to the run (its record in the lock directory), Ctrl-C on the run (SIGINT to
+    its process group): the run ends, and with it every engine, keeper and record."""
+    import signal
+    import subprocess
+    import sys
+
+    from pytest_sglworker.resources.warm_records import warm_records
+
+    pytester.makepyfile(test_handover=SUITE)
+    locks = handover / "locks"
+    proc = subprocess.Popen([sys.executable, "-m", "pytest", *SIM, "-n", "2", "--sgl-gpus", "sim:8"],
+                            cwd=pytester.path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        records = []
+        while time.monotonic() < deadline and proc.poll() is None:
+            records = [e.record for e in warm_records(locks) if e.record is not None and e.record.run is not None]
+            if records:
+                break
+            time.sleep(0.02)
+        assert records, "no group was handed to the run"
+        os.killpg(proc.pid, signal.SIGINT)
+        output, _ = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+    assert proc.returncode != 0, output.decode(errors="replace")[-3000:]
+    started, _ = _sims(handover / "sim-record.jsonl")
+    _nothing_left(handover, started)
