@@ -41,7 +41,7 @@ from .constants import DEFAULT_MODEL, ENV_MODEL, ENV_STARTUP_TIMEOUT, MODEL_SPEC
 if TYPE_CHECKING:
     from ...engine.specs import ModelSpec
     from ...workers.launcher import ModelInstance as Member
-    from ...workers.router import Router
+    from ...workers.router import Router, RouterOptions
 
 __all__ = ["RUNTIME_NAME", "GatewayRuntime", "ModelInstance", "WorkerIdentity", "config_for", "install",
            "model_path_of", "runtime", "runtime_or_error", "spec_for"]
@@ -207,6 +207,11 @@ class GatewayRuntime:
         self._owners: list[str] = []
 
     # -- owners ---------------------------------------------------------------------------------------------
+    @property
+    def item(self) -> pytest.Item | None:
+        """The test being run (its setup, call or teardown), None between tests."""
+        return self._item
+
     def current_owner(self) -> str:
         if self._owners:
             return self._owners[-1]
@@ -325,7 +330,9 @@ class GatewayRuntime:
 
     # -- routers --------------------------------------------------------------------------------------------
     def start_router(self, gateway: RouterHolder, members: Sequence[Member], *, policy: str | None, args: Sequence[str],
-                     timeout: float) -> Router:
+                     timeout: float, options: RouterOptions | None = None) -> Router:
+        """The real router in front of ``members``, owned by ``gateway``'s owner; ``options``: the session's own
+        unless given (a port pinned by a test's URL)."""
         from ...workers.router import RouterUnavailable, start_router
 
         session = self.session
@@ -336,7 +343,7 @@ class GatewayRuntime:
             group = WorkerGroup(WorkerConfig.of(self._any_spec()), [], "gateway")
         session.start_watchdog()
         try:
-            router = start_router(group, session.router_options(), session.records, policy=policy, args=args,
+            router = start_router(group, options or session.router_options(), session.records, policy=policy, args=args,
                                   startup_timeout=float(timeout) if timeout else None,
                                   holder=f"{gateway.owner} (pid {os.getpid()})", environ=session.worker_environ(),
                                   members=list(members))
@@ -376,14 +383,24 @@ class GatewayRuntime:
             self.close_router(gateway)
         failure: BaseException | None = None
         for held in [h for h in self.held if h.owner == owner]:
-            self.held.remove(held)
-            use = GroupUse(owner, "failed" if held.failed else "passed", held.started, time.time(),
-                           check_deaths=check)
-            died = self.session.source.give_back(held.group, use)
+            died = self._give_back(held, check=check)
             if died is not None and failure is None:
                 failure = died
         if failure is not None:
             raise pytest.fail.Exception(str(failure), pytrace=False)
+
+    def give_back(self, held: _Held, *, check: bool = True) -> None:
+        """Give one group back to the pool now (its owner is done with it); a member that died during a passing
+        test fails the caller (unless ``check`` is False)."""
+        died = self._give_back(held, check=check) if held in self.held else None
+        if died is not None:
+            raise pytest.fail.Exception(str(died), pytrace=False)
+
+    def _give_back(self, held: _Held, *, check: bool) -> BaseException | None:
+        self.held.remove(held)
+        use = GroupUse(held.owner, "failed" if held.failed else "passed", held.started, time.time(),
+                       check_deaths=check)
+        return self.session.source.give_back(held.group, use)
 
 
 def install(session: SglSession) -> GatewayRuntime:
