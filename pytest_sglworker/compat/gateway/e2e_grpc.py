@@ -117,6 +117,8 @@ class Cluster:
     owner: str
     held: _Held
     router: Router | None = None
+    #: what the run says to call when the owner left the router running
+    fix: str = "kill_process_tree(cluster['router'].pid) in tearDownClass"
     guards: list[PortBlock] = dataclasses.field(default_factory=list)
 
     def pids(self) -> list[int]:
@@ -128,9 +130,7 @@ class Cluster:
             self.runtime.close_router(self)
             self._release_guards()
         elif any(m.pid == pid for m in self.held.group):
-            self.runtime.give_back(self.held)
-        if self.router is None and self.held not in self.runtime.held:
-            self.forget()
+            self.runtime.give_back(self.held)  # once: the group's other workers' pids then find it given back
 
     def _release_guards(self) -> None:
         for guard in self.guards:
@@ -179,6 +179,29 @@ def _model_id(model: str) -> str:
     if not isinstance(model, str) or not model:
         raise CompatError(f"popen_launch_workers_and_router: model must be a model id, name or path, got {model!r}")
     return str(getattr(model, "model_id", None) or model_id_of(model))
+
+
+def _rank_binding(rt: GatewayRuntime, model_id: str, tp_size: int) -> dict[str, str]:
+    """For ``tp_size`` > 1 on the CPU recipe (``SGLANG_USE_CPU_ENGINE=1``): each rank's cores, which sglang's CPU
+    engine requires when ranks outnumber NUMA nodes (unless the spec or the environment names them already)."""
+    from ...engine.cpu_engine import CPU_ENGINE_ENV, CPU_RANK_BINDING_VAR, cpu_rank_binding
+    from ..models import resolve_spec
+
+    if tp_size <= 1:
+        return {}
+    try:
+        spec = resolve_spec(model_id, rt.session.registry)
+    except CompatError:
+        from .runtime import spec_for
+
+        try:
+            spec = spec_for(model_id, rt.session)
+        except CompatError:
+            return {}  # the launch says why
+    environ = {**rt.session.worker_environ(), **spec.env}
+    if any(environ.get(k) != v for k, v in CPU_ENGINE_ENV.items()) or CPU_RANK_BINDING_VAR in environ:
+        return {}
+    return cpu_rank_binding(tp_size)
 
 
 def _where(error: CompatError) -> CompatError:
@@ -231,7 +254,9 @@ def popen_launch_workers_and_router(
     extra = tuple(str(a) for a in worker_args or ()) + (("--tp-size", str(tp_size)) if tp_size > 1 else ())
     args = [*(["--api-key", str(api_key)] if api_key else []), *(str(a) for a in router_args or ())]
     with rt.owning(owner):
-        held = rt.group(_model_id(model), ConnectionMode.GRPC, GroupShape(count=num_workers), fresh_owner=True, extra=extra)
+        model_id = _model_id(model)
+        held = rt.group(model_id, ConnectionMode.GRPC, GroupShape(count=num_workers), fresh_owner=True, extra=extra,
+                        env=_rank_binding(rt, model_id, tp_size))
         cluster = Cluster(rt, owner, held)
         try:
             options, cluster.guards = pinner._pinned(port, 0, base_url=base_url,
