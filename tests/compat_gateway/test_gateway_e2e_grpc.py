@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from pytest_sglworker.compat import models as compat_models
-from pytest_sglworker.compat.gateway.e2e_grpc import serving_e2e_grpc
+from pytest_sglworker.compat.gateway.scoped_modules import serving_e2e_grpc
 
 TINY = str(Path(__file__).resolve().parents[1] / "data" / "sim" / "tiny-llama")
 
@@ -190,7 +190,8 @@ def test_an_e2e_grpc_file_runs_unchanged_and_other_files_keep_their_own_modules(
     result.stdout.fnmatch_lines([
         f"*pytest_sglworker.compat.gateway: router (regular round_robin) over tiny [[]2x[]] --grpc-mode on "
         f"127.0.0.1:{port} *, started by e2e_grpc/cluster/test_cluster.py::TestB_SameUrlAgain, was still running "
-        "after the teardown of e2e_grpc/cluster/test_cluster.py::TestB_SameUrlAgain; stopped it (kill_process_tree(cluster[[]'router'[]].pid) in tearDownClass)"])
+        "after the teardown of e2e_grpc/cluster/test_cluster.py::TestB_SameUrlAgain; stopped it "
+        "(kill_process_tree(cluster[[]'router'[]].pid) in tearDownClass)"])
     assert "died while idle" not in result.stdout.str()  # kill_process_tree gave the workers back to the pool
     workers = {w["label"]: w["launches"] for w in json.loads(report.read_text())["workers"].values()}
     assert workers == {"tiny [2x] --grpc-mode": 1, "router (round_robin) over tiny [2x] --grpc-mode": 2}, workers

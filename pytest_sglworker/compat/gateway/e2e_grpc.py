@@ -23,7 +23,7 @@ unittest classes start a gRPC cluster in ``setUpClass`` and end it in ``tearDown
 - Who owns a cluster: the test class whose ``setUpClass`` started it (the test, when a test's call did). What its
   ``tearDownClass`` leaves running is ended after the class, and the run says so.
 
-Why only for files under an ``e2e_grpc/`` folder (:func:`serving_e2e_grpc`): ``fixtures`` and ``util`` are common
+Why only for files under an ``e2e_grpc/`` folder (:mod:`.scoped_modules`): ``fixtures`` and ``util`` are common
 module names. The drop-in's modules sit in ``sys.modules`` only while pytest imports such a file, and whatever was
 there before (a suite's own ``util``) is put back after, so every other file imports its own. A ``fixtures.py`` or
 ``util.py`` of upstream's beside the files is not imported for them (``sys.modules`` is consulted before the
@@ -34,14 +34,11 @@ from __future__ import annotations
 
 import dataclasses
 import signal
-import sys
-import types
-from collections.abc import Generator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from ...resources.ports import PORT_BLOCK_SIZE
 from ...workers.config import GroupShape
 from ..models import CompatError
 from .constants import ConnectionMode
@@ -51,13 +48,8 @@ if TYPE_CHECKING:
     from ...workers.router import Router
     from .runtime import GatewayRuntime, _Held
 
-__all__ = ["FIXTURES_MODULE", "SUITE_FOLDER", "UTIL_MODULE", "Cluster", "ClusterProcess", "end_cluster_process",
-           "popen_launch_workers_and_router", "pytest_make_collect_report", "serving_e2e_grpc"]
-
-#: the folder whose test files get the drop-in's ``fixtures`` and ``util``
-SUITE_FOLDER = "e2e_grpc"
-FIXTURES_MODULE = "fixtures"
-UTIL_MODULE = "util"
+__all__ = ["NOT_OFFERED", "Cluster", "ClusterProcess", "end_cluster_process", "kill_process_tree",
+           "popen_launch_workers_and_router"]
 
 #: upstream ``fixtures`` names the drop-in does not offer, and why
 NOT_OFFERED = {
@@ -88,7 +80,8 @@ class ClusterProcess:
         return self.poll()
 
     def poll(self) -> int | None:
-        return self._process.process.poll()
+        code: int | None = self._process.process.poll()
+        return code
 
     def wait(self, timeout: float | None = None) -> int:
         return int(self._process.process.wait(timeout))
@@ -289,50 +282,3 @@ def kill_process_tree(parent_pid: int | None, include_parent: bool = True, skip_
     if parent_pid is not None and include_parent and skip_pid is None and end_cluster_process(parent_pid):
         return
     compat_kill(parent_pid, include_parent=include_parent, skip_pid=skip_pid, wait_timeout=wait_timeout)
-
-
-# ------------------------------------------------------------------------------------------------ the modules
-def _fixtures_module() -> types.ModuleType:
-    module = types.ModuleType(FIXTURES_MODULE, "upstream's e2e_grpc/fixtures.py, served by "
-                                               "pytest_sglworker.compat.gateway.e2e_grpc")
-    module.popen_launch_workers_and_router = popen_launch_workers_and_router  # type: ignore[attr-defined]
-    module.__all__ = ["popen_launch_workers_and_router"]  # type: ignore[attr-defined]
-
-    def __getattr__(name: str) -> Any:
-        if name in NOT_OFFERED:
-            raise ImportError(f"fixtures.{name} is upstream's own and pytest_sglworker.compat.gateway does not offer "
-                              f"it: {NOT_OFFERED[name]}", name=name)
-        raise AttributeError(f"module 'fixtures' (pytest_sglworker.compat.gateway.e2e_grpc) has no attribute "
-                             f"{name!r}")
-
-    module.__getattr__ = __getattr__  # type: ignore[attr-defined]
-    return module
-
-
-def _dropin_modules() -> dict[str, types.ModuleType]:
-    from . import grpc_util
-
-    return {FIXTURES_MODULE: _fixtures_module(), UTIL_MODULE: grpc_util}
-
-
-def serving_e2e_grpc(path: Any) -> bool:
-    """Whether the test file at ``path`` is one of the e2e_grpc suite's: under a folder named ``e2e_grpc``."""
-    return SUITE_FOLDER in getattr(path, "parts", ())[:-1]
-
-
-@pytest.hookimpl(wrapper=True)
-def pytest_make_collect_report(collector: pytest.Collector) -> Generator[None, Any, Any]:
-    """While pytest imports a test file of the e2e_grpc suite, ``fixtures`` and ``util`` are the drop-in's; what
-    ``sys.modules`` held under those names before is put back after."""
-    if not (isinstance(collector, pytest.Module) and serving_e2e_grpc(collector.path)):
-        return (yield)
-    saved = {name: sys.modules.get(name) for name in (FIXTURES_MODULE, UTIL_MODULE)}
-    sys.modules.update(_dropin_modules())
-    try:
-        return (yield)
-    finally:
-        for name, module in saved.items():
-            if module is None:
-                sys.modules.pop(name, None)
-            else:
-                sys.modules[name] = module
