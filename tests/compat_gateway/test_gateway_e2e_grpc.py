@@ -55,6 +55,7 @@ import requests
 _TEST_DIR = Path(__file__).parent
 sys.path.insert(0, str(_TEST_DIR.parent))
 from fixtures import popen_launch_workers_and_router
+import fixtures as FIXTURES
 from util import (
     DEFAULT_MODEL_PATH,
     DEFAULT_TIMEOUT_FOR_SERVER_LAUNCH,
@@ -122,6 +123,20 @@ class TestB_SameUrlAgain(CustomTestCase):
         assert requests.get(f"{{BASE_URL}}/health", timeout=10).status_code == 200
 
     # no tearDownClass: the drop-in ends what the class left running, and says so
+
+
+def test_c_what_is_refused_says_why():
+    import pytest
+    from pytest_sglworker.compat import CompatError
+
+    with pytest.raises(CompatError, match=r"env=\\['X'\\]\\): workers from the plugin's pool share"):
+        popen_launch_workers_and_router(DEFAULT_MODEL_PATH, BASE_URL, env={{"X": "1"}})
+    with pytest.raises(CompatError, match="popen_launch_workers_and_router: base_url 'http://10.0.0.1:8000' names"):
+        popen_launch_workers_and_router(DEFAULT_MODEL_PATH, "http://10.0.0.1:8000")
+    with pytest.raises(CompatError, match="router_args=...\\) is a list of arguments"):
+        popen_launch_workers_and_router(DEFAULT_MODEL_PATH, BASE_URL, router_args="--x")
+    with pytest.raises(ImportError, match="fixtures.find_free_port is upstream's own"):
+        FIXTURES.find_free_port  # what `from fixtures import find_free_port` at the file's top meets
 '''
 
 UPSTREAMS_OWN = "raise RuntimeError('upstream\\'s own {name} was imported')\n"
@@ -184,7 +199,7 @@ def test_an_e2e_grpc_file_runs_unchanged_and_other_files_keep_their_own_modules(
     report = pytester.path / "report.json"
     result = pytester.runpytest_subprocess("-rA", "-p", "no:cacheprovider", "-p", "no:xdist", "--sgl-engine", "sim",
                                            "--sgl-gpus", "sim:4", "--sgl-report", str(report), timeout=180)
-    result.assert_outcomes(passed=5)
+    result.assert_outcomes(passed=6)
     port = base_url.rsplit(":", 1)[1]
     result.stdout.lines = result.outlines + result.errlines  # the run's messages go to stderr
     result.stdout.fnmatch_lines([

@@ -243,7 +243,7 @@ def popen_launch_workers_and_router(
         raise _where(exc) from None
     pinner = compat_runtime()
     assert pinner is not None  # a session runs: rt is its runtime
-    owner, node = _owner(rt, calling=pinner._calling is not None)
+    owner, node = _owner(rt, calling=pinner.calling is not None)
     extra = tuple(str(a) for a in worker_args or ()) + (("--tp-size", str(tp_size)) if tp_size > 1 else ())
     args = [*(["--api-key", str(api_key)] if api_key else []), *(str(a) for a in router_args or ())]
     with rt.owning(owner):
@@ -252,8 +252,8 @@ def popen_launch_workers_and_router(
                         env=_rank_binding(rt, model_id, tp_size))
         cluster = Cluster(rt, owner, held)
         try:
-            options, cluster.guards = pinner._pinned(port, 0, base_url=base_url,
-                                                     where=f"popen_launch_workers_and_router in {owner}")
+            options, cluster.guards = pinner.pin_port(port, base_url=base_url,
+                                                      where=f"popen_launch_workers_and_router in {owner}")
             router_options = dataclasses.replace(rt.session.router_options(), port_range=options.port_range,
                                                  reuse_addr=True, on_message=options.on_port_wait)
             cluster.router = rt.start_router(cluster, list(held.group), policy=policy, args=args,
