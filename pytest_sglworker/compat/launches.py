@@ -376,6 +376,16 @@ class CompatRuntime:
                              name=f"sglworker-compat-tee-{port}", daemon=True).start()
         return ServerProcess(self, launch.worker, base_url)
 
+    @property
+    def calling(self) -> pytest.Item | None:
+        """The test whose call runs now (None in a fixture's setup or teardown, as ``setUpClass``)."""
+        return self._calling
+
+    def pin_port(self, port: int, *, base_url: str, where: str) -> tuple[Any, list[PortBlock]]:
+        """Launch options whose port range starts at ``port`` (a test's URL), and the guard blocks that keep the
+        session's pooled workers off it (:meth:`_pinned`), for another process than a worker (a router)."""
+        return self._pinned(port, 0, base_url=base_url, where=where)
+
     def _pinned(self, port: int, timeout: float, *, base_url: str, where: str) -> tuple[Any, list[PortBlock]]:
         """The launch options that pin the worker's port block to ``port`` and the ports after it, and the guard
         blocks: the session's own aligned blocks that overlap it, held so that no pooled worker is handed them.

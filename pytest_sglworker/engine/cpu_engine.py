@@ -32,6 +32,7 @@ __all__ = [
     "CPU_ENGINE_ARGS",
     "CPU_ENGINE_ENV",
     "CPU_ENGINE_FEATURES",
+    "CPU_RANK_BINDING_VAR",
     "INSTALL_COMMAND",
     "REAL_ENGINE_ENV_VAR",
     "REAL_ENGINE_MARKER",
@@ -39,6 +40,7 @@ __all__ = [
     "TinyModelError",
     "build_tiny_model",
     "cpu_engine_spec",
+    "cpu_rank_binding",
     "real_engine_launcher",
     "real_engine_missing_reason",
     "real_engine_python",
@@ -46,6 +48,30 @@ __all__ = [
 
 #: Added to the worker's environment: makes sglang's ``is_cpu()`` true.
 CPU_ENGINE_ENV: Mapping[str, str] = MappingProxyType({"SGLANG_USE_CPU_ENGINE": "1"})
+
+#: sglang's variable that names each rank's CPU cores (``0-3|4-7``): required by its CPU engine when a worker has
+#: more ranks (tp x pp x dp) than the machine has NUMA nodes ("SGLANG_CPU_OMP_THREADS_BIND is not set, in this
+#: case, the total number of ranks ... should be smaller than or equal to number of numa node")
+CPU_RANK_BINDING_VAR = "SGLANG_CPU_OMP_THREADS_BIND"
+
+
+def cpu_rank_binding(ranks: int, cpus: Sequence[int] | None = None) -> dict[str, str]:
+    """The environment that lets a CPU worker run ``ranks`` ranks (``--tp-size 2``) on a machine with fewer NUMA
+    nodes: :data:`CPU_RANK_BINDING_VAR` splitting ``cpus`` (default: this process's affinity) into one share per
+    rank, in order; with fewer cores than ranks, ranks share cores. Nothing for one rank."""
+    if ranks <= 1:
+        return {}
+    cores = sorted(cpus if cpus is not None else os.sched_getaffinity(0)) or [0]
+    shares = [cores[i * len(cores) // ranks:(i + 1) * len(cores) // ranks] or [cores[i % len(cores)]]
+              for i in range(ranks)]
+
+    def text(share: list[int]) -> str:
+        if len(share) > 1 and share == list(range(share[0], share[-1] + 1)):
+            return f"{share[0]}-{share[-1]}"
+        return ",".join(map(str, share))
+
+    return {CPU_RANK_BINDING_VAR: "|".join(text(share) for share in shares)}
+
 
 #: The engine flags of the CPU recipe (the budget flags come from ``CI_WORKER_ARGS``).
 CPU_ENGINE_ARGS: tuple[str, ...] = (

@@ -80,6 +80,9 @@ class RouterOptions:
     port_range: tuple[int, int] | None = None
     #: how long to wait for a free port block when every block is held
     port_wait_timeout: float = 0.0
+    #: check the ports as the router binds them (``SO_REUSEADDR``): a port pinned by a test's URL that the previous
+    #: router on it left in ``TIME_WAIT`` is free to it
+    reuse_addr: bool = False
     #: the workers' startup timeout; a router gets at most :data:`DEFAULT_ROUTER_TIMEOUT` of it
     startup_timeout: float = DEFAULT_ROUTER_TIMEOUT
     tail_lines: int = 40
@@ -443,7 +446,7 @@ def start_router(group: WorkerGroup, options: RouterOptions, records: RunRecords
     stats = _router_stats(records, group, policy)
     for attempt in (1, 2, 3):
         block = reserve_port_block(lock_dir, port_range=options.port_range, timeout=options.port_wait_timeout,
-                                   on_wait=options.on_message)
+                                   on_wait=options.on_message, reuse_addr=options.reuse_addr)
         ports = dict(zip(ROUTER_PORTS, block.ports, strict=False))
         argv = router_argv(launcher, port=ports["http"], prometheus_port=ports["prometheus"], group=group,
                            policy=policy, args=args, members=members, dp_aware=dp_aware)

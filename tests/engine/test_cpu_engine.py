@@ -284,3 +284,17 @@ def test_tiny_model_is_deterministic_and_rebuilds_over_a_stale_marker(
     (stale / ".sglworker-tiny-model").write_text("an older recipe\n")
     build_tiny_model(real_python, stale)
     assert _digest(stale) == _digest(tiny_model)  # same recipe, same bytes
+
+
+def test_cpu_rank_binding_gives_each_rank_its_share_of_the_cores() -> None:
+    """sglang's CPU engine refuses more ranks than NUMA nodes unless SGLANG_CPU_OMP_THREADS_BIND names each rank's
+    cores: one share per rank, in order, ranges where contiguous; ranks share cores when there are fewer."""
+    from pytest_sglworker.engine.cpu_engine import CPU_RANK_BINDING_VAR, cpu_rank_binding
+
+    assert CPU_RANK_BINDING_VAR == "SGLANG_CPU_OMP_THREADS_BIND"
+    assert cpu_rank_binding(1, [0, 1]) == {}
+    assert cpu_rank_binding(2, [1, 0]) == {CPU_RANK_BINDING_VAR: "0|1"}
+    assert cpu_rank_binding(2, [0, 1, 2, 3]) == {CPU_RANK_BINDING_VAR: "0-1|2-3"}
+    assert cpu_rank_binding(2, [0, 2, 4, 6]) == {CPU_RANK_BINDING_VAR: "0,2|4,6"}
+    assert cpu_rank_binding(2, [5]) == {CPU_RANK_BINDING_VAR: "5|5"}
+    assert cpu_rank_binding(3, list(range(8))) == {CPU_RANK_BINDING_VAR: "0-1|2-4|5-7"}

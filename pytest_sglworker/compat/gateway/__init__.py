@@ -19,7 +19,9 @@ What the suite's files are written against, served by the plugin:
   skip), ``E2E_MODELS``/``E2E_BACKENDS`` (what upstream's pool starts: the tests of other models or backends are
   skipped, :mod:`.collect`); ``SHOW_ROUTER_LOGS``/``SHOW_WORKER_LOGS`` change nothing: every process logs to its
   own file, shown in the report of a test that fails;
-- ``from infra import ...``: :mod:`.infra`, registered as the module ``infra`` (:func:`claim_infra`).
+- ``from infra import ...``: :mod:`.infra`, registered as the module ``infra`` (:func:`claim_infra`);
+- the older ``e2e_grpc/`` suite's ``from fixtures import popen_launch_workers_and_router`` and ``from util import
+  ...``: :mod:`.e2e_grpc`, for the files under an ``e2e_grpc/`` folder only (:mod:`.scoped_modules`).
 
 Workers are the plugin's (a registered, budgeted spec per model id, GPU leases, a log per port, failure texts,
 pooled between classes, resolved at collection and scheduled by configuration under xdist: :mod:`.collect`), routers
@@ -50,10 +52,11 @@ from .constants import (
     ConnectionMode,
 )
 from .e2e_http import e2e_model, e2e_primary_worker, e2e_router_only_rr, e2e_two_workers_dp2, genai_bench_runner
+from .scoped_modules import pytest_make_collect_report
 
 __all__ = ["INFRA_MODULE", "MARKERS", "backend_router", "claim_infra", "e2e_model", "e2e_primary_worker",
            "e2e_router_only_rr", "e2e_two_workers_dp2", "genai_bench_runner", "model_base_url", "model_client",
-           "model_pool", "pytest_configure", "setup_backend"]
+           "model_pool", "pytest_configure", "pytest_make_collect_report", "setup_backend"]
 
 #: the module name the suite's files import from
 INFRA_MODULE = "infra"

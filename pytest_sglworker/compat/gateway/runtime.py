@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from collections.abc import Generator, Sequence
+from collections.abc import Generator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -41,7 +41,7 @@ from .constants import DEFAULT_MODEL, ENV_MODEL, ENV_STARTUP_TIMEOUT, MODEL_SPEC
 if TYPE_CHECKING:
     from ...engine.specs import ModelSpec
     from ...workers.launcher import ModelInstance as Member
-    from ...workers.router import Router
+    from ...workers.router import Router, RouterOptions
 
 __all__ = ["RUNTIME_NAME", "GatewayRuntime", "ModelInstance", "WorkerIdentity", "config_for", "install",
            "model_path_of", "runtime", "runtime_or_error", "spec_for"]
@@ -88,13 +88,13 @@ def spec_for(model_id: str, session: SglSession) -> ModelSpec:
 
 
 def config_for(session: SglSession, model_id: str, mode: ConnectionMode, shape: GroupShape, *,
-               owner: str, extra: tuple[str, ...] = ()) -> WorkerConfig:
+               owner: str, extra: tuple[str, ...] = (), env: Mapping[str, str] | None = None) -> WorkerConfig:
     """The worker configuration of a group of ``shape`` of ``model_id``'s workers in ``mode`` (``--grpc-mode`` for
     gRPC), its budget checked: what collection resolves for a test and what the pool then asks the source for.
     Raises :class:`CompatError` for a model id no spec serves, ``BudgetViolation`` for a budget it breaks."""
     spec = spec_for(model_id, session)
     extra = (*extra, "--grpc-mode") if mode == ConnectionMode.GRPC else extra
-    return WorkerConfig.resolve(spec, extra, group=shape, subject=f"{model_id}:{mode.value} for {owner}")
+    return WorkerConfig.resolve(spec, extra, env, group=shape, subject=f"{model_id}:{mode.value} for {owner}")
 
 
 def model_path_of(model_id: str) -> str:
@@ -207,6 +207,11 @@ class GatewayRuntime:
         self._owners: list[str] = []
 
     # -- owners ---------------------------------------------------------------------------------------------
+    @property
+    def item(self) -> pytest.Item | None:
+        """The test being run (its setup, call or teardown), None between tests."""
+        return self._item
+
     def current_owner(self) -> str:
         if self._owners:
             return self._owners[-1]
@@ -263,14 +268,14 @@ class GatewayRuntime:
 
     # -- workers --------------------------------------------------------------------------------------------
     def group(self, model_id: str, mode: ConnectionMode, shape: GroupShape, *, fresh_owner: bool = False,
-              extra: tuple[str, ...] = ()) -> _Held:
+              extra: tuple[str, ...] = (), env: Mapping[str, str] | None = None) -> _Held:
         """A group of ``shape`` of ``model_id`` in ``mode``: one an owner still holds (upstream's pool hands out one
         instance per model and mode; not with ``fresh_owner``), else one from the session's source, owned by the
         current owner."""
         session = self.session
         owner = self.current_owner()
         try:
-            config = config_for(session, model_id, mode, shape, owner=owner, extra=extra)
+            config = config_for(session, model_id, mode, shape, owner=owner, extra=extra, env=env)
         except (SglWorkerError, ValueError) as exc:  # CompatError is a ValueError
             raise pytest.fail.Exception(str(exc), pytrace=False) from None
         spec = config.spec
@@ -325,7 +330,9 @@ class GatewayRuntime:
 
     # -- routers --------------------------------------------------------------------------------------------
     def start_router(self, gateway: RouterHolder, members: Sequence[Member], *, policy: str | None, args: Sequence[str],
-                     timeout: float) -> Router:
+                     timeout: float, options: RouterOptions | None = None) -> Router:
+        """The real router in front of ``members``, owned by ``gateway``'s owner; ``options``: the session's own
+        unless given (a port pinned by a test's URL)."""
         from ...workers.router import RouterUnavailable, start_router
 
         session = self.session
@@ -336,7 +343,7 @@ class GatewayRuntime:
             group = WorkerGroup(WorkerConfig.of(self._any_spec()), [], "gateway")
         session.start_watchdog()
         try:
-            router = start_router(group, session.router_options(), session.records, policy=policy, args=args,
+            router = start_router(group, options or session.router_options(), session.records, policy=policy, args=args,
                                   startup_timeout=float(timeout) if timeout else None,
                                   holder=f"{gateway.owner} (pid {os.getpid()})", environ=session.worker_environ(),
                                   members=list(members))
@@ -372,18 +379,28 @@ class GatewayRuntime:
             if gateway.router is not None:
                 self.session.terminal.message(f"pytest_sglworker.compat.gateway: {gateway.router.describe()}, "
                                               f"started by {owner}, was still running after {after}; stopped it "
-                                              "(call gateway.shutdown())")
+                                              f"({getattr(gateway, 'fix', 'call gateway.shutdown()')})")
             self.close_router(gateway)
         failure: BaseException | None = None
         for held in [h for h in self.held if h.owner == owner]:
-            self.held.remove(held)
-            use = GroupUse(owner, "failed" if held.failed else "passed", held.started, time.time(),
-                           check_deaths=check)
-            died = self.session.source.give_back(held.group, use)
+            died = self._give_back(held, check=check)
             if died is not None and failure is None:
                 failure = died
         if failure is not None:
             raise pytest.fail.Exception(str(failure), pytrace=False)
+
+    def give_back(self, held: _Held, *, check: bool = True) -> None:
+        """Give one group back to the pool now (its owner is done with it); a member that died during a passing
+        test fails the caller (unless ``check`` is False)."""
+        died = self._give_back(held, check=check) if held in self.held else None
+        if died is not None:
+            raise pytest.fail.Exception(str(died), pytrace=False)
+
+    def _give_back(self, held: _Held, *, check: bool) -> BaseException | None:
+        self.held.remove(held)
+        use = GroupUse(held.owner, "failed" if held.failed else "passed", held.started, time.time(),
+                       check_deaths=check)
+        return self.session.source.give_back(held.group, use)
 
 
 def install(session: SglSession) -> GatewayRuntime:
