@@ -35,14 +35,11 @@ from test_compat_real_engine import (
     InnerRun,
     _finish_inner,
     _prepare_inner,
-    _upstream_file,
+    cached_inner_run,
 )
 
 from pytest_sglworker.engine.cpu_engine import (
-    build_tiny_model,
     real_engine_launcher,
-    real_engine_missing_reason,
-    real_engine_python,
 )
 
 pytestmark = [pytest.mark.real_engine, pytest.mark.slow, pytest.mark.xdist_group("real-engine")]
@@ -124,32 +121,7 @@ def inner(request: pytest.FixtureRequest) -> InnerRun:
 
 def _cached_run(request: pytest.FixtureRequest, engine: str) -> InnerRun:
     """The inner session of ``engine``, run once per outer session (a failure is cached too)."""
-    runs = request.config.stash.setdefault(_RUNS, {})
-    if engine not in runs:
-        try:
-            runs[engine] = _inner_run(request, engine)
-        except Exception as exc:  # a skip is not an Exception: skipped again by the next test that asks
-            runs[engine] = exc
-    cached = runs[engine]
-    if isinstance(cached, BaseException):
-        pytest.fail(f"the {engine} engine's inner session could not run: {cached!r}")
-    assert isinstance(cached, InnerRun)
-    return cached
-
-
-def _inner_run(request: pytest.FixtureRequest, engine: str) -> InnerRun:
-    python = real_engine_python()
-    if python is None:
-        pytest.skip(real_engine_missing_reason())
-    sources: dict[str, Path] = {}
-    for name, info in FILES.items():
-        path, why = _upstream_file(name, info)
-        if path is None:
-            pytest.skip(why)
-        sources[name] = path
-    factory: pytest.TempPathFactory = request.getfixturevalue("tmp_path_factory")
-    model = build_tiny_model(python, factory.getbasetemp() / "compat-families-tiny")
-    return _run(factory.mktemp(f"compat-families-{engine}"), python, model, sources, engine)
+    return cached_inner_run(request, _RUNS, engine, FILES, "compat-families", _run)
 
 
 def _selected(run: InnerRun) -> dict[str, str]:

@@ -50,7 +50,7 @@ import re
 import shlex
 import subprocess
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -317,6 +317,40 @@ def inner(request: pytest.FixtureRequest) -> InnerRun:
     if isinstance(cached, BaseException):
         pytest.fail(f"the shared inner session could not run: {cached!r}")
     return cached
+
+
+def cached_inner_run(request: pytest.FixtureRequest, runs: pytest.StashKey[dict[str, Any]], engine: str,
+                     files: dict[str, dict[str, Any]], label: str,
+                     run: Callable[[Path, Path, Path, dict[str, Path], str], InnerRun]) -> InnerRun:
+    """The inner session of ``engine`` over the pinned ``files``, run once per outer session by ``run(base, python,
+    model, sources, engine)`` (a failure is cached too); skipped without the real engine or a pinned file."""
+    done = request.config.stash.setdefault(runs, {})
+    if engine not in done:
+        try:
+            done[engine] = _first_inner_run(request, engine, files, label, run)
+        except Exception as exc:  # a skip is not an Exception: skipped again by the next test that asks
+            done[engine] = exc
+    cached = done[engine]
+    if isinstance(cached, BaseException):
+        pytest.fail(f"the {engine} engine's inner session could not run: {cached!r}")
+    assert isinstance(cached, InnerRun)
+    return cached
+
+
+def _first_inner_run(request: pytest.FixtureRequest, engine: str, files: dict[str, dict[str, Any]], label: str,
+                     run: Callable[[Path, Path, Path, dict[str, Path], str], InnerRun]) -> InnerRun:
+    python = real_engine_python()
+    if python is None:
+        pytest.skip(real_engine_missing_reason())
+    sources: dict[str, Path] = {}
+    for name, info in files.items():
+        path, why = _upstream_file(name, info)
+        if path is None:
+            pytest.skip(why)
+        sources[name] = path
+    factory: pytest.TempPathFactory = request.getfixturevalue("tmp_path_factory")
+    model = build_tiny_model(python, factory.getbasetemp() / f"{label}-tiny")
+    return run(factory.mktemp(f"{label}-{engine}"), python, model, sources, engine)
 
 
 def _selected(file: str, run: InnerRun) -> dict[str, str]:
