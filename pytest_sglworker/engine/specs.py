@@ -28,8 +28,11 @@ MODEL_ROOT_ENV_VARS: tuple[str, ...] = ("SGLWORKER_MODEL_ROOT", "ROUTER_LOCAL_MO
 #: so a larger one is a typo; said where the spec is made, never as an overflow in a later computation.
 MAX_MEMORY_GB = 1024.0 * 1024.0
 MAX_TP = 4096
+#: a declared startup beyond a day is a typo
+MAX_STARTUP_SECONDS = 86400.0
 
-_SPEC_DICT_KEYS = frozenset({"model", "memory_gb", "tp", "features", "worker_args", "env", "description"})
+_SPEC_DICT_KEYS = frozenset({"model", "memory_gb", "tp", "features", "worker_args", "env", "description",
+                             "startup_seconds"})
 
 
 def _short(value: object) -> str:
@@ -57,6 +60,11 @@ class ModelSpec:
     worker_args: tuple[str, ...] = CI_WORKER_ARGS
     env: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
     description: str = ""
+    #: seconds a launch of this spec takes on your machines, declared for the xdist scheduler's first run (it
+    #: starts the longest launches early and gives an idle xdist worker the one ready soonest); what a run
+    #: measures replaces it from the next run on (pytest's cache). None: unknown. Not part of what makes two
+    #: workers interchangeable.
+    startup_seconds: float | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.strip() or any(c.isspace() or c == "," for c in self.name):
@@ -112,6 +120,13 @@ class ModelSpec:
             raise SpecError(f"model spec {self.name!r}: an 'env' name is empty or holds '=' or NUL, or a value "
                             "holds NUL")
         object.__setattr__(self, "env", MappingProxyType(env))
+        startup = self.startup_seconds
+        if startup is not None and (isinstance(startup, bool) or not isinstance(startup, (int, float))
+                                    or (isinstance(startup, float) and not math.isfinite(startup))
+                                    or not 0 < startup <= MAX_STARTUP_SECONDS):
+            raise SpecError(f"model spec {self.name!r}: 'startup_seconds' must be a positive number of seconds, at "
+                            f"most {MAX_STARTUP_SECONDS:.0f} (what a launch takes, for the xdist scheduler) or None, "
+                            f"got {_short(startup)}")
         if not isinstance(self.description, str):
             raise SpecError(f"model spec {self.name!r}: 'description' must be a string, got {self.description!r}")
 
@@ -139,7 +154,7 @@ class ModelSpec:
     @classmethod
     def from_dict(cls, name: str, data: Mapping[str, Any]) -> ModelSpec:
         """Build a spec from the sglang gateway's dict shape ``{"model", "memory_gb", "tp", "features",
-        "worker_args"}`` (``env`` and ``description`` are accepted too)."""
+        "worker_args"}`` (``env``, ``description`` and ``startup_seconds`` are accepted too)."""
         if not isinstance(data, Mapping):
             raise SpecError(f"model spec {name!r}: expected a dict, got {type(data).__name__}")
         unknown = set(data) - _SPEC_DICT_KEYS
@@ -161,6 +176,7 @@ class ModelSpec:
             worker_args=data.get("worker_args", ()),
             env=dict(env),
             description=data.get("description", ""),
+            startup_seconds=data.get("startup_seconds"),
         )
 
 

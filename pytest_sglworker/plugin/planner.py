@@ -48,6 +48,9 @@ from dataclasses import dataclass, field
 
 #: tests a node holds at once (the one it runs, the next one xdist needs to know, one more in flight)
 WINDOW = 3
+#: what a hand-over within the run may cost (the giver hands a group over between its own tests): a node takes over
+#: another's launch ahead instead of its own only when that one is ready sooner by more than this
+HANDOVER_SECONDS = 1.0
 
 
 @dataclass(frozen=True)
@@ -120,8 +123,12 @@ class Planner:
                  workers: int, window: int = WINDOW,
                  history: tuple[Sequence[float | None], Mapping[str, float]] | None = None,
                  clock: Callable[[], float] = time.monotonic, hints: bool = True,
-                 lease_timeout: float | None = None) -> None:
+                 lease_timeout: float | None = None, declared: Mapping[str, float] | None = None) -> None:
         self.units = list(units)
+        #: the startups the specs declare (``ModelSpec.startup_seconds``): what a launch costs before any run measured
+        self.declared = dict(declared or {})
+        #: when each configuration launched ahead was launched (the planner's clock), to tell when it is ready
+        self._ahead_at: dict[str, float] = {}
         #: node id -> the configurations it was told to launch ahead and has not started taking tests of, in the
         #: order it takes them (the run's plan: the order they start in)
         self.hints: dict[Hashable, list[str]] | None = {} if hints else None
@@ -218,9 +225,9 @@ class Planner:
         configuration's launch, this run's first. Another configuration's figure is a guess: a configuration
         that is still starting has measured nothing, and its startup may be many times the others'."""
         history = self.history[1] if self.history is not None else {}
-        for value in (self._run_startup(key), history.get(key),
+        for value in (self._run_startup(key), history.get(key), self.declared.get(key),
                       _median([s for k in self._startups if (s := self._run_startup(k)) is not None]),
-                      self._startup_fill):
+                      self._startup_fill, _median(list(self.declared.values()))):
             if value is not None:
                 return value
         return None
@@ -238,7 +245,7 @@ class Planner:
             return None
         tests, startups = self.history
         fill = self._fills.get(key, self._test_fill or 0.0)
-        return startups.get(key, self._startup_fill or 0.0) + sum(
+        return startups.get(key, self.declared.get(key, self._startup_fill or 0.0)) + sum(
             fill if tests[i] is None else float(tests[i] or 0.0) for i in self.queues.get(key, ()))
 
     def _seconds_of(self, index: int) -> float | None:
@@ -347,12 +354,23 @@ class Planner:
         if current is not None and self.queues.get(current):
             return ("same", current), False
         ahead = self.hints.get(node.id, []) if self.hints is not None else []
-        for key in [*ahead, *(k for k in node.residents if k not in ahead)]:  # its launches ahead in plan order
-            if key != current and self.queues.get(key) and (self.info[key].stealable or not self.copies(key)):
-                return ("resident", key), False
+        mine = [k for k in [*ahead, *(k for k in node.residents if k not in ahead)]  # its launches ahead, plan order
+                if k != current and self.queues.get(k) and (self.info[k].stealable or not self.copies(k))]
+        if mine:
+            own = self._soonest(mine)
+            wait = self._ready_in(own)
+            if wait and holds <= 1:  # it would wait for its own: another's launch ahead, ready sooner, is taken over
+                other = self._to_take_over(node)
+                ready = self._ready_in(other) if other is not None else None
+                if other is not None and ready is not None and ready + HANDOVER_SECONDS < wait:
+                    return ("adopt", other), False
+            return ("resident", own), False
         free = self._free_for(node)
         blocked = False
         unstarted = self._most_work_first(self._unstarted(node))
+        if holds == 0 and self.hints is not None and self.total is not None and self.workers < self.total:
+            # it will wait for the launch: the one ready soonest (the launches ahead take the most work first)
+            unstarted.sort(key=lambda k: self.startup_seconds(k) or 0.0)
         waiter = self._waiting()
         if waiter is not None and waiter[0] is not node and free is not None:
             free -= self._gpus(waiter[1])  # the GPUs it waits for are kept for it
@@ -381,21 +399,41 @@ class Planner:
         # them go only between its own tests), which the configurations still to start may need
         return None, blocked
 
+    def _ready_in(self, key: str) -> float | None:
+        """Seconds until ``key``, launched ahead, is ready (0: ready, or not launched ahead; None: its startup is
+        unknown)."""
+        at = self._ahead_at.get(key)
+        if at is None:
+            return 0.0
+        startup = self.startup_seconds(key)
+        return None if startup is None else max(0.0, at + startup - self.clock())
+
+    def _soonest(self, keys: Sequence[str]) -> str:
+        """Of ``keys`` (in plan order), the one ready soonest; the first where that is not known."""
+        known = [(ready, i) for i, k in enumerate(keys) if (ready := self._ready_in(k)) is not None]
+        return keys[min(known)[1]] if len(known) == len(keys) else keys[0]
+
     def _to_take_over(self, node: _Node) -> str | None:
         """A configuration another node launched ahead and has not started, for ``node`` to take over (it has
-        nothing else to do): the last of the node with the most launched ahead, not the one it takes next."""
+        nothing else to do), not the one that node takes next: the one ready soonest where every startup is known,
+        else the last of the node with the most launched ahead."""
         if self.hints is None:
             return None
         best: tuple[int, str] | None = None
+        candidates: list[str] = []
         for other in self.nodes.values():
             if other is node or other.down:
                 continue
             keys = [k for k in self.hints.get(other.id, ()) if self.queues.get(k) and self.info[k].stealable
                     and not self.copies(k)]
             if keys and not self.queues.get(str(other.current)):
-                keys = keys[1:]  # it takes its first one next
+                keys.remove(self._soonest(keys))  # it takes that one next
+            candidates += keys
             if keys and (best is None or len(keys) > best[0]):
                 best = (len(keys), keys[-1])
+        ready = [(r, k) for k in candidates if (r := self._ready_in(k)) is not None]
+        if candidates and len(ready) == len(candidates):
+            return min(ready)[1]
         return best[1] if best is not None else None
 
     def _take_over(self, node: _Node, key: str, actions: Actions) -> None:
@@ -443,7 +481,8 @@ class Planner:
         """``keys`` by the most work (longest processing time: from history), else the most GPU-tests (tests times
         GPUs: a configuration of two GPUs is the harder to place late, issue 43's generated suites), then the most
         tests; ties in collection order."""
-        return sorted(keys, key=lambda k: (-(self.work(k) or 0.0), -self._gpus(k) * len(self.queues[k]),
+        return sorted(keys, key=lambda k: (-(self.work(k) or 0.0),
+                                           -self._gpus(k) * len(self.queues[k]), -self.declared.get(k, 0.0),
                                            -len(self.queues[k])))
 
     def _unstarted(self, node: _Node | None = None) -> list[str]:
@@ -484,6 +523,7 @@ class Planner:
             node.pooled[key] = None
             self.hints.setdefault(node.id, []).append(key)
             self.launches += 1
+            self._ahead_at[key] = self.clock()
             if node not in told:
                 told.append(node)
         for node in told:
@@ -578,6 +618,7 @@ class Planner:
                 probe = not ahead
                 if ahead and self.hints is not None:
                     self.hints.setdefault(node.id, []).append(key)
+                    self._ahead_at[key] = self.clock()
                     actions.hints.append((node.id, tuple(self.hints[node.id])))
             elif kind == "adopt" and key is not None:
                 self._take_over(node, key, actions)

@@ -146,6 +146,7 @@ def write_collection_map(session: SglSession, items: Sequence[pytest.Item]) -> N
         return
     directory = Path(workerinput[MAP_INPUT])
     tests: dict[str, list[Any]] = {}
+    startups: dict[str, float] = {}
     for item in items:
         try:
             unit = unit_of(session, item)
@@ -153,6 +154,10 @@ def write_collection_map(session: SglSession, items: Sequence[pytest.Item]) -> N
             unit = None
         if unit is not None:
             tests[item.nodeid] = [unit.key, unit.gpus, unit.stealable]
+            config = item.stash.get(CONFIG_KEY, None)
+            declared = getattr(getattr(config, "spec", None), "startup_seconds", None)
+            if declared is not None and config is not None and unit.key == config.key:
+                startups[unit.key] = float(declared)
     gpus: int | None = None
     if tests:
         try:
@@ -165,7 +170,8 @@ def write_collection_map(session: SglSession, items: Sequence[pytest.Item]) -> N
 
     try:
         atomic_write(directory / f"{xdist_worker_id(session.config)}.json",
-                     json.dumps({"schema": MAP_SCHEMA, "gpus": gpus, "tests": tests}), mode=0o600)
+                     json.dumps({"schema": MAP_SCHEMA, "gpus": gpus, "tests": tests,
+                                                                     "startups": startups}), mode=0o600)
     except OSError:
         pass
 
@@ -175,6 +181,8 @@ class CollectionMap:
     tests: dict[str, Unit] = field(default_factory=dict)
     gpus: int | None = None
     read: bool = False
+    #: configuration key -> the startup its spec declares (``ModelSpec.startup_seconds``)
+    startups: dict[str, float] = field(default_factory=dict)
 
 
 def read_collection_map(path: Path) -> CollectionMap | None:
@@ -191,6 +199,10 @@ def read_collection_map(path: Path) -> CollectionMap | None:
         if (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], str) and isinstance(entry[1], int)
                 and isinstance(entry[2], bool)):
             result.tests[str(nodeid)] = Unit(entry[0], max(0, entry[1]), entry[2])
+    startups = data.get("startups")
+    if isinstance(startups, dict):
+        result.startups = {str(k): float(v) for k, v in startups.items()
+                           if isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < float("inf")}
     return result
 
 
@@ -359,13 +371,14 @@ class ConfigScheduling:
 
         history = estimates(collection, [u.key if u else None for u in units], load_history(self.config))
         self.planner = Planner(units, gpus_total=self.map.gpus, steal_min=self.steal_min, workers=self.numnodes,
-                               history=history, lease_timeout=self.lease_timeout)
+                               history=history, lease_timeout=self.lease_timeout, declared=self.map.startups)
         for node in self._nodes:
             if node in self.node2collection:
                 self.planner.add_node(node)
         self._shadow = None
         self.log(f"{len(collection)} tests, {self.planner.configurations} configurations, {len(self._nodes)} nodes"
-                 + (", ordered by earlier runs' durations" if history else ""))
+                 + (", ordered by earlier runs' durations" if history else "")
+                 + (f", {len(self.map.startups)} declared startup(s)" if self.map.startups else ""))
         return True
 
     def _sync(self) -> None:

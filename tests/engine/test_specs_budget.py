@@ -220,3 +220,17 @@ def test_hostile_fields_are_clear_spec_errors(kwargs: dict[str, object], message
 def test_dict_spec_with_env_not_a_mapping_is_a_spec_error() -> None:
     with pytest.raises(SpecError, match="'env' must map strings to strings, got 'A=1'"):
         SpecRegistry().add({"model": "m", "memory_gb": 1, "env": "A=1"}, name="x")
+
+
+@pytest.mark.parametrize("value", [0, -1.5, float("nan"), float("inf"), True, "30", 10**400])
+def test_a_declared_startup_must_be_positive_seconds(value: object) -> None:
+    with pytest.raises(SpecError, match=r"model spec 'm': 'startup_seconds' must be a positive number of seconds"):
+        ModelSpec("m", "org/m", 4, startup_seconds=value)  # type: ignore[arg-type]
+
+
+def test_a_declared_startup_is_read_from_a_dict_and_is_no_part_of_the_identity() -> None:
+    spec = ModelSpec.from_dict("m", {"model": "org/m", "memory_gb": 4, "startup_seconds": 45})
+    assert spec.startup_seconds == 45
+    plain = ModelSpec.from_dict("m", {"model": "org/m", "memory_gb": 4})
+    assert plain.startup_seconds is None
+    assert spec == plain and hash(spec) == hash(plain)  # the same worker: the declaration only schedules it

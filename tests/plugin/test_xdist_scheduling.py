@@ -84,10 +84,12 @@ def test_units_from_the_loadgroup_suffix_and_the_map(tmp_path: Path) -> None:
     assert unit_from_suffix("t.py::test@mine") == Unit("xdist_group:mine", 0, stealable=False)
     path = tmp_path / "gw0.json"
     path.write_text(json.dumps({"schema": MAP_SCHEMA, "gpus": 4, "tests": {
-        "t.py::a": ["a", 2, True], "t.py::bad": ["a", "2", True], "t.py::g": ["xdist_group:g", 0, False]}}))
+        "t.py::a": ["a", 2, True], "t.py::bad": ["a", "2", True], "t.py::g": ["xdist_group:g", 0, False]},
+        "startups": {"a": 30, "b": -1, "c": "5", "d": True}}))
     found = read_collection_map(path)
     assert found is not None and found.gpus == 4
     assert found.tests == {"t.py::a": Unit("a", 2), "t.py::g": Unit("xdist_group:g", 0, False)}
+    assert found.startups == {"a": 30.0}  # the declared startups: anything but positive seconds is not one
     for bad in ("not json", json.dumps({"schema": "other", "tests": {}}), json.dumps([1])):
         path.write_text(bad)
         assert read_collection_map(path) is None
@@ -124,9 +126,10 @@ class Model:
 def simulate(units: Sequence[Unit | None], *, nodes: int = 4, gpus: int | None = 4,
              startup: float | Mapping[str, float] = 1.0, test: float | Sequence[float] = 0.1,
              steal_min: int | None = 4, crash_at: int | None = None, replace: bool = True,
-             history: tuple[Sequence[float | None], Mapping[str, float]] | None = None, hints: bool = True) -> Model:
+             history: tuple[Sequence[float | None], Mapping[str, float]] | None = None, hints: bool = True,
+             declared: Mapping[str, float] | None = None) -> Model:
     planner = Planner(units, gpus_total=gpus, steal_min=steal_min, workers=nodes, history=history,
-                      clock=lambda: clock, hints=hints)
+                      clock=lambda: clock, hints=hints, declared=declared)
     durations = [test] * len(units) if isinstance(test, (int, float)) else list(test)
     model = Model()
     queue: dict[int, list[int]] = {}
@@ -330,6 +333,42 @@ def test_model_two_xdist_workers_keep_eight_gpus_starting() -> None:
     assert model.wall <= 1.5 * bound, model.wall
 
 
+def test_model_declared_startups_start_idle_workers_on_the_launch_ready_soonest() -> None:
+    # 2 xdist workers, 8 GPUs; four configurations start in 8 s, four in 1 s, each 4 tests of 1 s, the slow ones
+    # first in the collection. Nothing declared, the workers' first launches are the slow ones (collection order)
+    # and they wait 8 s each; with the startups declared (off by 30 %), each starts on a launch ready in about
+    # 1 s while the slow ones start ahead on the free GPUs and are ready by the time a worker reaches them
+    units = suite(*[4] * 8)
+    startups = {f"c{i}": 8.0 if i < 4 else 1.0 for i in range(8)}
+    declared = {k: v * (1.3 if i % 2 else 0.7) for i, (k, v) in enumerate(startups.items())}
+    run = dict(nodes=2, gpus=8, startup=startups, test=1.0, steal_min=None)
+    blind = simulate(units, **run)  # type: ignore[arg-type]
+    told = simulate(units, **run, declared=declared)  # type: ignore[arg-type]
+    for model in (blind, told):
+        assert sorted(model.ran) == list(range(len(units))) and model.launches == 8
+    first = {node: min(((a, key) for (n, key), (a, _) in told.spans.items() if n == node))[1] for node in (0, 1)}
+    assert all(startups[key] == 1.0 for key in first.values()), first
+    assert told.wall <= 1.1 * (1.0 + 32 / 2) < blind.wall, (told.wall, blind.wall)
+
+
+def test_planner_of_its_launches_ahead_a_worker_takes_the_one_ready_soonest() -> None:
+    # c2 (9 s) and then c3 (1 s) were launched ahead at 0 s: at 1.5 s c3 is ready and c2 is not, so c3 comes first
+    # (plan order would have the worker wait 7.5 s); where a startup is not known, plan order stands; a
+    # configuration not launched ahead (a resident that ran before) is ready now
+    now = [1.5]
+    units = [Unit("c2"), Unit("c3"), Unit("c4"), Unit("c5")]
+    planner = Planner(units, gpus_total=8, steal_min=None, workers=2, clock=lambda: now[0],
+                      declared={"c2": 9.0, "c3": 1.0, "c5": 2.0})
+    planner._ahead_at.update({"c2": 0.0, "c3": 0.0, "c4": 0.0, "c5": 1.0})
+    assert planner._ready_in("c2") == pytest.approx(7.5) and planner._ready_in("c3") == 0.0
+    assert planner._soonest(["c2", "c3"]) == "c3"
+    assert planner._soonest(["c5", "c2"]) == "c5"  # ready at 3 s, before c2 at 9 s
+    assert planner._ready_in("c1") == 0.0  # not launched ahead
+    blind = Planner(units, gpus_total=8, steal_min=None, workers=2, clock=lambda: now[0])
+    blind._ahead_at.update({"c2": 0.0, "c3": 0.0})
+    assert blind._ready_in("c2") is None and blind._soonest(["c2", "c3"]) == "c2"
+
+
 def test_planner_without_history_starts_the_most_gpu_tests_first() -> None:
     # no durations known: a 2-GPU configuration of 3 tests (6 GPU-tests) starts before a 1-GPU one of 4, which
     # starts before one of 2; by test count alone, the 2-GPU one came second and, on a full box, often last
@@ -456,7 +495,7 @@ def test_planner_launches_ahead_on_the_worker_done_soonest_by_seconds() -> None:
     units = [*suite(5), *[Unit("c1")] * 6, Unit("cX"), Unit("cX")]
     tests: list[float | None] = [5.0] * 5 + [0.1] * 6 + [1.0, 1.0]
     planner = Planner(units, gpus_total=8, steal_min=None, workers=2,
-                      history=(tests, {"c0": 1.0, "c1": 10.0, "cX": 1.0}))
+                      history=(tests, {"c0": 1.0, "c1": 10.0, "cX": 20.0}))
     planner.add_node("a")
     planner.add_node("b")
     actions = planner.fill_all()
@@ -467,12 +506,13 @@ def test_planner_launches_ahead_on_the_worker_done_soonest_by_seconds() -> None:
 
 def test_planner_launches_ahead_on_the_worker_free_soonest_counting_its_own_launches() -> None:
     # a holds c0's two tests and then the first test of c2: with GPUs free, c2 is launched ahead now (its startup
-    # overlaps c0's), not at its first test; b runs c1. c3 is launched ahead by b: a is busy for what is left of
-    # c0's startup (50 s) before its tests, b for c1's (40 s); by c2 alone, a would look sooner done
+    # overlaps c0's), not at its first test; b runs c1 (a and b each start with a launch ready soonest). c3 is
+    # launched ahead by b: a is free of c0 in 4 + 2 s, but of its launch ahead c2 only at 12 + 1 s; b of c1 at
+    # 5 + 6 s. By c0 alone, a would look sooner done
     units = [*suite(2), *[Unit("c1")] * 6, Unit("c2"), Unit("c3")]
     tests: list[float | None] = [1.0] * 10
     planner = Planner(units, gpus_total=8, steal_min=None, workers=2,
-                      history=(tests, {"c0": 50.0, "c1": 40.0, "c2": 1.0, "c3": 0.5}))
+                      history=(tests, {"c0": 4.0, "c1": 5.0, "c2": 12.0, "c3": 10.0}))
     planner.add_node("a")
     planner.add_node("b")
     actions = planner.fill_all()

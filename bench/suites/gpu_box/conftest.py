@@ -1,11 +1,12 @@
 """The GPU-box suite of bench/bound.py: worker configurations read from the plan that ``BENCH_BOX_PLAN`` names.
 
 The plan is JSON: ``{"configurations": [{"name": "c00", "kind": "tp1" | "tp2" | "pd", "startup": S,
-"tests": [D, ...]}, ...]}``. Each configuration is a model spec of its own (``tp=2`` for ``tp2``; ``pd`` is a
-1 prefill + 1 decode group of a ``tp=1`` spec) whose simulated engine starts in ``S`` seconds
-(``SGLSIM_STARTUP_SECONDS`` in the spec's env), and has one test per ``D``, which holds its worker for ``D``
-seconds (the work a GPU would do). Run with ``--sgl-model`` naming every configuration (bench/bound.py does);
-the test functions are parametrized over all of them and every item that the plan does not hold is deselected.
+"tests": [D, ...], "declared": S'}, ...]}`` (``declared``, optional: the spec's ``startup_seconds``). Each
+configuration is a model spec of its own (``tp=2`` for ``tp2``; ``pd`` is a 1 prefill + 1 decode group of a
+``tp=1`` spec) whose simulated engine starts in ``S`` seconds (``SGLSIM_STARTUP_SECONDS`` in the spec's env), and
+has one test per ``D``, which holds its worker for ``D`` seconds (the work a GPU would do). Run with
+``--sgl-model`` naming every configuration (bench/bound.py does); the test functions are parametrized over all of
+them and every item that the plan does not hold is deselected.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ def pytest_sglworker_register_specs(registry):  # type: ignore[no-untyped-def]
         registry.add(ModelSpec(
             name=c["name"], model=f"bench/box-{c['name']}", memory_gb=4, tp=2 if c["kind"] == "tp2" else 1,
             features={"chat"}, worker_args=CI_WORKER_ARGS, env={"SGLSIM_STARTUP_SECONDS": str(c["startup"])},
+            startup_seconds=c.get("declared"),
             description=f"bench/bound.py configuration ({c['kind']})",
         ))
 
