@@ -281,7 +281,8 @@ def test_e2e_grpc_classes_on_the_fixed_url_run_on_one_xdist_worker(
                                            "--sgl-gpus", "sim:2", timeout=180)
     result.assert_outcomes(passed=4)
     if dist:
-        result.stdout.fnmatch_lines(["*PASSED e2e_grpc/routing/test_same_url.py::TestFirst::test_one@e2e_grpc-fixed-url*"])
+        # xdist's loadgroup puts the group into the node id
+        result.stdout.fnmatch_lines(["*PASSED e2e_grpc/*/test_same_url.py::TestFirst::test_one@e2e_grpc-fixed-url*"])
     lines = sorted(ran.read_text().splitlines())
     assert [line.split()[0] for line in lines] == ["TestFirst.test_one", "TestFirst.test_two", "TestSecond.test_one",
                                                    "TestSecond.test_two"]
