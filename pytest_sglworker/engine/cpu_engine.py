@@ -26,6 +26,7 @@ from types import MappingProxyType
 
 from ..errors import SglWorkerError
 from .install_dirs import default_real_engine_dir
+from .sglang_facts import worker_ranks
 from .specs import CI_WORKER_ARGS, ModelSpec
 
 __all__ = [
@@ -41,6 +42,7 @@ __all__ = [
     "build_tiny_model",
     "cpu_engine_spec",
     "cpu_rank_binding",
+    "cpu_rank_env",
     "real_engine_launcher",
     "real_engine_missing_reason",
     "real_engine_python",
@@ -72,6 +74,19 @@ def cpu_rank_binding(ranks: int, cpus: Sequence[int] | None = None) -> dict[str,
 
     return {CPU_RANK_BINDING_VAR: "|".join(text(share) for share in shares)}
 
+
+
+def cpu_rank_env(argv: Sequence[str], env: Mapping[str, str], environ: Mapping[str, str],
+                 cpus: Sequence[int] | None = None) -> dict[str, str]:
+    """What a worker launched with ``argv`` needs beyond ``env`` (its own variables, over the inherited
+    ``environ``) to start its ranks (:func:`~.sglang_facts.worker_ranks`: ``--tp-size 2``, ``--dp-size 2``) on
+    sglang's CPU engine: :func:`cpu_rank_binding` when that environment is the CPU engine's
+    (:data:`CPU_ENGINE_ENV`) and names no binding itself (:data:`CPU_RANK_BINDING_VAR` set by the spec, the test
+    or the user wins); nothing for one rank or another engine."""
+    combined = {**environ, **env}
+    if any(combined.get(k) != v for k, v in CPU_ENGINE_ENV.items()) or CPU_RANK_BINDING_VAR in combined:
+        return {}
+    return cpu_rank_binding(worker_ranks(argv), cpus)
 
 #: The engine flags of the CPU recipe (the budget flags come from ``CI_WORKER_ARGS``).
 CPU_ENGINE_ARGS: tuple[str, ...] = (

@@ -266,6 +266,23 @@ def dp_ranks_bind_one_nccl_port(argv: Sequence[str]) -> bool:
     return dp > 1 and attn_dp == 1 and not args.given("enable_dp_attention")
 
 
+def worker_ranks(argv: Sequence[str]) -> int:
+    """The rank processes one worker of these args runs, as sglang 0.5.23 counts them where its CPU engine binds
+    each rank's threads (``srt/distributed/bootstrap.py: _bind_threads_if_cpu``: ``dp_size * tp_size * pp_size``
+    of the parallel config): ``--tp-size`` x ``--pp-size`` x the data-parallel replicas, which ``--dp-size`` counts
+    unless DP attention turns it into attention-DP groups inside the TP ranks (``srt/arg_groups/parallel_hook.py``
+    moves it to ``attn_dp_size`` and sets ``dp_size=1``). The last value of a flag counts, as argparse keeps it; a
+    malformed value counts 1 (sglang's own parser refuses it at launch)."""
+    args = flag_table().parse(argv)
+    ranks = 1
+    for dest in ("tp_size", "pp_size") + (("dp_size",) if not args.given("enable_dp_attention") else ()):
+        try:
+            ranks *= max(1, int(args.last(dest) or 1))
+        except ValueError:
+            pass
+    return ranks
+
+
 @functools.lru_cache(maxsize=1)
 def flag_table() -> FlagTable:
     """sglang 0.5.23's parser, read once from the data file shipped with the package."""

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..engine.cpu_engine import cpu_rank_env
 from ..engine.diagnosis import Kind, diagnose
 from ..engine.engine_args import python_module
 from ..engine.sglang_facts import (
@@ -110,10 +111,14 @@ def foreign_hosts(argv: Sequence[str]) -> list[str]:
     return [value or "" for value in flag_table().parse(argv).all("host") if value not in LOOPBACK_NAMES]
 
 
-def worker_env(spec: ModelSpec, env: Mapping[str, str] | None = None) -> dict[str, str]:
-    """What a worker's process gets on top of the environment it inherits: the spec's ``env``, then the member's
-    own (its GPUs, its tag, ...). One definition, so that adoption expects what a launch gave."""
-    return {**spec.env, **(env or {})}
+def worker_env(spec: ModelSpec, env: Mapping[str, str] | None, *, argv: Sequence[str],
+               environ: Mapping[str, str]) -> dict[str, str]:
+    """What a worker's process launched with ``argv`` gets on top of the environment ``environ`` it inherits: the
+    spec's ``env``, then the member's own (its GPUs, its tag, ...), then, on sglang's CPU engine, each rank's cores
+    when ``argv`` runs several ranks (``--dp-size 2``, ``--tp-size 2``; :func:`~..engine.cpu_engine.cpu_rank_env`,
+    unless a binding is named already). One definition, so that adoption expects what a launch gave."""
+    own = {**spec.env, **(env or {})}
+    return {**own, **cpu_rank_env(argv, own, environ)}
 
 
 def build_argv(
@@ -390,7 +395,7 @@ def spawn_worker(
     kind = kind or default_kind("worker", (*spec.worker_args, *extra_args))
     kind.check_available(spec)
     options = options or LaunchOptions()
-    check_launcher(options.launcher or environment_launcher(environ), {**environ, **worker_env(spec, env)})
+    check_launcher(options.launcher or environment_launcher(environ), {**environ, **spec.env, **(env or {})})
     log_dir = state.ensure_private_dir(options.log_dir or state.default_log_dir(), what="log directory")
     _check_free_space(log_dir)
     if port is not None and len(kind.port_names) > 2:
@@ -457,8 +462,9 @@ def _start(
     argv = build_argv(spec, port=port, nccl_port=ports.get("nccl"), launcher=options.launcher,
                       extra_args=extra_args, allow_foreign_host=options.allow_foreign_host,
                       role_args=kind.role_args(ports), environ=environ)
-    started = start_process(argv, worker_env(spec, env), log_dir / log_name("sglang-worker", port),
-                            environ=environ, session_id=options.owner_session)
+    started = start_process(argv, worker_env(spec, env, argv=argv, environ=environ),
+                            log_dir / log_name("sglang-worker", port), environ=environ,
+                            session_id=options.owner_session)
     return ModelInstance(
         spec=spec, host=LOOPBACK_HOST, port=port, tail_lines=options.tail_lines, kind=kind, index=index,
         ports=dict(ports), gpus=gpus, **started,

@@ -185,7 +185,8 @@ def identity(config: WorkerConfig, plans: Sequence[MemberPlan], argvs: Sequence[
     return {
         "spec": _digest(spec_identity(config)),
         "argv": _digest([list(a) for a in argvs]),
-        "env": _digest([sorted({**inherited, **worker_env(spec, env)}.items()) for env in envs]),
+        "env": _digest([sorted({**inherited, **worker_env(spec, env, argv=argv, environ=environ)}.items())
+                        for argv, env in zip(argvs, envs, strict=True)]),
         "engine": _digest(engine if engine is not None else engine_identity(launcher, environ)),
         "model": _digest(model_identity(spec.resolve_model_path(environ))),
         "kinds": _digest([[p.role, p.index, type(p.kind).__name__] for p in plans]),
@@ -406,8 +407,8 @@ class Warm:
                         break
             return words, []
         for m, argv, env in zip(record.members, argvs, envs, strict=True):
-            why = prove_process(m.pid, m.since, m.tag) or running_differs(m.pid, argv, worker_env(config.spec, env),
-                                                                          environ)
+            why = prove_process(m.pid, m.since, m.tag) or running_differs(
+                m.pid, argv, worker_env(config.spec, env, argv=argv, environ=environ), environ)
             if why is not None:
                 return f"member {m.role} {m.index} is not the process its record names: {why}", []
             why = why_not_ours(m.log, m.log_id)
@@ -428,7 +429,8 @@ class Warm:
             spec=spec, host=LOOPBACK_HOST, port=member.port, tail_lines=self.settings.options.tail_lines,
             kind=plan.kind, index=plan.index, ports=dict(member.ports), gpus=member.gpus or None, argv=argv,
             log_path=self._link_log(member), process=AdoptedProcess(member.pid, member.since, tag=member.tag),
-            owner_tag=member.tag, secrets=secret_values({**environ, **worker_env(spec, env)}, argv),
+            owner_tag=member.tag,
+            secrets=secret_values({**environ, **worker_env(spec, env, argv=argv, environ=environ)}, argv),
             times={"started": now, "ready": now}, ready_probe_seconds=member.probe_seconds)
         instance.ready_at = instance.started_at
         instance.ready_log_offset = log_size(instance.log_path)  # what it serves this session

@@ -210,3 +210,80 @@ def test_an_e2e_grpc_file_runs_unchanged_and_other_files_keep_their_own_modules(
     assert "died while idle" not in result.stdout.str()  # kill_process_tree gave the workers back to the pool
     workers = {w["label"]: w["launches"] for w in json.loads(report.read_text())["workers"].values()}
     assert workers == {"tiny [2x] --grpc-mode": 1, "router (round_robin) over tiny [2x] --grpc-mode": 2}, workers
+
+
+#: Two classes as upstream's e2e_grpc files write them, on one URL (upstream's fixed DEFAULT_URL_FOR_TEST; here a free
+#: port of the outer test): each test notes which xdist worker ran it.
+SAME_URL_CLASSES = '''
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent.parent))
+from fixtures import popen_launch_workers_and_router
+from util import DEFAULT_MODEL_PATH, CustomTestCase, kill_process_tree
+
+BASE_URL = "{base_url}"
+
+
+def note(test):
+    with open({ran!r}, "a") as f:
+        f.write(f"{{type(test).__name__}}.{{test._testMethodName}} {{os.environ['PYTEST_XDIST_WORKER']}}\\n")
+
+
+class _OnTheUrl(CustomTestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.cluster = popen_launch_workers_and_router(DEFAULT_MODEL_PATH, BASE_URL, num_workers=1)
+
+    @classmethod
+    def tearDownClass(cls):
+        kill_process_tree(cls.cluster["router"].pid)
+
+    def test_one(self):
+        note(self)
+        assert self.cluster["base_url"] == BASE_URL
+
+    def test_two(self):
+        note(self)
+        assert self.cluster["router"].poll() is None
+
+
+class TestFirst(_OnTheUrl):
+    pass
+
+
+class TestSecond(_OnTheUrl):
+    pass
+
+
+del _OnTheUrl
+'''
+
+
+@pytest.mark.parametrize("dist", [[], ["--dist", "loadgroup"]], ids=["sgl-dist", "loadgroup"])
+def test_e2e_grpc_classes_on_the_fixed_url_run_on_one_xdist_worker(
+        pytester: pytest.Pytester, sim_env: dict[str, str], monkeypatch: pytest.MonkeyPatch, dist: list[str]) -> None:
+    """Every test of an e2e_grpc file is in one xdist_group, added at collection (the files unchanged): the plugin's
+    scheduler (``-n 2``) and xdist's ``--dist loadgroup`` keep the classes that start their routers on the one fixed
+    URL on one xdist worker, one class after the other, where xdist would otherwise split them between the two
+    workers. (The autouse fixture checks that nothing is left running.)"""
+    for key in ("SGLWORKER_MODELS", "SGLWORKER_GPUS", "CUDA_VISIBLE_DEVICES", "SGLANG_IS_IN_CI"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv(compat_models.ENV_MODELS, "llama-8b=tiny")
+    ran = pytester.path / "ran.txt"
+    pytester.makeconftest(CONFTEST.replace("import util as users_util  # noqa: E402", ""))
+    suite = pytester.path / "e2e_grpc" / "routing"
+    suite.mkdir(parents=True)
+    (suite / "test_same_url.py").write_text(SAME_URL_CLASSES.format(base_url=f"http://127.0.0.1:{_free_block()}",
+                                                                    ran=str(ran)))
+    result = pytester.runpytest_subprocess("-v", "-p", "no:cacheprovider", "-n", "2", *dist, "--sgl-engine", "sim",
+                                           "--sgl-gpus", "sim:2", timeout=180)
+    result.assert_outcomes(passed=4)
+    if dist:
+        # xdist's loadgroup puts the group into the node id
+        result.stdout.fnmatch_lines(["*PASSED e2e_grpc/*/test_same_url.py::TestFirst::test_one@e2e_grpc-fixed-url*"])
+    lines = sorted(ran.read_text().splitlines())
+    assert [line.split()[0] for line in lines] == ["TestFirst.test_one", "TestFirst.test_two", "TestSecond.test_one",
+                                                   "TestSecond.test_two"]
+    assert len({line.split()[1] for line in lines}) == 1, lines

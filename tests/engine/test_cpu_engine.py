@@ -298,3 +298,36 @@ def test_cpu_rank_binding_gives_each_rank_its_share_of_the_cores() -> None:
     assert cpu_rank_binding(2, [0, 2, 4, 6]) == {CPU_RANK_BINDING_VAR: "0,2|4,6"}
     assert cpu_rank_binding(2, [5]) == {CPU_RANK_BINDING_VAR: "5|5"}
     assert cpu_rank_binding(3, list(range(8))) == {CPU_RANK_BINDING_VAR: "0-1|2-4|5-7"}
+
+
+@pytest.mark.parametrize(("argv", "ranks"), [
+    ([], 1),
+    (["--tp-size", "2"], 2),
+    (["--dp-size", "2"], 2),
+    (["--dp", "2", "--tp-size", "2"], 4),  # each data-parallel replica runs its own TP ranks
+    (["--tp-size", "1", "--pp-size", "2", "--dp-size=2"], 4),
+    (["--tp-size", "2", "--tp-size", "1"], 1),  # argparse keeps the last value
+    (["--tp-size", "2", "--dp-size", "2", "--enable-dp-attention"], 2),  # attention DP groups within the TP ranks
+    (["--dp-size", "two", "--tp-size", "2"], 2),  # malformed: sglang's own parser refuses it at launch
+])
+def test_worker_ranks_counts_what_sglangs_cpu_engine_binds(argv: list[str], ranks: int) -> None:
+    """As sglang 0.5.23's ``_bind_threads_if_cpu`` counts them: dp_size x tp_size x pp_size, where DP attention
+    sets dp_size back to 1 (the attention-DP groups live inside the TP ranks)."""
+    from pytest_sglworker.engine.sglang_facts import worker_ranks
+
+    assert worker_ranks(["python", "-m", "sglang.launch_server", *argv]) == ranks
+
+
+def test_cpu_rank_env_binds_the_ranks_of_a_cpu_engine_worker_only() -> None:
+    """The binding goes to a worker of several ranks whose environment is the CPU engine's, whether the spec or the
+    user's environment says so; never to another engine, to one rank, or over a binding named already."""
+    from pytest_sglworker.engine.cpu_engine import CPU_RANK_BINDING_VAR, cpu_rank_env
+
+    cpu, dp2 = dict(CPU_ENGINE_ENV), ["--dp-size", "2"]
+    assert cpu_rank_env(dp2, cpu, {}, cpus=[0, 1, 2, 3]) == {CPU_RANK_BINDING_VAR: "0-1|2-3"}
+    assert cpu_rank_env(["--tp-size", "2", *dp2], {}, cpu, cpus=[0, 1, 2, 3]) == {CPU_RANK_BINDING_VAR: "0|1|2|3"}
+    assert cpu_rank_env(["--tp-size", "1"], cpu, {}, cpus=[0, 1]) == {}  # one rank
+    assert cpu_rank_env(dp2, {}, {"CUDA_VISIBLE_DEVICES": "0,1"}, cpus=[0, 1]) == {}  # a GPU worker
+    assert cpu_rank_env(dp2, {"SGLANG_USE_CPU_ENGINE": "0"}, cpu, cpus=[0, 1]) == {}  # the worker's own env wins
+    assert cpu_rank_env(dp2, cpu, {CPU_RANK_BINDING_VAR: "0|0"}, cpus=[0, 1]) == {}  # the user's binding
+    assert cpu_rank_env(dp2, {**cpu, CPU_RANK_BINDING_VAR: "1|1"}, {}, cpus=[0, 1]) == {}  # the spec's binding

@@ -2,7 +2,8 @@
 child reports what it got. Its environment is the one handed down (pytest's per-test variables left out) with the
 worker's own on top, ``PYTHONUNBUFFERED=1`` and a fresh owner tag; it runs in a session of its own, stdin closed,
 stdout and stderr appended to a private log that never overwrites a kept one. The mutation run's fast tests of
-the launch environment (scripts/mutation.py, target ``launch_env``)."""
+the launch environment (scripts/mutation.py, target ``launch_env``). Last, what the launcher adds for a worker
+of several ranks on sglang's CPU engine (``worker_env``: each rank's cores), shown on the simulated engine."""
 
 from __future__ import annotations
 
@@ -16,8 +17,11 @@ from typing import Any
 
 import pytest
 
+from pytest_sglworker.engine.cpu_engine import CPU_ENGINE_ENV, CPU_RANK_BINDING_VAR, cpu_rank_binding
+from pytest_sglworker.engine.specs import ModelSpec
 from pytest_sglworker.resources.processes import OWNER_ENV, SESSION_ID, is_owner_tag, tag_session
 from pytest_sglworker.workers.errors import LaunchError
+from pytest_sglworker.workers.launcher import build_argv, worker_env
 from pytest_sglworker.workers.process import inherited_environ, start_process, unused_log_path
 
 REPORT = """
@@ -128,3 +132,50 @@ def test_an_unwritable_log_is_a_launch_error(tmp_path: Path) -> None:
         start_process([sys.executable, "-c", "pass"], {}, tmp_path / "missing" / "w.log",
                       environ={"PATH": os.environ["PATH"]})
     assert "cannot write the worker log" in str(info.value) and "--sgl-log-dir" in str(info.value)
+
+
+CPU_SPEC = ModelSpec(name="cpu", model="/models/m", memory_gb=1, env=dict(CPU_ENGINE_ENV))
+GPU_SPEC = ModelSpec(name="gpu", model="/models/m", memory_gb=1)
+
+
+@pytest.mark.parametrize(("spec", "extra", "environ", "ranks"), [
+    (CPU_SPEC, ("--dp-size", "2"), {}, 2),  # upstream's e2e_two_workers_dp2
+    (CPU_SPEC, ("--tp-size", "2"), {}, 2),  # the e2e_grpc clusters' tp_size=2
+    (CPU_SPEC, ("--dp-size", "2", "--tp-size", "2"), {}, 4),
+    (CPU_SPEC, (), {}, 0),
+    (CPU_SPEC, ("--dp-size", "2"), {CPU_RANK_BINDING_VAR: "0|0"}, 0),  # the user's own binding stays
+    (GPU_SPEC, ("--dp-size", "2"), {"CUDA_VISIBLE_DEVICES": "0,1"}, 0),
+    (GPU_SPEC, ("--dp-size", "2"), dict(CPU_ENGINE_ENV), 2),  # the user's environment runs the CPU engine
+])
+def test_a_cpu_engine_worker_of_several_ranks_gets_each_ranks_cores(
+        spec: ModelSpec, extra: tuple[str, ...], environ: dict[str, str], ranks: int) -> None:
+    """sglang's CPU engine refuses more ranks than NUMA nodes unless SGLANG_CPU_OMP_THREADS_BIND names each rank's
+    cores: the launcher adds it for such a worker (from the argv it launches), and for no other."""
+    argv = build_argv(spec, port=30000, launcher=("python", "-m", "sglang.launch_server"), extra_args=extra)
+    env = worker_env(spec, {"CUDA_VISIBLE_DEVICES": ""}, argv=argv, environ=environ)
+    assert env == {**spec.env, "CUDA_VISIBLE_DEVICES": "", **cpu_rank_binding(ranks)}
+    if ranks:
+        assert len(env[CPU_RANK_BINDING_VAR].split("|")) == ranks
+
+
+def test_a_spec_s_own_binding_is_kept() -> None:
+    spec = ModelSpec(name="cpu", model="/models/m", memory_gb=1, env={**CPU_ENGINE_ENV, CPU_RANK_BINDING_VAR: "1|1"})
+    argv = build_argv(spec, port=30000, launcher=("python",), extra_args=("--dp-size", "2"))
+    assert worker_env(spec, None, argv=argv, environ={})[CPU_RANK_BINDING_VAR] == "1|1"
+
+
+def test_the_launched_worker_runs_with_the_binding(tmp_path: Path) -> None:
+    """A ``--dp-size 2`` worker of a CPU-engine spec, launched (the simulated engine stands in for sglang): its
+    process has the binding in its environment, and the worker is gone after its stop."""
+    import psutil
+
+    from pytest_sglworker.workers.launcher import LaunchOptions, sim_launcher, spawn_worker
+
+    spec = ModelSpec(name="cpu", model="Qwen/Qwen3-0.6B", memory_gb=1, env=dict(CPU_ENGINE_ENV))
+    options = LaunchOptions(launcher=tuple(sim_launcher()), log_dir=tmp_path / "logs", lock_dir=tmp_path / "locks",
+                            startup_timeout=60)
+    with spawn_worker(spec, extra_args=("--dp-size", "2"), options=options,
+                      env={"SGLSIM_STARTUP_SECONDS": "0.1"}) as worker:
+        pid = worker.pid
+        assert psutil.Process(pid).environ()[CPU_RANK_BINDING_VAR] == cpu_rank_binding(2)[CPU_RANK_BINDING_VAR]
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE

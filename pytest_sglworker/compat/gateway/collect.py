@@ -13,6 +13,10 @@ ask the pool for (:func:`~.runtime.config_for`). Then:
   fixtures: the plugin then reorders tests by configuration, skips what the GPU inventory can never hold, launches
   ahead, and schedules under xdist by configuration (its own scheduler), or groups each configuration's tests on one
   xdist worker under ``--dist loadgroup`` (``xdist_group`` ``sgl-<key>``, as for its own fixtures).
+
+Every test of a file under an ``e2e_grpc/`` folder (:mod:`.scoped_modules`) goes, on an xdist worker, into one
+``xdist_group`` (:data:`E2E_GRPC_GROUP`): that suite's classes all start their router on sglang's fixed URL, so they
+run one after another on one xdist worker (the plugin's scheduler and ``--dist loadgroup`` both keep a group whole).
 """
 
 from __future__ import annotations
@@ -41,12 +45,18 @@ from .constants import (
     ConnectionMode,
 )
 from .runtime import config_for
+from .scoped_modules import serving_e2e_grpc
 
 if TYPE_CHECKING:
     from ...plugin.session import SglSession
 
-__all__ = ["COLLECTION_NAME", "GATEWAY_FIXTURES", "GatewayCollection", "MarkerProblem", "Wanted", "e2e_selection",
-           "install", "mark_items", "marker_kwargs", "selected_out", "shape_of", "wanted"]
+__all__ = ["COLLECTION_NAME", "E2E_GRPC_GROUP", "GATEWAY_FIXTURES", "GatewayCollection", "MarkerProblem", "Wanted",
+           "e2e_selection", "install", "mark_items", "marker_kwargs", "selected_out", "shape_of", "wanted"]
+
+#: the ``xdist_group`` of every test of the ``e2e_grpc/`` suite: its classes start their clusters on sglang's one
+#: fixed ``DEFAULT_URL_FOR_TEST``, so two xdist workers running two of them at once would want the same port. Not an
+#: ``sgl-`` name: the plugin's scheduler keeps the group on one xdist worker, unstolen, as ``--dist loadgroup`` does.
+E2E_GRPC_GROUP = "e2e_grpc-fixed-url"
 
 #: the suite's fixtures that start workers, in the order a test's request is read from
 GATEWAY_FIXTURES = ("setup_backend", "backend_router", "model_client", "model_base_url")
@@ -175,6 +185,8 @@ def mark_items(session: SglSession, config: pytest.Config, items: list[pytest.It
     problems: dict[str, str] = {}
     touched = False
     for item in items:
+        if serving_e2e_grpc(item.path) and is_xdist_worker(config) and item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(name=E2E_GRPC_GROUP))
         try:
             want = wanted(item)
         except MarkerProblem as exc:

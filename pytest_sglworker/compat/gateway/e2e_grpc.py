@@ -174,29 +174,6 @@ def _model_id(model: str) -> str:
     return str(getattr(model, "model_id", None) or model_id_of(model))
 
 
-def _rank_binding(rt: GatewayRuntime, model_id: str, tp_size: int) -> dict[str, str]:
-    """For ``tp_size`` > 1 on the CPU recipe (``SGLANG_USE_CPU_ENGINE=1``): each rank's cores, which sglang's CPU
-    engine requires when ranks outnumber NUMA nodes (unless the spec or the environment names them already)."""
-    from ...engine.cpu_engine import CPU_ENGINE_ENV, CPU_RANK_BINDING_VAR, cpu_rank_binding
-    from ..models import resolve_spec
-
-    if tp_size <= 1:
-        return {}
-    try:
-        spec = resolve_spec(model_id, rt.session.registry)
-    except CompatError:
-        from .runtime import spec_for
-
-        try:
-            spec = spec_for(model_id, rt.session)
-        except CompatError:
-            return {}  # the launch says why
-    environ = {**rt.session.worker_environ(), **spec.env}
-    if any(environ.get(k) != v for k, v in CPU_ENGINE_ENV.items()) or CPU_RANK_BINDING_VAR in environ:
-        return {}
-    return cpu_rank_binding(tp_size)
-
-
 def _where(error: CompatError) -> CompatError:
     return CompatError(str(error).replace("popen_launch_server", "popen_launch_workers_and_router"))
 
@@ -248,8 +225,7 @@ def popen_launch_workers_and_router(
     args = [*(["--api-key", str(api_key)] if api_key else []), *(str(a) for a in router_args or ())]
     with rt.owning(owner):
         model_id = _model_id(model)
-        held = rt.group(model_id, ConnectionMode.GRPC, GroupShape(count=num_workers), fresh_owner=True, extra=extra,
-                        env=_rank_binding(rt, model_id, tp_size))
+        held = rt.group(model_id, ConnectionMode.GRPC, GroupShape(count=num_workers), fresh_owner=True, extra=extra)
         cluster = Cluster(rt, owner, held)
         try:
             options, cluster.guards = pinner.pin_port(port, base_url=base_url,

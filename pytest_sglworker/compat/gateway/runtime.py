@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from collections.abc import Generator, Mapping, Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -88,13 +88,13 @@ def spec_for(model_id: str, session: SglSession) -> ModelSpec:
 
 
 def config_for(session: SglSession, model_id: str, mode: ConnectionMode, shape: GroupShape, *,
-               owner: str, extra: tuple[str, ...] = (), env: Mapping[str, str] | None = None) -> WorkerConfig:
+               owner: str, extra: tuple[str, ...] = ()) -> WorkerConfig:
     """The worker configuration of a group of ``shape`` of ``model_id``'s workers in ``mode`` (``--grpc-mode`` for
     gRPC), its budget checked: what collection resolves for a test and what the pool then asks the source for.
     Raises :class:`CompatError` for a model id no spec serves, ``BudgetViolation`` for a budget it breaks."""
     spec = spec_for(model_id, session)
     extra = (*extra, "--grpc-mode") if mode == ConnectionMode.GRPC else extra
-    return WorkerConfig.resolve(spec, extra, env, group=shape, subject=f"{model_id}:{mode.value} for {owner}")
+    return WorkerConfig.resolve(spec, extra, group=shape, subject=f"{model_id}:{mode.value} for {owner}")
 
 
 def model_path_of(model_id: str) -> str:
@@ -268,14 +268,14 @@ class GatewayRuntime:
 
     # -- workers --------------------------------------------------------------------------------------------
     def group(self, model_id: str, mode: ConnectionMode, shape: GroupShape, *, fresh_owner: bool = False,
-              extra: tuple[str, ...] = (), env: Mapping[str, str] | None = None) -> _Held:
+              extra: tuple[str, ...] = ()) -> _Held:
         """A group of ``shape`` of ``model_id`` in ``mode``: one an owner still holds (upstream's pool hands out one
         instance per model and mode; not with ``fresh_owner``), else one from the session's source, owned by the
         current owner."""
         session = self.session
         owner = self.current_owner()
         try:
-            config = config_for(session, model_id, mode, shape, owner=owner, extra=extra, env=env)
+            config = config_for(session, model_id, mode, shape, owner=owner, extra=extra)
         except (SglWorkerError, ValueError) as exc:  # CompatError is a ValueError
             raise pytest.fail.Exception(str(exc), pytrace=False) from None
         spec = config.spec

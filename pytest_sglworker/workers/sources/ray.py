@@ -620,7 +620,7 @@ class RayLeaseManager:
                               role_args=kind.role_args(ports), environ=environ)
             if not local:
                 argv[argv.index("--host") + 1] = host
-            child_env = {**forwarded_env(environ), **worker_env(spec, env)}
+            child_env = {**forwarded_env(environ), **worker_env(spec, env, argv=argv, environ=environ)}
             child_env.pop("CUDA_VISIBLE_DEVICES", None)  # Ray's assignment, set on the node
             try:
                 started = ray.get(actor.start.remote(argv, child_env, str(log_dir / log_name("sglang-worker", port)),
