@@ -23,13 +23,21 @@ drives it in the tests.
 - **Launch ahead**: with fewer xdist workers than GPUs, every GPU no node's pool holds starts a configuration:
   the unstarted ones with the most work that fit, each told to the node that will take its tests soonest (once
   its own tests and its earlier launches ahead are done, no sooner than the new one has started), which takes
-  them in that order once its own are done; a node sent the first test of a configuration behind tests of another
-  launches it at once when its GPUs are free, not at that test (issue 43: startups queued behind tests left GPUs
-  idle); once a configuration's tests have all run, the node that ran them is told to let its idle workers go.
+  them once its own are done: the one ready soonest where the startups are known (launched when, and its startup),
+  else in the order told; a node sent the first test of a configuration behind tests of another launches it at
+  once when its GPUs are free, not at that test (issue 43: startups queued behind tests left GPUs idle), and one
+  that holds two tests already is sent no such test while the GPUs are not free (it would wait behind them, while
+  another node may be free first); once a configuration's tests have all run, the node that ran them is told to let
+  its idle workers go. A node that holds nothing and must wait for its own launch starts the one ready soonest (the
+  shortest startup; the launches ahead take the most work).
+- **Startups**: what this run measured, else earlier runs (history), else what the spec declares
+  (``ModelSpec.startup_seconds``, read from the collection map), else the others' figures.
 - **Handing over**: a node that runs its last test and finds nothing new that fits takes the tests of a
-  configuration another node launched ahead and would take only later (not the one it takes next), and adopts
-  that node's group, which is handed over to it (:mod:`..workers.pool_warm`): a ready group no longer waits for its
-  own xdist worker while another sits idle (issue 43).
+  configuration another node launched ahead and would take only later (not the one it takes next: the one ready
+  soonest where the startups are known), and adopts that node's group, which is handed over to it
+  (:mod:`..workers.pool_warm`): a ready group no longer waits for its own xdist worker while another sits idle
+  (issue 43). So does a node whose own launches ahead would keep it waiting, when another node's is ready sooner by
+  more than :data:`HANDOVER_SECONDS`.
 - **Waiting for GPUs**: the first node that waits for GPUs for a test has the GPUs of the configuration with the
   most work kept for it; a node that holds its last test and finds nothing that fits takes that configuration
   anyway when there are fewer xdist workers than GPUs (one that leaves is missed), else it leaves.
@@ -611,6 +619,10 @@ class Planner:
                 ahead = (kind == "new" and self.hints is not None and self.total is not None
                          and bool(node.pending or batch) and self._gpus(key) <= self.total - sum(
                              self._held(n) for n in self.nodes.values()))
+                if kind == "new" and not ahead and len(node.pending) + len(batch) >= 2:
+                    # a look-ahead it cannot launch now would wait behind its tests: decided at its next test, when
+                    # another node may be free for it
+                    break
                 self._launch(node, key)
                 node.launched_at = self.clock()
                 self.launches += 1

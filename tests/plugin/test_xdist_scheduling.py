@@ -383,8 +383,8 @@ def test_planner_without_history_starts_the_most_gpu_tests_first() -> None:
 def test_planner_a_look_ahead_launches_at_once_not_at_its_first_test() -> None:
     # 2 GPUs, one xdist worker: c0 (1 GPU, 2 tests), then c1 and c2 (1 GPU, 1 test each). Its window holds c0's two
     # tests and c1's first: with a GPU free, c1 is launched ahead at once (its startup overlaps c0's tests), not at
-    # that test. c2 comes once c0's first test has run, with no GPU free by the planner's count: a launch at its
-    # own test. Once c0's last test has run, c0 is let go
+    # that test. Once c0's first test has run, no GPU is free by the planner's count: c2 is not sent behind the two
+    # tests it holds (it would wait there), only once c0's last test has run; c0 is let go then, and c2 launched
     units = [*suite(2), Unit("c1"), Unit("c2")]
     planner = Planner(units, gpus_total=2, steal_min=None, workers=1)
     planner.add_node("a")
@@ -392,9 +392,21 @@ def test_planner_a_look_ahead_launches_at_once_not_at_its_first_test() -> None:
     assert planner.nodes["a"].pending == [0, 1, 2] and planner.nodes["a"].probes == {0}
     assert actions.hints == [("a", ("c1",))]
     actions = planner.complete("a", 0, 0.5)
-    assert planner.nodes["a"].pending == [1, 2, 3] and planner.nodes["a"].probes == {3} and not actions.hints
+    assert planner.nodes["a"].pending == [1, 2] and not actions.sends and not actions.hints
     actions = planner.complete("a", 1, 0.5)
     assert ("a", "c0") in actions.drops
+    assert planner.nodes["a"].pending == [2, 3] and actions.sends == [("a", [3])]
+
+
+def test_model_a_launch_that_cannot_start_ahead_goes_to_the_worker_free_first() -> None:
+    # 2 GPUs, 2 xdist workers: a runs c0 (2 tests of 5 s), b c1 (1 test of 0.5 s); every launch takes 1 s. c2 would
+    # have come third in a's window, behind c0's 10 s, where it could not launch ahead (both GPUs held): it goes to
+    # b, free first, and the run ends with c0
+    units = [*suite(2), Unit("c1"), Unit("c2")]
+    model = simulate(units, nodes=2, gpus=2, startup=1.0, test=[5.0, 5.0, 0.5, 0.5], steal_min=None)
+    assert sorted(model.ran) == [0, 1, 2, 3] and model.launches == 3
+    assert (1, "c2") in model.spans and (0, "c2") not in model.spans, model.spans
+    assert model.wall == pytest.approx(11.0)
 
 
 def test_planner_hints_use_only_gpus_no_pool_holds_and_never_twice() -> None:
