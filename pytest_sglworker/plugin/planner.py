@@ -131,8 +131,13 @@ class Planner:
                  workers: int, window: int = WINDOW,
                  history: tuple[Sequence[float | None], Mapping[str, float]] | None = None,
                  clock: Callable[[], float] = time.monotonic, hints: bool = True,
-                 lease_timeout: float | None = None, declared: Mapping[str, float] | None = None) -> None:
+                 lease_timeout: float | None = None, declared: Mapping[str, float] | None = None,
+                 order: str = "work") -> None:
         self.units = list(units)
+        if order not in ORDERS:
+            raise ValueError(f"unknown order {order!r}; known: {', '.join(ORDERS)}")
+        #: which configurations start first (:data:`ORDERS`)
+        self.order = order
         #: the startups the specs declare (``ModelSpec.startup_seconds``): what a launch costs before any run measured
         self.declared = dict(declared or {})
         #: when each configuration launched ahead was launched (the planner's clock), to tell when it is ready
@@ -486,12 +491,8 @@ class Planner:
         return node, key
 
     def _most_work_first(self, keys: list[str]) -> list[str]:
-        """``keys`` by the most work (longest processing time: from history), else the most GPU-tests (tests times
-        GPUs: a configuration of two GPUs is the harder to place late, issue 43's generated suites), then the most
-        tests; ties in collection order."""
-        return sorted(keys, key=lambda k: (-(self.work(k) or 0.0),
-                                           -self._gpus(k) * len(self.queues[k]), -self.declared.get(k, 0.0),
-                                           -len(self.queues[k])))
+        """``keys`` in the order configurations start (:data:`ORDERS`, ``self.order``; ties in collection order)."""
+        return sorted(keys, key=lambda k: ORDERS[self.order](self, k))
 
     def _unstarted(self, node: _Node | None = None) -> list[str]:
         """Configurations no node takes tests of, less those launched ahead by another node than ``node``."""
@@ -659,3 +660,37 @@ class Planner:
     def _down(self, node: _Node, actions: Actions) -> None:
         node.down = True
         actions.shutdowns.append(node.id)
+
+
+def _by_work(p: Planner, key: str) -> tuple[float, ...]:
+    """The most work (longest processing time: from history), else the most GPU-tests (tests times GPUs: a
+    configuration of two GPUs is the harder to place late, issue 43's generated suites), then the longest declared
+    startup, then the most tests."""
+    queued = len(p.queues[key])
+    return -(p.work(key) or 0.0), -p._gpus(key) * queued, -p.declared.get(key, 0.0), -queued
+
+
+def _by_area(p: Planner, key: str) -> tuple[float, ...]:
+    """The most GPU-seconds (work times GPUs), then as :func:`_by_work`."""
+    return -(p.work(key) or 0.0) * max(1, p._gpus(key)), *_by_work(p, key)[1:]
+
+
+def _by_gpus(p: Planner, key: str) -> tuple[float, ...]:
+    """The most GPUs first (they are the harder to place late), then as :func:`_by_work`."""
+    return -float(p._gpus(key)), *_by_work(p, key)
+
+
+def _by_startup(p: Planner, key: str) -> tuple[float, ...]:
+    """The longest startup first (it keeps its GPUs longest before a test can use them), then as :func:`_by_work`."""
+    return -(p.startup_seconds(key) or 0.0), *_by_work(p, key)
+
+
+def _by_gpus_startup(p: Planner, key: str) -> tuple[float, ...]:
+    """The most GPUs, then the longest startup, then as :func:`_by_work`."""
+    return -float(p._gpus(key)), *_by_startup(p, key)
+
+
+#: the orders in which unstarted configurations start (launches ahead, a node's next): ``work`` unless the run's plan
+#: (:mod:`.plan_model`) predicts another one ends sooner
+ORDERS: dict[str, Callable[[Planner, str], tuple[float, ...]]] = {
+    "work": _by_work, "area": _by_area, "gpus": _by_gpus, "startup": _by_startup, "gpus-startup": _by_gpus_startup}

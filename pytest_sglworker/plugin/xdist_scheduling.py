@@ -370,8 +370,15 @@ class ConfigScheduling:
         from .durations import estimates, load_history
 
         history = estimates(collection, [u.key if u else None for u in units], load_history(self.config))
+        from .plan_model import choose_order
+
+        order, walls = choose_order(units, history, nodes=self.numnodes, gpus=self.map.gpus, steal_min=self.steal_min,
+                                    declared=self.map.startups)
         self.planner = Planner(units, gpus_total=self.map.gpus, steal_min=self.steal_min, workers=self.numnodes,
-                               history=history, lease_timeout=self.lease_timeout, declared=self.map.startups)
+                               history=history, lease_timeout=self.lease_timeout, declared=self.map.startups,
+                               order=order)
+        if walls:
+            self.log("orders played: " + ", ".join(f"{k} {v:.1f} s" for k, v in walls.items()) + f"; {order} taken")
         for node in self._nodes:
             if node in self.node2collection:
                 self.planner.add_node(node)

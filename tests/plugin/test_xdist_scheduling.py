@@ -127,9 +127,9 @@ def simulate(units: Sequence[Unit | None], *, nodes: int = 4, gpus: int | None =
              startup: float | Mapping[str, float] = 1.0, test: float | Sequence[float] = 0.1,
              steal_min: int | None = 4, crash_at: int | None = None, replace: bool = True,
              history: tuple[Sequence[float | None], Mapping[str, float]] | None = None, hints: bool = True,
-             declared: Mapping[str, float] | None = None) -> Model:
+             declared: Mapping[str, float] | None = None, order: str = "work") -> Model:
     planner = Planner(units, gpus_total=gpus, steal_min=steal_min, workers=nodes, history=history,
-                      clock=lambda: clock, hints=hints, declared=declared)
+                      clock=lambda: clock, hints=hints, declared=declared, order=order)
     durations = [test] * len(units) if isinstance(test, (int, float)) else list(test)
     model = Model()
     queue: dict[int, list[int]] = {}
@@ -1047,3 +1047,68 @@ def test_earlier_durations_order_the_configurations(pytester: pytest.Pytester, r
     shutil.rmtree(pytester.path / ".pytest_cache")
     pytester.runpytest_subprocess(*args, "-p", "no:cacheprovider", timeout=120).assert_outcomes(passed=4)
     assert not (pytester.path / ".pytest_cache").exists()
+
+
+# --------------------------------------------------------------------------------------------------------
+# The run's plan (plan_model): the controller plays the run in its own model with each order and keeps the best
+# --------------------------------------------------------------------------------------------------------
+
+#: bench/boxgen.py's suite 23 (x1): 10 configurations on 8 GPUs, three of two GPUs: (key, GPUs, startup, tests)
+SUITE_23 = [("c00", 1, 2.523, [0.457, 1.308, 0.901, 1.256, 1.468, 0.191, 1.093]),
+            ("c01", 1, 6.888, [1.115, 0.331, 0.779, 0.19, 1.154, 1.346]),
+            ("c02", 1, 5.77, [0.406, 0.724, 1.403, 0.812, 1.383, 0.272]),
+            ("c03", 1, 2.633, [0.661, 1.02, 0.786, 1.189, 1.384, 1.344, 0.926, 0.585]),
+            ("c04", 2, 2.713, [1.253, 0.812]), ("c05", 2, 5.066, [1.086]),
+            ("c06", 2, 4.052, [0.787, 1.322, 0.924, 0.99, 0.462, 0.224]),
+            ("c07", 1, 1.336, [1.31, 0.334, 1.095, 0.298, 0.701, 0.174, 0.672]), ("c08", 1, 3.855, [0.412]),
+            ("c09", 1, 1.755, [0.87, 0.981, 0.506, 1.098, 0.346, 0.889, 1.468, 0.318])]
+
+
+def _suite_23() -> tuple[list[Unit | None], list[float], dict[str, float]]:
+    units: list[Unit | None] = [Unit(key, gpus) for key, gpus, _, tests in SUITE_23 for _ in tests]
+    return units, [t for *_, tests in SUITE_23 for t in tests], {key: s for key, _, s, _ in SUITE_23}
+
+
+@pytest.mark.parametrize("order", ["work", "gpus", "startup"])
+@pytest.mark.parametrize("nodes", [2, 8])
+def test_plan_model_plays_the_run_as_the_model_of_xdist_does(order: str, nodes: int) -> None:
+    # the controller's model (plan_model.predict) and this file's (simulate) are written apart: a run they play
+    # alike, to the millisecond, is the planner's, whatever the order
+    from pytest_sglworker.plugin.plan_model import predict
+
+    units, tests, startups = _suite_23()
+    history = (tests, startups)
+    expected = simulate(units, nodes=nodes, gpus=8, startup=startups, test=tests, history=history, order=order)
+    assert predict(units, tests, startups, nodes=nodes, gpus=8, steal_min=4, order=order,
+                   history=history) == pytest.approx(expected.wall, abs=1e-6)
+
+
+def test_plan_model_keeps_the_order_whose_run_ends_soonest() -> None:
+    # with history, -n 8: starting the most work first leaves two-GPU configurations to the end (19.7 s in the
+    # model); the plan plays every order and keeps the one that ends soonest, which the run then ends sooner with
+    from pytest_sglworker.plugin.plan_model import choose_order
+    from pytest_sglworker.plugin.planner import ORDERS
+
+    units, tests, startups = _suite_23()
+    order, walls = choose_order(units, (tests, startups), nodes=8, gpus=8, steal_min=4)
+    assert set(walls) == set(ORDERS) and walls[order] == min(walls.values())
+    assert order != "work" and walls[order] < 0.9 * walls["work"], walls
+    run = simulate(units, nodes=8, gpus=8, startup=startups, test=tests, history=(tests, startups), order=order)
+    default = simulate(units, nodes=8, gpus=8, startup=startups, test=tests, history=(tests, startups))
+    assert run.wall < default.wall and sorted(run.ran) == list(range(len(units)))
+
+
+def test_plan_model_plays_nothing_without_the_tests_seconds_or_too_big_a_collection(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import pytest_sglworker.plugin.plan_model as plan_model
+
+    units, tests, startups = _suite_23()
+    assert plan_model.choose_order(units, None, nodes=4, gpus=8, steal_min=4) == ("work", {})  # a first run
+    assert plan_model.choose_order(units, ([None] * len(units), startups), nodes=4, gpus=8, steal_min=4) == (
+        "work", {})  # startups alone: the tests' seconds are guesses, the default order stands
+    assert plan_model.choose_order(units, (tests, startups), nodes=4, gpus=None, steal_min=4) == ("work", {})
+    monkeypatch.setattr(plan_model, "MAX_TESTS", len(units) - 1)
+    assert plan_model.choose_order(units, (tests, startups), nodes=4, gpus=8, steal_min=4) == ("work", {})
+    with pytest.raises(ValueError, match="unknown order 'fastest'; known: work, area"):
+        Planner(units, gpus_total=8, steal_min=None, workers=2, order="fastest")
+
