@@ -325,10 +325,16 @@ class WorkerPool(PoolWarm):
                 if outcome in ("failed", "error", "interrupted"):
                     self.stats_for(entry.config).failed_tests += 1
 
-    def close(self, *, keep_warm: bool = False, still_keep: Callable[[], bool] | None = None) -> None:
+    def close(self, *, keep_warm: bool = False, still_keep: Callable[[], bool] | None = None,
+              hand_over: bool = True) -> None:
         """Stop every worker (those launched ahead too, used or not) and give back every lease. ``keep_warm``
         (``--sgl-keep-warm``): the idle groups that still answer their readiness check are first handed to the
-        keepers that keep them warm (see :mod:`.warm`), while ``still_keep()`` says so."""
+        keepers that keep them warm (see :mod:`.warm`), while ``still_keep()`` says so. ``hand_over`` (not after an
+        interrupt): a group launched ahead that the xdist controller promised to another xdist worker is handed over
+        once ready (:meth:`finish_hand_overs`) before the rest is stopped."""
+        if hand_over:
+            with contextlib.suppress(Exception):  # an optimisation: the taker launches its own
+                self.finish_hand_overs()
         with self._lock:
             aheads = list(self._ahead.values())
             self._ahead.clear()

@@ -158,6 +158,21 @@ class PoolWarm:
             self._answered.add(key)
             self.handover.answer(key, handed)
 
+    def finish_hand_overs(self) -> None:
+        """The giver's part at its session's end (the controller let its xdist worker go while a group it launched
+        ahead, promised to another, still starts): that launch is waited for, at most the lease timeout (what the
+        taker waits for an answer), and handed over once ready, not cancelled with the others: the taker would launch
+        it again, its whole startup later."""
+        if self.handover is None or self.warm is None or self.warm.settings.run is None:
+            return
+        promised = set(self.handover.to_hand_over()) - self._answered
+        with self._lock:
+            threads = [a.thread for c, a in self._ahead.items() if c.key in promised and a.thread is not None]
+        deadline = time.monotonic() + self.lease_timeout
+        for thread in threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        self.hand_over_ahead()
+
     def _await_hand_over(self, config: WorkerConfig) -> None:
         """The taker's part, before it would launch ``config``: while a group of it is being handed to this process,
         wait for the giver's answer (the group is then adopted like a warm one), at most the lease timeout."""

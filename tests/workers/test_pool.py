@@ -390,3 +390,64 @@ def test_a_group_launched_ahead_is_evicted_last(make_pool) -> None:  # type: ign
     assert c[0].is_alive() and not first[0].is_alive()
     ahead = pool.acquire(b, holder="b")  # the group launched ahead, not a launch of its own
     assert pool.stats[b.key].launches == 1 and ahead[0].is_alive()
+
+
+class _Word:
+    """The xdist controller's word about one group handed over within the run, to the giver (``giver``) or to the
+    taker; the giver's answers are the taker's to read."""
+
+    def __init__(self, key: str, answers: dict[str, bool], *, giver: bool) -> None:
+        self.key, self.answers, self.giver = key, answers, giver
+
+    def to_hand_over(self) -> tuple[str, ...]:
+        return (self.key,) if self.giver else ()
+
+    def answer(self, key: str, published: bool) -> None:
+        self.answers[key] = published
+
+    def expects(self, key: str) -> bool:
+        return not self.giver and key == self.key
+
+    def awaited(self, key: str) -> bool | None:
+        return self.answers.get(key)
+
+
+def test_a_giver_let_go_while_its_promised_launch_starts_hands_it_over_once_ready(
+        make_pool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    """The controller promised a group one xdist worker launched ahead to another, then let the first go (it had no
+    test left) while that group still started: the giver's session end waits for it and hands it over, not cancels
+    it, so the taker adopts it instead of launching it again, its whole startup later."""
+    import os
+
+    import psutil
+
+    from pytest_sglworker.resources.processes import SESSION_ID
+    from pytest_sglworker.resources.warm_records import Party
+    from pytest_sglworker.workers.warm import Warm, WarmSettings
+
+    config = WorkerConfig.of(QWEN, ["--max-total-tokens", "512"])
+    answers: dict[str, bool] = {}
+    run = Party(os.getpid(), psutil.Process().create_time(), SESSION_ID, "the xdist controller")
+
+    def pool_of(name: str) -> WorkerPool:
+        pool: WorkerPool = make_pool(gpus=2, handover=_Word(config.key, answers, giver=name == "giver"))
+        pool.warm = Warm(WarmSettings(lock_dir=tmp_path / "locks", log_dir=tmp_path / "logs",
+                                      options=pool.options, holder=name, run=run), pool.leases, pool.records)
+        return pool
+
+    giver, taker = pool_of("giver"), pool_of("taker")
+    monkeypatch.setenv("SGLSIM_STARTUP_SECONDS", "1.5")
+    assert giver.launch_ahead(config, holder="ahead")
+    assert giver._ahead[config].thread.is_alive()  # still starting when its xdist worker is let go
+    giver.close()
+    assert answers == {config.key: True}  # handed over once ready
+    group = taker.acquire(config, holder="taker")
+    assert group[0].is_alive() and taker.stats[config.key].launches == 0  # adopted, not launched again
+    pid = group[0].pid
+    taker.release(group)
+    taker.close()
+    deadline = time.monotonic() + 30
+    while psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE \
+            and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE

@@ -97,7 +97,7 @@ class PoolSource:
         self.hooks = hooks or PoolHooks()
         self._leases: Any = None
         self._pool: WorkerPool | None = None
-        #: the session clears it when the run was interrupted: an interrupt keeps nothing warm
+        #: the session clears it when the run was interrupted: an interrupt keeps nothing warm, hands nothing over
         self.keep_warm_ok = True
 
     # -- what subclasses say ------------------------------------------------------------------------------
@@ -213,7 +213,7 @@ class PoolSource:
         try:
             if self._pool is not None:
                 self._pool.close(keep_warm=self.settings.keep_warm is not None and self.keep_warm_ok,
-                                 still_keep=lambda: self.keep_warm_ok)
+                                 still_keep=lambda: self.keep_warm_ok, hand_over=self.keep_warm_ok)
         finally:
             if self._leases is not None:
                 self._leases.inventory.close()  # NVML shutdown, the Ray connection; a declared inventory: nothing
