@@ -46,7 +46,8 @@ from typing import Any
 from bound import GPUS, Run, bound, machine, progress, run_once  # bench/bound.py: the suite, its runs, its reports
 from boxgen import generate
 
-MEASURES = {"box-suites": ("pytest_sglworker/plugin/planner.py", "pytest_sglworker/plugin/xdist_scheduling.py",
+MEASURES = {"box-suites": ("pytest_sglworker/plugin/planner.py", "pytest_sglworker/plugin/plan_model.py",
+                           "pytest_sglworker/plugin/xdist_scheduling.py", "pytest_sglworker/workers/pool_warm.py",
                            "pytest_sglworker/plugin/xdist_hooks.py", "pytest_sglworker/plugin/launch_hints.py",
                            "pytest_sglworker/plugin/durations.py", "pytest_sglworker/plugin/session.py",
                            "pytest_sglworker/workers/pool.py", "pytest_sglworker/workers/pool_parts.py",
