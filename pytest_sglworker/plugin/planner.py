@@ -29,12 +29,17 @@ drives it in the tests.
   that holds two tests already is sent no such test while the GPUs are not free (it would wait behind them, while
   another node may be free first); once a configuration's tests have all run, the node that ran them is told to let
   its idle workers go. A node that holds nothing and must wait for its own launch starts the one ready soonest (the
-  shortest startup; the launches ahead take the most work).
+  shortest startup; the launches ahead take the most work). A first test a node was sent behind its running test
+  while the GPUs were not free (it would launch only at that test) is launched ahead as soon as the GPUs the pools
+  hold leave room for it. A launch ahead whose tests a node now takes stays in that node's word until one of them
+  has run (its pool may not have read the word yet). The xdist worker follows its word between tests and, while
+  it waits for a launch of its own, about every 0.1 s.
 - **Startups**: what this run measured, else earlier runs (history), else what the spec declares
   (``ModelSpec.startup_seconds``, read from the collection map), else the others' figures.
 - **Handing over**: a node that runs its last test and finds nothing new that fits takes the tests of a
-  configuration another node launched ahead and would take only later (not the one it takes next: the one ready
-  soonest where the startups are known), and adopts that node's group, which is handed over to it
+  configuration another node launched ahead and would take only later (not the one it takes next, the one ready
+  soonest where the startups are known, unless that node is busy for longer than it takes to be ready), and adopts
+  that node's group, which is handed over to it
   (:mod:`..workers.pool_warm`): a ready group no longer waits for its own xdist worker while another sits idle
   (issue 43). So does a node whose own launches ahead would keep it waiting, when another node's is ready sooner by
   more than :data:`HANDOVER_SECONDS`.
@@ -145,6 +150,9 @@ class Planner:
         #: node id -> the configurations it was told to launch ahead and has not started taking tests of, in the
         #: order it takes them (the run's plan: the order they start in)
         self.hints: dict[Hashable, list[str]] | None = {} if hints else None
+        #: node id -> its launches ahead whose tests it now takes, until one of them has run: they stay in its word
+        #: (:meth:`_word`), so that a pool that has not read the word yet still launches them ahead, not at their test
+        self._taking: dict[Hashable, list[str]] = {}
         self.clock = clock
         #: how long an xdist worker's pool waits for a lease (``--sgl-lease-timeout``; None: unknown)
         self.lease_timeout = lease_timeout
@@ -277,7 +285,10 @@ class Planner:
         probing = [u.key for i in node.pending if i in node.probes and (u := self.units[i]) is not None]
         if probing and probing[0] != node.current:
             startup = self.startup_seconds(probing[0]) or startup
-        left = max(0.0, node.launched_at + startup - self.clock()) if probing or self._starting(node) else 0.0
+        if probing or self._starting(node):
+            left = max(0.0, node.launched_at + startup - self.clock())
+        else:  # a launch ahead it now takes the tests of may not be ready yet
+            left = (self._ready_in(node.current) or 0.0) if node.current is not None else 0.0
         return left + sum(self._seconds_of(i) or 0.0 for i in node.pending)
 
     def worth_a_copy(self, key: str) -> bool:
@@ -334,13 +345,16 @@ class Planner:
         if unit is not None:
             samples = self._startups if index in node.probes else self._seconds
             samples.setdefault(unit.key, []).append(max(0.0, duration))
+            if unit.key in self._taking.get(node_id, ()):
+                self._taking[node_id].remove(unit.key)  # its pool has the group by now
+                told = True
             if self.hints is not None and unit.key in self.hints.get(node_id, ()):
                 self.hints[node_id].remove(unit.key)  # it runs: no longer a launch ahead
                 told = True
         node.probes.discard(index)
         actions = self._fill_nodes([node, *(other for other in self.nodes.values() if other is not node)])
         if told and not any(n == node_id for n, _ in actions.hints) and self.hints is not None:
-            actions.hints.append((node_id, tuple(self.hints[node_id])))
+            actions.hints.append((node_id, self._word(node_id)))
         return actions
 
     def fill_all(self) -> Actions:
@@ -412,6 +426,12 @@ class Planner:
         # them go only between its own tests), which the configurations still to start may need
         return None, blocked
 
+    def _word(self, node_id: Hashable) -> tuple[str, ...]:
+        """What ``node_id`` is told to launch ahead, in order: the launches ahead whose tests it takes now (until one
+        has run) and those it takes later."""
+        later = self.hints.get(node_id, []) if self.hints is not None else []
+        return (*(k for k in self._taking.get(node_id, ()) if k not in later), *later)
+
     def _ready_in(self, key: str) -> float | None:
         """Seconds until ``key``, launched ahead, is ready (0: ready, or not launched ahead; None: its startup is
         unknown)."""
@@ -440,7 +460,11 @@ class Planner:
             keys = [k for k in self.hints.get(other.id, ()) if self.queues.get(k) and self.info[k].stealable
                     and not self.copies(k)]
             if keys and not self.queues.get(str(other.current)):
-                keys.remove(self._soonest(keys))  # it takes that one next
+                soonest = self._soonest(keys)
+                unknown, busy = self._done_in(other)
+                soon = self._ready_in(soonest)
+                if unknown or soon is None or busy <= soon + HANDOVER_SECONDS:
+                    keys.remove(soonest)  # it takes that one next, as soon as it is ready
             candidates += keys
             if keys and (best is None or len(keys) > best[0]):
                 best = (len(keys), keys[-1])
@@ -457,7 +481,7 @@ class Planner:
         giver.pooled.pop(key, None)
         if key in giver.residents:
             giver.residents.remove(key)
-        actions.hints.append((giver.id, tuple(self.hints[giver.id])))
+        actions.hints.append((giver.id, self._word(giver.id)))
         node.residents = [key, *(k for k in node.residents if k != key)]
         node.pooled[key] = None
         self.handed += 1
@@ -515,6 +539,7 @@ class Planner:
         nodes = [n for n in self.nodes.values() if not n.down]
         if any(not n.pending for n in nodes):
             return  # a node waits for GPUs (or is about to leave): they are its
+        self._launch_queued([n for n in self.nodes.values() if n.pending], actions)  # leaving ones' too
         # not a node whose next configuration, after a test of its current one, is a launch it has yet to start:
         # the launch ahead would take GPUs that launch needs, and the node would run the one after it first
         busy = [n for n in nodes if n.current is not None and not any(i in n.probes for i in n.pending[1:])]
@@ -536,7 +561,29 @@ class Planner:
             if node not in told:
                 told.append(node)
         for node in told:
-            actions.hints.append((node.id, tuple(self.hints[node.id])))
+            actions.hints.append((node.id, self._word(node.id)))
+
+    def _launch_queued(self, nodes: Sequence[_Node], actions: Actions) -> None:
+        """A launch a node holds a first test of behind its running test (sent when its GPUs were not free: it
+        would start only at that test) starts now, as a launch ahead, once the GPUs the pools hold leave room for it:
+        its startup overlaps the node's tests before it (issue 43: two such launches queued one behind the other on
+        one node while the GPUs that came free stood idle)."""
+        assert self.hints is not None and self.total is not None
+        queued = [(node, i, unit.key) for node in nodes for i in node.pending[1:]
+                  if i in node.probes and (unit := self.units[i]) is not None]
+        if not queued:
+            return
+        waiting = {(node.id, key) for node, _, key in queued}
+        # what the pools hold (a launch ahead never evicts: a node's idle workers count until they are let go)
+        held = sum(self._gpus(k) for n in self.nodes.values() for k in n.pooled if (n.id, k) not in waiting)
+        for node, index, key in queued:
+            if held + self._gpus(key) > self.total:
+                break  # in the order sent: a later one does not overtake an earlier one
+            held += self._gpus(key)
+            node.probes.discard(index)
+            self.hints.setdefault(node.id, []).append(key)
+            self._ahead_at[key] = self.clock()
+            actions.hints.append((node.id, self._word(node.id)))
 
     def _let_go(self, node: _Node, actions: Actions, batch: Sequence[int] = ()) -> None:
         """What no test will take again is let go, and no longer counted, once the node has run its last test of it
@@ -632,14 +679,15 @@ class Planner:
                 if ahead and self.hints is not None:
                     self.hints.setdefault(node.id, []).append(key)
                     self._ahead_at[key] = self.clock()
-                    actions.hints.append((node.id, tuple(self.hints[node.id])))
+                    actions.hints.append((node.id, self._word(node.id)))
             elif kind == "adopt" and key is not None:
                 self._take_over(node, key, actions)
             elif kind == "resident" and key is not None:
                 node.residents = [key, *(k for k in node.residents if k != key)]
                 if self.hints is not None and key in self.hints.get(node.id, ()):
                     self.hints[node.id].remove(key)  # its launch ahead is now its current configuration
-                    actions.hints.append((node.id, tuple(self.hints[node.id])))
+                    self._taking.setdefault(node.id, []).append(key)  # still in its word until a test of it ran
+                    actions.hints.append((node.id, self._word(node.id)))
             if key is not None:
                 node.current = key
             index = self.queues[key].popleft()
@@ -694,3 +742,4 @@ def _by_gpus_startup(p: Planner, key: str) -> tuple[float, ...]:
 #: (:mod:`.plan_model`) predicts another one ends sooner
 ORDERS: dict[str, Callable[[Planner, str], tuple[float, ...]]] = {
     "work": _by_work, "area": _by_area, "gpus": _by_gpus, "startup": _by_startup, "gpus-startup": _by_gpus_startup}
+

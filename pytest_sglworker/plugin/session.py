@@ -51,6 +51,9 @@ OPT_OUT_FIX = ("drop the args that loosen the budget, or add "
 
 #: the session object of this pytest process
 STATE_KEY = pytest.StashKey["SglSession"]()
+#: while a worker starts, the controller's unchanged launch-ahead word is tried again this often (a launch it names
+#: may not have fitted the GPUs free a moment ago)
+FOLLOW_RETRY_S = 0.5
 
 
 def state_of(config: pytest.Config) -> SglSession:
@@ -157,6 +160,7 @@ def make_source(session: SglSession) -> WorkerSource:
                       on_progress_end=terminal.progress_end, worker_env=session.worker_env,
                       choose_kind=session.choose_kind, on_leased=session.on_leased, on_tick=terminal.flush,
                       finished=session.finished_configs if is_xdist_worker(session.config) else None,
+                      follow=session.follow_controller if is_xdist_worker(session.config) else None,
                       xdist_worker=xdist_worker_id(session.config), handover=RunHandOver(session.config))
     source: WorkerSource
     if s.cluster is not None:
@@ -202,6 +206,8 @@ class SglSession:
         self.queue: list[pytest.Item] = []
         self.queue_index: dict[str, int] = {}
         self._configs_by_key: dict[str, WorkerConfig] | None = None  # an xdist worker's, for the controller's hints
+        #: the controller's last launch-ahead word that :meth:`follow_controller` acted on, and when
+        self._followed: tuple[tuple[str, ...], float] = ((), 0.0)
         #: the test whose fixtures are being set up (its launch triggers the launches ahead)
         self.setting_up: pytest.Item | None = None
         self._session_dir: Any = None
@@ -577,6 +583,10 @@ class SglSession:
                 break
         if is_xdist_worker(self.config):  # the controller may have said which configurations come next here
             wanted += [c for c in self._hinted_configs(item, source) if c != current and c not in wanted]
+        self._start_ahead(source, wanted)
+
+    def _start_ahead(self, source: WorkerSource, wanted: list[WorkerConfig]) -> None:
+        """Launch ``wanted`` ahead, in order, with this process's environment read now (the main thread's)."""
         environ = self.worker_environ() if wanted else {}
         for config in wanted:
             try:
@@ -590,6 +600,22 @@ class SglSession:
         from .launch_hints import read_launch_hint
 
         return read_launch_hint(self.config)[1]
+
+    def follow_controller(self, waiting: WorkerConfig) -> None:
+        """On an xdist worker, while its pool's main thread waits for ``waiting``'s launch (called about every 0.1 s):
+        the configurations the controller has told it since to launch ahead start now, not after this test (issue
+        43: a word written while a worker started waited for that whole startup, on GPUs that stood idle)."""
+        source = self._source
+        if source is None or self._configs_by_key is None or not self.settings.reuse:
+            return  # the map of configurations is made at the first test's own launch (:meth:`_hinted_configs`)
+        from .launch_hints import read_launch_hint
+
+        keys = read_launch_hint(self.config)[0]
+        if keys == self._followed[0] and time.monotonic() - self._followed[1] < FOLLOW_RETRY_S:
+            return  # tried a moment ago
+        self._followed = (keys, time.monotonic())
+        wanted = [self._configs_by_key[k] for k in keys if k in self._configs_by_key and k != waiting.key]
+        self._start_ahead(source, wanted)
 
     def let_go_dropped(self) -> None:
         """On an xdist worker, before a test's setup (and, by the pool, while it waits for a launch): the idle

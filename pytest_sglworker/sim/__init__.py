@@ -44,8 +44,9 @@ the per-rank lines repeat as ``[ts TPk]``.
 
 Environment:
 
-- ``SGLSIM_STARTUP_SECONDS`` (float, default 0.3): total simulated startup; 70 % before binding (weights,
-  KV pool, graph captures), 30 % warmup after binding.
+- ``SGLSIM_STARTUP_SECONDS`` (float, default 0.3): total simulated startup, counted from the process's start
+  (as a real server's, its interpreter's start and imports are part of it); 70 % before binding (weights, KV
+  pool, graph captures: less what the process took to get there), 30 % warmup after binding.
 - ``SGLSIM_WARMUP_SECONDS`` (float): overrides the warmup part (the part before binding stays 70 % of
   the total). ``--skip-server-warmup`` makes the server ready at once after binding.
 - ``SGLSIM_GPU_MEM_GIB`` (float, default 80): the declared card size, for the memory arithmetic.

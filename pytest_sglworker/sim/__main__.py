@@ -2,6 +2,6 @@
 
 import sys
 
-from .main import main
+from .main import main, process_age
 
-sys.exit(main())
+sys.exit(main(since_exec=process_age()))

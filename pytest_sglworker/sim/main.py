@@ -87,8 +87,23 @@ def _longer_context_error(asked: int | None, derived: int | None) -> str:
             "overriding this maximum, set the env var SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1\n")
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the simulated server; returns the exit code (never returns on the SIGKILL faults)."""
+def process_age() -> float:
+    """Seconds since this process was started (its interpreter's start and imports), from ``/proc``; 0 where that
+    cannot be read (not Linux)."""
+    try:
+        with open("/proc/self/stat", encoding="ascii") as stat, open("/proc/uptime", encoding="ascii") as uptime:
+            fields = stat.read().rsplit(")", 1)[1].split()
+            since_boot = float(uptime.read().split()[0])
+        return max(0.0, since_boot - int(fields[19]) / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+def main(argv: list[str] | None = None, *, since_exec: float = 0.0) -> int:
+    """Run the simulated server; returns the exit code (never returns on the SIGKILL faults). ``since_exec``: the
+    seconds the process has run already (the program's entry passes :func:`process_age`): the simulated startup
+    counts from the process's start, as a real server's does (its interpreter and imports are part of it)."""
+    began = time.monotonic() - since_exec
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--help-faults" in argv:  # the sim's own flag, kept out of sglang's parser (and of its abbreviations)
         sys.stdout.write(faults_help())
@@ -130,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     })
     sim = Sim(plan, faults, FaultState(request_faults, args["api_key"]), log, recorder, token_seconds,
               15.0 if pd_wait is None else pd_wait)
-    pre_bind = startup * 0.7
+    pre_bind = max(0.0, startup * 0.7 - (time.monotonic() - began))
     warmup = warmup_env if warmup_env is not None else startup * 0.3
 
     in_main_thread = threading.current_thread() is threading.main_thread()

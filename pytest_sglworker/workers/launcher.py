@@ -367,6 +367,7 @@ def spawn_worker(
     port: int | None = None,
     options: LaunchOptions | None = None,
     on_progress: ProgressCallback | None = None,
+    progress_interval: float = 1.0,
     gpus: str | None = None,
     kind: WorkerKind | None = None,
     index: int = 0,
@@ -386,6 +387,7 @@ def spawn_worker(
     a Ray actor on another node); the port block, the health wait, the retries and the teardown stay these.
     ``environ`` is the environment the worker inherits (default: this process's, read now); a caller on a
     background thread must pass the snapshot the main thread made (:func:`~.process.inherited_environ`).
+    ``on_progress(instance, elapsed)`` is called while it waits for health, every ``progress_interval`` seconds.
 
     Outside pytest the launcher follows ``SGLWORKER_LAUNCHER`` / ``SGLWORKER_ENGINE=sim`` (see
     :func:`environment_launcher`) unless ``options.launcher`` is given. It takes **no GPU lease**: pass the
@@ -424,7 +426,7 @@ def spawn_worker(
         instance.port_block = block
         try:
             wait_until_ready(instance, kind.readiness(), timeout=options.startup_timeout, on_progress=on_progress,
-                             cancel=cancel)
+                             progress_interval=progress_interval, cancel=cancel)
             instance.times["ready"] = time.time()
             # The tree as it serves (sglang's scheduler and detokenizer included) is remembered now: a worker
             # that is SIGKILLed later still has its pids in the lease's memory-release wait.

@@ -65,6 +65,10 @@ __all__ = ["WorkerGroup", "WorkerPool"]
 _ids = itertools.count(1)
 #: how often the main thread, waiting for a launch (its own or one ahead), lets go idle groups no test needs
 YIELD_EVERY_S = 0.5
+#: how often a single member's startup shows its progress (and yields idle groups), on the main thread
+PROGRESS_EVERY_S = 1.0
+#: how often the main thread, waiting for a single member's startup, follows the xdist controller's word
+TICK_S = 0.1
 
 
 class WorkerPool(PoolWarm):
@@ -89,6 +93,7 @@ class WorkerPool(PoolWarm):
         records: RunRecords | None = None,
         on_tick: Callable[[], None] | None = None,
         finished: Callable[[], Collection[str]] | None = None,
+        follow: Callable[[WorkerConfig], None] | None = None,
         warm: Warm | None = None,
         handover: HandOver | None = None,
     ) -> None:
@@ -107,6 +112,9 @@ class WorkerPool(PoolWarm):
         #: what those threads queued for the terminal
         self.on_tick = on_tick or (lambda: None)
         self.finished = finished
+        #: called on the main thread while it waits for a configuration's launch (about every 0.1 s): the session
+        #: starts the launches ahead the xdist controller told it of meanwhile (not only between tests)
+        self.follow = follow
         self.worker_env = worker_env
         self.choose_kind = choose_kind or default_kind
         self.release_wait = release_wait
@@ -455,6 +463,8 @@ class WorkerPool(PoolWarm):
         """Each 0.1 s the main thread waits for ``config``'s launch: the terminal's queue; every :data:`YIELD_EVERY_S`
         since ``looked``, idle groups no test needs go (their GPUs serve elsewhere). Returns when it last looked."""
         self.on_tick()
+        if self.follow is not None:
+            self.follow(config)
         if time.monotonic() - looked < YIELD_EVERY_S:
             return looked
         self.yield_idle(keep=config)
@@ -630,7 +640,14 @@ class WorkerPool(PoolWarm):
         first member that fails stops the others at once and is the error raised. A lease that places its
         members itself (``spawner``: a Ray placement group's bundles) starts member ``i`` in its part ``i``. While a
         test's own launch starts (on the main thread), idle groups go to a process that comes to wait for a GPU."""
+        shown = [-PROGRESS_EVERY_S]
+
         def while_starting(target: Any, elapsed: float) -> None:  # a single member's wait, on the main thread
+            if self.follow is not None:
+                self.follow(config)  # every tick: a launch ahead told meanwhile starts now
+            if elapsed - shown[0] < PROGRESS_EVERY_S:
+                return
+            shown[0] = elapsed
             if self.on_progress is not None:
                 self.on_progress(target, elapsed)
             self.yield_idle(keep=config)
@@ -640,9 +657,11 @@ class WorkerPool(PoolWarm):
             placed = getattr(lease, "spawner", None)
             launch = placed(i) if placed is not None else spawn_worker
             progress = None if quiet else while_starting if len(plans) == 1 else self.on_progress
+            interval = TICK_S if progress is while_starting and self.follow is not None else PROGRESS_EVERY_S
             try:
                 return launch(config.spec, extra_args=plan.extra_args, env=env, options=options,
                               on_progress=progress,
+                              progress_interval=interval,
                               gpus=env.get("CUDA_VISIBLE_DEVICES"), kind=plan.kind, index=plan.index,
                               cancel=cancel, environ=environ)
             except SglWorkerError as exc:  # a memory failure gets the ledger of this member's own args

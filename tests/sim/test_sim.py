@@ -960,3 +960,33 @@ def test_trickled_health_still_passes_the_plugins_readiness_wait(tmp_path: Path)
                                                   "SGLSIM_FAULT": "trickle=0.005"}) as worker:
         assert worker.is_alive()
         assert time.monotonic() - tic > 0.5  # the health answers really were trickled
+
+
+
+def test_the_simulated_startup_counts_from_the_process_s_start(tmp_path: Path) -> None:
+    # SGLSIM_STARTUP_SECONDS is the whole time to ready, as a real server's startup includes its interpreter and
+    # imports: a process that took 2 s to reach the sim's main is ready at once (no warmup asked), where the sim
+    # used to sleep its 2 s startup on top
+    code = ("import time; time.sleep(0.3); from pytest_sglworker.sim.main import process_age; "
+            "print(process_age())")
+    started = time.monotonic()
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    age = float(out.stdout)
+    assert 0.3 <= age <= time.monotonic() - started + 0.02, (age, out.stderr)  # /proc's clock ticks: 10 ms
+    record, port = tmp_path / "record.jsonl", free_port()
+    slow_start = ("import runpy, sys, time; time.sleep(2.0); sys.argv[0] = 'sim'; "
+                  "runpy.run_module('pytest_sglworker.sim', run_name='__main__')")
+    env = {**os.environ, "SGLSIM_STARTUP_SECONDS": "2.0", "SGLSIM_WARMUP_SECONDS": "0", "SGLSIM_RECORD": str(record)}
+    proc = subprocess.Popen([sys.executable, "-c", slow_start, "--model-path", MODEL, "--port", str(port), *CI_ARGS],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        def ready() -> dict[str, Any] | None:
+            events = [json.loads(line) for line in record.read_text().splitlines()] if record.exists() else []
+            return next((e for e in events if e.get("event") == "ready"), None)
+
+        event = wait_for(ready, 60, "the sim's ready event")
+        assert event["startup_seconds"] < 1.0, event  # counted from main(): the 70 % before binding was spent
+    finally:
+        proc.kill()
+        proc.wait(30)
+    assert not alive(proc.pid)

@@ -377,6 +377,30 @@ def test_while_a_launch_ahead_finishes_the_idle_groups_of_finished_configuration
     assert stopped < ready - 1.0, (stopped, ready)  # let go while b still had most of its 2 s startup to go
 
 
+def test_while_a_test_s_own_launch_starts_the_session_follows_the_controller(  # type: ignore[no-untyped-def]
+        make_pool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """While the main thread waits for a test's own single-member startup it asks the session (``follow``), about
+    every 0.1 s, for what the xdist controller said meanwhile: a launch ahead told then starts at once, not after
+    that startup and the test (issue 43)."""
+    a, b = WorkerConfig.of(QWEN, ["--max-total-tokens", "256"]), WorkerConfig.of(QWEN, ["--max-total-tokens", "512"])
+    asked: list[str] = []
+
+    def follow(waiting: WorkerConfig) -> None:
+        asked.append(waiting.key)
+        if len(asked) == 1:
+            assert pool.launch_ahead(b, holder="ahead")
+
+    pool = make_pool(gpus=4, follow=follow)
+    monkeypatch.setenv("SGLSIM_STARTUP_SECONDS", "1.5")
+    group = pool.acquire(a, holder="a")
+    assert group[0].is_alive() and set(asked) == {a.key}
+    by_config = {r.config: r for r in pool.records.launches}
+    requested, ready = by_config[b.key].t_lease_requested, by_config[a.key].t_ready
+    assert requested is not None and ready is not None and requested < ready
+    pool.release(group)
+    assert pool.acquire(b, holder="b")[0].is_alive() and pool.stats[b.key].launches == 1
+
+
 def test_a_group_launched_ahead_is_evicted_last(make_pool) -> None:  # type: ignore[no-untyped-def]
     """Idle groups go least recently used first to make room for a lease, but a group launched ahead that no test has
     used yet goes last: a coming test needs it (it is older than a group a test just gave back)."""

@@ -79,6 +79,9 @@ class PoolHooks:
     #: the configurations no later test of this process takes (the xdist controller's word), asked while the main
     #: thread waits for a launch: their idle workers are stopped
     finished: Callable[[], Collection[str]] | None = None
+    #: ``(config)``: the main thread waits for ``config``'s launch: the session starts the launches ahead the xdist
+    #: controller told it of since its last test
+    follow: Callable[[WorkerConfig], None] | None = None
     xdist_worker: str | None = None
     #: the controller's word on groups handed over within the run (with ``PoolSettings.run``)
     handover: HandOver | None = None
@@ -134,7 +137,8 @@ class PoolSource:
                 reuse=self.settings.reuse, log_policy=self.settings.log_policy, on_progress=hooks.on_progress,
                 on_progress_end=hooks.on_progress_end, on_message=hooks.on_message, worker_env=self._worker_env,
                 choose_kind=hooks.choose_kind, xdist_worker=hooks.xdist_worker, on_leased=hooks.on_leased,
-                records=self.records, on_tick=hooks.on_tick, finished=hooks.finished, warm=self.make_warm(leases),
+                records=self.records, on_tick=hooks.on_tick, finished=hooks.finished, follow=hooks.follow,
+                warm=self.make_warm(leases),
                 handover=hooks.handover if self.settings.run is not None else None)
         return self._pool
 
