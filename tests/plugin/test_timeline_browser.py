@@ -199,9 +199,11 @@ class Trap(LoopbackServer):
 
     def handle(self, conn: socket.socket) -> None:
         try:
-            self.seen.append(conn.recv(400).split(b"\r\n", 1)[0].decode("latin-1"))
-        except OSError:
-            self.seen.append("?")
+            first = conn.recv(400).split(b"\r\n", 1)[0].decode("latin-1")
+        except OSError:  # opened and left idle: a preconnect that never carried a request
+            first = ""
+        if first:  # chromium preconnects to its proxy and may close the socket unused: no request, no target
+            self.seen.append(first)
 
 
 def _tagged(tag: str) -> list[psutil.Process]:
