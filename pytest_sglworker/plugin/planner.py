@@ -42,7 +42,9 @@ drives it in the tests.
   that node's group, which is handed over to it
   (:mod:`..workers.pool_warm`): a ready group no longer waits for its own xdist worker while another sits idle
   (issue 43). So does a node whose own launches ahead would keep it waiting, when another node's is ready sooner by
-  more than :data:`HANDOVER_SECONDS`.
+  more than :data:`HANDOVER_SECONDS`, and a node that would start a configuration of its own, when another node's
+  launch ahead is ready sooner than that startup by more than it (it would wait for its own launch while the ready
+  group waits for a busy node).
 - **Waiting for GPUs**: the first node that waits for GPUs for a test has the GPUs of the configuration with the
   most work kept for it; a node that holds its last test and finds nothing that fits takes that configuration
   anyway when there are fewer xdist workers than GPUs (one that leaves is missed), else it leaves.
@@ -405,6 +407,8 @@ class Planner:
             if free is None or self._gpus(key) <= free:
                 if waiter is not None and waiter[0] is node:
                     self._waiter = None
+                if holds <= 1 and (adopted := self._sooner_than_launch(node, key)) is not None:
+                    return ("adopt", adopted), False
                 return ("new", key), False
             blocked = True
         handed = self._to_take_over(node) if holds <= 1 else None
@@ -445,6 +449,15 @@ class Planner:
         """Of ``keys`` (in plan order), the one ready soonest; the first where that is not known."""
         known = [(ready, i) for i, k in enumerate(keys) if (ready := self._ready_in(k)) is not None]
         return keys[min(known)[1]] if len(known) == len(keys) else keys[0]
+
+    def _sooner_than_launch(self, node: _Node, key: str) -> str | None:
+        """Another node's launch ahead for ``node`` to take over instead of launching ``key``: one that is ready sooner
+        than ``key``'s startup by more than :data:`HANDOVER_SECONDS` (else None)."""
+        other = self._to_take_over(node)
+        if other is None:
+            return None
+        ready, startup = self._ready_in(other), self.startup_seconds(key)
+        return other if ready is not None and startup is not None and ready + HANDOVER_SECONDS < startup else None
 
     def _to_take_over(self, node: _Node) -> str | None:
         """A configuration another node launched ahead and has not started, for ``node`` to take over (it has

@@ -539,6 +539,26 @@ def test_planner_an_idle_worker_takes_over_the_next_launch_of_a_busy_one() -> No
     assert planner.nodes["b"].current == "cX" and planner.hints == {"a": []}
 
 
+def test_planner_a_free_worker_takes_over_a_launch_ahead_ready_sooner_than_a_launch_of_its_own() -> None:
+    # 3 GPUs: a runs c0 and launched cX (ready in 2 s) ahead, b runs c1. b's first test ends far sooner than its
+    # history said, and b looks past its last one: cY (startup 6 s) would fit. b takes over cX, ready in 1 s, rather
+    # than start cY and wait for it while cX waits for a (issue 43: a ready group waited for a busy worker while
+    # another launched a slow one)
+    now = [0.0]
+    units = [*suite(3), Unit("c1"), Unit("c1"), Unit("cX"), Unit("cX"), Unit("cY")]
+    tests: list[float | None] = [2.0, 2.0, 2.0, 4.0, 4.0, 3.0, 3.0, 1.0]
+    planner = Planner(units, gpus_total=3, steal_min=None, workers=2, window=2, clock=lambda: now[0],
+                      history=(tests, {"c0": 1.0, "c1": 1.5, "cX": 2.0, "cY": 6.0}))
+    planner.add_node("a")
+    planner.add_node("b")
+    assert planner.fill_all().hints == [("a", ("cX",))]
+    now[0] = 1.0
+    actions = planner.complete("b", 3, 0.5)  # b looks past its last test of c1
+    assert actions.handovers == [("a", "b", "cX")]
+    assert [units[i].key for n, sent in actions.sends if n == "b" for i in sent] == ["cX"]
+    assert list(planner.queues["cY"]) == [7] and not planner.copies("cY")
+
+
 def test_planner_launches_ahead_on_the_worker_done_soonest_by_seconds() -> None:
     # with history: a's c0 has 2 tests of 5 s left, b's c1 3 of 0.1 s; cX, the configuration left, is launched
     # ahead by b, which is done with its own long before a (by test count a would look sooner done)
