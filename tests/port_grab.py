@@ -5,8 +5,14 @@ pin a port themselves (a ``base_url``)."""
 
 from __future__ import annotations
 
+import fcntl
+import os
 import random
 import socket
+import stat
+import tempfile
+from pathlib import Path
+from typing import IO
 
 _TEMPLATE = r'''
 """A launcher that lets a foreign process take the port just before @MODULE@ binds it (once)."""
@@ -61,19 +67,41 @@ def grab_launcher(module: str) -> str:
     return _TEMPLATE.replace("@MODULE@", module)
 
 
-def free_port_block() -> int:
-    """An aligned port whose block of 4 is free now, below the ephemeral range (the plugin's default range)."""
+#: Blocks this test process has claimed (their lock files stay open, so locked, until the process ends).
+_CLAIMED: list[IO[str]] = []
+
+
+def free_port_block(low: int = 20000, high: int = 32767) -> int:
+    """An aligned port in ``low``..``high`` (by default below the ephemeral range: the plugin's default range) whose
+    block of 4 is free now and claimed by no other test process of this run: tests that run at once (xdist) never
+    pin the same ports, where a free-now check alone let two of them pick the first free block and the second wait
+    for the first one's server. The claim is an exclusive ``flock`` on a per-block file, held until this process
+    ends."""
+    claims = Path(tempfile.gettempdir()) / f"pytest-sglworker-tests-ports-{os.getuid()}"
+    claims.mkdir(mode=0o700, exist_ok=True)
+    info = claims.lstat()
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+        raise RuntimeError(f"{claims} is not a directory of this user: remove it")
     rng = random.Random()
     for _ in range(200):
-        port = 20000 + 4 * rng.randrange(0, 3000)
-        ok = True
-        for p in range(port, port + 4):
-            with socket.socket() as sock:
-                try:
-                    sock.bind(("127.0.0.1", p))
-                except OSError:
-                    ok = False
-                    break
-        if ok:
+        port = low + 4 * rng.randrange(0, (high - low + 1) // 4)
+        claim = open(claims / str(port), "a")  # held open: the lock lasts as long as the process
+        try:
+            fcntl.flock(claim, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            claim.close()
+            continue
+        if all(_bindable(p) for p in range(port, port + 4)):
+            _CLAIMED.append(claim)
             return port
-    raise RuntimeError("no free port block found")
+        claim.close()
+    raise RuntimeError(f"no free, unclaimed port block of 4 in {low}-{high}")
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import socket
 from pathlib import Path
 
 import pytest
+from port_grab import free_port_block
 
 from pytest_sglworker.compat import models as compat_models
 from pytest_sglworker.compat.gateway.scoped_modules import serving_e2e_grpc
@@ -155,16 +155,10 @@ def test_my_own_modules_are_mine():
 
 
 def _free_block() -> int:
-    """The first port of 4 free consecutive ports, 4-aligned, above the plugin's default range's start."""
-    for start in range(38000, 39996, 4):
-        try:
-            for port in range(start, start + 4):
-                with socket.socket() as sock:
-                    sock.bind(("127.0.0.1", port))
-        except OSError:
-            continue
-        return start
-    pytest.skip("no 4 free consecutive ports in 38000-39999")
+    """The first port of 4 free consecutive ports, 4-aligned, above the plugin's default range's start, and claimed
+    by no other test of this run (two tests at once picked the same first free block: the second one's router
+    waited for the first one's port)."""
+    return free_port_block(38000, 39999)
 
 
 def test_only_files_under_an_e2e_grpc_folder_are_served() -> None:
