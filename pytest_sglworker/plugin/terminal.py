@@ -6,7 +6,8 @@ Every line goes through one :class:`Terminal` per pytest process. Only pytest's 
 objects (the terminal reporter, the capture manager, the config): a line from another thread (a launch ahead, a
 group member starting, the relay) is queued, and the main thread writes it at its next chance (:meth:`Terminal.flush`:
 before its own next line, while it waits for launch threads, after every test phase). An xdist worker's status
-lines go to the relay file, a plain append that any thread may make.
+lines go to the relay file, a plain append that any thread may make; its message lines go to its standard error,
+which xdist leaves shared with the controller's (its terminal reporter writes nowhere), at once, naming the worker.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import sys
 import threading
 import time
 from pathlib import Path
@@ -64,7 +66,8 @@ class Terminal:
         self._status_shown = False
         # Read once, here on the main thread: the threads that write status lines never read the config.
         self._relay = _relay_path(config)
-        self._worker = xdist_worker_id(config) or "?"
+        self._xdist_worker = xdist_worker_id(config)
+        self._worker = self._xdist_worker or "?"
 
     def flush(self) -> None:
         """Write what other threads queued (on the main thread; elsewhere it does nothing)."""
@@ -106,14 +109,30 @@ class Terminal:
         self._write_message(text, always=always)
 
     def _write_message(self, text: str, *, always: bool) -> None:
+        if self.config.get_verbosity() < 0 and not always:
+            return
+        if self._xdist_worker is not None:
+            self._write_from_xdist_worker(text, always=always)
+            return
         tr = self._reporter()
-        if tr is None or (self.config.get_verbosity() < 0 and not always):
+        if tr is None:
             return
         with self._uncaptured():
             self._clear(tr)
             tr.ensure_newline()
             text = "\n".join(map(shown, text.split("\n")))  # names read from the lock directory: no escapes
             tr.write_line(f"sglworker: {text}" if always else f"[sglworker] {text}", red=text.startswith("ERROR"))
+
+    def _write_from_xdist_worker(self, text: str, *, always: bool) -> None:
+        """An xdist worker's terminal reporter writes nowhere (xdist points the worker's stdout at the null
+        device): its lines go to its standard error, which it shares with the controller's, at once, so that a
+        wait in a test's setup (for a GPU lease, for a port another process holds) is said while it lasts, not
+        after. The worker's id leads the line; a new line first, as the controller may be in the middle of one."""
+        text = "\n".join(map(shown, text.split("\n")))
+        line = f"sglworker: [{self._xdist_worker}] {text}" if always else f"[sglworker] [{self._xdist_worker}] {text}"
+        with self._uncaptured():
+            sys.stderr.write(f"\n{line}\n")
+            sys.stderr.flush()
 
     def progress(self, instance: ModelInstance, elapsed: float) -> None:
         """The live status line of a worker that takes a while to start. It never fails a launch."""

@@ -195,10 +195,13 @@ def test_classes_on_one_url_start_at_once_and_a_second_launch_there_is_refused(
     assert obs["D"]["health"] == 200 and obs["D"]["second"] != obs["D"]["first"]
 
 
+@pytest.mark.parametrize("xdist", [False, True], ids=["no-xdist", "xdist-worker"])
 def test_a_wait_for_the_pinned_port_is_shown_and_counted(pytester: pytest.Pytester, inner_env: int,
-                                                          sim_env: dict[str, str]) -> None:
-    """Another process holds the pinned port's block: the launch waits, says so under ``-q``, and the summary and
-    the report count the wait as a lease wait (at least as long as the block was held after the wait began)."""
+                                                          sim_env: dict[str, str], xdist: bool) -> None:
+    """Another process holds the pinned port's block: the launch waits, says so under ``-q`` while it waits (the
+    block is let go only once the line shows: on an xdist worker too, whose own terminal writes nowhere, the line
+    naming the worker), and the summary and the report count the wait as a lease wait (at least as long as the
+    block was held after the wait began)."""
     port = inner_env
     lock_dir = Path(sim_env["SGLWORKER_LOCK_DIR"])
     lock_dir.mkdir(parents=True, exist_ok=True)
@@ -206,7 +209,11 @@ def test_a_wait_for_the_pinned_port_is_shown_and_counted(pytester: pytest.Pytest
     report = pytester.path / "report.json"
     lock = FileLock(lock_dir / f"port-{port}.lock", thread_local=False)
     lock.acquire()
-    session = Session(pytester, *_args(report), "test_suite.py")
+    args = _args(report)
+    if xdist:
+        at = args.index("no:xdist")
+        args[at - 1:at + 1] = ["-n", "1"]
+    session = Session(pytester, *args, "test_suite.py")
     flagged: float | None = None  # when the session's flag of a port waiter was first seen
     try:
         deadline = time.monotonic() + 120
@@ -220,8 +227,10 @@ def test_a_wait_for_the_pinned_port_is_shown_and_counted(pytester: pytest.Pytest
         lock.release()
     assert session.wait(120) == 0, session.output()
     output = session.output()
-    assert f"sglworker: pytest_sglworker.compat: test_suite.py::TestW_WaitsForThePort (setUpClass): port {port} " \
-           f"of http://127.0.0.1:{port}: waiting for a free block of 4 ports in {port}-{port + 3}" in output, output
+    worker = "[gw0] " if xdist else ""
+    assert f"sglworker: {worker}pytest_sglworker.compat: test_suite.py::TestW_WaitsForThePort (setUpClass): port " \
+           f"{port} of http://127.0.0.1:{port}: waiting for a free block of 4 ports in {port}-{port + 3}" in output, \
+        output
     [stats] = json.loads(report.read_text())["workers"].values()
     assert flagged is not None and stats["lease_wait_seconds"] >= round(released - flagged, 3)
     assert stats["lease_wait_seconds"] > 0
