@@ -29,9 +29,8 @@ drives it in the tests.
   that holds two tests already is sent no such test while the GPUs are not free (it would wait behind them, while
   another node may be free first); once a configuration's tests have all run, the node that ran them is told to let
   its idle workers go, and told sooner, as it is sent the last of them (one run among its tests), to let them go in
-  that test's teardown when the next test needs others: the GPUs are free before the controller counts them free.
-  A node that holds nothing and must wait for its own launch starts the one ready soonest (the shortest startup; the
-  launches ahead take the most work). A first test a node was sent behind its running test
+  that test's teardown when the next test needs others: the GPUs are free before the controller counts them free. A node that holds nothing and must wait for its own launch starts the one ready soonest (the
+  shortest startup; the launches ahead take the most work). A first test a node was sent behind its running test
   while the GPUs were not free (it would launch only at that test) is launched ahead as soon as the GPUs the pools
   hold leave room for it. A launch ahead whose tests a node now takes stays in that node's word until one of them
   has run (its pool may not have read the word yet). The xdist worker follows its word between tests and, while
@@ -624,10 +623,9 @@ class Planner:
         the teardown of the last of them, before that test's report reaches the controller. Told only with the drop,
         once that test had run, the word came with the launch ahead that waited for those GPUs: a pool that read it
         before the other had let go retried only at its next test, a test later (issue 43)."""
-        assert self.hints is not None  # called by _let_go, with hints only
         keys = [u.key if (u := self.units[i]) is not None else None for i in (*node.pending, *batch)]
         for key in dict.fromkeys(k for k in keys if k is not None):
-            if (node.id, key) in self._lasts or self.queues.get(key) or key in self.hints.get(node.id, ()):
+            if (node.id, key) in self._lasts or self.queues.get(key) or key in self.hints.get(node.id, ()):  # type: ignore[union-attr]
                 continue
             first, last = keys.index(key), len(keys) - 1 - keys[::-1].index(key)
             if all(k == key for k in keys[first:last + 1]):
