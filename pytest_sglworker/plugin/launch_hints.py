@@ -1,7 +1,6 @@
 """The xdist controller's word to one xdist worker about launching ahead (``ahead-<worker id>.json`` in the run's
 private directory that ``workerinput`` names): the configurations to launch ahead now, in the order the xdist worker
-will take their tests, the configurations whose tests have all run, whose idle workers to let go, those whose
-last tests it was sent (let go in the last one's teardown), and the groups
+will take their tests, the configurations whose tests have all run, whose idle workers to let go, and the groups
 handed over within the run (issue 43): those launched ahead here whose tests went to another xdist worker (``hand``),
 and those another xdist worker launched ahead whose tests come here (``adopt``: key -> the giver's id). Written by the
 scheduler (:mod:`.xdist_scheduling`), read by the xdist worker's session between tests and while its pool waits for
@@ -29,19 +28,17 @@ ANSWER_SCHEMA = "pytest-sglworker/xdist-hand-over/v1"
 
 
 def write_launch_hint(directory: Path | None, worker: str, keys: Sequence[str], drop: Sequence[str],
-                      hand: Sequence[str] = (), adopt: Mapping[str, str] | None = None,
-                      last: Sequence[str] = ()) -> None:
+                      hand: Sequence[str] = (), adopt: Mapping[str, str] | None = None) -> None:
     """On the controller: tell xdist worker ``worker`` to launch the configurations ``keys`` ahead (in that order),
     to let the idle workers of the configurations ``drop`` go (every test of theirs is handed out), to hand its groups
-    launched ahead of ``hand`` over to the run, to adopt the groups of ``adopt`` (key -> the xdist worker id of the
-    giver, which launched it ahead), and to let the workers of the configurations ``last`` go after the last of their
-    tests it was sent (in that test's teardown, when the next test needs other workers)."""
+    launched ahead of ``hand`` over to the run, and to adopt the groups of ``adopt`` (key -> the xdist worker id of the
+    giver, which launched it ahead)."""
     if directory is None or not directory.is_dir():
         return
     try:
         atomic_write(directory / f"ahead-{worker}.json",
                      json.dumps({"schema": AHEAD_SCHEMA, "configurations": list(keys), "drop": list(drop),
-                                 "hand": list(hand), "adopt": dict(adopt or {}), "last": list(last)}), mode=0o600)
+                                 "hand": list(hand), "adopt": dict(adopt or {})}), mode=0o600)
     except OSError:
         pass  # launching ahead is an optimisation: the configuration starts with its first test
 
@@ -123,11 +120,3 @@ def read_launch_hint(config: Any) -> tuple[tuple[str, ...], frozenset[str]]:
     dropped = frozenset(k for k in drop if isinstance(k, str)) if isinstance(drop, list) else frozenset()
     ahead = tuple(k for k in keys if isinstance(k, str) and k not in dropped) if isinstance(keys, list) else ()
     return ahead, dropped
-
-
-def read_last_sent(config: Any) -> frozenset[str]:
-    """On an xdist worker: the configurations whose last tests the controller has sent it (a claim of the run's
-    private directory, as :func:`read_launch_hint`)."""
-    data = _read_hint(_run_dir(config), xdist_worker_id(config))
-    last = data.get("last") if data is not None else None
-    return frozenset(k for k in last if isinstance(k, str)) if isinstance(last, list) else frozenset()

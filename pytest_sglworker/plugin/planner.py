@@ -28,8 +28,7 @@ drives it in the tests.
   once when its GPUs are free, not at that test (issue 43: startups queued behind tests left GPUs idle), and one
   that holds two tests already is sent no such test while the GPUs are not free (it would wait behind them, while
   another node may be free first); once a configuration's tests have all run, the node that ran them is told to let
-  its idle workers go, and told sooner, as it is sent the last of them (one run among its tests), to let them go in
-  that test's teardown when the next test needs others: the GPUs are free before the controller counts them free. A node that holds nothing and must wait for its own launch starts the one ready soonest (the
+  its idle workers go. A node that holds nothing and must wait for its own launch starts the one ready soonest (the
   shortest startup; the launches ahead take the most work). A first test a node was sent behind its running test
   while the GPUs were not free (it would launch only at that test) is launched ahead as soon as the GPUs the pools
   hold leave room for it. A launch ahead whose tests a node now takes stays in that node's word until one of them
@@ -108,9 +107,6 @@ class Actions:
     #: groups handed over within the run: ``(giver, taker, key)``, the giver launched ``key`` ahead, the taker runs
     #: its tests and adopts the group (with hints only)
     handovers: list[tuple[Hashable, Hashable, str]] = field(default_factory=list)
-    #: configurations whose last tests a node has been sent (none queued, one run of its tests): its pool lets their
-    #: idle workers go after the last of them, in that test's teardown (with hints only)
-    lasts: list[tuple[Hashable, str]] = field(default_factory=list)
 
 
 def _median(values: Sequence[float]) -> float | None:
@@ -159,8 +155,6 @@ class Planner:
         #: node id -> its launches ahead whose tests it now takes, until one of them has run: they stay in its word
         #: (:meth:`_word`), so that a pool that has not read the word yet still launches them ahead, not at their test
         self._taking: dict[Hashable, list[str]] = {}
-        #: (node id, configuration) told that the node holds its last tests (:meth:`_tell_last`), each once
-        self._lasts: set[tuple[Hashable, str]] = set()
         self.clock = clock
         #: how long an xdist worker's pool waits for a lease (``--sgl-lease-timeout``; None: unknown)
         self.lease_timeout = lease_timeout
@@ -395,8 +389,9 @@ class Planner:
             own = self._soonest(mine)
             wait = self._ready_in(own)
             if wait and holds <= 1:  # it would wait for its own: another's launch ahead, ready sooner, is taken over
-                other = self._sooner_than(node, wait)
-                if other is not None:
+                other = self._to_take_over(node)
+                ready = self._ready_in(other) if other is not None else None
+                if other is not None and ready is not None and ready + HANDOVER_SECONDS < wait:
                     return ("adopt", other), False
             return ("resident", own), False
         free = self._free_for(node)
@@ -412,7 +407,7 @@ class Planner:
             if free is None or self._gpus(key) <= free:
                 if waiter is not None and waiter[0] is node:
                     self._waiter = None
-                if holds <= 1 and (adopted := self._sooner_than(node, self.startup_seconds(key))) is not None:
+                if holds <= 1 and (adopted := self._sooner_than_launch(node, key)) is not None:
                     return ("adopt", adopted), False
                 return ("new", key), False
             blocked = True
@@ -455,13 +450,14 @@ class Planner:
         known = [(ready, i) for i, k in enumerate(keys) if (ready := self._ready_in(k)) is not None]
         return keys[min(known)[1]] if len(known) == len(keys) else keys[0]
 
-    def _sooner_than(self, node: _Node, seconds: float | None) -> str | None:
-        """Another node's launch ahead for ``node`` to take over instead of waiting ``seconds`` for a launch of its
-        own (its launch ahead, or a new one's startup): one ready sooner by more than :data:`HANDOVER_SECONDS`
-        (else None; None when ``seconds`` is not known)."""
-        other = self._to_take_over(node) if seconds is not None else None
-        ready = self._ready_in(other) if other is not None else None
-        return other if ready is not None and seconds is not None and ready + HANDOVER_SECONDS < seconds else None
+    def _sooner_than_launch(self, node: _Node, key: str) -> str | None:
+        """Another node's launch ahead for ``node`` to take over instead of launching ``key``: one that is ready sooner
+        than ``key``'s startup by more than :data:`HANDOVER_SECONDS` (else None)."""
+        other = self._to_take_over(node)
+        if other is None:
+            return None
+        ready, startup = self._ready_in(other), self.startup_seconds(key)
+        return other if ready is not None and startup is not None and ready + HANDOVER_SECONDS < startup else None
 
     def _to_take_over(self, node: _Node) -> str | None:
         """A configuration another node launched ahead and has not started, for ``node`` to take over (it has
@@ -615,22 +611,6 @@ class Planner:
             if key in node.residents:
                 node.residents.remove(key)
             actions.drops.append((node.id, key))
-        self._tell_last(node, actions, batch)
-
-    def _tell_last(self, node: _Node, actions: Actions, batch: Sequence[int]) -> None:
-        """A configuration whose last tests the node holds (none queued, not in its word to launch ahead, its tests
-        one run among the node's, no other test between them) is told at once: the pool lets its idle workers go in
-        the teardown of the last of them, before that test's report reaches the controller. Told only with the drop,
-        once that test had run, the word came with the launch ahead that waited for those GPUs: a pool that read it
-        before the other had let go retried only at its next test, a test later (issue 43)."""
-        keys = [u.key if (u := self.units[i]) is not None else None for i in (*node.pending, *batch)]
-        for key in dict.fromkeys(k for k in keys if k is not None):
-            if (node.id, key) in self._lasts or self.queues.get(key) or key in self.hints.get(node.id, ()):  # type: ignore[union-attr]
-                continue
-            first, last = keys.index(key), len(keys) - 1 - keys[::-1].index(key)
-            if all(k == key for k in keys[first:last + 1]):
-                self._lasts.add((node.id, key))
-                actions.lasts.append((node.id, key))
 
     def _free_at(self, node: _Node, key: str) -> tuple[bool, float]:
         """When ``node`` would take ``key``'s tests, launched ahead now, to sort by: once its own are done and those

@@ -120,9 +120,7 @@ class RunHooks:
     def pytest_runtest_teardown(self, item: pytest.Item, nextitem: pytest.Item | None) -> None:
         """After this test's fixtures are torn down its workers are pooled again, or retired when it was the
         last test of their configuration: a GPU may just have come free. Seen from the next test, whose
-        configuration comes first (it is about to be needed), then the ones after it. On an xdist worker, the
-        workers of a configuration whose last test this was are stopped first (:meth:`SglSession.let_go_after`)."""
-        self.session.let_go_after(item, nextitem)
+        configuration comes first (it is about to be needed), then the ones after it."""
         if nextitem is not None:
             self.session.launch_ahead(item, nextitem=nextitem)
 

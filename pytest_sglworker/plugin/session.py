@@ -625,24 +625,6 @@ class SglSession:
             return
         self._follow_controller(self._source)
 
-    def let_go_after(self, item: pytest.Item, nextitem: pytest.Item | None) -> None:
-        """On an xdist worker, in a test's teardown once its fixtures are torn down: when the controller has said
-        that this worker was sent the last tests of the test's configuration and the next test needs other workers,
-        the configuration's idle workers are stopped now, before this test's report reaches the controller, which
-        counts their GPUs free from that report on (a launch ahead elsewhere then finds them free)."""
-        source = self._source
-        config = item.stash.get(CONFIG_KEY, None)
-        if (source is None or config is None or nextitem is None or not is_xdist_worker(self.config)
-                or not self.settings.reuse):
-            return
-        following = nextitem.stash.get(CONFIG_KEY, None)
-        if following is not None and following.key == config.key:
-            return
-        from .launch_hints import read_last_sent
-
-        if config.key in read_last_sent(self.config):
-            source.retire_idle([config.key])
-
     def _follow_controller(self, source: WorkerSource) -> tuple[str, ...]:
         """The xdist controller's word: the idle workers of the configurations whose tests have all run are
         stopped; the configurations to launch ahead are returned, in order."""

@@ -244,7 +244,6 @@ class ConfigScheduling:
         self._shadow: Any = LoadScheduling(config, log)
         self._ahead: dict[Any, tuple[str, ...]] = {}  # node -> the configurations it is told to launch ahead
         self._drops: dict[Any, set[str]] = {}  # node -> the configurations its pool is to let go when idle
-        self._lasts: dict[Any, set[str]] = {}  # node -> the configurations whose last tests it holds
         self._hand: dict[Any, list[str]] = {}  # node -> the configurations whose group it hands over in the run
         self._adopt: dict[Any, dict[str, str]] = {}  # node -> the groups handed to it: key -> the giver's id
 
@@ -397,14 +396,11 @@ class ConfigScheduling:
                 self.planner.mark_down(node)
 
     def _apply(self, actions: Actions) -> None:
-        told = {node for node, _ in actions.hints} | {node for node, _ in actions.drops} \
-            | {node for node, _ in actions.lasts}
+        told = {node for node, _ in actions.hints} | {node for node, _ in actions.drops}
         for node, keys in actions.hints:
             self._ahead[node] = keys
         for node, key in actions.drops:
             self._drops.setdefault(node, set()).add(key)
-        for node, key in actions.lasts:
-            self._lasts.setdefault(node, set()).add(key)
         for giver, taker, key in actions.handovers:
             self._hand.setdefault(giver, []).append(key)
             self._adopt.setdefault(taker, {})[key] = str(giver.gateway.id)  # type: ignore[attr-defined]
@@ -412,7 +408,7 @@ class ConfigScheduling:
         for node in told:  # before the tests that the xdist worker reads it at
             write_launch_hint(self.map_dir, node.gateway.id, self._ahead.get(node, ()),  # type: ignore[attr-defined]
                               sorted(self._drops.get(node, ())), self._hand.get(node, ()),
-                              self._adopt.get(node, {}), sorted(self._lasts.get(node, ())))
+                              self._adopt.get(node, {}))
         for node, indices in actions.sends:
             node.send_runtest_some(indices)  # type: ignore[attr-defined]
         for node in actions.shutdowns:

@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 
 from pytest_sglworker.plugin.options import parse_dist_option
-from pytest_sglworker.plugin.planner import Actions, Planner, Unit
+from pytest_sglworker.plugin.planner import Planner, Unit
 from pytest_sglworker.plugin.xdist_scheduling import (
     MAP_SCHEMA,
     explicit_dist,
@@ -397,46 +397,6 @@ def test_planner_a_look_ahead_launches_at_once_not_at_its_first_test() -> None:
     actions = planner.complete("a", 1, 0.5)
     assert ("a", "c0") in actions.drops
     assert planner.nodes["a"].pending == [2, 3] and actions.sends == [("a", [3])]
-
-
-def test_planner_tells_a_node_the_last_tests_of_a_configuration_when_it_sends_them() -> None:
-    # 2 GPUs, one xdist worker: c0 (2 tests), then c1 and c2 (1 test each). c0's two tests are sent at once, none
-    # left queued: the node is told then that they are c0's last (its pool lets c0 go in the last one's teardown,
-    # before the controller hears of it), not only with the drop once that test has run; once. c1 and c2 are
-    # launched ahead: in the node's word to launch ahead until their one test has run, they are never told (their
-    # pool keeps a group launched ahead that no test used; the drop lets them go)
-    units = [*suite(2), Unit("c1"), Unit("c2")]
-    planner = Planner(units, gpus_total=2, steal_min=None, workers=1)
-    planner.add_node("a")
-    actions = planner.fill_all()
-    assert actions.lasts == [("a", "c0")] and actions.hints == [("a", ("c1",))] and not actions.drops
-    lasts, drops = [], []
-    for index in (0, 1, 2, 3):
-        actions = planner.complete("a", index, 0.5)
-        lasts += actions.lasts
-        drops += actions.drops
-    assert lasts == [] and drops == [("a", "c0"), ("a", "c1")], (lasts, drops)
-
-
-def test_planner_tells_no_last_tests_while_a_configuration_has_tests_queued_or_between_others() -> None:
-    # c0's tests outnumber the window: told only once its last is sent; and a node whose c0 tests are not one run
-    # (another configuration's test between them, as a steal may leave) is not told: it would let c0 go between them
-    planner = Planner(suite(5), gpus_total=2, steal_min=None, workers=1)
-    planner.add_node("a")
-    told = [planner.fill_all().lasts]
-    for index in range(4):
-        told.append(planner.complete("a", index, 0.5).lasts)
-    assert told == [[], [], [("a", "c0")], [], []], told
-    units = [*suite(2), Unit("c1")]
-    planner = Planner(units, gpus_total=2, steal_min=None, workers=1)
-    planner.add_node("a")
-    node = planner.nodes["a"]
-    node.pending = [0, 2, 1]  # c0, c1, c0
-    for key in ("c0", "c1"):
-        planner.queues[key].clear()
-    actions = Actions()
-    planner._tell_last(node, actions, ())
-    assert actions.lasts == [("a", "c1")]
 
 
 def test_model_a_launch_that_cannot_start_ahead_goes_to_the_worker_free_first() -> None:
@@ -1151,64 +1111,6 @@ def test_earlier_durations_order_the_configurations(pytester: pytest.Pytester, r
     shutil.rmtree(pytester.path / ".pytest_cache")
     pytester.runpytest_subprocess(*args, "-p", "no:cacheprovider", timeout=120).assert_outcomes(passed=4)
     assert not (pytester.path / ".pytest_cache").exists()
-
-
-LAST_SUITE = """
-    import pytest
-
-    PIDS = {}
-
-    @pytest.mark.sgl_worker(args=["--max-running-requests", "8"])
-    @pytest.mark.parametrize("i", range(2))
-    def test_first(sgl_worker, i):
-        PIDS[i] = sgl_worker.pid
-
-    @pytest.mark.sgl_worker(args=["--max-running-requests", "9"])
-    def test_next(sgl_worker):
-        pass
-"""
-
-#: on the xdist worker, when the teardown report of the first configuration's last test is made (before the
-#: controller sees it): is that configuration's worker still running?
-LAST_CONFTEST = """
-    import json
-
-    import psutil
-
-    ON_WORKER = []
-
-    def pytest_configure(config):
-        ON_WORKER.append(hasattr(config, "workerinput"))  # not the environment: the outer run may be xdist's
-
-    def pytest_runtest_logreport(report):
-        if ON_WORKER[0] and report.when == "teardown" and report.nodeid.endswith("-1]"):
-            import test_last
-            pid = test_last.PIDS[1]
-            try:
-                alive = psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-            except psutil.NoSuchProcess:
-                alive = False
-            with open("alive.json", "w") as fh:
-                json.dump({"pid": pid, "alive": alive, "same": test_last.PIDS[0] == pid}, fh)
-"""
-
-
-def test_an_xdist_worker_lets_a_configuration_go_in_its_last_tests_teardown(pytester: pytest.Pytester,
-                                                                          record: Path) -> None:
-    # One xdist worker, 2 GPUs: test_first's two tests are sent at once with the word that they are its last, so
-    # the worker's pool stops that configuration's worker in the second one's teardown (the next test needs other
-    # workers), before that test's report goes to the controller, which counts the GPU free from then on. Told
-    # only with the drop, after the report, the worker was still running here
-    pytester.makepyfile(test_last=LAST_SUITE)
-    pytester.makeconftest(LAST_CONFTEST)
-    result = pytester.runpytest_subprocess("--sgl-engine", "sim", "-p", "no:randomly", "-p", "no:cacheprovider",
-                                           "-n", "1", "-v", "--sgl-gpus", "sim:2", "--sgl-model", "qwen3-0.6b",
-                                           timeout=120)
-    result.assert_outcomes(passed=3)
-    assert _ran(result) == ["test_first[qwen3-0.6b-0]", "test_first[qwen3-0.6b-1]", "test_next[qwen3-0.6b]"], \
-        _ran(result)
-    seen = json.loads((pytester.path / "alive.json").read_text())
-    assert seen["same"] and not seen["alive"], seen
 
 
 # --------------------------------------------------------------------------------------------------------
