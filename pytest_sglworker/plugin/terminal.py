@@ -111,6 +111,7 @@ class Terminal:
     def _write_message(self, text: str, *, always: bool) -> None:
         if self.config.get_verbosity() < 0 and not always:
             return
+        text = "\n".join(map(shown, text.split("\n")))  # names read from the lock directory: no escapes
         if self._xdist_worker is not None:
             self._write_from_xdist_worker(text, always=always)
             return
@@ -120,7 +121,6 @@ class Terminal:
         with self._uncaptured():
             self._clear(tr)
             tr.ensure_newline()
-            text = "\n".join(map(shown, text.split("\n")))  # names read from the lock directory: no escapes
             tr.write_line(f"sglworker: {text}" if always else f"[sglworker] {text}", red=text.startswith("ERROR"))
 
     def _write_from_xdist_worker(self, text: str, *, always: bool) -> None:
@@ -128,7 +128,6 @@ class Terminal:
         device): its lines go to its standard error, which it shares with the controller's, at once, so that a
         wait in a test's setup (for a GPU lease, for a port another process holds) is said while it lasts, not
         after. The worker's id leads the line; a new line first, as the controller may be in the middle of one."""
-        text = "\n".join(map(shown, text.split("\n")))
         line = f"sglworker: [{self._xdist_worker}] {text}" if always else f"[sglworker] [{self._xdist_worker}] {text}"
         with self._uncaptured():
             sys.stderr.write(f"\n{line}\n")
