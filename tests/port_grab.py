@@ -91,14 +91,15 @@ def free_port_block(low: int = 20000, high: int = 32767) -> int:
         except OSError:
             claim.close()
             continue
-        if all(_bindable(p) for p in range(port, port + 4)):
+        if all(bindable(p) for p in range(port, port + 4)):
             _CLAIMED.append(claim)
             return port
         claim.close()
     raise RuntimeError(f"no free, unclaimed port block of 4 in {low}-{high}")
 
 
-def _bindable(port: int) -> bool:
+def bindable(port: int) -> bool:
+    """Whether a TCP socket can bind ``port`` on 127.0.0.1 now (nothing bound there, no ``TIME_WAIT`` in the way)."""
     with socket.socket() as sock:
         try:
             sock.bind(("127.0.0.1", port))

@@ -155,8 +155,8 @@ def test_my_own_modules_are_mine():
 
 
 def _free_block() -> int:
-    """The first port of 4 free consecutive ports, 4-aligned, above the plugin's default range's start, and claimed
-    by no other test of this run (two tests at once picked the same first free block: the second one's router
+    """A port of 4 free consecutive ports, 4-aligned, in 38000-39999 (above the plugin's default range's start), and
+    claimed by no other test of this run (two tests at once picked the same first free block: the second one's router
     waited for the first one's port)."""
     return free_port_block(38000, 39999)
 

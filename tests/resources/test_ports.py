@@ -14,20 +14,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from port_grab import bindable
 
 from pytest_sglworker.errors import PortUnavailable
 from pytest_sglworker.resources.ports import PortBlock, default_port_range, parse_port_range, reserve_port_block
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-
-
-def _bindable(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 def free_range(blocks: int, size: int = 4) -> tuple[int, int]:
@@ -36,7 +28,7 @@ def free_range(blocks: int, size: int = 4) -> tuple[int, int]:
     for _ in range(200):
         low = rng.randrange(20000, 32000 - blocks * size, size)
         high = low + blocks * size - 1
-        if all(_bindable(p) for p in range(low, high + 1)):
+        if all(bindable(p) for p in range(low, high + 1)):
             return low, high
     pytest.skip("no free port range found on this machine")
 
@@ -111,7 +103,7 @@ def test_block_layout_and_release(tmp_path: Path) -> None:
     assert block.lock_path == tmp_path / f"port-{low}.lock"
     assert block.host == "127.0.0.1"
     assert "held" in repr(block)
-    assert all(_bindable(p) for p in block.ports)  # verified free, and nothing left bound
+    assert all(bindable(p) for p in block.ports)  # verified free, and nothing left bound
     block.release()
     block.release()  # idempotent
     assert block.released and "released" in repr(block)
