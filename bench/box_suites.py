@@ -6,6 +6,7 @@ not on one suite.
     .venv/bin/python bench/box_suites.py --suites 4 --n 4         # a look, a few minutes
     .venv/bin/python bench/box_suites.py --json bench/results/box_suites.json
     .venv/bin/python bench/box_suites.py --render bench/results/box_suites.json   # measure nothing: print it again
+    .venv/bin/python bench/box_suites.py --add-references bench/results/box_suites.json  # bench/ideal.py's, into it
 
 **The suites** are bench/boxgen.py's, seeds ``0 .. --suites - 1``: 8 to 24 configurations of one and two GPUs
 (sometimes a prefill/decode pair), startups 1 to 8 s, 1 to 8 tests of 0.1 to 1.5 s, every time multiplied by
@@ -27,6 +28,12 @@ only (default :data:`BASELINES`: they are the slowest), ``blind``, cold with not
 and xdist's ``--dist load`` and ``--dist loadgroup`` (no history). The figures are the
 distribution of the ratio over the suites: median and worst, per ``-n`` and variant, beside the goal (issue 43:
 cold, median <= 1.15 and worst <= 1.3).
+
+**The references** (bench/ideal.py) say what the bound cannot: the shortest wall a search over start orders finds
+in an ideal model (every time known, no overhead), and the wall of the order it finds from the declared startups.
+They are computed from the generator, never measured, and stored in the JSON with each suite (``--add-references``
+writes them into the JSON of an earlier run); the figures add how far each is from the bound and how far the runs
+are from the reference.
 """
 
 from __future__ import annotations
@@ -45,6 +52,7 @@ from typing import Any
 
 from bound import GPUS, Run, bound, machine, progress, run_once  # bench/bound.py: the suite, its runs, its reports
 from boxgen import generate
+from ideal import declared_reference, jobs_of, reference
 
 MEASURES = {"box-suites": ("pytest_sglworker/plugin/planner.py", "pytest_sglworker/plugin/plan_model.py",
                            "pytest_sglworker/plugin/xdist_scheduling.py", "pytest_sglworker/workers/pool_warm.py",
@@ -113,9 +121,35 @@ def summarize(runs: Sequence[Run], seeds: Sequence[int], ns: Sequence[int], scal
                 "launches_over": _median([r.launches - len(suites[r.suite]) for r in mine]), "ok": ok}
         per_n[str(n)] = {"floor": floor, "floor_samples": [round(f, 2) for f in floors], "variants": variants}
     return {"suites": {seed: {"configurations": len(c), "tests": sum(len(x["tests"]) for x in c),
-                              "bounds": {str(n): round(bound_at(c, n)["bound"], 2) for n in ns}}
+                              "bounds": {str(n): round(bound_at(c, n)["bound"], 2) for n in ns},
+                              **references(c, ns)}
                        for seed, c in suites.items()},
             "n": per_n}
+
+
+def references(configs: Sequence[dict[str, Any]], ns: Sequence[int]) -> dict[str, dict[str, float]]:
+    """A suite's two references at each ``-n`` (bench/ideal.py): computed from the generator, never measured."""
+    return {"reference": {str(n): round(reference(jobs_of(configs), n)[0], 3) for n in ns},
+            "declared_reference": {str(n): round(declared_reference(configs, n), 3) for n in ns}}
+
+
+def add_references(figures: dict[str, Any]) -> dict[str, Any]:
+    """``figures`` (a ``--json`` file's) with each suite's references, computed for its scale and -n values."""
+    ns = [int(n) for n in figures["n"]]
+    for seed, suite in figures["suites"].items():
+        suite.update(references(generate(int(seed), figures["scale"]), ns))
+    return figures
+
+
+def over_reference(figures: dict[str, Any], n: str, variant: str) -> tuple[float, float] | None:
+    """Median and worst of (wall less the floor) / reference of ``variant``'s runs at ``-n n`` (None: no
+    references in the file, or no such runs)."""
+    per, suites = figures["n"][n], figures["suites"]
+    runs = [r for r in figures.get("runs", ()) if str(r["n"]) == n and r["variant"] == variant]
+    if not runs or any("reference" not in suites[r["suite"]] for r in runs):
+        return None
+    ratios = sorted((r["wall"] - per["floor"]) / suites[r["suite"]]["reference"][n] for r in runs)
+    return statistics.median(ratios), ratios[-1]
 
 
 def _median(values: Sequence[float | None]) -> float | None:
@@ -149,6 +183,7 @@ def render(figures: dict[str, Any]) -> str:
                          f"{_fmt(v['tail'], ' s', 1)} | {_fmt(v['launches_over'], '', 0)} | "
                          f"{'yes' if v['ok'] else 'NO'} |")
     floors = "; ".join(f"-n {n}: {per['floor']:.2f} s" for n, per in figures["n"].items())
+    lines += _reference_table(figures)
     lines += ["", f"pytest's own floor (the same command, nothing selected): {floors}. `cold`: an empty cache and "
               "the startups the specs declare (off by up to 30 %); `history`: the cache of the cold run; `blind`: "
               "an empty cache and nothing declared.", ""]
@@ -162,6 +197,30 @@ def render(figures: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _reference_table(figures: dict[str, Any]) -> list[str]:
+    """Against bench/ideal.py's references: how loose the bound is, and how far the runs are from a searched
+    schedule (nothing when the file has no references)."""
+    suites = list(figures["suites"].values())
+    if not suites or any("reference" not in s for s in suites):
+        return []
+    lines = ["", "Against the best schedule a search finds in an ideal model (`bench/ideal.py`: every time known, no "
+             "overhead, each configuration launched once; not a lower bound), and the same search given the "
+             "declared startups instead of the true ones:", "",
+             "| `-n` | reference / bound: median | worst | with declared startups / bound: median | worst | "
+             "cold / reference: median | worst | history / reference: median | worst |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for n in figures["n"]:
+        ref = sorted(s["reference"][n] / s["bounds"][n] for s in suites)
+        seen = sorted(s["declared_reference"][n] / s["bounds"][n] for s in suites)
+        cells = [f"{_fmt(statistics.median(ref))} | {_fmt(ref[-1])}", f"{_fmt(statistics.median(seen))} | "
+                 f"{_fmt(seen[-1])}"]
+        for variant in ("cold", "history"):
+            over = over_reference(figures, n, variant)
+            cells.append("- | -" if over is None else f"{_fmt(over[0])} | {_fmt(over[1])}")
+        lines.append(f"| {n} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--suites", type=int, default=SUITES, help=f"suites, seeds 0 .. N-1 (default {SUITES})")
@@ -172,7 +231,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--note", default=None, help="a line printed with the figures (e.g. 'indicative: loaded')")
     parser.add_argument("--json", type=Path, default=None, help="also write every figure and sample as JSON")
     parser.add_argument("--render", type=Path, default=None, help="measure nothing: print the section from JSON")
+    parser.add_argument("--add-references", type=Path, default=None, metavar="JSON",
+                        help="measure nothing: write bench/ideal.py's references into an earlier run's --json file")
     args = parser.parse_args(argv)
+    if args.add_references is not None:
+        figures = add_references(json.loads(args.add_references.read_text()))
+        args.add_references.write_text(json.dumps(figures, indent=1) + "\n")
+        print(render(figures))
+        return 0
     if args.render is not None:
         print(render(json.loads(args.render.read_text())))
         return 0

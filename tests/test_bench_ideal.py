@@ -1,0 +1,98 @@
+"""bench/ideal.py, the ideal model the generated GPU-box suites' figures compare runs with (issue 43): its plays on
+suites small enough to work out by hand, its search, and the references the committed JSON carries, which must be
+what the model computes now (a change to the model without ``--add-references`` fails here).
+
+The bench's modules import each other as siblings; they are loaded from their files here, and this process's
+``sys.path`` is left alone.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import json
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+
+def _load(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(f"_bench_{name}", BENCH / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def ideal() -> ModuleType:
+    return _load("ideal")
+
+
+@pytest.fixture(scope="module")
+def boxgen() -> ModuleType:
+    return _load("boxgen")
+
+
+def test_configurations_on_one_gpu_start_one_after_the_other(ideal: ModuleType) -> None:
+    assert ideal.play([(1, 1.0, 1.0), (1, 2.0, 0.5)], [0, 1], n=4, gpus=1) == pytest.approx(4.5)
+
+
+def test_startups_need_no_xdist_worker_so_they_overlap_and_only_the_tests_queue(ideal: ModuleType) -> None:
+    # both start at 0 and are ready at 3; the one xdist worker runs their tests one configuration after the other
+    assert ideal.play([(1, 3.0, 1.0), (1, 3.0, 1.0)], [0, 1], n=1, gpus=2) == pytest.approx(5.0)
+
+
+def test_a_configuration_that_does_not_fit_lets_a_later_one_start(ideal: ModuleType) -> None:
+    jobs = [(1, 1.0, 1.0), (2, 1.0, 1.0), (1, 4.0, 0.0)]
+    # 0 takes one GPU, 1 (two GPUs) does not fit, 2 takes the other; 1 starts once both are free, at 4
+    assert ideal.play(jobs, [0, 1, 2], n=2, gpus=2) == pytest.approx(6.0)
+    assert ideal.play(jobs, [1, 0, 2], n=2, gpus=2) == pytest.approx(6.0)  # 1 first: then 0 and 2 side by side
+
+
+def test_a_ready_configuration_waits_for_the_first_free_xdist_worker(ideal: ModuleType) -> None:
+    # 0 is ready at 1 and holds the only worker until 5; 1, ready at 2, runs its test from 5 to 6
+    assert ideal.play([(1, 1.0, 4.0), (1, 2.0, 1.0)], [0, 1], n=1, gpus=2) == pytest.approx(6.0)
+
+
+def test_a_configuration_larger_than_the_box_is_refused(ideal: ModuleType) -> None:
+    with pytest.raises(ValueError, match="more than the 2 GPUs"):
+        ideal.play([(4, 1.0, 1.0)], [0], n=1, gpus=2)
+
+
+def test_the_reference_of_a_small_suite_is_the_best_of_every_start_order(ideal: ModuleType) -> None:
+    jobs = [(1, 4.0, 1.0), (2, 1.0, 1.0), (1, 1.0, 3.0), (1, 2.0, 0.5), (2, 2.5, 0.5)]
+    walls = [ideal.play(jobs, order, 2, 3) for order in itertools.permutations(range(len(jobs)))]
+    wall, order = ideal.reference(jobs, 2, 3)
+    assert wall == pytest.approx(min(walls)) and ideal.play(jobs, order, 2, 3) == pytest.approx(wall)
+    assert min(walls) < max(walls)  # the order matters in this suite: the search has something to find
+
+
+@pytest.mark.parametrize("seed", [0, 12])
+def test_a_large_suite_s_reference_is_a_schedule_no_worse_than_the_rules_and_never_below_the_bound(
+        ideal: ModuleType, boxgen: ModuleType, seed: int) -> None:
+    configs = boxgen.generate(seed)
+    jobs = ideal.jobs_of(configs)
+    assert len(jobs) > ideal.EXHAUSTIVE  # the local search, not every order
+    for n in (2, 8):
+        wall, order = ideal.reference(jobs, n)
+        assert sorted(order) == list(range(len(jobs))) and ideal.play(jobs, order, n) == pytest.approx(wall)
+        assert wall <= min(ideal.play(jobs, rule, n) for rule in ideal._rules(jobs))
+        work = sum(g * (s + p) for g, s, p in jobs) / ideal.GPUS
+        assert wall >= max(work, max(s + p for _, s, p in jobs), sum(p for _, _, p in jobs) / n) - 1e-9
+        assert ideal.reference(jobs, n) == (wall, order)  # seeded: the same every time
+        assert ideal.declared_reference(configs, n) >= wall - 1e-9  # knowing less never finds a shorter one
+
+
+def test_the_committed_references_are_what_the_model_computes_now(ideal: ModuleType, boxgen: ModuleType) -> None:
+    figures = json.loads((BENCH / "results" / "box_suites.json").read_text())
+    for seed in ("0", "5", "12"):  # one suite of every order (5: every start order; 0, 12: the local search)
+        configs, stored = boxgen.generate(int(seed), figures["scale"]), figures["suites"][seed]
+        for n in figures["n"]:
+            assert stored["reference"][n] == round(ideal.reference(ideal.jobs_of(configs), int(n))[0], 3), (
+                f"suite {seed} at -n {n}: run bench/box_suites.py --add-references bench/results/box_suites.json")
+            assert stored["declared_reference"][n] == round(ideal.declared_reference(configs, int(n)), 3)
+
