@@ -46,6 +46,11 @@ def test_c0(sgl_worker, i, request):
         while not handed(run_dir) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert handed(run_dir), "no configuration launched ahead here was handed to the other xdist worker"
+    if i == 3 and os.environ.get("HANDOVER_GATE"):  # the run is still on when the test that started it acts on it
+        gate = Path(os.environ["HANDOVER_GATE"])
+        deadline = time.monotonic() + 120
+        while not gate.exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
 '''
 for _n in range(1, 6):
     SUITE += f'''
@@ -139,9 +144,11 @@ def test_nothing_outlives_the_run_when_the_adopting_test_fails_or_is_skipped(
     _nothing_left(handover, started)
 
 
-def test_nothing_outlives_an_interrupted_run(pytester: pytest.Pytester, handover: Path) -> None:
+def test_nothing_outlives_an_interrupted_run(pytester: pytest.Pytester, handover: Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """Once a group launched ahead is handed to the run (its record in the lock directory), Ctrl-C on the run (SIGINT to
-    its process group): the run ends, and with it every engine, keeper and record."""
+    its process group): the run ends, and with it every engine, keeper and record. Its last c0 test waits for a gate
+    that never opens, so that the interrupt comes while the run is on however slow this machine is."""
     import signal
     import subprocess
     import sys
@@ -149,6 +156,7 @@ def test_nothing_outlives_an_interrupted_run(pytester: pytest.Pytester, handover
     from pytest_sglworker.resources.warm_records import warm_records
 
     pytester.makepyfile(test_handover=SUITE)
+    monkeypatch.setenv("HANDOVER_GATE", str(handover / "gate"))
     locks = handover / "locks"
     proc = subprocess.Popen([sys.executable, "-m", "pytest", *SIM, "-n", "2", "--sgl-gpus", "sim:8"],
                             cwd=pytester.path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
@@ -174,10 +182,11 @@ def test_nothing_outlives_an_interrupted_run(pytester: pytest.Pytester, handover
 
 @pytest.mark.parametrize("whom", ["giver", "adopter"])
 def test_nothing_outlives_an_xdist_worker_killed_during_the_hand_over(
-        pytester: pytest.Pytester, handover: Path, whom: str) -> None:
+        pytester: pytest.Pytester, handover: Path, monkeypatch: pytest.MonkeyPatch, whom: str) -> None:
     """Once a group launched ahead is handed to the run, SIGKILL of the xdist worker that kept it (the giver) or of the
     one that adopts it: no teardown of its own runs there. xdist reports the crash and goes on; the run ends, and with
-    it every engine, keeper and record (the keepers' watch on the run, not the dead worker's cleanup)."""
+    it every engine, keeper and record (the keepers' watch on the run, not the dead worker's cleanup). The last c0 test
+    waits for a gate opened after the kill, so that the kill comes while the run is on however slow this machine is."""
     import signal
     import subprocess
     import sys
@@ -185,6 +194,8 @@ def test_nothing_outlives_an_xdist_worker_killed_during_the_hand_over(
     from pytest_sglworker.resources.warm_records import warm_records
 
     pytester.makepyfile(test_handover=SUITE)
+    gate = handover / "gate"
+    monkeypatch.setenv("HANDOVER_GATE", str(gate))
     locks = handover / "locks"
     proc = subprocess.Popen([sys.executable, "-m", "pytest", *SIM, "-n", "2", "--sgl-gpus", "sim:8"],
                             cwd=pytester.path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
@@ -203,6 +214,7 @@ def test_nothing_outlives_an_xdist_worker_killed_during_the_hand_over(
                     break
             time.sleep(0.01)
         assert killed is not None, f"no group was handed to the run with a {whom} to kill"
+        gate.touch()
         output, _ = proc.communicate(timeout=180)
     finally:
         if proc.poll() is None:
