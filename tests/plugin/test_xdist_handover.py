@@ -13,6 +13,7 @@ from typing import Any
 
 import psutil
 import pytest
+from session_helpers import _default_sigint
 
 SIM = ("-p", "no:cacheprovider", "--sgl-engine", "sim", "--sgl-model", "qwen3-0.6b")
 
@@ -147,8 +148,9 @@ def test_nothing_outlives_the_run_when_the_adopting_test_fails_or_is_skipped(
 def test_nothing_outlives_an_interrupted_run(pytester: pytest.Pytester, handover: Path,
                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """Once a group launched ahead is handed to the run (its record in the lock directory), Ctrl-C on the run (SIGINT to
-    its process group): the run ends, and with it every engine, keeper and record. Its last c0 test waits for a gate
-    that never opens, so that the interrupt comes while the run is on however slow this machine is."""
+    its process group): the run ends, and with it every engine, keeper and record. The run starts with SIGINT at its
+    default (a suite run as a shell's background job inherits it ignored, which the plugin rightly respects), and its
+    last c0 test waits for a gate that never opens, so that the interrupt always comes while the run is on."""
     import signal
     import subprocess
     import sys
@@ -159,7 +161,8 @@ def test_nothing_outlives_an_interrupted_run(pytester: pytest.Pytester, handover
     monkeypatch.setenv("HANDOVER_GATE", str(handover / "gate"))
     locks = handover / "locks"
     proc = subprocess.Popen([sys.executable, "-m", "pytest", *SIM, "-n", "2", "--sgl-gpus", "sim:8"],
-                            cwd=pytester.path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+                            cwd=pytester.path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+                            preexec_fn=_default_sigint)  # a background job's ignored SIGINT is not inherited
     try:
         deadline = time.monotonic() + 120
         records = []
@@ -198,7 +201,8 @@ def test_nothing_outlives_an_xdist_worker_killed_during_the_hand_over(
     monkeypatch.setenv("HANDOVER_GATE", str(gate))
     locks = handover / "locks"
     proc = subprocess.Popen([sys.executable, "-m", "pytest", *SIM, "-n", "2", "--sgl-gpus", "sim:8"],
-                            cwd=pytester.path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+                            cwd=pytester.path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+                            preexec_fn=_default_sigint)  # a background job's ignored SIGINT is not inherited
     killed = None
     try:
         deadline = time.monotonic() + 120
