@@ -111,6 +111,14 @@ def bound(configs: Sequence[dict[str, Any]], gpus: int = GPUS) -> dict[str, floa
     return {"gpu_work": work, "work_over_gpus": work / gpus, "longest": longest, "bound": max(work / gpus, longest)}
 
 
+def bound_at(configs: Sequence[dict[str, Any]], n: int, gpus: int = GPUS) -> dict[str, float]:
+    """:func:`bound` at ``-n n`` (bench/box_suites.py's): also no sooner than the tests' seconds over the ``n`` xdist
+    workers that run them one at a time."""
+    b = bound(configs, gpus)
+    tests = sum(sum(c["tests"]) for c in configs) / n
+    return {**b, "tests_over_n": tests, "bound": max(b["bound"], tests)}
+
+
 # ---------------------------------------------------------------------------------------------- running
 
 

@@ -50,7 +50,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from bound import GPUS, Run, bound, machine, progress, run_once  # bench/bound.py: the suite, its runs, its reports
+from bound import GPUS, Run, bound_at, machine, progress, run_once  # bench/bound.py: the suite, its runs, its reports
 from boxgen import generate
 from ideal import declared_reference, jobs_of, reference
 
@@ -70,13 +70,6 @@ VARIANTS = ("cold", "history", "blind", "load", "loadgroup")
 #: bench/bound.py's variant that runs each of ours: its cache directory per suite and -n, empty at the first run
 _AS = {"cold": "ours", "history": "ours", "blind": "ours", "load": "load", "loadgroup": "loadgroup"}
 GOAL_MEDIAN, GOAL_WORST = 1.15, 1.3
-
-
-def bound_at(configs: Sequence[dict[str, Any]], n: int, gpus: int = GPUS) -> dict[str, float]:
-    """The lower bound at ``-n n`` (see the module docstring)."""
-    b = bound(configs, gpus)
-    tests = sum(sum(c["tests"]) for c in configs) / n
-    return {**b, "tests_over_n": tests, "bound": max(b["bound"], tests)}
 
 
 def measure(workdir: Path, seeds: Sequence[int], ns: Sequence[int], scale: float, baselines: int) -> list[Run]:

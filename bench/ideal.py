@@ -36,8 +36,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-#: GPUs of the box (bench/bound.py's GPUS)
-GPUS = 8
+from bound import GPUS, KIND_GPUS  # bench/bound.py, a sibling: the box and what each kind of configuration leases
+
 #: configurations up to which every start order is tried (8! = 40,320 plays)
 EXHAUSTIVE = 8
 #: local-search steps beyond that
@@ -46,12 +46,9 @@ MOVES = 3000
 #: a configuration of the model: (GPUs, startup seconds, seconds of its tests back to back)
 Job = tuple[int, float, float]
 
-_KIND_GPUS = {"tp1": 1, "tp2": 2, "pd": 2}
-
-
 def jobs_of(configs: Sequence[dict[str, Any]]) -> list[Job]:
     """bench/boxgen.py's configurations as the model's jobs."""
-    return [(_KIND_GPUS[c["kind"]], float(c["startup"]), float(sum(c["tests"]))) for c in configs]
+    return [(KIND_GPUS[c["kind"]], float(c["startup"]), float(sum(c["tests"]))) for c in configs]
 
 
 def play(jobs: Sequence[Job], order: Sequence[int], n: int, gpus: int = GPUS) -> float:
@@ -130,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     if len(args) != 2:
         print("usage: bench/ideal.py SEED N", file=sys.stderr)
         return 2
-    from box_suites import bound_at  # bench/box_suites.py, a sibling
+    from bound import bound_at
     from boxgen import generate
 
     configs = generate(int(args[0]))

@@ -2,8 +2,8 @@
 suites small enough to work out by hand, its search, and the references the committed JSON carries, which must be
 what the model computes now (a change to the model without ``--add-references`` fails here).
 
-The bench's modules import each other as siblings; they are loaded from their files here, and this process's
-``sys.path`` is left alone.
+The bench's modules import each other as siblings: they are loaded from their files here, with bench/ on
+``sys.path`` only while they load.
 """
 
 from __future__ import annotations
@@ -23,7 +23,9 @@ def _load(name: str) -> ModuleType:
     spec = importlib.util.spec_from_file_location(f"_bench_{name}", BENCH / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.syspath_prepend(str(BENCH))
+        spec.loader.exec_module(module)
     return module
 
 
