@@ -8,12 +8,15 @@ import json
 import os
 import re
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import psutil
 import pytest
 from session_helpers import _default_sigint
+
+from pytest_sglworker.resources.warm_records import WarmRecord
 
 SIM = ("-p", "no:cacheprovider", "--sgl-engine", "sim", "--sgl-model", "qwen3-0.6b")
 
@@ -145,51 +148,12 @@ def test_nothing_outlives_the_run_when_the_adopting_test_fails_or_is_skipped(
     _nothing_left(handover, started)
 
 
-def test_nothing_outlives_an_interrupted_run(pytester: pytest.Pytester, handover: Path,
-                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    """Once a group launched ahead is handed to the run (its record in the lock directory), Ctrl-C on the run (SIGINT to
-    its process group): the run ends, and with it every engine, keeper and record. The run starts with SIGINT at its
-    default (a suite run as a shell's background job inherits it ignored, which the plugin rightly respects), and its
-    last c0 test waits for a gate that never opens, so that the interrupt always comes while the run is on."""
-    import signal
-    import subprocess
-    import sys
-
-    from pytest_sglworker.resources.warm_records import warm_records
-
-    pytester.makepyfile(test_handover=SUITE)
-    monkeypatch.setenv("HANDOVER_GATE", str(handover / "gate"))
-    locks = handover / "locks"
-    proc = subprocess.Popen([sys.executable, "-m", "pytest", *SIM, "-n", "2", "--sgl-gpus", "sim:8"],
-                            cwd=pytester.path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
-                            preexec_fn=_default_sigint)  # a background job's ignored SIGINT is not inherited
-    try:
-        deadline = time.monotonic() + 120
-        records = []
-        while time.monotonic() < deadline and proc.poll() is None:
-            records = [e.record for e in warm_records(locks) if e.record is not None and e.record.run is not None]
-            if records:
-                break
-            time.sleep(0.02)
-        assert records, "no group was handed to the run"
-        os.killpg(proc.pid, signal.SIGINT)
-        output, _ = proc.communicate(timeout=180)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(30)
-    assert proc.returncode != 0, output.decode(errors="replace")[-3000:]
-    started, _ = _sims(handover / "sim-record.jsonl")
-    _nothing_left(handover, started)
-
-
-@pytest.mark.parametrize("whom", ["giver", "adopter"])
-def test_nothing_outlives_an_xdist_worker_killed_during_the_hand_over(
-        pytester: pytest.Pytester, handover: Path, monkeypatch: pytest.MonkeyPatch, whom: str) -> None:
-    """Once a group launched ahead is handed to the run, SIGKILL of the xdist worker that kept it (the giver) or of the
-    one that adopts it: no teardown of its own runs there. xdist reports the crash and goes on; the run ends, and with
-    it every engine, keeper and record (the keepers' watch on the run, not the dead worker's cleanup). The last c0 test
-    waits for a gate opened after the kill, so that the kill comes while the run is on however slow this machine is."""
+def _act_once_handed(pytester: pytest.Pytester, handover: Path, monkeypatch: pytest.MonkeyPatch,
+                     act: Callable[[WarmRecord, int], bool]) -> tuple[int, str]:
+    """Run SUITE under ``-n 2`` as a process group of its own, with its signals at their defaults (a suite run as a
+    shell's background job inherits SIGINT ignored, which the plugin rightly respects). Its last c0 test waits for a
+    gate, so that the run is still on while ``act(record, run_pid)`` is called for each record of a group handed to
+    the run, until it returns True; then the gate opens. Returns the run's exit status and output."""
     import signal
     import subprocess
     import sys
@@ -199,32 +163,57 @@ def test_nothing_outlives_an_xdist_worker_killed_during_the_hand_over(
     pytester.makepyfile(test_handover=SUITE)
     gate = handover / "gate"
     monkeypatch.setenv("HANDOVER_GATE", str(gate))
-    locks = handover / "locks"
     proc = subprocess.Popen([sys.executable, "-m", "pytest", *SIM, "-n", "2", "--sgl-gpus", "sim:8"],
                             cwd=pytester.path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
-                            preexec_fn=_default_sigint)  # a background job's ignored SIGINT is not inherited
-    killed = None
+                            preexec_fn=_default_sigint)
     try:
-        deadline = time.monotonic() + 120
-        while killed is None and time.monotonic() < deadline and proc.poll() is None:
-            for entry in warm_records(locks):
-                record = entry.record
-                if record is None or record.run is None:
-                    continue
-                party = record.kept_by if whom == "giver" else record.adopter
-                if party is not None and party.pid != proc.pid and psutil.pid_exists(party.pid):
-                    killed = party.pid
-                    os.kill(killed, signal.SIGKILL)
-                    break
+        deadline, acted = time.monotonic() + 120, False
+        while not acted and time.monotonic() < deadline and proc.poll() is None:
+            records = [e.record for e in warm_records(handover / "locks")]
+            acted = any(act(r, proc.pid) for r in records if r is not None and r.run is not None)
             time.sleep(0.01)
-        assert killed is not None, f"no group was handed to the run with a {whom} to kill"
+        assert acted, "no group was handed to the run while it was on"
         gate.touch()
         output, _ = proc.communicate(timeout=180)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(30)
-    text = output.decode(errors="replace")
+    return proc.returncode, output.decode(errors="replace")
+
+
+def test_nothing_outlives_an_interrupted_run(pytester: pytest.Pytester, handover: Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once a group launched ahead is handed to the run (its record in the lock directory), Ctrl-C on the run (SIGINT to
+    its process group): the run ends, and with it every engine, keeper and record."""
+    import signal
+
+    def interrupt(record: WarmRecord, run: int) -> bool:
+        os.killpg(run, signal.SIGINT)
+        return True
+
+    status, text = _act_once_handed(pytester, handover, monkeypatch, interrupt)
+    assert status != 0, text[-3000:]
+    started, _ = _sims(handover / "sim-record.jsonl")
+    _nothing_left(handover, started)
+
+
+@pytest.mark.parametrize("whom", ["giver", "adopter"])
+def test_nothing_outlives_an_xdist_worker_killed_during_the_hand_over(
+        pytester: pytest.Pytester, handover: Path, monkeypatch: pytest.MonkeyPatch, whom: str) -> None:
+    """Once a group launched ahead is handed to the run, SIGKILL of the xdist worker that kept it (the giver) or of the
+    one that adopts it: no teardown of its own runs there. xdist reports the crash and goes on; the run ends, and with
+    it every engine, keeper and record (the keepers' watch on the run, not the dead worker's cleanup)."""
+    import signal
+
+    def kill(record: WarmRecord, run: int) -> bool:
+        party = record.kept_by if whom == "giver" else record.adopter
+        if party is None or party.pid == run or not psutil.pid_exists(party.pid):
+            return False
+        os.kill(party.pid, signal.SIGKILL)
+        return True
+
+    _, text = _act_once_handed(pytester, handover, monkeypatch, kill)
     # the run went on: the test it crashed in fails, every other test passes (19 when the crash came in the teardown
     # of a test whose call had passed: xdist reports both)
     assert "crashed while running" in text and re.search(r"\b1 failed, 1[89] passed in", text), text[-3000:]
