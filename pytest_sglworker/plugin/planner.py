@@ -389,9 +389,8 @@ class Planner:
             own = self._soonest(mine)
             wait = self._ready_in(own)
             if wait and holds <= 1:  # it would wait for its own: another's launch ahead, ready sooner, is taken over
-                other = self._to_take_over(node)
-                ready = self._ready_in(other) if other is not None else None
-                if other is not None and ready is not None and ready + HANDOVER_SECONDS < wait:
+                other = self._sooner_than(node, wait)
+                if other is not None:
                     return ("adopt", other), False
             return ("resident", own), False
         free = self._free_for(node)
@@ -407,7 +406,7 @@ class Planner:
             if free is None or self._gpus(key) <= free:
                 if waiter is not None and waiter[0] is node:
                     self._waiter = None
-                if holds <= 1 and (adopted := self._sooner_than_launch(node, key)) is not None:
+                if holds <= 1 and (adopted := self._sooner_than(node, self.startup_seconds(key))) is not None:
                     return ("adopt", adopted), False
                 return ("new", key), False
             blocked = True
@@ -450,14 +449,13 @@ class Planner:
         known = [(ready, i) for i, k in enumerate(keys) if (ready := self._ready_in(k)) is not None]
         return keys[min(known)[1]] if len(known) == len(keys) else keys[0]
 
-    def _sooner_than_launch(self, node: _Node, key: str) -> str | None:
-        """Another node's launch ahead for ``node`` to take over instead of launching ``key``: one that is ready sooner
-        than ``key``'s startup by more than :data:`HANDOVER_SECONDS` (else None)."""
-        other = self._to_take_over(node)
-        if other is None:
-            return None
-        ready, startup = self._ready_in(other), self.startup_seconds(key)
-        return other if ready is not None and startup is not None and ready + HANDOVER_SECONDS < startup else None
+    def _sooner_than(self, node: _Node, seconds: float | None) -> str | None:
+        """Another node's launch ahead for ``node`` to take over instead of waiting ``seconds`` for a launch of its
+        own (its launch ahead, or a new one's startup): one ready sooner by more than :data:`HANDOVER_SECONDS` (else
+        None, and None when ``seconds`` is not known)."""
+        other = self._to_take_over(node) if seconds is not None else None
+        ready = self._ready_in(other) if other is not None else None
+        return other if ready is not None and seconds is not None and ready + HANDOVER_SECONDS < seconds else None
 
     def _to_take_over(self, node: _Node) -> str | None:
         """A configuration another node launched ahead and has not started, for ``node`` to take over (it has
