@@ -11,7 +11,8 @@ Why one module of this size: the pool's promises (one lease per group, parallel 
 stopping the rest, reuse after health, eviction, launch ahead) all act on the same entries under one lock;
 launching one process is in :mod:`launcher`, leases in :mod:`gpus`, the entries and small records in
 :mod:`pool_parts`, a member's memory ledger in :mod:`member_ledger`, keeping groups warm between sessions in
-:mod:`warm`, the pool's warm side (and groups handed over within a run) in :mod:`pool_warm`.
+:mod:`warm`, the pool's warm side (and groups handed over within a run) in :mod:`pool_warm`, its launches ahead
+(from the main thread and from an xdist worker's follower of the controller) in :mod:`pool_ahead`.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from .errors import LaunchCancelled, WorkerDied
 from .group import WorkerGroup
 from .launcher import LaunchOptions, ModelInstance, ProgressCallback, spawn_worker
 from .member_ledger import attach_ledger, record_kv_tokens
+from .pool_ahead import PoolAhead
 from .pool_parts import (
     CALLED_OFF,
     Ahead,
@@ -71,7 +73,7 @@ PROGRESS_EVERY_S = 1.0
 TICK_S = 0.1
 
 
-class WorkerPool(PoolWarm):
+class WorkerPool(PoolAhead, PoolWarm):
     """Hands out worker groups; reuses idle ones of the same configuration when ``reuse`` is on."""
 
     def __init__(
@@ -142,6 +144,14 @@ class WorkerPool(PoolWarm):
         #: guards the entries (idle, busy, ahead) and the figures: a launch ahead registers its group and counts
         #: its launch from its own thread
         self._lock = threading.RLock()
+        #: held by a launch ahead from its check that none of its configuration is there to its registration, and by
+        #: the main thread while it says it is at work on the entries: a launch ahead from another thread (the xdist
+        #: worker's follower) never doubles a launch (taken before ``_lock``, never while holding it)
+        self._gate = threading.RLock()  # the main thread may come back to it (a launch ahead inside its wait)
+        #: how many of the main thread's acquire, release and discard are under way: a group it works on may be in
+        #: none of the entries for a moment (being checked, set back, retired), and its own launch comes first
+        self._at_work = 0
+        self._stopping = False  # close() has begun: no launch ahead starts
 
     # -- public -------------------------------------------------------------------------------------------
     @property
@@ -163,11 +173,12 @@ class WorkerPool(PoolWarm):
         read now). Called on the main thread."""
         fresh = fresh or options is not None
         asked = time.time()
-        try:
-            return self._acquire(config, holder=holder, fresh=fresh, options=options, environ=environ)
-        except SglWorkerError as exc:
-            self._blame(config, exc, nodeid_of(holder), asked)
-            raise
+        with self._at_work_on():  # a launch ahead another thread has begun is registered: it is joined below
+            try:
+                return self._acquire(config, holder=holder, fresh=fresh, options=options, environ=environ)
+            except SglWorkerError as exc:
+                self._blame(config, exc, nodeid_of(holder), asked)
+                raise
 
     def _acquire(self, config: WorkerConfig, *, holder: str, fresh: bool, options: LaunchOptions | None,
                  environ: Mapping[str, str] | None) -> WorkerGroup:
@@ -221,6 +232,10 @@ class WorkerPool(PoolWarm):
     def release(self, group: WorkerGroup, *, failed: bool = False, needed_next: bool = False) -> None:
         """Give a group back after a test; it stays pooled when reuse is on, every member is alive and no other process
         waits for a GPU, unless ``needed_next`` (this process's next test needs it: it would launch it again)."""
+        with self._at_work_on():
+            self._release(group, failed=failed, needed_next=needed_next)
+
+    def _release(self, group: WorkerGroup, *, failed: bool, needed_next: bool) -> None:
         with self._lock:
             entry = self._busy.pop(group.id, None)
         if entry is None:
@@ -273,6 +288,10 @@ class WorkerPool(PoolWarm):
         the configuration of this process's next test; a lease manager that can pass a lease on as it is (Ray's)
         keeps this group's lease for it when it asks for the same GPUs (its next lease, whatever it is for, takes
         it or gives it back)."""
+        with self._at_work_on():
+            self._discard(group, failed=failed, then=then)
+
+    def _discard(self, group: WorkerGroup, *, failed: bool, then: WorkerConfig | None) -> None:
         with self._lock:
             entry = self._busy.pop(group.id, None) or self._idle.pop(group.id, None)
         if entry is None:
@@ -340,6 +359,8 @@ class WorkerPool(PoolWarm):
         keepers that keep them warm (see :mod:`.warm`), while ``still_keep()`` says so. ``hand_over`` (not after an
         interrupt): a group launched ahead that the xdist controller promised to another xdist worker is handed over
         once ready (:meth:`finish_hand_overs`) before the rest is stopped."""
+        with self._gate:
+            self._stopping = True  # a launch ahead from another thread starts nothing from now on
         if hand_over:
             with contextlib.suppress(Exception):  # an optimisation: the taker launches its own
                 self.finish_hand_overs()
@@ -365,74 +386,6 @@ class WorkerPool(PoolWarm):
                 self._retire(entry, failed=entry.tainted)
 
     # -- launching ahead ----------------------------------------------------------------------------------
-    def launch_ahead(self, config: WorkerConfig, *, holder: str, environ: Mapping[str, str] | None = None) -> bool:
-        """Start ``config``'s group now, in the background, so that it is ready when its first test begins.
-        Only on GPUs that are free this moment and that no other process waits for (it never evicts, never
-        waits for a lease); at most one launch ahead per configuration. Returns whether it started. The test
-        that needs it gets it from :meth:`acquire` (which waits for it), or the failure it met, exactly as if
-        it had been launched then. Called on the main thread, which works out here everything the launch thread
-        needs (the members' kinds and environments, ``environ``: default this process's, read now); the thread
-        touches nothing else of the session."""
-        if self._has_group(config):
-            return False
-        adopted = self._adopt(config, holder=holder, environ=inherited_environ() if environ is None else environ)
-        if adopted is not None:  # a warm group of an earlier session: adopted now, ready when its test begins
-            with self._lock:
-                self._idle[adopted.group.id] = adopted
-            return True
-        if self.handover is not None and self.handover.expects(config.key):
-            return False  # another xdist worker hands its group over: adopted when its test asks for it
-        lease = None
-        environ = inherited_environ() if environ is None else environ
-        keeper = self._keeper(fresh=False, environ=environ, ahead=True)
-        requested = time.time()
-        if self.leases is not None:
-            lease = self._take_spare(config, others=False)
-            try:
-                if lease is not None:
-                    lease.holder = holder
-                elif self.leases.others_waiting():
-                    lease = None
-                else:
-                    lease = self.leases.try_acquire(self._wanted(config), config.spec.memory_mib, holder=holder,
-                                                    workers=self._keeper_workers(keeper))
-            except (SglWorkerError, OSError, ValueError):
-                lease = None  # it can never fit, or the inventory cannot be read: the test will say so
-            if lease is None:
-                if keeper is not None:
-                    keeper.close()
-                return False
-        times = LeaseTimes.taken_now(requested, lease)
-        try:
-            prepared = self._prepare(config, environ)
-            envs = self._member_envs(config, prepared, lease)
-        except BaseException:
-            if lease is not None:
-                lease.release(wait_timeout=self.release_wait)
-            if keeper is not None:
-                keeper.close()
-            raise
-        ahead = Ahead(config)
-
-        def run() -> None:
-            try:
-                group = self._launch(config, holder=holder, fresh=False, options=self.options, lease=lease,
-                                     prepared=prepared, envs=envs, quiet=True, cancel=ahead.cancel, keeper=keeper,
-                                     lease_times=times)
-            except BaseException as exc:  # handed to the test that needs it
-                ahead.error = exc
-                return
-            with self._lock:
-                entry = self._busy.pop(group.id)
-                entry.launched_ahead = True
-                self._idle[group.id] = entry
-
-        ahead.thread = threading.Thread(target=run, name=f"sglworker-ahead-{config.key}", daemon=True)
-        with self._lock:
-            self._ahead[config] = ahead
-        ahead.thread.start()
-        return True
-
     def _join_ahead(self, config: WorkerConfig, *, raise_error: bool = True) -> None:
         """Wait for a launch ahead of ``config`` to finish; raise what it met, as if launched now (unless
         ``raise_error`` is false: a launch ahead called off for another test; the test that needs ``config``
@@ -755,11 +708,13 @@ class WorkerPool(PoolWarm):
         for record in records:
             record.t_released = record.t_released or now
 
-    def _wanted(self, config: WorkerConfig) -> Any:
+    def _wanted(self, config: WorkerConfig, counts: Sequence[int] | None = None) -> Any:
         """What a lease of ``config`` asks for: its GPU count, or each member's count for a lease manager that
-        places members itself (``per_member``: Ray's placement groups, one bundle per member)."""
-        counts = [plan.gpus(config.spec) for plan in config.members(self.choose_kind)]
-        return counts if getattr(self.leases, "per_member", False) else sum(counts)
+        places members itself (``per_member``: Ray's placement groups, one bundle per member). ``counts``: the
+        members' counts worked out already (else the kind hook is asked: main thread)."""
+        if counts is None:
+            counts = [plan.gpus(config.spec) for plan in config.members(self.choose_kind)]
+        return list(counts) if getattr(self.leases, "per_member", False) else sum(counts)
 
     def _lease_for(self, config: WorkerConfig, counts: Sequence[int], holder: str,
                    workers: Sequence[str] = ()) -> tuple[Lease | None, float]:

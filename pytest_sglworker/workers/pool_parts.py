@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -60,6 +60,18 @@ class Prepared:
     plans: list[MemberPlan]
     counts: list[int]
     environ: Mapping[str, str]
+
+
+@dataclass(frozen=True)
+class AheadKit:
+    """A launch ahead worked out on the main thread, to be started from another (the xdist worker's follower of the
+    controller's word, while a test runs): the members' plans and environment (:class:`Prepared`), the holder, and
+    each member's env for a lease as a plain function (made only when no plugin hook may change it)."""
+
+    config: WorkerConfig
+    holder: str
+    prepared: Prepared
+    member_envs: Callable[[Lease | None], list[dict[str, str]]]
 
 
 @dataclass

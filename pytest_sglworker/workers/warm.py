@@ -296,6 +296,12 @@ class Warm:
         return list(self.settings.options.launcher or environment_launcher(environ))
 
     # -- adoption ---------------------------------------------------------------------------------------------
+    def may_have(self, config_key: str) -> bool:
+        """Whether a warm record of ``config_key`` lies in the lock directory, trusted or not: a launch ahead from
+        another thread leaves that configuration to the main thread, which adopts (any thread: it reads files)."""
+        return any(e.record is not None and e.record.config_key == config_key
+                   for e in warm_records(self.settings.lock_dir))
+
     def adopt(self, config: WorkerConfig, plans: Sequence[MemberPlan], *, holder: str, environ: Mapping[str, str],
               member_envs: Callable[[Any], list[dict[str, str]]]) -> Adopted | None:
         """A warm group of ``config`` this session may have, adopted (claimed, recorded as ours), or None.

@@ -512,6 +512,19 @@ def test_release_waits_for_lingering_worker_and_memory(tmp_path: Path) -> None:
     assert manager.try_acquire(2, 1000, holder="next") is not None
 
 
+def test_free_now_probes_the_locks_without_taking_them(tmp_path: Path) -> None:
+    """The probe a launch ahead makes before it would start a keeper: locks held by anyone (this process's own leases
+    too) count, and probing takes none."""
+    manager = make_manager(tmp_path, make_nvml(3))
+    assert manager.free_now(3)
+    lease = manager.acquire(2, 1000, holder="t", timeout=0)
+    assert manager.free_now(1) and not manager.free_now(2)
+    assert manager.try_acquire(1, 1000, holder="probe") is not None  # the probe left the free GPU free
+    assert not manager.free_now(1)
+    lease.release(wait_timeout=0)
+    assert manager.free_now(2)
+
+
 def test_release_gives_up_and_reports(tmp_path: Path) -> None:
     nvml = make_nvml(1)
     manager = make_manager(tmp_path, nvml)

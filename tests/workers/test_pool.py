@@ -475,3 +475,98 @@ def test_a_giver_let_go_while_its_promised_launch_starts_hands_it_over_once_read
             and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+# -- a launch ahead started from another thread (an xdist worker's follower of the controller, issue 43) -------------
+def _kit(pool: WorkerPool, config: WorkerConfig):  # type: ignore[no-untyped-def]
+    from pytest_sglworker.workers.process import inherited_environ
+
+    return pool.ahead_kit(config, holder="ahead", environ=inherited_environ(), worker_env=lambda spec, env: dict(env))
+
+
+def _in_thread(call):  # type: ignore[no-untyped-def]
+    """``call()`` on a thread of its own (as the follower makes it), its result."""
+    result: list = []  # type: ignore[type-arg]
+    thread = threading.Thread(target=lambda: result.append(call()))
+    thread.start()
+    thread.join(60)
+    assert not thread.is_alive() and result
+    return result[0]
+
+
+def test_a_launch_ahead_from_another_thread_starts_what_the_main_thread_worked_out(make_pool) -> None:  # type: ignore[no-untyped-def]
+    """Started from another thread with the kit the main thread made: once per configuration, on the free GPU, and
+    the test that needs it gets it as its launch (not a reuse)."""
+    pool = make_pool(gpus=2)
+    a, b = WorkerConfig.of(QWEN, ["--max-total-tokens", "256"]), WorkerConfig.of(QWEN, ["--max-total-tokens", "512"])
+    group_a = pool.acquire(a, holder="a")
+    kit = _kit(pool, b)
+    assert _in_thread(lambda: pool.launch_ahead_kit(kit)) is True
+    assert _in_thread(lambda: pool.launch_ahead_kit(kit)) is False  # launching already: never twice
+    group_b = pool.acquire(b, holder="needs B")
+    assert group_b[0].gpus == "1" and group_a[0].gpus == "0"
+    assert (pool.stats[b.key].launches, pool.stats[b.key].reuses) == (1, 0)
+    assert _in_thread(lambda: pool.launch_ahead_kit(kit)) is False  # its group is here
+
+
+def test_a_launch_ahead_from_another_thread_waits_for_a_free_gpu_without_starting_anything(
+        make_pool) -> None:  # type: ignore[no-untyped-def]
+    """No free GPU: nothing starts (no keeper, no lease, no record), and the same kit starts once the GPU is free."""
+    pool = make_pool(gpus=1)
+    a, b = WorkerConfig.of(QWEN, ["--max-total-tokens", "256"]), WorkerConfig.of(QWEN, ["--max-total-tokens", "512"])
+    group_a = pool.acquire(a, holder="a")
+    kit = _kit(pool, b)
+    assert _in_thread(lambda: pool.launch_ahead_kit(kit)) is False
+    assert [r.config for r in pool.launches] == [a.key] and sorted(pool.leases.holders()) == [0]
+    pool.discard(group_a, failed=False)
+    assert _in_thread(lambda: pool.launch_ahead_kit(kit)) is True
+    group_b = pool.acquire(b, holder="needs B")
+    assert group_b[0].is_alive() and pool.stats[b.key].launches == 1
+
+
+def test_a_launch_ahead_from_another_thread_leaves_alone_what_the_main_thread_acquires(
+        make_pool) -> None:  # type: ignore[no-untyped-def]
+    """While the main thread launches B for its test, a launch ahead from another thread starts nothing: not B (one
+    launch of B, not two), nor C on a GPU B's launch may yet need (it would be called off); after close() has
+    begun, none starts at all."""
+    answers: list[bool] = []
+    box: dict = {}  # type: ignore[type-arg]
+
+    def follow(config: WorkerConfig) -> None:  # the main thread, each tick of its own launch of B
+        if not answers:
+            answers.append(_in_thread(lambda: box["pool"].launch_ahead_kit(box["kit"])))
+            answers.append(_in_thread(lambda: box["pool"].launch_ahead_kit(box["kit_c"])))
+
+    pool = make_pool(gpus=3, follow=follow)
+    b, c = WorkerConfig.of(QWEN, ["--max-total-tokens", "512"]), WorkerConfig.of(QWEN, ["--max-total-tokens", "1024"])
+    box.update(pool=pool, kit=_kit(pool, b), kit_c=_kit(pool, c))
+    group = pool.acquire(b, holder="needs B")
+    assert answers == [False, False] and group[0].is_alive()
+    assert pool.stats[b.key].launches == 1 and len(pool.launches) == 1
+    kit_c = box["kit_c"]
+    assert _in_thread(lambda: pool.launch_ahead_kit(kit_c)) is True  # the main thread is in its test now
+    pool.close()
+    c2 = WorkerConfig.of(QWEN, ["--max-total-tokens", "2048"])
+    kit_c = _kit(pool, c2)
+    assert _in_thread(lambda: pool.launch_ahead_kit(kit_c)) is False
+    assert pool.groups() == [] and not group[0].is_alive() and pool.leases.holders() == {}
+
+
+def test_a_launch_ahead_from_another_thread_leaves_alone_a_group_the_main_thread_gives_back(
+        make_pool, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    """A group given back is in none of the pool's entries while what its test changed is set back: a launch ahead of
+    its configuration from another thread then would launch it a second time."""
+    pool = make_pool(gpus=2)
+    b = WorkerConfig.of(QWEN, ["--max-total-tokens", "512"])
+    group = pool.acquire(b, holder="b")
+    kit, answers = _kit(pool, b), []
+    set_back = pool._set_back
+
+    def setting_back(entry):  # type: ignore[no-untyped-def]
+        answers.append(_in_thread(lambda: pool.launch_ahead_kit(kit)))
+        return set_back(entry)
+
+    monkeypatch.setattr(pool, "_set_back", setting_back)
+    pool.release(group)
+    assert answers == [False]
+    assert pool.groups() == [group] and pool.stats[b.key].launches == 1 and len(pool.launches) == 1

@@ -238,6 +238,17 @@ def lock_is_held(path: Path) -> bool:
 _TEMP_RE = re.compile(r"^(?:\.gpu-.+\.json\.(?P<pid>[0-9]{1,7})-[0-9a-f]+|gpu-.+\.json\.(?P<old>[0-9]{1,7}))\.tmp$")
 
 
+
+def unlocked_count(lock_dir: Path, namespace: str, indices: Sequence[int], enough: int) -> int:
+    """How many of the GPUs ``indices`` have their lock free this moment (counted up to ``enough``): a probe, any
+    thread."""
+    free = 0
+    for index in indices:
+        free += not lock_is_held(gpu_lock_path(lock_dir, namespace, index))
+        if free >= enough:
+            break
+    return free
+
 def remove_dead_temporaries(lock_dir: Path) -> None:
     """Remove the temporary record files whose writer died between creating and renaming them (SIGKILL)."""
     import psutil

@@ -44,6 +44,7 @@ from .holders import (
     lock_is_held,
     read_holder_record,
     remove_dead_temporaries,
+    unlocked_count,
     write_holder_record,
 )
 from .inventory import GpuInfo, Inventory, join_indices
@@ -376,6 +377,10 @@ class LeaseManager:
 
     # -- waiters: a process that waits for a lease says so (resources.waiters), so that holders of idle pooled
     # workers let go
+
+    def free_now(self, tp: int) -> bool:
+        """Whether ``tp`` GPUs have their locks free this moment: a cheap probe, never a promise (any thread)."""
+        return unlocked_count(self.lock_dir, self.namespace, [g.index for g in self.inventory.static_gpus()], tp) >= tp
 
     def others_waiting(self) -> bool:
         """Whether another live process of this machine waits for a lease of this inventory: a pool then

@@ -408,6 +408,14 @@ class AttachedSource:
             return False
         return self.launching.launch_ahead(config, holder=holder, environ=environ)
 
+    def ahead_kit(self, config: WorkerConfig, *, holder: str, environ: Mapping[str, str]) -> Any:
+        if self.serves(config.spec):
+            return None
+        return self.launching.ahead_kit(config, holder=holder, environ=environ)
+
+    def launch_kit(self, kit: Any) -> bool:
+        return self.launching.launch_kit(kit)
+
     def retire_idle(self, keys: Collection[str]) -> None:
         self.launching.retire_idle(keys)
 

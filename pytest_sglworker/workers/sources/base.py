@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ...errors import SglWorkerError
 
@@ -110,8 +110,8 @@ class SourceRefusal(SglWorkerError):
 
 
 class WorkerSource(Protocol):
-    """Where a test's workers come from. Every method is called on pytest's main thread; what a source does in
-    threads of its own works from what it was handed there."""
+    """Where a test's workers come from. Every method but :meth:`launch_kit` is called on pytest's main thread; what
+    a source does in threads of its own works from what it was handed there."""
 
     #: the figures and launch records this source writes (the run report reads them)
     records: RunRecords
@@ -139,6 +139,15 @@ class WorkerSource(Protocol):
     def launch_ahead(self, config: WorkerConfig, *, holder: str, environ: Mapping[str, str]) -> bool:
         """Start ``config``'s workers now, in the background, for a test to come, inheriting ``environ`` (the
         snapshot the main thread made); whether it started."""
+
+    def ahead_kit(self, config: WorkerConfig, *, holder: str, environ: Mapping[str, str]) -> Any:
+        """A launch ahead of ``config`` worked out now, for :meth:`launch_kit` to start from another thread (an xdist
+        worker's follower of the controller, while a test runs); None when this source cannot launch ahead that
+        way (nothing launched yet, a plugin hook shapes the workers' env, leases that are not this machine's)."""
+
+    def launch_kit(self, kit: Any) -> bool:
+        """Start :meth:`ahead_kit`'s launch ahead unless it is there already; whether it started. The one method
+        called from another thread: it asks nothing of the session."""
 
     def retire_idle(self, keys: Collection[str]) -> None:
         """Stop the idle workers of the configurations ``keys`` (no later test needs them)."""

@@ -25,6 +25,7 @@ from .base import GroupRequest, GroupUse, Refusal
 if TYPE_CHECKING:
     from ...resources.warm_records import Party
     from ..group import WorkerGroup
+    from ..pool_parts import AheadKit
     from ..pool_warm import HandOver
     from ..warm import Warm
 
@@ -85,6 +86,9 @@ class PoolHooks:
     xdist_worker: str | None = None
     #: the controller's word on groups handed over within the run (with ``PoolSettings.run``)
     handover: HandOver | None = None
+    #: ``()``: whether a plugin hook may change a worker's env (``worker_env`` is then called on the main thread
+    #: only: no launch ahead from another thread); None: it may (asked on the main thread)
+    env_hooked: Callable[[], bool] | None = None
 
 
 class PoolSource:
@@ -188,6 +192,18 @@ class PoolSource:
         if self._pool is None or not self.settings.reuse:
             return False  # nothing launched yet: the first test's own launch comes first
         return self._pool.launch_ahead(config, holder=holder, environ=environ)
+
+    def ahead_kit(self, config: WorkerConfig, *, holder: str, environ: Mapping[str, str]) -> AheadKit | None:
+        hooked = self.hooks.env_hooked
+        if self._pool is None or not self.settings.reuse or hooked is None or hooked():
+            return None
+        base = self.lease_env()
+        return self._pool.ahead_kit(config, holder=holder, environ=environ,
+                                    worker_env=lambda spec, lease_env: {**base, **lease_env})
+
+    def launch_kit(self, kit: Any) -> bool:
+        pool = self._pool
+        return pool is not None and pool.launch_ahead_kit(kit)
 
     def retire_idle(self, keys: Collection[str]) -> None:
         if self._pool is not None:

@@ -69,6 +69,7 @@ from .ray_hosts import WorkerHost
 
 if TYPE_CHECKING:
     from ...engine.specs import ModelSpec
+    from ..config import WorkerConfig
     from ..kinds import WorkerKind
     from ..launcher import LaunchOptions, ModelInstance
 
@@ -657,6 +658,10 @@ class RaySource(PoolSource):
     is started by an actor in its bundle; the local lock directory still holds the port blocks."""
 
     name = "ray"
+
+    def ahead_kit(self, config: WorkerConfig, *, holder: str, environ: Mapping[str, str]) -> None:
+        """None: a placement group is asked for on the main thread only (launches ahead start between tests)."""
+        return None
 
     def make_leases(self) -> RayLeaseManager:
         return RayLeaseManager(self.settings.cluster, self.settings.lock_dir, on_message=self.hooks.on_message,
