@@ -33,7 +33,8 @@ from common import (
 NAME = "ahead"
 #: What its figures measure (bench/render.py says in each region which of these changed since the figures' commit)
 MEASURES = {NAME: ("pytest_sglworker/plugin/planner.py", "pytest_sglworker/plugin/launch_hints.py",
-                   "pytest_sglworker/plugin/session.py", "pytest_sglworker/workers/pool.py", "bench/suites/e2e")}
+                   "pytest_sglworker/plugin/hint_follower.py", "pytest_sglworker/plugin/session.py",
+                   "pytest_sglworker/workers/pool.py", "pytest_sglworker/workers/pool_ahead.py", "bench/suites/e2e")}
 AHEAD_GOAL = 0.6  # issue 16: launch ahead on / off <= 0.6
 VARIANT_NAMES = {"off": "`--sgl-launch-ahead 0`", "on": "default (1)", "two": "`--sgl-launch-ahead 2`"}
 

@@ -59,7 +59,8 @@ SUITE = REPO / "bench" / "suites" / "gpu_box"
 #: What its figures measure (bench/render.py says in each region which of these changed since the figures' commit)
 MEASURES = {"bound": ("pytest_sglworker/plugin/xdist_scheduling.py", "pytest_sglworker/plugin/xdist_hooks.py",
                     "pytest_sglworker/plugin/planner.py", "pytest_sglworker/plugin/durations.py",
-                    "pytest_sglworker/workers/pool.py", "pytest_sglworker/workers/pool_parts.py",
+                    "pytest_sglworker/workers/pool.py", "pytest_sglworker/workers/pool_ahead.py",
+                    "pytest_sglworker/workers/pool_parts.py",
                     "bench/suites/gpu_box", "bench/previous_pool.py")}
 GPUS = 8
 #: seconds on the simulated engine per second on a GPU box: a run of the box suite takes about a minute

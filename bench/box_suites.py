@@ -57,8 +57,9 @@ from ideal import declared_reference, jobs_of, reference
 MEASURES = {"box-suites": ("pytest_sglworker/plugin/planner.py", "pytest_sglworker/plugin/plan_model.py",
                            "pytest_sglworker/plugin/xdist_scheduling.py", "pytest_sglworker/workers/pool_warm.py",
                            "pytest_sglworker/plugin/xdist_hooks.py", "pytest_sglworker/plugin/launch_hints.py",
-                           "pytest_sglworker/plugin/durations.py", "pytest_sglworker/plugin/session.py",
-                           "pytest_sglworker/workers/pool.py", "pytest_sglworker/workers/pool_parts.py",
+                           "pytest_sglworker/plugin/hint_follower.py", "pytest_sglworker/plugin/durations.py",
+                           "pytest_sglworker/plugin/session.py", "pytest_sglworker/workers/pool.py",
+                           "pytest_sglworker/workers/pool_ahead.py", "pytest_sglworker/workers/pool_parts.py",
                            "bench/suites/gpu_box", "bench/boxgen.py")}
 
 SCALE = 1.0

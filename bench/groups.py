@@ -19,7 +19,8 @@ from common import SUITES, Plan, fmt_ratio, fmt_s, fmt_x, goal, median, progress
 NAME = "groups"
 #: What its figures measure (bench/render.py says in each region which of these changed since the figures' commit)
 MEASURES = {NAME: ("pytest_sglworker/workers/group.py", "pytest_sglworker/workers/router.py",
-                   "pytest_sglworker/workers/pool.py", "pytest_sglworker/workers/health.py",
+                   "pytest_sglworker/workers/pool.py",
+                   "pytest_sglworker/workers/pool_ahead.py", "pytest_sglworker/workers/health.py",
                    "pytest_sglworker/sim/pd.py", "bench/suites/groups")}
 GROUP_GOAL = 1.1  # issue 16: group ready / slowest member's startup <= 1.1
 

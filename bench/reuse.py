@@ -28,7 +28,8 @@ from common import (
 
 NAME = "reuse"
 #: What its figures measure (bench/render.py says in each region which of these changed since the figures' commit)
-MEASURES = {NAME: ("pytest_sglworker/workers/pool.py", "pytest_sglworker/workers/pool_parts.py",
+MEASURES = {NAME: ("pytest_sglworker/workers/pool.py",
+                   "pytest_sglworker/workers/pool_ahead.py", "pytest_sglworker/workers/pool_parts.py",
                    "pytest_sglworker/workers/group.py", "pytest_sglworker/plugin/fixtures.py",
                    "pytest_sglworker/plugin/session.py", "bench/suites/e2e", "bench/suites/group_reuse")}
 VARIANT_NAMES = {"pool": "pool (default)", "reuse-off": "`--sgl-reuse off`"}

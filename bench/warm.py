@@ -65,7 +65,7 @@ SUITE = SUITES / "warm"
 #: What its figures measure (bench/render.py says in each region which of these changed since the figures' commit)
 MEASURES = {"warm": ("pytest_sglworker/workers/warm.py", "pytest_sglworker/resources/warm.py",
                    "pytest_sglworker/resources/warm_keeper.py", "pytest_sglworker/resources/warm_records.py",
-                   "pytest_sglworker/workers/pool.py", "bench/suites/warm")}
+                   "pytest_sglworker/workers/pool.py", "pytest_sglworker/workers/pool_ahead.py", "bench/suites/warm")}
 SIM_STARTUP = 5.0
 RATIO_GOAL = 1.1
 COST_GOAL = 1.02

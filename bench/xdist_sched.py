@@ -50,7 +50,8 @@ from common import (  # bench/common.py: the conventions and the provenance of e
 REPO = Path(__file__).resolve().parent.parent
 #: What its figures measure (bench/render.py says in each region which of these changed since the figures' commit)
 MEASURES = {"xdist_sched": ("pytest_sglworker/plugin/xdist_scheduling.py", "pytest_sglworker/plugin/xdist_hooks.py",
-                          "pytest_sglworker/plugin/planner.py", "pytest_sglworker/workers/pool.py", "bench/suites/e2e",
+                          "pytest_sglworker/plugin/planner.py", "pytest_sglworker/workers/pool.py",
+                          "pytest_sglworker/workers/pool_ahead.py", "bench/suites/e2e",
                           "bench/suites/two_large")}
 SUITES: dict[str, dict[str, Any]] = {
     "e2e": {"path": REPO / "bench" / "suites" / "e2e", "configurations": 6, "tests": 60,

@@ -17,7 +17,8 @@ from common import SUITES, Plan, compare, e2e_env, fmt_ratio, fmt_s, interleaved
 NAME = "xdist"
 #: What its figures measure (bench/render.py says in each region which of these changed since the figures' commit)
 MEASURES = {NAME: ("pytest_sglworker/plugin/xdist_scheduling.py", "pytest_sglworker/plugin/xdist_hooks.py",
-                   "pytest_sglworker/plugin/planner.py", "pytest_sglworker/workers/pool.py", "bench/suites/e2e")}
+                   "pytest_sglworker/plugin/planner.py", "pytest_sglworker/workers/pool.py",
+                   "pytest_sglworker/workers/pool_ahead.py", "bench/suites/e2e")}
 
 XDIST_VARIANTS = {
     "n1": ["-n", "1"],

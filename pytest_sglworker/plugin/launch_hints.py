@@ -113,7 +113,19 @@ def read_launch_hint(config: Any) -> tuple[tuple[str, ...], frozenset[str]]:
     """On an xdist worker: the configurations the controller last told it to launch ahead (in order), and those
     whose idle workers to let go. A claim of the run's private directory: it names the worker's own configurations
     or is ignored."""
-    data = _read_hint(_run_dir(config), xdist_worker_id(config))
+    return read_hint_file(_run_dir(config), xdist_worker_id(config))
+
+
+def hint_place(config: Any) -> tuple[Path, str] | None:
+    """On an xdist worker of a run whose controller writes launch hints: the run's private directory and this
+    worker's id (what a thread that reads the hints is handed; read on the main thread)."""
+    directory, worker = _run_dir(config), xdist_worker_id(config)
+    return None if directory is None or worker is None else (directory, worker)
+
+
+def read_hint_file(directory: Path | None, worker: str | None) -> tuple[tuple[str, ...], frozenset[str]]:
+    """:func:`read_launch_hint` from the run's directory and the worker's id: plain values, any thread."""
+    data = _read_hint(directory, worker)
     if data is None:
         return (), frozenset()
     keys, drop = data.get("configurations"), data.get("drop")

@@ -52,8 +52,8 @@ OPT_OUT_FIX = ("drop the args that loosen the budget, or add "
 #: the session object of this pytest process
 STATE_KEY = pytest.StashKey["SglSession"]()
 #: while a worker starts, the controller's unchanged launch-ahead word is tried again this often (a launch it names
-#: may not have fitted the GPUs free a moment ago)
-FOLLOW_RETRY_S = 0.5
+#: may not have fitted the GPUs free a moment ago; a try on GPUs that are not free starts nothing)
+FOLLOW_RETRY_S = 0.1
 
 
 def state_of(config: pytest.Config) -> SglSession:
@@ -161,7 +161,8 @@ def make_source(session: SglSession) -> WorkerSource:
                       choose_kind=session.choose_kind, on_leased=session.on_leased, on_tick=terminal.flush,
                       finished=session.finished_configs if is_xdist_worker(session.config) else None,
                       follow=session.follow_controller if is_xdist_worker(session.config) else None,
-                      xdist_worker=xdist_worker_id(session.config), handover=RunHandOver(session.config))
+                      xdist_worker=xdist_worker_id(session.config), handover=RunHandOver(session.config),
+                      env_hooked=session.env_hooked)
     source: WorkerSource
     if s.cluster is not None:
         from ..workers.sources.ray import RaySource
@@ -208,6 +209,10 @@ class SglSession:
         self._configs_by_key: dict[str, WorkerConfig] | None = None  # an xdist worker's, for the controller's hints
         #: the controller's last launch-ahead word that :meth:`follow_controller` acted on, and when
         self._followed: tuple[tuple[str, ...], float] = ((), 0.0)
+        #: an xdist worker's thread that starts the controller's launches ahead while a test runs, and what its
+        #: launches were worked out from (the environment, whether a plugin hook shapes the workers' env)
+        self._follower: Any = None
+        self._kits_from: tuple[dict[str, str], bool] | None = None
         #: the test whose fixtures are being set up (its launch triggers the launches ahead)
         self.setting_up: pytest.Item | None = None
         self._session_dir: Any = None
@@ -370,6 +375,10 @@ class SglSession:
 
         return inherited_environ()
 
+    def env_hooked(self) -> bool:
+        """Whether a plugin or conftest implements ``pytest_sglworker_worker_env`` (main thread)."""
+        return bool(self.config.hook.pytest_sglworker_worker_env.get_hookimpls())
+
     def worker_env(self, spec: ModelSpec, lease_env: dict[str, str]) -> dict[str, str]:
         """A worker's environment from its lease, as the ``pytest_sglworker_worker_env`` hook changes it."""
         result = self.config.hook.pytest_sglworker_worker_env(spec=spec, lease_env=dict(lease_env))
@@ -486,6 +495,8 @@ class SglSession:
                 with contextlib.suppress(Exception):
                     router.close()
             self.routers.clear()
+            if self._follower is not None:
+                self._follower.stop()  # no launch ahead starts while the source closes
             if self._source is not None:
                 interrupted = self.interrupted_by is not None or self.exitstatus == int(pytest.ExitCode.INTERRUPTED)
                 if interrupted and hasattr(self._source, "keep_warm_ok"):
@@ -584,6 +595,24 @@ class SglSession:
         if is_xdist_worker(self.config):  # the controller may have said which configurations come next here
             wanted += [c for c in self._hinted_configs(item, source) if c != current and c not in wanted]
         self._start_ahead(source, wanted)
+        if is_xdist_worker(self.config):
+            self._hand_follower(item, source)
+
+    def _hand_follower(self, item: pytest.Item, source: WorkerSource) -> None:
+        """On an xdist worker whose controller writes launch hints: the follower thread gets what it launches from,
+        worked out here (again when the environment changed); it starts with the first, before any hint came."""
+        from .hint_follower import hand_follower
+        from .launch_hints import hint_place
+
+        place = hint_place(self.config)
+        if place is None or self._source is None:
+            return
+        basis = (self.worker_environ(), self.env_hooked())
+        if basis != self._kits_from:
+            self._kits_from = basis
+            self._follower = hand_follower(self._follower, place, self._config_map(item), source, basis,
+                                           f"launch ahead for {self.config.rootpath.name} (pid {os.getpid()})",
+                                           self.terminal.note)
 
     def _start_ahead(self, source: WorkerSource, wanted: list[WorkerConfig]) -> None:
         """Launch ``wanted`` ahead, in order, with this process's environment read now (the main thread's)."""
@@ -642,13 +671,18 @@ class SglSession:
         keys = self._follow_controller(source)
         if not keys:
             return []
+        self._configs_by_key = self._config_map(item)
+        return [self._configs_by_key[key] for key in keys if key in self._configs_by_key]
+
+    def _config_map(self, item: pytest.Item) -> dict[str, WorkerConfig]:
+        """This session's pooled configurations by key (made once, from the collected tests)."""
         if self._configs_by_key is None:
             self._configs_by_key = {}
             for collected in item.session.items:
                 config = collected.stash.get(CONFIG_KEY, None)
                 if config is not None and poolable(collected):
                     self._configs_by_key.setdefault(config.key, config)
-        return [self._configs_by_key[key] for key in keys if key in self._configs_by_key]
+        return self._configs_by_key
 
     def _upcoming(self, item: pytest.Item) -> list[pytest.Item]:
         if self.queue and not is_xdist_worker(self.config):

@@ -1,0 +1,176 @@
+"""An xdist worker follows the controller's word while a test runs (issue 43): a launch ahead the controller names
+starts once its GPUs are free, not after the test that was running then (:mod:`pytest_sglworker.plugin.hint_follower`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from pytest_sglworker.plugin.hint_follower import HintFollower
+from pytest_sglworker.plugin.launch_hints import write_launch_hint
+
+
+def _wait_for(condition, seconds: float = 30.0) -> bool:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.01)
+    return bool(condition())
+
+
+class _Launches:
+    """What the follower asked to launch, in order; ``fail``: keys whose launch raises."""
+
+    def __init__(self, fail: tuple[str, ...] = ()) -> None:
+        self.calls: list[str] = []
+        self.fail = fail
+        self.lock = threading.Lock()
+
+    def __call__(self, kit: str) -> bool:
+        with self.lock:
+            self.calls.append(kit)
+        if kit in self.fail:
+            raise RuntimeError(f"{kit} broke")
+        return True
+
+    def seen(self) -> list[str]:
+        with self.lock:
+            return list(self.calls)
+
+
+def test_the_follower_starts_the_handed_launches_the_hint_names_in_its_order(tmp_path: Path) -> None:
+    launches, errors = _Launches(fail=("c3",)), []
+    follower = HintFollower(tmp_path, "gw0", launches, on_error=errors.append, poll=0.01)
+    follower.hand({"c1": "c1", "c2": "c2", "c3": "c3"})
+    follower.start()
+    try:
+        assert _wait_for(lambda: follower.running)
+        # c9 has no kit (this source launches it between tests only); c1's tests are all handed out (drop)
+        write_launch_hint(tmp_path, "gw0", ["c2", "c9", "c1", "c3"], drop=["c1"])
+        assert _wait_for(lambda: {"c2", "c3"} <= set(launches.seen()))
+        seen = launches.seen()
+        assert "c9" not in seen and "c1" not in seen, seen
+        assert seen.index("c2") < seen.index("c3")  # each round in the hint's order
+        assert _wait_for(lambda: launches.seen().count("c3") >= 3)  # retried, as a launch that found no GPU is
+        assert errors == ["launch ahead of c3 failed to start: RuntimeError('c3 broke')"]  # said once
+        write_launch_hint(tmp_path, "gw1", ["c1"], drop=[])  # another worker's word is not this one's
+    finally:
+        follower.stop()
+    assert not follower.running  # stopped: its thread has ended, nothing starts after stop()
+
+
+def test_a_follower_without_kits_or_without_a_hint_starts_nothing(tmp_path: Path) -> None:
+    launches = _Launches()
+    follower = HintFollower(tmp_path, "gw0", launches, poll=0.01)
+
+    def looked() -> None:  # until the thread has read the hint twice since now
+        since = follower.rounds
+        assert _wait_for(lambda: follower.rounds >= since + 2)
+
+    follower.start()
+    try:
+        (tmp_path / "ahead-gw0.json").write_text("{not json")  # a claim, not an order: ignored
+        write_launch_hint(tmp_path, "gw1", ["c1"], drop=[])
+        looked()
+        follower.hand({"c1": "c1"})
+        looked()
+        assert launches.seen() == []
+        (tmp_path / "ahead-gw0.json").write_text(json.dumps({"schema": "other", "configurations": ["c1"]}))
+        looked()
+        assert launches.seen() == []
+        write_launch_hint(tmp_path, "gw0", ["c1"], drop=[])  # the same kit, named: started
+        assert _wait_for(lambda: launches.seen()[:1] == ["c1"])
+    finally:
+        follower.stop()
+
+
+#: two configurations under -n 1 on sim:2, GPU 1 held by a process outside the run until the first test lets it go.
+#: So the launch ahead of b, which the controller asks for at once, finds no free GPU when the first test's own
+#: launch starts it; the first test lets GPU 1 go and waits until b's engine runs, started by this xdist worker.
+#: Between tests nothing could start it: without the follower, that test fails at its deadline.
+SUITE = '''
+import json, os, time
+from pathlib import Path
+import psutil
+import pytest
+
+def b_started_here():
+    record = Path(os.environ["SGLSIM_RECORD"])
+    if not record.exists():
+        return False
+    for line in record.read_text().splitlines():
+        event = json.loads(line)
+        if event["event"] == "start" and event["cuda_visible_devices"] == "1":  # b: a holds GPU 0
+            try:
+                parents = [p.pid for p in psutil.Process(event["pid"]).parents()]
+            except psutil.Error:
+                return False
+            return os.getpid() in parents
+    return False
+
+@pytest.mark.sgl_worker(args=["--max-total-tokens", "4096"])
+@pytest.mark.parametrize("i", range(2))
+def test_a(sgl_worker, i):
+    if i == 0:
+        assert not b_started_here()
+        Path(os.environ["FOLLOW_GO"]).write_text("go")
+        deadline = time.monotonic() + 60
+        while not b_started_here() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert b_started_here(), "b's launch ahead did not start while this test ran"
+
+@pytest.mark.sgl_worker(args=["--max-total-tokens", "4097"])
+def test_b(sgl_worker):
+    assert sgl_worker.client.get("/health").status_code == 200
+'''
+
+#: holds GPU 1's lock file of the sim:2 lease namespace until the go file appears (at most 120 s)
+HOLDER = '''
+import fcntl, os, sys, time
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o600)
+fcntl.flock(fd, fcntl.LOCK_EX)
+open(sys.argv[2], "w").write("held")
+deadline = time.monotonic() + 120
+while not os.path.exists(sys.argv[3]) and time.monotonic() < deadline:
+    time.sleep(0.01)
+'''
+
+
+def test_a_launch_ahead_starts_while_a_test_runs_once_its_gpu_is_free(
+        pytester: pytest.Pytester, sim_env: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from pytest_sglworker.resources.gpus.holders import gpu_lock_path
+    from pytest_sglworker.resources.gpus.selection import parse_gpus_option
+
+    locks = Path(sim_env["SGLWORKER_LOCK_DIR"])
+    locks.mkdir(parents=True, exist_ok=True)
+    go, held, record = tmp_path / "go", tmp_path / "held", tmp_path / "sim-record.jsonl"
+    monkeypatch.setenv("FOLLOW_GO", str(go))
+    monkeypatch.setenv("SGLSIM_RECORD", str(record))
+    monkeypatch.delenv("PYTEST_ADDOPTS", raising=False)
+    lock = gpu_lock_path(locks, parse_gpus_option("sim:2").namespace, 1)
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(lock), str(held), str(go)])
+    try:
+        assert _wait_for(held.exists), "the outside holder did not take GPU 1"
+        pytester.makepyfile(test_follow=SUITE)
+        result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--sgl-engine", "sim", "--sgl-model",
+                                               "qwen3-0.6b", "--sgl-gpus", "sim:2", "-n", "1", "-v", timeout=180)
+        result.assert_outcomes(passed=3)
+    finally:
+        go.write_text("go")
+        holder.wait(30)
+    started = [json.loads(line)["pid"] for line in record.read_text().splitlines()
+               if json.loads(line)["event"] == "start"]
+    assert len(started) == 2, started  # a and b, each launched once
+    assert _wait_for(lambda: not [p for p in started if psutil.pid_exists(p)
+                                  and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]), "engines left running"
+    assert os.path.exists(lock)  # the outside holder's file is not the run's to remove
