@@ -45,6 +45,7 @@ from .pool_parts import (
     LeaseTimes,
     Prepared,
     failed_outcome,
+    member_env,
     nodeid_of,
     record_group_failure,
     split_env,
@@ -581,9 +582,7 @@ class WorkerPool(PoolAhead, PoolWarm):
         return group
 
     def _member_env(self, config: WorkerConfig, lease_env: dict[str, str], plan: MemberPlan) -> dict[str, str]:
-        env = {**dict(config.env), **dict(plan.env)}
-        env.update(self.worker_env(config.spec, lease_env) if self.worker_env else lease_env)
-        return env
+        return member_env(config, plan, lease_env, self.worker_env)
 
     def _start_members(self, config: WorkerConfig, plans: Sequence[MemberPlan], envs: Sequence[dict[str, str]],
                        options: LaunchOptions, records: Sequence[LaunchRecord], *, environ: Mapping[str, str],

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from ..engine.specs import ModelSpec
 from ..errors import SglWorkerError
 from .config import WorkerConfig
-from .pool_parts import Ahead, AheadKit, Entry, LeaseTimes, Prepared, split_env
+from .pool_parts import Ahead, AheadKit, Entry, LeaseTimes, Prepared, member_env, split_env
 from .process import inherited_environ
 
 if TYPE_CHECKING:
@@ -107,7 +107,7 @@ class PoolAhead:
         prepared = self._prepare(config, environ)
 
         def member_envs(lease: Lease | None) -> list[dict[str, str]]:
-            return [{**dict(config.env), **dict(plan.env), **worker_env(config.spec, env)}
+            return [member_env(config, plan, env, worker_env)
                     for env, plan in zip(split_env(lease, prepared.counts), prepared.plans, strict=True)]
 
         return AheadKit(config, holder, prepared, member_envs)

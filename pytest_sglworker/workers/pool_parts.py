@@ -21,6 +21,7 @@ from .reset import Snapshot
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
+    from ..engine.specs import ModelSpec
     from ..resources.gpus import Lease
     from ..resources.warm import BorrowedLease
     from ..resources.warm_keeper import KeeperHandle
@@ -110,6 +111,14 @@ def split_env(lease: Lease | BorrowedLease | None, counts: Sequence[int]) -> lis
         out.append({**env, "CUDA_VISIBLE_DEVICES": ",".join(devices[start:start + count])})
         start += count
     return out
+
+
+def member_env(config: WorkerConfig, plan: MemberPlan, lease_env: dict[str, str],
+               worker_env: Callable[[ModelSpec, dict[str, str]], dict[str, str]] | None = None) -> dict[str, str]:
+    """One member's env: the configuration's, then its plan's, then its share of the lease (``lease_env``), which
+    ``worker_env`` (``(spec, lease_env) -> env``) may shape."""
+    return {**dict(config.env), **dict(plan.env),
+            **(worker_env(config.spec, lease_env) if worker_env is not None else lease_env)}
 
 
 CALLED_OFF = "launch ahead called off (another test needed its GPUs, or the session ended)"
