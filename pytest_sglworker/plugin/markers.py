@@ -15,6 +15,8 @@ from typing import Any
 
 import pytest
 
+from .keys import ITEM_ERROR_KEY
+
 WORKER_MARKER_DOC = (
     "sgl_worker(args=(), env=None, fresh=False, startup_timeout=None, allow_foreign_host=None): "
     "extra sglang args and env for this test's sgl_worker; fresh=True for an unshared worker"
@@ -313,3 +315,8 @@ def poolable(item: Any) -> bool:
         return not (worker.fresh or worker.startup_timeout is not None or worker.allow_foreign_host is not None)
     return not (group.fresh or group.startup_timeout is not None)
 
+
+def launchable(item: Any) -> bool:
+    """Whether a test's workers may be launched ahead: pooled, and the test will run (not marked skip, no
+    collection error): a test that is skipped would leave its launch unused, on GPUs another test waits for."""
+    return poolable(item) and item.get_closest_marker("skip") is None and ITEM_ERROR_KEY not in item.stash

@@ -31,7 +31,7 @@ from ..engine.specs import ModelSpec, SpecRegistry, set_active_registry
 from ..errors import SglWorkerError, SpecError
 from ..workers.records import RunRecords
 from .keys import CONFIG_KEY, NEXT_KEY, RUN_INPUT, is_xdist_worker, xdist_worker_id
-from .markers import MarkerError, WorkerMarker, WorkersMarker, opt_out_reason, poolable, required_features
+from .markers import MarkerError, WorkerMarker, WorkersMarker, launchable, opt_out_reason, required_features
 from .options import Settings
 from .terminal import Terminal
 
@@ -587,7 +587,7 @@ class SglSession:
         wanted: list[WorkerConfig] = []
         for upcoming in queue:
             config = upcoming.stash.get(CONFIG_KEY, None)
-            if config is None or config == current or config in wanted or not poolable(upcoming):
+            if config is None or config == current or config in wanted or not launchable(upcoming):
                 continue
             wanted.append(config)
             if len(wanted) >= count:
@@ -609,10 +609,12 @@ class SglSession:
             return
         basis = (self.worker_environ(), self.env_hooked())
         if basis != self._kits_from:
-            self._kits_from = basis
             self._follower = hand_follower(self._follower, place, self._config_map(item), source, basis,
                                            f"launch ahead for {self.config.rootpath.name} (pid {os.getpid()})",
                                            self.terminal.note)
+            # remembered once a follower exists: a pool is made at the first launch (a first test may be attached)
+            if self._follower is not None:
+                self._kits_from = basis
 
     def _start_ahead(self, source: WorkerSource, wanted: list[WorkerConfig]) -> None:
         """Launch ``wanted`` ahead, in order, with this process's environment read now (the main thread's)."""
@@ -680,7 +682,7 @@ class SglSession:
             self._configs_by_key = {}
             for collected in item.session.items:
                 config = collected.stash.get(CONFIG_KEY, None)
-                if config is not None and poolable(collected):
+                if config is not None and launchable(collected):
                     self._configs_by_key.setdefault(config.key, config)
         return self._configs_by_key
 

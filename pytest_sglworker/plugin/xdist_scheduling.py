@@ -129,7 +129,8 @@ def unit_of(session: SglSession, item: pytest.Item) -> Unit | None:
             else:
                 workers = WorkersMarker.from_mark(item.get_closest_marker("sgl_workers"))
                 pooled = not (workers.fresh or workers.startup_timeout is not None)
-            gpus = config.gpus_needed(session.choose_kind)
+            # an attached worker (--sgl-worker-url) leases no GPU: the scheduler keeps none for its tests
+            gpus = 0 if config.spec.name in session.settings.worker_urls else config.gpus_needed(session.choose_kind)
         except (MarkerError, ValueError, TypeError):
             pooled = False
     if groups and not all(g.startswith("sgl-") for g in groups):

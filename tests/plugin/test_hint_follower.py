@@ -146,8 +146,10 @@ while not os.path.exists(sys.argv[3]) and time.monotonic() < deadline:
 '''
 
 
-def test_a_launch_ahead_starts_while_a_test_runs_once_its_gpu_is_free(
-        pytester: pytest.Pytester, sim_env: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def _follow_run(pytester: pytest.Pytester, sim_env: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                suite: str, conftest: str | None, *args: str) -> pytest.RunResult:
+    """``suite`` under -n 1 on sim:2 with GPU 1 held outside the run until its first test of a lets it go; a and b
+    each launched once, by the run, and nothing left running."""
     from pytest_sglworker.resources.gpus.holders import gpu_lock_path
     from pytest_sglworker.resources.gpus.selection import parse_gpus_option
 
@@ -161,16 +163,76 @@ def test_a_launch_ahead_starts_while_a_test_runs_once_its_gpu_is_free(
     holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(lock), str(held), str(go)])
     try:
         assert _wait_for(held.exists), "the outside holder did not take GPU 1"
-        pytester.makepyfile(test_follow=SUITE)
-        result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--sgl-engine", "sim", "--sgl-model",
-                                               "qwen3-0.6b", "--sgl-gpus", "sim:2", "-n", "1", "-v", timeout=180)
-        result.assert_outcomes(passed=3)
+        pytester.makepyfile(test_follow=suite)
+        if conftest is not None:
+            pytester.makeconftest(conftest)
+        result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--sgl-engine", "sim", "--sgl-gpus", "sim:2",
+                                               "-n", "1", "-v", *args, timeout=180)
     finally:
         go.write_text("go")
         holder.wait(30)
     started = [json.loads(line)["pid"] for line in record.read_text().splitlines()
-               if json.loads(line)["event"] == "start"]
-    assert len(started) == 2, started  # a and b, each launched once
+               if json.loads(line)["event"] == "start"] if record.exists() else []
+    assert len(started) == 2, (started, result.stdout.str()[-3000:])  # a and b, each launched once
     assert _wait_for(lambda: not [p for p in started if psutil.pid_exists(p)
                                   and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]), "engines left running"
     assert os.path.exists(lock)  # the outside holder's file is not the run's to remove
+    return result
+
+
+def test_a_launch_ahead_starts_while_a_test_runs_once_its_gpu_is_free(
+        pytester: pytest.Pytester, sim_env: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    result = _follow_run(pytester, sim_env, tmp_path, monkeypatch, SUITE, None, "--sgl-model", "qwen3-0.6b")
+    result.assert_outcomes(passed=3)
+
+#: the same with a test whose worker is attached (``--sgl-worker-url``), first or last (the spec that declares the
+#: shorter startup comes first: the xdist worker, waiting for its first launch, starts with it). First: the session
+#: launches nothing for it, so its pool does not exist yet and the follower has no launch to be handed; it is handed
+#: them at a's launch. Last: the scheduler keeps no GPU for it (an attached worker leases none), so b, not it, has
+#: GPU 1 once it is free
+ATTACHED_CONFTEST = '''
+from pytest_sglworker import CI_WORKER_ARGS, ModelSpec
+
+def pytest_sglworker_register_specs(registry):
+    registry.add(ModelSpec("outside", "org/outside", 4, features={"outside"}, worker_args=CI_WORKER_ARGS,
+                           startup_seconds=OUTSIDE))
+    registry.add(ModelSpec("inside", "org/inside", 4, features={"chat"}, worker_args=CI_WORKER_ARGS,
+                           startup_seconds=INSIDE))
+'''
+ATTACHED_SUITE = SUITE.replace("@pytest.mark.sgl_worker(args=[\"--max-total-tokens\", \"4096\"])", '''
+@pytest.mark.sgl_requires("outside")
+def test_0_attached(sgl_worker):
+    assert sgl_worker.client.get("/health").status_code == 200
+
+@pytest.mark.sgl_requires("chat")
+@pytest.mark.sgl_worker(args=["--max-total-tokens", "4096"])''').replace(
+    "@pytest.mark.sgl_worker(args=[\"--max-total-tokens\", \"4097\"])",
+    "@pytest.mark.sgl_requires(\"chat\")\n@pytest.mark.sgl_worker(args=[\"--max-total-tokens\", \"4097\"])")
+
+
+@pytest.mark.parametrize("attached", ["first", "last"])
+def test_the_follower_beside_a_test_whose_worker_is_attached(
+        attached: str, pytester: pytest.Pytester, sim_env: dict[str, str], tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from pytest_sglworker import CI_WORKER_ARGS, ModelSpec
+    from pytest_sglworker.workers.launcher import LaunchOptions, sim_launcher, spawn_worker
+
+    assert ATTACHED_SUITE.count("sgl_requires") == 3
+    startups = {"OUTSIDE": "0.1", "INSIDE": "5"} if attached == "first" else {"OUTSIDE": "5", "INSIDE": "0.1"}
+    conftest = ATTACHED_CONFTEST.replace("OUTSIDE", startups["OUTSIDE"]).replace("INSIDE", startups["INSIDE"])
+    outside = spawn_worker(ModelSpec("outside", "org/outside", 4, worker_args=CI_WORKER_ARGS),
+                           options=LaunchOptions(launcher=tuple(sim_launcher()), log_dir=tmp_path / "outside-logs",
+                                                 lock_dir=tmp_path / "outside-locks", startup_timeout=60),
+                           env={"SGLSIM_STARTUP_SECONDS": "0.1"})
+    try:
+        result = _follow_run(pytester, sim_env, tmp_path, monkeypatch, ATTACHED_SUITE, conftest,
+                             "--sgl-model", "outside", "--sgl-model", "inside", "--sgl-worker-url",
+                             f"outside={outside.url}")
+        ran = ["*PASSED test_follow.py::test_0_attached?outside?*", "*PASSED test_follow.py::test_a?inside-0?*"]
+        result.stdout.fnmatch_lines(ran if attached == "first" else ran[::-1])
+        assert outside.is_alive()  # an attached worker is not the run's to stop
+        # the skipped tests' configuration (inside, no marker) was never launched ahead, nor leased for
+        assert not [line for line in result.stdout.lines if line.startswith("inside:")], result.stdout.str()
+    finally:
+        outside.stop()
+    result.assert_outcomes(passed=4, skipped=4)
