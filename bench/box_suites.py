@@ -50,7 +50,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from bound import GPUS, Run, bound_at, machine, progress, run_once  # bench/bound.py: the suite, its runs, its reports
+# bench/bound.py: the suite, its runs, its reports
+from bound import GPUS, KIND_GPUS, Run, bound_at, machine, progress, run_once
 from boxgen import generate
 from ideal import declared_reference, jobs_of, reference
 
@@ -121,10 +122,35 @@ def summarize(runs: Sequence[Run], seeds: Sequence[int], ns: Sequence[int], scal
             "n": per_n}
 
 
-def references(configs: Sequence[dict[str, Any]], ns: Sequence[int]) -> dict[str, dict[str, float]]:
-    """A suite's two references at each ``-n`` (bench/ideal.py): computed from the generator, never measured."""
+def references(configs: Sequence[dict[str, Any]], ns: Sequence[int]) -> dict[str, dict[str, Any]]:
+    """A suite's references at each ``-n``: bench/ideal.py's two, and the planner's own model (:func:`planner_model`):
+    computed from the generator, never measured."""
     return {"reference": {str(n): round(reference(jobs_of(configs), n)[0], 3) for n in ns},
-            "declared_reference": {str(n): round(declared_reference(configs, n), 3) for n in ns}}
+            "declared_reference": {str(n): round(declared_reference(configs, n), 3) for n in ns},
+            "model": {str(n): planner_model(configs, n) for n in ns}}
+
+
+def planner_model(configs: Sequence[dict[str, Any]], n: int) -> dict[str, float]:
+    """The wall the plugin's own scheduler makes of a suite in the model it plans with (``plan_model.predict``: the
+    planner's rules over a model of xdist, every test and startup taking its true seconds, nothing else costing
+    anything), ``cold`` as a first run plays it (the declared startups, no history: the default order) and
+    ``history`` as a later one does (the order ``choose_order`` picks from the true seconds). Between the ideal
+    reference and this lies what the planner's rules cost; between this and a run, what the run costs beyond them
+    (processes, pytest, hand-overs)."""
+    from pytest_sglworker.plugin.options import DEFAULT_STEAL_MIN as STEAL  # the runs' --sgl-dist auto
+    from pytest_sglworker.plugin.plan_model import choose_order, predict
+    from pytest_sglworker.plugin.planner import ORDERS, Unit
+
+    units = [Unit(c["name"], KIND_GPUS[c["kind"]]) for c in configs for _ in c["tests"]]
+    tests = [float(t) for c in configs for t in c["tests"]]
+    startups = {c["name"]: float(c["startup"]) for c in configs}
+    declared = {c["name"]: float(c["declared"]) for c in configs}
+    cold = predict(units, tests, startups, nodes=n, gpus=GPUS, steal_min=STEAL, order=next(iter(ORDERS)),
+                   declared=declared)
+    order, _ = choose_order(units, (tests, startups), nodes=n, gpus=GPUS, steal_min=STEAL, declared=declared)
+    history = predict(units, tests, startups, nodes=n, gpus=GPUS, steal_min=STEAL, order=order, declared=declared,
+                      history=(tests, startups))
+    return {"cold": round(cold, 3), "history": round(history, 3)}
 
 
 def add_references(figures: dict[str, Any]) -> dict[str, Any]:
@@ -212,6 +238,36 @@ def _reference_table(figures: dict[str, Any]) -> list[str]:
             over = over_reference(figures, n, variant)
             cells.append("- | -" if over is None else f"{_fmt(over[0])} | {_fmt(over[1])}")
         lines.append(f"| {n} | " + " | ".join(cells) + " |")
+    return lines + _distance_table(figures)
+
+
+def _distance_table(figures: dict[str, Any]) -> list[str]:
+    """Where the distance from the bound lies, step by step (nothing when the file has no planner model)."""
+    suites = figures["suites"]
+    if not suites or any("model" not in s for s in suites.values()):
+        return []
+
+    def cell(values: Sequence[float]) -> str:
+        ordered = sorted(values)
+        return f"{_fmt(statistics.median(ordered))} / {_fmt(ordered[-1])}" if ordered else "-"
+
+    lines = ["", "Where the distance lies, each column over the bound (median / worst): the ideal search; the same "
+             "search from the declared startups; the plugin's scheduler in the model it plans with "
+             "(`plan_model.predict`: its own rules, every time true, no process, pytest or hand-over cost; cold: "
+             "declared startups, no history; history: the order it picks from the true times); the runs. Model to "
+             "ideal is what the scheduler's rules cost, run to model what a run costs beyond them:", "",
+             "| `-n` | ideal | ideal from declared | model, cold | run, cold | model, history | run, history |",
+             "|---|---|---|---|---|---|---|"]
+    for n, per in figures["n"].items():
+        bounds = {seed: s["bounds"][n] for seed, s in suites.items()}
+        runs = {v: [r for r in figures.get("runs", ()) if str(r["n"]) == n and r["variant"] == v]
+                for v in ("cold", "history")}
+        cells = [cell([s["reference"][n] / bounds[k] for k, s in suites.items()]),
+                 cell([s["declared_reference"][n] / bounds[k] for k, s in suites.items()])]
+        for variant in ("cold", "history"):
+            cells.append(cell([s["model"][n][variant] / bounds[k] for k, s in suites.items()]))
+            cells.append(cell([(r["wall"] - per["floor"]) / bounds[r["suite"]] for r in runs[variant]]))
+        lines.append(f"| {n} | " + " | ".join(cells) + " |")
     return lines
 
 
@@ -226,7 +282,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, default=None, help="also write every figure and sample as JSON")
     parser.add_argument("--render", type=Path, default=None, help="measure nothing: print the section from JSON")
     parser.add_argument("--add-references", type=Path, default=None, metavar="JSON",
-                        help="measure nothing: write bench/ideal.py's references into an earlier run's --json file")
+                        help="measure nothing: write the references (bench/ideal.py's, the planner's model) into an "
+                        "earlier run's --json file")
     args = parser.parse_args(argv)
     if args.add_references is not None:
         figures = add_references(json.loads(args.add_references.read_text()))

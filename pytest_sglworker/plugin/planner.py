@@ -318,6 +318,7 @@ class Planner:
         """The node is gone: its first pending test is the one it crashed in (returned), the others go back
         to the front of their queues."""
         node = self.nodes.pop(node_id, None)
+        self._taking.pop(node_id, None)
         if self.hints:
             self.hints.pop(node_id, None)
         if node is None or not node.pending:
