@@ -98,3 +98,40 @@ def test_the_committed_references_are_what_the_model_computes_now(ideal: ModuleT
                 f"suite {seed} at -n {n}: run bench/box_suites.py --add-references bench/results/box_suites.json")
             assert stored["declared_reference"][n] == round(ideal.declared_reference(configs, int(n)), 3)
 
+
+
+@pytest.fixture(scope="module")
+def box_suites() -> ModuleType:
+    return _load("box_suites")
+
+
+def test_the_committed_planner_model_is_what_the_planner_computes_now(box_suites: ModuleType,
+                                                                      boxgen: ModuleType) -> None:
+    """The model column says what the scheduler's own rules make of each suite: a change to the planner (its rules,
+    its orders) without ``--add-references`` fails here, as the figures would no longer be the planner's."""
+    figures = json.loads((BENCH / "results" / "box_suites.json").read_text())
+    for seed in ("5", "12"):
+        configs, stored = boxgen.generate(int(seed), figures["scale"]), figures["suites"][seed]
+        for n in figures["n"]:
+            model = box_suites.planner_model(configs, int(n))
+            assert stored["model"][n] == model, (
+                f"suite {seed} at -n {n}: run bench/box_suites.py --add-references bench/results/box_suites.json")
+            assert model["cold"] >= stored["bounds"][n] - 0.01 and model["history"] >= stored["bounds"][n] - 0.01
+
+
+def test_the_distance_table_puts_each_step_over_the_bound(box_suites: ModuleType) -> None:
+    suite = {"bounds": {"4": 10.0}, "reference": {"4": 10.5}, "declared_reference": {"4": 11.0},
+             "model": {"4": {"cold": 12.0, "history": 11.5}}}
+    other = {"bounds": {"4": 20.0}, "reference": {"4": 20.2}, "declared_reference": {"4": 24.0},
+             "model": {"4": {"cold": 30.0, "history": 22.0}}}
+    runs = [{"n": 4, "variant": "cold", "suite": "0", "wall": 14.0}, {"n": 4, "variant": "cold", "suite": "1",
+                                                                      "wall": 29.0},
+            {"n": 4, "variant": "history", "suite": "0", "wall": 13.0}]
+    figures = {"suites": {"0": suite, "1": other}, "n": {"4": {"floor": 1.0}}, "runs": runs}
+    row = box_suites._distance_table(figures)[-1]
+    # median / worst of each: ideal 1.05, 1.01; declared 1.10, 1.20; model cold 1.20, 1.50; runs less the floor
+    # (13 / 10, 28 / 20); model history 1.15, 1.10; the one history run 12 / 10
+    assert row == ("| 4 | 1.03x / 1.05x | 1.15x / 1.20x | 1.35x / 1.50x | 1.35x / 1.40x | 1.12x / 1.15x | "
+                   "1.20x / 1.20x |")
+    del figures["suites"]["1"]["model"]
+    assert box_suites._distance_table(figures) == []  # a file from before the model column: no table
