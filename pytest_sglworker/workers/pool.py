@@ -45,10 +45,9 @@ from .pool_parts import (
     LeaseTimes,
     Prepared,
     failed_outcome,
-    member_env,
+    member_envs,
     nodeid_of,
     record_group_failure,
-    split_env,
 )
 from .pool_warm import HandOver, PoolWarm
 from .process import inherited_environ
@@ -468,8 +467,7 @@ class WorkerPool(PoolAhead, PoolWarm):
     def _member_envs(self, config: WorkerConfig, prepared: Prepared,
                      lease: Lease | BorrowedLease | None) -> list[dict[str, str]]:
         """Each member's env from its share of the lease (a plugin's hook may change it): on the main thread."""
-        return [self._member_env(config, env, plan) for env, plan in
-                zip(split_env(lease, prepared.counts), prepared.plans, strict=True)]
+        return member_envs(config, prepared, lease, self.worker_env)
 
     def _launch(self, config: WorkerConfig, *, holder: str, fresh: bool, options: LaunchOptions,
                 environ: Mapping[str, str] | None = None, lease: Lease | None = None,
@@ -580,9 +578,6 @@ class WorkerPool(PoolAhead, PoolWarm):
             with contextlib.suppress(Exception):  # bookkeeping for the report must never fail a test
                 record_kv_tokens(members, config, plans, lease, stats)
         return group
-
-    def _member_env(self, config: WorkerConfig, lease_env: dict[str, str], plan: MemberPlan) -> dict[str, str]:
-        return member_env(config, plan, lease_env, self.worker_env)
 
     def _start_members(self, config: WorkerConfig, plans: Sequence[MemberPlan], envs: Sequence[dict[str, str]],
                        options: LaunchOptions, records: Sequence[LaunchRecord], *, environ: Mapping[str, str],

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from ..engine.specs import ModelSpec
 from ..errors import SglWorkerError
 from .config import WorkerConfig
-from .pool_parts import Ahead, AheadKit, Entry, LeaseTimes, Prepared, member_env, split_env
+from .pool_parts import Ahead, AheadKit, Entry, LeaseTimes, Prepared, member_envs
 from .process import inherited_environ
 
 if TYPE_CHECKING:
@@ -106,11 +106,7 @@ class PoolAhead:
         function, not a plugin hook."""
         prepared = self._prepare(config, environ)
 
-        def member_envs(lease: Lease | None) -> list[dict[str, str]]:
-            return [member_env(config, plan, env, worker_env)
-                    for env, plan in zip(split_env(lease, prepared.counts), prepared.plans, strict=True)]
-
-        return AheadKit(config, holder, prepared, member_envs)
+        return AheadKit(config, holder, prepared, lambda lease: member_envs(config, prepared, lease, worker_env))
 
     def launch_ahead_kit(self, kit: AheadKit) -> bool:
         """:meth:`launch_ahead` from any thread, with what the main thread worked out (:meth:`ahead_kit`): nothing of

@@ -113,12 +113,12 @@ def split_env(lease: Lease | BorrowedLease | None, counts: Sequence[int]) -> lis
     return out
 
 
-def member_env(config: WorkerConfig, plan: MemberPlan, lease_env: dict[str, str],
-               worker_env: Callable[[ModelSpec, dict[str, str]], dict[str, str]] | None = None) -> dict[str, str]:
-    """One member's env: the configuration's, then its plan's, then its share of the lease (``lease_env``), which
+def member_envs(config: WorkerConfig, prepared: Prepared, lease: Lease | BorrowedLease | None,
+                worker_env: Callable[[ModelSpec, dict[str, str]], dict[str, str]] | None) -> list[dict[str, str]]:
+    """Each member's env, in order: the configuration's, then its plan's, then its share of the lease, which
     ``worker_env`` (``(spec, lease_env) -> env``) may shape."""
-    return {**dict(config.env), **dict(plan.env),
-            **(worker_env(config.spec, lease_env) if worker_env is not None else lease_env)}
+    return [{**dict(config.env), **dict(plan.env), **(worker_env(config.spec, env) if worker_env else env)}
+            for env, plan in zip(split_env(lease, prepared.counts), prepared.plans, strict=True)]
 
 
 CALLED_OFF = "launch ahead called off (another test needed its GPUs, or the session ended)"
