@@ -120,6 +120,25 @@ def bound_at(configs: Sequence[dict[str, Any]], n: int, gpus: int = GPUS) -> dic
     return {**b, "tests_over_n": tests, "bound": max(b["bound"], tests)}
 
 
+def first_startups_bound(configs: Sequence[dict[str, Any]], n: int) -> float:
+    """A tighter lower bound at ``-n n`` than :func:`bound_at`'s ``tests / n`` term, for schedules that launch each
+    configuration once: no xdist worker runs a test before a configuration is ready, and a ready group serves one
+    xdist worker at a time, so by time ``t`` at most as many xdist workers run tests as configurations have finished
+    starting (and never more than ``n``). The ``i``-th xdist worker to start is idle until the ``i``-th shortest
+    startup at the soonest; the bound is the wall ``W`` at which those workers' time, ``sum over i <= n of
+    max(0, W - startup_i)``, first holds every test's seconds. Where ``W`` passes the ``n``-th shortest startup it
+    is ``(the n shortest startups + the tests' seconds) / n``."""
+    startups = sorted(float(c["startup"]) for c in configs)[:max(1, n)]
+    tests = sum(sum(c["tests"]) for c in configs)
+    waited = 0.0
+    for k, startup in enumerate(startups, start=1):
+        waited += startup
+        wall = (waited + tests) / k
+        if k == len(startups) or wall <= startups[k]:
+            return wall
+    return 0.0  # no configuration: nothing to bound
+
+
 # ---------------------------------------------------------------------------------------------- running
 
 

@@ -135,3 +135,56 @@ def test_the_distance_table_puts_each_step_over_the_bound(box_suites: ModuleType
                    "1.20x / 1.20x |")
     del figures["suites"]["1"]["model"]
     assert box_suites._distance_table(figures) == []  # a file from before the model column: no table
+
+
+@pytest.fixture(scope="module")
+def bound(box_suites: ModuleType) -> ModuleType:
+    """bench/bound.py as box_suites imported it (a module of dataclasses: loaded under its own name, not by file)."""
+    return importlib.import_module(box_suites.bound_at.__module__)
+
+
+def _suite(*startups: float, tests: float) -> list[dict[str, object]]:
+    """Configurations of one GPU with these startups; the first holds every test's seconds (one test)."""
+    return [{"name": f"c{i}", "kind": "tp1", "startup": s, "tests": [tests if i == 0 else 0.0]}
+            for i, s in enumerate(startups)]
+
+
+def test_the_first_startups_bound_counts_each_xdist_worker_from_a_ready_configuration(bound: ModuleType) -> None:
+    # two workers: the first can start at 1, the second at 2; 6 s of tests: 1 + 2 + 6 over 2
+    assert bound.first_startups_bound(_suite(1.0, 2.0, 10.0, tests=6.0), 2) == pytest.approx(4.5)
+    # the second configuration is ready only at 9, after the first worker has run everything (by 3)
+    assert bound.first_startups_bound(_suite(1.0, 9.0, tests=2.0), 2) == pytest.approx(3.0)
+    # more workers than configurations: only one group, so only one worker ever runs a test
+    assert bound.first_startups_bound(_suite(2.0, tests=4.0), 4) == pytest.approx(6.0)
+    # the bound's own tests / n term is never above it: it only adds the waits
+    configs = _suite(0.5, 1.5, 3.0, tests=9.0)
+    for n in (1, 2, 3, 8):
+        assert bound.first_startups_bound(configs, n) >= bound.bound_at(configs, n)["tests_over_n"]
+
+
+def test_the_committed_tight_bounds_are_computed_now_and_below_every_reference(
+        bound: ModuleType, boxgen: ModuleType) -> None:
+    """A lower bound above a schedule the ideal model played (each configuration launched once, a ready group waiting
+    for a free xdist worker) would be wrong: every suite's committed reference is checked against it."""
+    figures = json.loads((BENCH / "results" / "box_suites.json").read_text())
+    for seed, stored in figures["suites"].items():
+        configs = boxgen.generate(int(seed), figures["scale"])
+        for n in figures["n"]:
+            tight = max(bound.bound_at(configs, int(n))["bound"], bound.first_startups_bound(configs, int(n)))
+            assert stored["tight_bound"][n] == round(tight, 3), (
+                f"suite {seed} at -n {n}: run bench/box_suites.py --add-references bench/results/box_suites.json")
+            assert stored["bounds"][n] - 0.005 <= tight <= stored["reference"][n] + 0.001, (seed, n)
+
+
+def test_the_tight_table_puts_the_runs_over_the_tighter_bound(box_suites: ModuleType) -> None:
+    suite = {"bounds": {"2": 10.0}, "tight_bound": {"2": 12.0}, "reference": {"2": 12.6}}
+    other = {"bounds": {"2": 20.0}, "tight_bound": {"2": 20.0}, "reference": {"2": 21.0}}
+    runs = [{"n": 2, "variant": "cold", "suite": "0", "wall": 16.0}, {"n": 2, "variant": "cold", "suite": "1",
+                                                                      "wall": 25.0},
+            {"n": 2, "variant": "history", "suite": "1", "wall": 23.0}]
+    figures = {"suites": {"0": suite, "1": other}, "n": {"2": {"floor": 1.0}}, "runs": runs}
+    row = box_suites._tight_table(figures)[-1]
+    # tighter in suite 0 only (1.2, 1.0); references 1.05 and 1.05; cold runs 15 / 12, 24 / 20; history 22 / 20
+    assert row == "| 2 | 1 of 2 | 1.10x / 1.20x | 1.05x / 1.05x | 1.23x / 1.25x | 1.10x / 1.10x |"
+    del figures["suites"]["0"]["tight_bound"]
+    assert box_suites._tight_table(figures) == []  # a file from before the tighter bound: no table
