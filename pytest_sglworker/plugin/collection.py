@@ -159,7 +159,7 @@ class _GpuBound:
     def refusal(self, spec: ModelSpec, members: int) -> str | None:
         """Why a group of ``members`` of ``spec`` can never be leased here (None: it may be; the source's own
         refusal says more once the group is planned)."""
-        if spec.name in self.session.settings.worker_urls:
+        if self.session.settings.attached(spec.name):
             return None  # attached workers: the attached source counts them
         if not self._read:
             self._read = True
@@ -318,7 +318,7 @@ def skip_without_grpc(session: SglSession, items: list[pytest.Item]) -> None:
     verdicts: dict[WorkerConfig, tuple[str, str] | None] = {}
     for item in items:
         worker_config = item.stash.get(CONFIG_KEY, None)
-        if worker_config is None or worker_config.spec.name in session.settings.worker_urls:
+        if worker_config is None or session.settings.attached(worker_config.spec.name):
             continue
         if worker_config not in verdicts:
             verdicts[worker_config] = grpc_refusal(worker_config, session.choose_kind)

@@ -136,12 +136,22 @@ def _give_back(request: pytest.FixtureRequest, group: WorkerGroup, *, check_deat
     # keep the logs, and do not raise from here (a failure raised at session finish crashes pytest).
     use = GroupUse(request.node.nodeid, "interrupted" if call is None else call.outcome,
                    getattr(call, "start", None), getattr(call, "stop", None),
-                   last_use=request.node.nodeid in session.last_users, next_config=_next_config(request.node),
+                   last_use=request.node.nodeid in session.last_users or _last_here(request, group),
+                   next_config=_next_config(request.node),
                    check_deaths=check_deaths,
                    signals=tuple(request.node.stash.get(SIGNALS_KEY, ())))
     failure = session.source.give_back(group, use)
     if failure is not None:
         _fail_from(request, failure)
+
+
+def _last_here(request: pytest.FixtureRequest, group: WorkerGroup) -> bool:
+    """On an xdist worker under the plugin's scheduler: whether the controller named this test the last of the group's
+    configuration that it sends here (every test of it handed out). The group then goes as the test ends, not a test
+    later, when the controller has heard that it ran (issue 43: its GPUs stood idle through this worker's next test)."""
+    from .launch_hints import last_tests
+
+    return bool(last_tests(request.config).get(group.config.key) == request.node.nodeid)
 
 
 def _next_config(item: pytest.Item) -> WorkerConfig | None:

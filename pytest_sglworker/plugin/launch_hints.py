@@ -1,6 +1,7 @@
 """The xdist controller's word to one xdist worker about launching ahead (``ahead-<worker id>.json`` in the run's
 private directory that ``workerinput`` names): the configurations to launch ahead now, in the order the xdist worker
-will take their tests, the configurations whose tests have all run, whose idle workers to let go, and the groups
+will take their tests, the configurations whose tests have all run, whose idle workers to let go, each configuration's
+last test sent to this worker (``last``: its group goes as that test ends), and the groups
 handed over within the run (issue 43): those launched ahead here whose tests went to another xdist worker (``hand``),
 and those another xdist worker launched ahead whose tests come here (``adopt``: key -> the giver's id). Written by the
 scheduler (:mod:`.xdist_scheduling`), read by the xdist worker's session between tests and while its pool waits for
@@ -22,23 +23,26 @@ from ..resources.state import atomic_write
 from .keys import MAP_INPUT, xdist_worker_id
 
 #: the schema of the word
-AHEAD_SCHEMA = "pytest-sglworker/xdist-launch-ahead/v3"
+AHEAD_SCHEMA = "pytest-sglworker/xdist-launch-ahead/v4"
 #: the schema of a giver's answer
 ANSWER_SCHEMA = "pytest-sglworker/xdist-hand-over/v1"
 
 
 def write_launch_hint(directory: Path | None, worker: str, keys: Sequence[str], drop: Sequence[str],
-                      hand: Sequence[str] = (), adopt: Mapping[str, str] | None = None) -> None:
+                      hand: Sequence[str] = (), adopt: Mapping[str, str] | None = None,
+                      last: Mapping[str, str] | None = None) -> None:
     """On the controller: tell xdist worker ``worker`` to launch the configurations ``keys`` ahead (in that order),
     to let the idle workers of the configurations ``drop`` go (every test of theirs is handed out), to hand its groups
-    launched ahead of ``hand`` over to the run, and to adopt the groups of ``adopt`` (key -> the xdist worker id of the
-    giver, which launched it ahead)."""
+    launched ahead of ``hand`` over to the run, to adopt the groups of ``adopt`` (key -> the xdist worker id of the
+    giver, which launched it ahead), and to let a group go right after its configuration's last test here (``last``:
+    key -> that test's node id; every test of the configuration is handed out)."""
     if directory is None or not directory.is_dir():
         return
     try:
         atomic_write(directory / f"ahead-{worker}.json",
                      json.dumps({"schema": AHEAD_SCHEMA, "configurations": list(keys), "drop": list(drop),
-                                 "hand": list(hand), "adopt": dict(adopt or {})}), mode=0o600)
+                                 "hand": list(hand), "adopt": dict(adopt or {}), "last": dict(last or {})}),
+                     mode=0o600)
     except OSError:
         pass  # launching ahead is an optimisation: the configuration starts with its first test
 
@@ -114,6 +118,16 @@ def read_launch_hint(config: Any) -> tuple[tuple[str, ...], frozenset[str]]:
     whose idle workers to let go. A claim of the run's private directory: it names the worker's own configurations
     or is ignored."""
     return read_hint_file(_run_dir(config), xdist_worker_id(config))
+
+
+def last_tests(config: Any) -> dict[str, str]:
+    """On an xdist worker: configuration key -> the node id of the last test of it that the controller sends here (its
+    tests are all handed out); empty elsewhere. A claim: only a test this worker runs, of that configuration, acts on
+    it."""
+    data = _read_hint(_run_dir(config), xdist_worker_id(config))
+    last = data.get("last") if data is not None else None
+    return {k: v for k, v in last.items() if isinstance(k, str) and isinstance(v, str)} if isinstance(last, dict) \
+        else {}
 
 
 def hint_place(config: Any) -> tuple[Path, str] | None:

@@ -316,7 +316,13 @@ def poolable(item: Any) -> bool:
     return not (group.fresh or group.startup_timeout is not None)
 
 
+def will_run(item: Any) -> bool:
+    """Whether a test will run: not marked skip (as ``sgl_requires`` marks a model without the feature), no
+    collection error of the plugin's."""
+    return item.get_closest_marker("skip") is None and ITEM_ERROR_KEY not in item.stash
+
+
 def launchable(item: Any) -> bool:
-    """Whether a test's workers may be launched ahead: pooled, and the test will run (not marked skip, no
-    collection error): a test that is skipped would leave its launch unused, on GPUs another test waits for."""
-    return poolable(item) and item.get_closest_marker("skip") is None and ITEM_ERROR_KEY not in item.stash
+    """Whether a test's workers may be launched ahead: pooled, and the test will run (:func:`will_run`): a test that
+    is skipped would leave its launch unused, on GPUs another test waits for."""
+    return poolable(item) and will_run(item)

@@ -353,6 +353,10 @@ class Settings:
     worker_urls: Mapping[str, tuple[Any, ...]] = field(default_factory=dict)
     sources: Mapping[str, str] = field(default_factory=dict)
 
+    def attached(self, spec_name: str) -> bool:
+        """Whether the workers of spec ``spec_name`` are attached (``--sgl-worker-url``): none is launched or leased."""
+        return spec_name in self.worker_urls
+
     @property
     def log_policy(self) -> str:
         """The retention policy in force: ``--sgl-keep-logs`` keeps every log whatever the policy says."""

@@ -27,8 +27,10 @@ drives it in the tests.
   else in the order told; a node sent the first test of a configuration behind tests of another launches it at
   once when its GPUs are free, not at that test (issue 43: startups queued behind tests left GPUs idle), and one
   that holds two tests already is sent no such test while the GPUs are not free (it would wait behind them, while
-  another node may be free first); once a configuration's tests have all run, the node that ran them is told to let
-  its idle workers go. A node that holds nothing and must wait for its own launch starts the one ready soonest (the
+  another node may be free first); the test that empties a configuration's queue is named to the node it is sent
+  to as its last of that configuration (its pool lets the group go as that test ends, not a test later, when the node
+  has heard it ran), and once a configuration's tests have all run, the node that ran them is told to let its idle
+  workers go. A node that holds nothing and must wait for its own launch starts the one ready soonest (the
   shortest startup; the launches ahead take the most work). A first test a node was sent behind its running test
   while the GPUs were not free (it would launch only at that test) is launched ahead as soon as the GPUs the pools
   hold leave room for it. A launch ahead whose tests a node now takes stays in that node's word until one of them
@@ -107,6 +109,9 @@ class Actions:
     #: groups handed over within the run: ``(giver, taker, key)``, the giver launched ``key`` ahead, the taker runs
     #: its tests and adopts the group (with hints only)
     handovers: list[tuple[Hashable, Hashable, str]] = field(default_factory=list)
+    #: ``(node, key, index)``: test ``index`` is the node's last of ``key``, whose tests are all handed out; its pool
+    #: lets the group go right after that test, not a test later when the node has heard it ran (with hints only)
+    lasts: list[tuple[Hashable, str, int]] = field(default_factory=list)
 
 
 def _median(values: Sequence[float]) -> float | None:
@@ -709,6 +714,7 @@ class Planner:
         if batch:
             node.pending.extend(batch)
             actions.sends.append((node.id, batch))
+            self._last_of(node, batch, actions)
         if not self.left():
             self._down(node, actions)
         elif choice is None and len(node.pending) < 2 and (node.pending or not blocked):
@@ -716,6 +722,16 @@ class Planner:
             # that holds a test cannot wait (xdist runs a test only once it knows the next one, or the shutdown);
             # one that holds none waits when only GPUs are missing (the others free theirs as they finish).
             self._down(node, actions)
+
+    def _last_of(self, node: _Node, batch: Sequence[int], actions: Actions) -> None:
+        """For each configuration of ``batch`` whose queue it emptied: the node's last pending test of it (told with
+        the tests, so that the group goes as that test ends, while the node's next test runs; issue 43)."""
+        if self.hints is None:
+            return
+        for key in dict.fromkeys(u.key for i in batch if (u := self.units[i]) is not None):
+            if not self.queues.get(key):
+                last = next(i for i in reversed(node.pending) if (u := self.units[i]) is not None and u.key == key)
+                actions.lasts.append((node.id, key, last))
 
     def _down(self, node: _Node, actions: Actions) -> None:
         node.down = True

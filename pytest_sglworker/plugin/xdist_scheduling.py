@@ -29,9 +29,9 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from .keys import CONFIG_KEY, ITEM_ERROR_KEY, MAP_INPUT, RUN_INPUT, distributing, xdist_worker_id
+from .keys import CONFIG_KEY, MAP_INPUT, RUN_INPUT, distributing, xdist_worker_id
 from .launch_hints import write_launch_hint
-from .markers import MarkerError, WorkerMarker, WorkersMarker
+from .markers import MarkerError, WorkerMarker, WorkersMarker, will_run
 from .planner import Actions, Planner, Unit
 
 if TYPE_CHECKING:
@@ -115,7 +115,7 @@ def decide(config: pytest.Config, settings: Settings) -> Decision | None:
 def unit_of(session: SglSession, item: pytest.Item) -> Unit | None:
     """What ``item`` needs from the pool (None: nothing pooled: no worker, a skip, an error, fresh workers)."""
     config = item.stash.get(CONFIG_KEY, None)
-    skipped = item.get_closest_marker("skip") is not None or ITEM_ERROR_KEY in item.stash
+    skipped = not will_run(item)
     groups = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default"))
                      for m in item.iter_markers("xdist_group")})
     pooled = False
@@ -130,7 +130,7 @@ def unit_of(session: SglSession, item: pytest.Item) -> Unit | None:
                 workers = WorkersMarker.from_mark(item.get_closest_marker("sgl_workers"))
                 pooled = not (workers.fresh or workers.startup_timeout is not None)
             # an attached worker (--sgl-worker-url) leases no GPU: the scheduler keeps none for its tests
-            gpus = 0 if config.spec.name in session.settings.worker_urls else config.gpus_needed(session.choose_kind)
+            gpus = 0 if session.settings.attached(config.spec.name) else config.gpus_needed(session.choose_kind)
         except (MarkerError, ValueError, TypeError):
             pooled = False
     if groups and not all(g.startswith("sgl-") for g in groups):
@@ -247,6 +247,7 @@ class ConfigScheduling:
         self._drops: dict[Any, set[str]] = {}  # node -> the configurations its pool is to let go when idle
         self._hand: dict[Any, list[str]] = {}  # node -> the configurations whose group it hands over in the run
         self._adopt: dict[Any, dict[str, str]] = {}  # node -> the groups handed to it: key -> the giver's id
+        self._last: dict[Any, dict[str, str]] = {}  # node -> key -> the node id of its last test of that configuration
 
     # -- the protocol -------------------------------------------------------------------------------------
     @property
@@ -406,12 +407,25 @@ class ConfigScheduling:
             self._hand.setdefault(giver, []).append(key)
             self._adopt.setdefault(taker, {})[key] = str(giver.gateway.id)  # type: ignore[attr-defined]
             told |= {giver, taker}
+        for node, key, index in actions.lasts:
+            if self.collection is not None:
+                self._last.setdefault(node, {})[key] = self.collection[index]
+                told.add(node)
         for node in told:  # before the tests that the xdist worker reads it at
             write_launch_hint(self.map_dir, node.gateway.id, self._ahead.get(node, ()),  # type: ignore[attr-defined]
                               sorted(self._drops.get(node, ())), self._hand.get(node, ()),
-                              self._adopt.get(node, {}))
+                              self._adopt.get(node, {}), self._last.get(node, {}))
+        gone: set[Any] = set()
         for node, indices in actions.sends:
-            node.send_runtest_some(indices)  # type: ignore[attr-defined]
+            if node in gone:
+                continue
+            try:
+                node.send_runtest_some(indices)  # type: ignore[attr-defined]
+            except OSError:  # it died since it last reported (killed): xdist's remove_node requeues what it held
+                gone.add(node)
+                if self.planner is not None:
+                    self.planner.mark_down(node)
+                self.log(f"{node.gateway.id} is gone: its tests go back when xdist removes it")  # type: ignore
         for node in actions.shutdowns:
             node.shutdown()  # type: ignore[attr-defined]
 

@@ -236,3 +236,46 @@ def test_the_follower_beside_a_test_whose_worker_is_attached(
     finally:
         outside.stop()
     result.assert_outcomes(passed=4, skipped=4)
+
+
+#: a, then b (launched ahead on the other GPU), under -n 1 on sim:2: a's last test is named in the controller's word
+#: when it is sent, so a's group goes as that test ends, before b's first test begins (b's tests sleep, so a test later
+#: would be well after it)
+LAST_SUITE = '''
+import time
+import pytest
+
+@pytest.mark.sgl_worker(args=["--max-total-tokens", "4096"])
+@pytest.mark.parametrize("i", range(2))
+def test_a(sgl_worker, i):
+    assert sgl_worker.client.get("/health").status_code == 200
+
+@pytest.mark.sgl_worker(args=["--max-total-tokens", "4097"])
+@pytest.mark.parametrize("i", range(2))
+def test_b(sgl_worker, i):
+    time.sleep(0.5)
+'''
+
+
+def test_a_configurations_group_goes_as_its_last_test_here_ends(
+        pytester: pytest.Pytester, sim_env: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 43: the word that a's tests are all handed out came only once the controller heard a's last test had run,
+    while this xdist worker already ran b's first: a's GPUs stood idle through it."""
+    monkeypatch.delenv("PYTEST_ADDOPTS", raising=False)
+    report = tmp_path / "report.json"
+    pytester.makepyfile(test_last=LAST_SUITE)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--sgl-engine", "sim", "--sgl-gpus", "sim:2",
+                                           "-n", "1", "-v", "--sgl-model", "qwen3-0.6b", "--sgl-report", str(report),
+                                           timeout=180)
+    result.assert_outcomes(passed=4)
+    launches = json.loads(report.read_text())["launches"]
+    by_args = {("4096" if "4096" in r["argv"] else "4097"): r for r in launches}
+    assert len(launches) == 2 and set(by_args) == {"4096", "4097"}, launches  # each launched once
+    a, b = by_args["4096"], by_args["4097"]
+    assert [t["nodeid"].rsplit("-", 1)[1] for t in a["tests"]] == ["0]", "1]"]
+    first_b = min(t["t_start"] for t in b["tests"])
+    assert a["t_released"] is not None and a["t_released"] <= first_b, (a, b)
+    assert a["t_released"] >= max(t["t_end"] for t in a["tests"])  # not before its last test
+    pids = [r["pid"] for r in launches]
+    assert _wait_for(lambda: not [p for p in pids if psutil.pid_exists(p)
+                                  and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]), "engines left running"

@@ -609,10 +609,46 @@ def test_launch_hints_round_trip_and_anything_else_reads_as_none(tmp_path: Path)
     for text in ("{", "[]", '{"schema": "other", "configurations": ["c2"]}',
                  '{"schema": "pytest-sglworker/xdist-launch-ahead/v1", "configuration": "c2", "drop": []}',
                  '{"schema": "pytest-sglworker/xdist-launch-ahead/v2", "configurations": ["c2"], "drop": []}',
-                 '{"schema": "pytest-sglworker/xdist-launch-ahead/v3", "configurations": "c2", "drop": "c0"}'):
+                 '{"schema": "pytest-sglworker/xdist-launch-ahead/v3", "configurations": ["c2"], "drop": []}',
+                 '{"schema": "pytest-sglworker/xdist-launch-ahead/v4", "configurations": "c2", "drop": "c0"}'):
         (tmp_path / "ahead-gw1.json").write_text(text)
         assert read_launch_hint(config) == ((), frozenset()), text
     assert read_launch_hint(SimpleNamespace()) == ((), frozenset())  # not an xdist worker
+
+
+def test_launch_hints_name_each_configurations_last_test_here(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    from pytest_sglworker.plugin.keys import MAP_INPUT
+    from pytest_sglworker.plugin.launch_hints import last_tests, write_launch_hint
+
+    config: Any = SimpleNamespace(workerinput={MAP_INPUT: str(tmp_path), "workerid": "gw1"})
+    assert last_tests(config) == {}  # nothing written yet
+    write_launch_hint(tmp_path, "gw1", ["c2"], [], last={"c0": "t.py::test_a[c0-1]"})
+    assert last_tests(config) == {"c0": "t.py::test_a[c0-1]"}
+    write_launch_hint(tmp_path, "gw0", [], [], last={"c1": "t.py::test_b"})  # another worker's word
+    assert last_tests(config) == {"c0": "t.py::test_a[c0-1]"}
+    schema = json.loads((tmp_path / "ahead-gw1.json").read_text())["schema"]
+    for last in ('"t.py::x"', '["c0"]', '{"c0": 1, "c1": "t.py::y"}'):
+        (tmp_path / "ahead-gw1.json").write_text(f'{{"schema": "{schema}", "configurations": [], "last": {last}}}')
+        assert last_tests(config) == ({"c1": "t.py::y"} if "c1" in last else {}), last  # a claim: what is not a
+    assert last_tests(SimpleNamespace()) == {}  # test's node id by key is dropped; not an xdist worker: nothing
+
+
+def test_planner_names_a_nodes_last_test_of_a_configuration_once_its_queue_is_empty() -> None:
+    # one xdist worker on 2 GPUs, c0 (3 tests) then c1 (2): c0's last test is named when it is sent, with the two
+    # before it still to run; c1's when its last is sent; none without hints (no launch ahead, no word)
+    units = suite(3, 2)
+    planner = Planner(units, gpus_total=2, steal_min=None, workers=1)
+    planner.add_node("a")
+    told = list(planner.fill_all().lasts)
+    assert told == [("a", "c0", 2)], told  # window 3: c0's three tests, its queue empty
+    while planner.nodes["a"].pending:
+        told += planner.complete("a", planner.nodes["a"].pending[0], 1.0).lasts
+    assert told == [("a", "c0", 2), ("a", "c1", 4)], told
+    quiet = Planner(units, gpus_total=2, steal_min=None, workers=1, hints=False)
+    quiet.add_node("a")
+    assert quiet.fill_all().lasts == []
 
 
 def test_launch_hints_name_the_groups_to_adopt_and_the_givers_answer_them(tmp_path: Path) -> None:
@@ -1202,3 +1238,35 @@ def test_plan_model_plays_nothing_without_the_tests_seconds_or_too_big_a_collect
     with pytest.raises(ValueError, match="unknown order 'fastest'; known: work, area"):
         Planner(units, gpus_total=8, steal_min=None, workers=2, order="fastest")
 
+
+
+def test_a_send_to_an_xdist_worker_that_just_died_is_no_internal_error(pytester: pytest.Pytester) -> None:
+    """A worker killed between its last report and the next send (seen when the adopter of a group handed over was
+    killed, under load): xdist's channel raises OSError, which was an INTERNALERROR that ended the run. The node is
+    marked down; xdist's ``remove_node`` then gives its tests back, as for any crash."""
+    from types import SimpleNamespace
+
+    from pytest_sglworker.plugin.planner import Actions
+    from pytest_sglworker.plugin.xdist_scheduling import ConfigScheduling
+
+    class Gone:
+        gateway = SimpleNamespace(id="gw1")
+
+        def send_runtest_some(self, indices: list[int]) -> None:
+            raise OSError("cannot send (already closed?)")
+
+        def shutdown(self) -> None:  # xdist's own ignores a closed channel
+            pass
+
+    logged: list[str] = []
+    scheduling = ConfigScheduling(pytester.parseconfig("--tx", "2*popen"), None, map_dir=None, steal_min=None)
+    scheduling.log = lambda *args: logged.append(" ".join(map(str, args)))
+    scheduling.collection = ["t.py::a", "t.py::b"]
+    scheduling.planner = Planner(suite(2), gpus_total=2, steal_min=None, workers=2)
+    gone = Gone()
+    scheduling.planner.add_node(gone)
+    scheduling._apply(scheduling.planner.fill_all())
+    assert scheduling.planner.nodes[gone].down and logged == ["gw1 is gone: its tests go back when xdist removes it"]
+    crashed, _ = scheduling.planner.remove_node(gone)
+    assert crashed == 0 and list(scheduling.planner.queues["c0"]) == [1]  # the first counts as crashed, as xdist's
+    scheduling._apply(Actions())
