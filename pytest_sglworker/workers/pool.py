@@ -50,7 +50,7 @@ from .pool_parts import (
     record_group_failure,
 )
 from .pool_warm import HandOver, PoolWarm
-from .process import inherited_environ
+from .process import inherited_environ, prepare_http
 from .records import ConfigStats, LaunchRecord, RunRecords
 from .reset import ResetFailed, restore, snapshot
 from .warm import Warm, not_kept_reason
@@ -414,8 +414,10 @@ class WorkerPool(PoolAhead, PoolWarm):
 
     def _while_waiting(self, config: WorkerConfig, looked: float) -> float:
         """Each 0.1 s the main thread waits for ``config``'s launch: the terminal's queue; every :data:`YIELD_EVERY_S`
-        since ``looked``, idle groups no test needs go (their GPUs serve elsewhere). Returns when it last looked."""
+        since ``looked``, idle groups no test needs go (their GPUs serve elsewhere); once, the HTTP client's setup
+        (:func:`.process.prepare_http`), which the test would pay. Returns when it last looked."""
         self.on_tick()
+        prepare_http()
         if self.follow is not None:
             self.follow(config)
         if time.monotonic() - looked < YIELD_EVERY_S:
@@ -590,6 +592,7 @@ class WorkerPool(PoolAhead, PoolWarm):
         shown = [-PROGRESS_EVERY_S]
 
         def while_starting(target: Any, elapsed: float) -> None:  # a single member's wait, on the main thread
+            prepare_http()  # once: the test would pay it
             if self.follow is not None:
                 self.follow(config)  # every tick: a launch ahead told meanwhile starts now
             if elapsed - shown[0] < PROGRESS_EVERY_S:

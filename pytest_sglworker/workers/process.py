@@ -164,15 +164,24 @@ def http_client(url: str, *, connect: float) -> httpx.Client:
     request on it fails with "Server disconnected without sending a response". The real router does this to a
     request it rejects early (a wrong API key) whose body arrives after its answer, which a loaded machine makes
     likely: seen in a loaded full run, reproduced by sending the body after the 401."""
-    global _tls_context
     import httpx
 
+    return httpx.Client(base_url=url, timeout=httpx.Timeout(60.0, connect=connect), verify=prepare_http(),
+                        limits=httpx.Limits(max_keepalive_connections=0))
+
+
+def prepare_http() -> Any:
+    """The process's one TLS context for :func:`http_client`, made (with httpx imported) on first call: about 0.15 s,
+    more on a loaded machine. The pool calls it on the main thread while it waits for a launch, so that the first test
+    of an xdist worker does not pay it: its worker's client is then made at once. Not from another thread: httpx
+    reads the TLS environment variables (``SSL_CERT_FILE``, ...) from ``os.environ``."""
+    global _tls_context
     with _tls_lock:
         if _tls_context is None:
+            import httpx
+
             _tls_context = httpx.create_ssl_context()
-        context = _tls_context
-    return httpx.Client(base_url=url, timeout=httpx.Timeout(60.0, connect=connect), verify=context,
-                        limits=httpx.Limits(max_keepalive_connections=0))
+        return _tls_context
 
 @dataclass(kw_only=True)
 class ManagedProcess:

@@ -570,3 +570,28 @@ def test_a_launch_ahead_from_another_thread_leaves_alone_a_group_the_main_thread
     pool.release(group)
     assert answers == [False]
     assert pool.groups() == [group] and pool.stats[b.key].launches == 1 and len(pool.launches) == 1
+
+
+def test_the_wait_for_a_launch_makes_the_http_clients_tls_context_on_the_main_thread(
+        make_pool, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    """The first client a process hands out cost its test about 0.15 s (httpx's import, the CA bundle), more on a
+    loaded machine: an xdist worker's first test paid it. The main thread makes it while it waits for a launch."""
+    import httpx
+
+    from pytest_sglworker.workers import process
+
+    monkeypatch.setattr(process, "_tls_context", None)
+    made: list[str] = []
+    real = httpx.create_ssl_context
+
+    def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
+        made.append(threading.current_thread().name)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(httpx, "create_ssl_context", counted)
+    pool = make_pool()
+    group = pool.acquire(WorkerConfig.of(QWEN), holder="t1")
+    assert made == [threading.main_thread().name]  # while it waited, on the main thread, once
+    assert group[0].client.get("/health").status_code == 200
+    assert made == [threading.main_thread().name]  # the client took the one made
+    pool.release(group)
