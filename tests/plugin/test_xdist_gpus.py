@@ -114,13 +114,21 @@ def test_xdist_workers_outnumbering_gpus_wait_for_a_lease(pytester: pytest.Pytes
         @pytest.mark.sgl_worker(fresh=True)
         @pytest.mark.parametrize("i", range(6))
         def test_hold(sgl_worker, i):
-            # the first holds the only GPU until another xdist worker waits for it (its waiter flag), however long
-            # a loaded machine takes to start the others; the rest hold it a moment
-            deadline = time.monotonic() + (60 if i == 0 else 0.3)
+            # the first test to get the only GPU, whichever it is, holds it until another xdist worker waits for it
+            # (its waiter flag), however long a loaded machine takes to start the others; the rest hold it a moment.
+            # (Test 0 held it so before: when another test leased first, the others could all be done before test 0
+            # leased, and it waited for a waiter that never came, a minute.)
             locks = Path(os.environ["SGLWORKER_LOCK_DIR"])
+            try:
+                marker = Path(os.environ["SGLSIM_RECORD"]).parent / "first-holder"  # the test's own directory
+                os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+                first = True
+            except FileExistsError:
+                first = False
+            deadline = time.monotonic() + (60 if first else 0.3)
             while time.monotonic() < deadline:
-                if i == 0 and any(p.name.startswith("waiting-") and not p.name.startswith("waiting-ports-")
-                                  for p in locks.iterdir()):
+                if first and any(p.name.startswith("waiting-") and not p.name.startswith("waiting-ports-")
+                                 for p in locks.iterdir()):
                     break
                 time.sleep(0.02)
     """)
