@@ -166,11 +166,16 @@ def add_references(figures: dict[str, Any]) -> dict[str, Any]:
     return figures
 
 
+def _runs_of(figures: dict[str, Any], n: str, variant: str) -> list[dict[str, Any]]:
+    """The file's runs of ``variant`` at ``-n n``."""
+    return [r for r in figures.get("runs", ()) if str(r["n"]) == n and r["variant"] == variant]
+
+
 def over_reference(figures: dict[str, Any], n: str, variant: str) -> tuple[float, float] | None:
     """Median and worst of (wall less the floor) / reference of ``variant``'s runs at ``-n n`` (None: no
     references in the file, or no such runs)."""
     per, suites = figures["n"][n], figures["suites"]
-    runs = [r for r in figures.get("runs", ()) if str(r["n"]) == n and r["variant"] == variant]
+    runs = _runs_of(figures, n, variant)
     if not runs or any("reference" not in suites[r["suite"]] for r in runs):
         return None
     ratios = sorted((r["wall"] - per["floor"]) / suites[r["suite"]]["reference"][n] for r in runs)
@@ -248,8 +253,7 @@ def _reference_table(figures: dict[str, Any]) -> list[str]:
 
 def _cold_and_history(figures: dict[str, Any], n: str) -> dict[str, list[dict[str, Any]]]:
     """The ``cold`` and the ``history`` runs at ``-n n``."""
-    return {v: [r for r in figures.get("runs", ()) if str(r["n"]) == n and r["variant"] == v]
-            for v in ("cold", "history")}
+    return {v: _runs_of(figures, n, v) for v in ("cold", "history")}
 
 
 def _suites_with(figures: dict[str, Any], key: str) -> dict[str, Any]:
