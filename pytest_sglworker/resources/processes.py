@@ -709,6 +709,10 @@ def _terminate(process: ProcessHandle | None, ref: ProcessRef | None, collect: C
     killed: list[int] = []
     if ref is not None and process is not None and process.poll() is None:  # a root deaf to SIGTERM: its group
         _signal_group(ref, signal.SIGKILL)
+        # The root needed SIGKILL, whichever ends it: the group's can turn it zombie while the loop below proves it
+        # (two reads of its identity that differ prove nothing), and it then went uncounted (once in CI)
+        _signal_root(process, ref, signal.SIGKILL)
+        killed.append(process.pid)
     for proc in leftovers:
         if signal_proven(proc, signal.SIGKILL):
             killed.append(proc.pid)
