@@ -25,6 +25,10 @@ CONFTEST = '''
 import os
 from pytest_sglworker import CI_WORKER_ARGS, ModelSpec
 
+if os.environ.get("WARM_ACK_TIMEOUT"):  # how long a hand-over waits for a keeper (a frozen one never answers)
+    import pytest_sglworker.resources.warm_keeper as keeper
+    keeper.ACK_TIMEOUT = float(os.environ["WARM_ACK_TIMEOUT"])
+
 def pytest_sglworker_register_specs(registry):
     extra = tuple(os.environ.get("WARM_EXTRA_ARGS", "").split())
     # the spec sets an engine variable, as the CPU recipe's SGLANG_USE_CPU_ENGINE does: adoption must expect it

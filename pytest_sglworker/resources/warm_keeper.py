@@ -101,14 +101,15 @@ class KeeperHandle:
     def pid(self) -> int:
         return self.process.pid
 
-    def hand_over(self, fds: Sequence[int], timeout: float = ACK_TIMEOUT) -> str | None:
+    def hand_over(self, fds: Sequence[int], timeout: float | None = None) -> str | None:
         """Send the group's lock descriptors (its record is written, state ``handover``) and wait for the keeper's
-        answer. None when it took the group over, else why not."""
+        answer (``timeout``: :data:`ACK_TIMEOUT`, read when called). None when it took the group over, else why
+        not."""
         if self._sock is None:
             return "its keeper was let go already"
         try:
             socket.send_fds(self._sock, [b"keep\n"], list(fds))
-            self._sock.settimeout(timeout)
+            self._sock.settimeout(ACK_TIMEOUT if timeout is None else timeout)
             answer = self._sock.recv(4096).decode("utf-8", errors="replace").strip()
         except (OSError, TimeoutError) as exc:
             # A keeper that does not answer (frozen, wedged) may still hold the descriptors it was sent: it is

@@ -266,12 +266,14 @@ def _keeper_of_session(parent: int) -> psutil.Process | None:
     return None
 
 
-def _frozen_keeper_session(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch,
-                           *args: str) -> tuple[Session, psutil.Process, Path]:
+def _frozen_keeper_session(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, *args: str,
+                           ack: float) -> tuple[Session, psutil.Process, Path]:
     """A session that keeps its group warm, its test held at a gate, and its keeper frozen (SIGSTOP): at the hand-over
-    the keeper cannot answer. Returns the session, the keeper and the gate (create it to let the test end)."""
+    the keeper cannot answer, and the session waits ``ack`` seconds for it (a live keeper gets 15 s). Returns the
+    session, the keeper and the gate (create it to let the test end)."""
     gate = pytester.path / "gate"
     monkeypatch.setenv("WARM_GATE", str(gate))
+    monkeypatch.setenv("WARM_ACK_TIMEOUT", str(ack))
     held = session(pytester, monkeypatch, "--sgl-keep-warm=60", "--sgl-report", "r.json", *args)
     wait_for(lambda: pids(pytester) or held.proc.poll() is not None, 60, "the test to hold its worker")
     keeper = _keeper_of_session(held.proc.pid)
@@ -282,7 +284,7 @@ def _frozen_keeper_session(pytester: pytest.Pytester, monkeypatch: pytest.Monkey
 
 def test_a_keeper_that_does_not_answer_the_hand_over_is_killed(pytester: pytest.Pytester, sim_env: dict[str, str],
                                                                  warm: None, monkeypatch: pytest.MonkeyPatch) -> None:
-    held, keeper, gate = _frozen_keeper_session(pytester, monkeypatch)
+    held, keeper, gate = _frozen_keeper_session(pytester, monkeypatch, ack=2.0)
     try:
         gate.write_text("")
         assert held.wait(90) == 0, held.output()
@@ -298,7 +300,8 @@ def test_a_keeper_that_does_not_answer_the_hand_over_is_killed(pytester: pytest.
 def test_an_interrupt_during_the_hand_over_ends_the_run_in_order(pytester: pytest.Pytester, sim_env: dict[str, str],
                                                                  warm: None, monkeypatch: pytest.MonkeyPatch,
                                                                  signum: int, status: int) -> None:
-    held, keeper, gate = _frozen_keeper_session(pytester, monkeypatch)
+    # the signal lands during the wait for the keeper: seconds after the hand-over began, however busy the machine
+    held, keeper, gate = _frozen_keeper_session(pytester, monkeypatch, ack=6.0)
     try:
         gate.write_text("")
         wait_for(lambda: any(r.state == "handover" for r in records(sim_env)) or held.proc.poll() is not None, 60,

@@ -136,7 +136,8 @@ def stress_suite(pytester: pytest.Pytester, sim_env: dict[str, str]) -> pytest.P
     return pytester
 
 
-@pytest.mark.parametrize("run", range(2))
+# one session in the default run; more in the slow tier (a race shows up in some sessions, not all)
+@pytest.mark.parametrize("run", [0, *(pytest.param(i, marks=pytest.mark.slow) for i in (1, 2, 3))])
 def test_launch_threads_never_touch_what_the_main_thread_changes(stress_suite: pytest.Pytester, run: int) -> None:
     """Twelve configurations x five tests and two parallel groups, launch ahead 3, thread switches forced, the
     environment and the working directory churned: every test passes, and no worker inherited

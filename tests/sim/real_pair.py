@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -24,6 +25,8 @@ import httpx
 
 from pytest_sglworker.engine.cpu_engine import CPU_ENGINE_ARGS, CPU_ENGINE_ENV, build_tiny_model
 from pytest_sglworker.engine.specs import CI_WORKER_ARGS
+from pytest_sglworker.resources.processes import OWNER_ENV, owner_tag
+from pytest_sglworker.resources.reaper import Watchdog
 
 STARTUP_TIMEOUT = 240.0
 #: Keys whose presence depends on timing in the real engine (see the module docstring).
@@ -264,10 +267,15 @@ def started_pairs(python: Path, root: Path) -> Iterator[dict[str, Pair]]:
     four started at once over one tiny model built in ``root``, ready, and ended after."""
     model = build_tiny_model(python, root / "tiny-model")
     common = [*CI_WORKER_ARGS, *CPU_ENGINE_ARGS, "--model-path", str(model)]
+    # Tagged, with a watchdog of their own: when this test process is killed (xdist ends a worker that does not
+    # stop in time), the servers go too; their teardown below does not run then
+    session = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
     env = {k: v for k, v in os.environ.items() if not k.startswith("SGLSIM_")}
+    env[OWNER_ENV] = owner_tag(session)
     real_env = {**env, **CPU_ENGINE_ENV}
     sim_env = {**env, "SGLSIM_STARTUP_SECONDS": "0"}
     started: list[Server] = []
+    watchdog = Watchdog(session)
     try:
         pairs = {}
         for kind, extra in (("generation", []), ("embedding", ["--is-embedding"])):
@@ -287,3 +295,4 @@ def started_pairs(python: Path, root: Path) -> Iterator[dict[str, Pair]]:
             server.terminate()
         for server in started:
             server.stop()
+        watchdog.close()
