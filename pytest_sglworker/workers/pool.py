@@ -49,6 +49,7 @@ from .pool_parts import (
     nodeid_of,
     record_group_failure,
 )
+from .pool_retire import PoolRetire, Retiring
 from .pool_warm import HandOver, PoolWarm
 from .process import inherited_environ, prepare_http
 from .records import ConfigStats, LaunchRecord, RunRecords
@@ -73,7 +74,7 @@ PROGRESS_EVERY_S = 1.0
 TICK_S = 0.1
 
 
-class WorkerPool(PoolAhead, PoolWarm):
+class WorkerPool(PoolAhead, PoolWarm, PoolRetire):
     """Hands out worker groups; reuses idle ones of the same configuration when ``reuse`` is on."""
 
     def __init__(
@@ -98,6 +99,7 @@ class WorkerPool(PoolAhead, PoolWarm):
         follow: Callable[[WorkerConfig], None] | None = None,
         warm: Warm | None = None,
         handover: HandOver | None = None,
+        retire_in_background: bool = True,
     ) -> None:
         self.options = options
         #: called with the configuration once a test's own launch holds its lease, before its startup: the
@@ -138,6 +140,9 @@ class WorkerPool(PoolAhead, PoolWarm):
         #: the xdist controller's word on groups handed over within the run (see :mod:`.pool_warm`)
         self.handover = handover
         self._handed: set[WorkerConfig] = set()
+        #: a healthy group no later test needs is retired on a thread of its own (see :mod:`.pool_retire`)
+        self.retire_in_background = retire_in_background
+        self._retiring: list[Retiring] = []
         self._answered: set[str] = set()
         self.not_kept: dict[str, str] = {}  # --sgl-keep-warm: why each configuration's last group was not kept
         self._closing: str | None = None  # "keep" or "stop" once close() has begun
@@ -173,6 +178,7 @@ class WorkerPool(PoolAhead, PoolWarm):
         read now). Called on the main thread."""
         fresh = fresh or options is not None
         asked = time.time()
+        self._flush_retired()
         with self._at_work_on():  # a launch ahead another thread has begun is registered: it is joined below
             try:
                 return self._acquire(config, holder=holder, fresh=fresh, options=options, environ=environ)
@@ -232,6 +238,7 @@ class WorkerPool(PoolAhead, PoolWarm):
     def release(self, group: WorkerGroup, *, failed: bool = False, needed_next: bool = False) -> None:
         """Give a group back after a test; it stays pooled when reuse is on, every member is alive and no other process
         waits for a GPU, unless ``needed_next`` (this process's next test needs it: it would launch it again)."""
+        self._flush_retired()
         with self._at_work_on():
             self._release(group, failed=failed, needed_next=needed_next)
 
@@ -246,7 +253,7 @@ class WorkerPool(PoolAhead, PoolWarm):
                 and self._set_back(entry):
             with self._lock:
                 self._idle[group.id] = entry
-        else:
+        else:  # here: a fresh group goes with its test (a test that asks for one expects it gone after)
             self._retire(entry, failed=entry.tainted)
 
     def _read_states(self, entry: Entry) -> None:
@@ -288,6 +295,7 @@ class WorkerPool(PoolAhead, PoolWarm):
         the configuration of this process's next test; a lease manager that can pass a lease on as it is (Ray's)
         keeps this group's lease for it when it asks for the same GPUs (its next lease, whatever it is for, takes
         it or gives it back)."""
+        self._flush_retired()
         with self._at_work_on():
             self._discard(group, failed=failed, then=then)
 
@@ -299,8 +307,11 @@ class WorkerPool(PoolAhead, PoolWarm):
         # a configuration with a group pooled, or launched ahead, needs no lease
         wanted = self._wanted(then) if then is not None and not self._has_group(then) \
             and getattr(self.leases, "hand_over", None) else None
+        if wanted is None:
+            self._retire_soon(entry, failed=failed or entry.tainted)
+            return
         handed = self._retire(entry, failed=failed or entry.tainted,
-                              hand_over=None if wanted is None else (wanted, entry.lease.holder if entry.lease else ""))
+                              hand_over=(wanted, entry.lease.holder if entry.lease else ""))
         if handed is not None and then is not None:
             self._put_spare(then, handed)
 
@@ -361,6 +372,7 @@ class WorkerPool(PoolAhead, PoolWarm):
         once ready (:meth:`finish_hand_overs`) before the rest is stopped."""
         with self._gate:
             self._stopping = True  # a launch ahead from another thread starts nothing from now on
+        self._join_retiring()  # their records finished before the run's report, their leases given back
         if hand_over:
             with contextlib.suppress(Exception):  # an optimisation: the taker launches its own
                 self.finish_hand_overs()
@@ -410,13 +422,14 @@ class WorkerPool(PoolAhead, PoolWarm):
             with self._lock:
                 entries = [self._idle.pop(key) for key in spare if key in self._idle]
             for entry in entries:
-                self._retire(entry, failed=entry.tainted)
+                self._retire_soon(entry, failed=entry.tainted)
 
     def _while_waiting(self, config: WorkerConfig, looked: float) -> float:
         """Each 0.1 s the main thread waits for ``config``'s launch: the terminal's queue; every :data:`YIELD_EVERY_S`
         since ``looked``, idle groups no test needs go (their GPUs serve elsewhere); once, the HTTP client's setup
         (:func:`.process.prepare_http`), which the test would pay. Returns when it last looked."""
         self.on_tick()
+        self._flush_retired()
         prepare_http()
         if self.follow is not None:
             self.follow(config)
@@ -441,7 +454,7 @@ class WorkerPool(PoolAhead, PoolWarm):
             entries = [self._idle.pop(k) for k, e in list(self._idle.items())
                        if e.config.key in keys and not e.launched_ahead]
         for entry in entries:
-            self._retire(entry, failed=entry.tainted)
+            self._retire_soon(entry, failed=entry.tainted)
 
     def groups(self) -> list[WorkerGroup]:
         with self._lock:
@@ -731,6 +744,9 @@ class WorkerPool(PoolAhead, PoolWarm):
             lease = self.leases.try_acquire(wanted, memory, holder=holder, **self._workers_kw(workers))
             if lease is not None:
                 return lease, time.monotonic() - start  # time spent evicting idle workers counts too
+            if self._retiring_now():  # the GPUs of a group retired off this thread may be the ones wanted
+                self._join_retiring()
+                continue
             with self._lock:
                 aheads = [a for a in self._ahead.values() if a.config != config]
             if not self._idle and aheads:
@@ -779,10 +795,13 @@ class WorkerPool(PoolAhead, PoolWarm):
                 "or more GPUs")
 
     # -- retiring -----------------------------------------------------------------------------------------
-    def _retire(self, entry: Entry, *, failed: bool, hand_over: tuple[Any, str] | None = None) -> Any:
+    def _retire(self, entry: Entry, *, failed: bool, hand_over: tuple[Any, str] | None = None,
+                say: Callable[[str], None] | None = None) -> Any:
         """Stop ``entry``'s group and give its lease back. ``hand_over`` (what the next lease asks for, its
         holder): a lease manager that can pass a lease on as it is (``hand_over``: Ray's placement groups) does so
-        when it fits, and the lease it returns is this method's result (None: the lease was given back)."""
+        when it fits, and the lease it returns is this method's result (None: the lease was given back). ``say``:
+        where its messages go (default ``on_message``; a retirement off the main thread queues them)."""
+        say = say or self.on_message
         group = entry.group
         stats = self.stats_for(entry.config)
         dead = [m for m in group if not m.is_alive() and not m.stopped]
@@ -791,14 +810,15 @@ class WorkerPool(PoolAhead, PoolWarm):
             stats.deaths += len(dead)
             stats.stops += len(stopped)
         if self.warm is not None and self.warm.settings.ttl is not None:
-            self.not_kept[entry.config.label] = not_kept_reason(bool(dead), bool(stopped), entry.poolable,
-                                                                self._closing)
+            with self._lock:
+                self.not_kept[entry.config.label] = not_kept_reason(bool(dead), bool(stopped), entry.poolable,
+                                                                    self._closing)
         failed = failed or bool(dead)
         try:
             for member in group:
                 member.stop()
                 for warning in member.warnings:
-                    self.on_message(warning)
+                    say(warning)
                 member.warnings.clear()
         finally:
             pids: list[int] = []
@@ -826,7 +846,7 @@ class WorkerPool(PoolAhead, PoolWarm):
                 if take is not None and hand_over is not None:
                     handed = take(entry.lease, hand_over[0], holder=hand_over[1])
                 if handed is None:
-                    self._give_back(entry.lease, pids, entry.leased_at, stats)
+                    self._give_back(entry.lease, pids, entry.leased_at, stats, say)
                 else:
                     self._count_gpu_seconds(entry.lease, entry.leased_at, stats)
             self._stamp_released(entry.records)
@@ -838,8 +858,9 @@ class WorkerPool(PoolAhead, PoolWarm):
         with self._lock:
             stats.gpu_seconds += (time.monotonic() - leased_at) * max(1, len(lease.gpus))
 
-    def _give_back(self, lease: Lease | BorrowedLease, pids: list[int], leased_at: float, stats: ConfigStats) -> None:
+    def _give_back(self, lease: Lease | BorrowedLease, pids: list[int], leased_at: float, stats: ConfigStats,
+                   say: Callable[[str], None] | None = None) -> None:
         report = lease.release(worker_pids=pids, wait_timeout=self.release_wait)
         self._count_gpu_seconds(lease, leased_at, stats)
         if report is not None and not getattr(report, "memory_back", True):
-            self.on_message(str(report))
+            (say or self.on_message)(str(report))

@@ -58,6 +58,8 @@ class PoolAhead:
         def _keeper(self, *, fresh: bool, environ: Mapping[str, str], ahead: bool = False) -> KeeperHandle | None: ...
         @staticmethod
         def _keeper_workers(keeper: KeeperHandle | None) -> tuple[str, ...]: ...
+        def _retiring_now(self) -> bool: ...
+        def _join_retiring(self) -> None: ...
         def _take_spare(self, config: WorkerConfig | None, *, others: bool = True) -> Any: ...
         def _wanted(self, config: WorkerConfig, counts: Sequence[int] | None = None) -> Any: ...
         def _launch(self, config: WorkerConfig, *, holder: str, fresh: bool, options: LaunchOptions,
@@ -80,7 +82,8 @@ class PoolAhead:
     def launch_ahead(self, config: WorkerConfig, *, holder: str, environ: Mapping[str, str] | None = None) -> bool:
         """Start ``config``'s group now, in the background, so that it is ready when its first test begins.
         Only on GPUs that are free this moment and that no other process waits for (it never evicts, never
-        waits for a lease); at most one launch ahead per configuration. Returns whether it started. The test
+        waits for a lease; without a free GPU, it waits for this process's retirements under way, and tries once
+        more); at most one launch ahead per configuration. Returns whether it started. The test
         that needs it gets it from :meth:`acquire` (which waits for it), or the failure it met, exactly as if
         it had been launched then. Called on the main thread, which works out here everything the launch thread
         needs (the members' kinds and environments, ``environ``: default this process's, read now); the thread
@@ -96,8 +99,14 @@ class PoolAhead:
                 return True
             if self.handover is not None and self.handover.expects(config.key):
                 return False  # another xdist worker hands its group over: adopted when its test asks for it
-            return self._start_ahead(config, holder, environ, lambda: self._prepare(config, environ),
-                                     lambda prepared, lease: self._member_envs(config, prepared, lease))
+            for _ in range(2):
+                if self._start_ahead(config, holder, environ, lambda: self._prepare(config, environ),
+                                     lambda prepared, lease: self._member_envs(config, prepared, lease)):
+                    return True
+                if not self._retiring_now():
+                    return False
+                self._join_retiring()  # the GPUs it wants may be a group's retired off this thread
+            return False
 
     def ahead_kit(self, config: WorkerConfig, *, holder: str, environ: Mapping[str, str],
                   worker_env: Callable[[ModelSpec, dict[str, str]], dict[str, str]]) -> AheadKit:

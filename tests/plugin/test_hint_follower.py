@@ -274,8 +274,10 @@ def test_a_configurations_group_goes_as_its_last_test_here_ends(
     a, b = by_args["4096"], by_args["4097"]
     assert [t["nodeid"].rsplit("-", 1)[1] for t in a["tests"]] == ["0]", "1]"]
     first_b = min(t["t_start"] for t in b["tests"])
-    assert a["t_released"] is not None and a["t_released"] <= first_b, (a, b)
-    assert a["t_released"] >= max(t["t_end"] for t in a["tests"])  # not before its last test
+    # its retirement begins as its last test ends, before b's first (it goes on off the main thread: released later)
+    assert a["t_stop_requested"] is not None and a["t_stop_requested"] <= first_b, (a, b)
+    assert a["t_stop_requested"] >= max(t["t_end"] for t in a["tests"])  # not before its last test
+    assert a["t_released"] is not None and a["t_released"] >= a["t_stop_requested"]
     pids = [r["pid"] for r in launches]
     assert _wait_for(lambda: not [p for p in pids if psutil.pid_exists(p)
                                   and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]), "engines left running"

@@ -182,7 +182,7 @@ def test_worker_is_retired_after_the_last_test_of_its_configuration(
     record = tmp_path / "record.jsonl"
     monkeypatch.setenv("SGLSIM_RECORD", str(record))
     pytester.makepyfile("""
-        import json, os, pytest
+        import json, os, time, pytest
 
         def _live():
             path = os.environ["SGLSIM_RECORD"]
@@ -196,7 +196,12 @@ def test_worker_is_retired_after_the_last_test_of_its_configuration(
 
         @pytest.mark.sgl_worker(args=["--max-total-tokens", "512"])
         def test_b(sgl_worker):
-            assert len(_live()) == 1  # the worker of a1/a2 is gone: no later test needed it
+            # the worker of a1/a2 goes, no later test needing it: its retirement began as a2 ended and goes on off
+            # the main thread; kept to the session's end, it would outlive this test
+            deadline = time.monotonic() + 60
+            while len(_live()) != 1 and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert len(_live()) == 1
     """)
     result = pytester.runpytest_subprocess(*SIM, "--sgl-model", "qwen3-0.6b", "--sgl-gpus", "sim:4")
     result.assert_outcomes(passed=3)

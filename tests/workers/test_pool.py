@@ -302,7 +302,9 @@ def test_while_another_process_waits_only_the_group_the_next_test_needs_stays_po
     pool.release(b, needed_next=True)
     assert b in pool.groups() and b[0].is_alive()
     pool.yield_idle(keep=needed)
-    assert not a[0].is_alive() and a not in pool.groups()  # idle, no known use: the waiter's now
+    assert a not in pool.groups()  # idle, no known use: the waiter's now (retired off the main thread)
+    pool._join_retiring()
+    assert not a[0].is_alive()
     assert b[0].is_alive() and pool.acquire(needed, holder="b2") is b
     c = pool.acquire(other, holder="c")
     pool.release(c)
@@ -519,6 +521,7 @@ def test_a_launch_ahead_from_another_thread_waits_for_a_free_gpu_without_startin
     assert _in_thread(lambda: pool.launch_ahead_kit(kit)) is False
     assert [r.config for r in pool.launches] == [a.key] and sorted(pool.leases.holders()) == [0]
     pool.discard(group_a, failed=False)
+    pool._join_retiring()  # retired off the main thread: its GPU is free once that ends (the follower polls)
     assert _in_thread(lambda: pool.launch_ahead_kit(kit)) is True
     group_b = pool.acquire(b, holder="needs B")
     assert group_b[0].is_alive() and pool.stats[b.key].launches == 1
@@ -595,3 +598,101 @@ def test_the_wait_for_a_launch_makes_the_http_clients_tls_context_on_the_main_th
     assert group[0].client.get("/health").status_code == 200
     assert made == [threading.main_thread().name]  # the client took the one made
     pool.release(group)
+
+
+# -- a group no later test needs, retired off the main thread (issue 43) ----------------------------------------------
+def _held_stop(member, monkeypatch: pytest.MonkeyPatch, *, fail: bool = False):  # type: ignore[no-untyped-def]
+    """Hold ``member``'s stop until the returned event is set; the names of the threads that stopped it."""
+    gate, stopped_on = threading.Event(), []
+    real = member.stop
+
+    def held(**kwargs):  # type: ignore[no-untyped-def]
+        stopped_on.append(threading.current_thread().name)
+        assert gate.wait(30), "never let go"
+        if fail:
+            real(**kwargs)
+            raise RuntimeError("stop went wrong")
+        return real(**kwargs)
+
+    monkeypatch.setattr(member, "stop", held)
+    return gate, stopped_on
+
+
+def _until(check, what: str, timeout: float = 30.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+def test_a_group_no_later_test_needs_is_retired_off_the_main_thread(  # type: ignore[no-untyped-def]
+        make_pool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its last test's teardown returns while the group stops (sglang's clean shutdown takes seconds, and the next
+    test most often needs none of it); its GPU stays leased until it is gone, and the main thread, once it needs that
+    GPU, waits for the retirement: no lease wait, no message about a holder that is itself."""
+    pool = make_pool(gpus=1)
+    a, b = WorkerConfig.of(QWEN, ["--max-total-tokens", "256"]), WorkerConfig.of(QWEN, ["--max-total-tokens", "512"])
+    group = pool.acquire(a, holder="a")
+    member = group[0]
+    gate, stopped_on = _held_stop(member, monkeypatch)
+    pool.discard(group, failed=False)  # returns although the stop is held
+    _until(lambda: stopped_on, "the retirement to begin")
+    assert stopped_on == ["sglworker-retire-qwen3-0.6b --max-total-tokens 256"] and member.is_alive()
+    assert group not in pool.groups() and sorted(pool.leases.holders()) == [0]
+    pool.on_tick = gate.set  # called while the main thread waits: the stop goes on only once it waits
+    other = pool.acquire(b, holder="b")
+    assert not member.is_alive() and other[0].gpus == "0"
+    assert not [m for m in pool.messages if "waiting for" in m], pool.messages
+    record = next(r for r in pool.launches if r.config == a.key)
+    assert record.outcome == "stopped" or record.outcome == "ok"
+    assert record.t_stop_requested is not None and record.t_released is not None
+    assert record.t_stop_requested <= record.t_released
+
+
+def test_a_group_a_failed_test_used_or_a_fresh_one_is_retired_on_the_main_thread(  # type: ignore[no-untyped-def]
+        make_pool, monkeypatch: pytest.MonkeyPatch) -> None:
+    pool = make_pool(gpus=2)
+    for fresh, failed in ((False, True), (True, False)):
+        group = pool.acquire(WorkerConfig.of(QWEN), holder="t", fresh=fresh)
+        gate, stopped_on = _held_stop(group[0], monkeypatch)
+        gate.set()
+        pool.discard(group, failed=failed)
+        assert stopped_on == [threading.main_thread().name] and not group[0].is_alive()
+
+
+def test_what_a_retirement_off_the_main_thread_says_is_said_on_the_main_thread(  # type: ignore[no-untyped-def]
+        make_pool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its warnings and an error it met wait for the main thread (the terminal is pytest's); the pool's close waits
+    for it, and the lease is given back whatever the stop met."""
+    pool = make_pool(gpus=2)
+    said: list[tuple[str, str]] = []
+    pool.on_message = lambda message: said.append((threading.current_thread().name, message))
+    warned = pool.acquire(WorkerConfig.of(QWEN, ["--max-total-tokens", "256"]), holder="a")
+    failing = pool.acquire(WorkerConfig.of(QWEN, ["--max-total-tokens", "512"]), holder="b")
+    warned[0].warnings.append("a warning of its stop")
+    gates = [_held_stop(warned[0], monkeypatch), _held_stop(failing[0], monkeypatch, fail=True)]
+    pool.discard(warned, failed=False)
+    pool.discard(failing, failed=False)
+    _until(lambda: all(stopped_on for _, stopped_on in gates), "the retirements to begin")
+    assert said == []
+    pool.on_tick = lambda: [gate.set() for gate, _ in gates]
+    pool.close()
+    main = threading.main_thread().name
+    assert said == [(main, "a warning of its stop"),
+                    (main, "sglworker: qwen3-0.6b --max-total-tokens 512: retiring it met RuntimeError: stop went "
+                           "wrong")]
+    assert not warned[0].is_alive() and not failing[0].is_alive() and pool.leases.holders() == {}
+
+
+def test_a_launch_ahead_on_the_gpu_of_a_retiring_group_waits_for_it(  # type: ignore[no-untyped-def]
+        make_pool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Between tests, the main thread launches the next configuration ahead on the GPU a retirement frees."""
+    pool = make_pool(gpus=1)
+    a, b = WorkerConfig.of(QWEN, ["--max-total-tokens", "256"]), WorkerConfig.of(QWEN, ["--max-total-tokens", "512"])
+    group = pool.acquire(a, holder="a")
+    gate, _ = _held_stop(group[0], monkeypatch)
+    pool.discard(group, failed=False)
+    pool.on_tick = gate.set
+    assert pool.launch_ahead(b, holder="b") is True
+    assert not group[0].is_alive()
+    assert pool.acquire(b, holder="b")[0].gpus == "0" and pool.stats[b.key].launches == 1
