@@ -622,7 +622,7 @@ class SglSession:
         for config in wanted:
             try:
                 source.launch_ahead(config, holder=f"launch ahead for {self.config.rootpath.name} (pid {os.getpid()})",
-                                    environ=environ)
+                                    environ=environ, wait_retiring=self._follower is None)  # else it starts it
             except Exception as exc:  # launching ahead is an optimisation: it never fails a test
                 self.terminal.note(f"launch ahead of {config.label} failed to start: {exc!r}")
 

@@ -37,6 +37,7 @@ class Faults:
     flood_mb: float = 0.0
     ignore_sigterm: bool = False
     escape_child: bool = False
+    shutdown_seconds: float = 0.0
 
 
 @dataclass
@@ -94,6 +95,8 @@ FAULTS: tuple[Fault, ...] = (
     Fault("flood", "mb", "MB MiB of log lines to stdout and as many to stderr while the weights load", startup=True,
           field="flood_mb"),
     Fault("ignore_sigterm", "flag", "SIGTERM is ignored (SIGINT and SIGKILL still work)", startup=True),
+    Fault("shutdown", "seconds", "on SIGTERM or SIGINT, its clean shutdown takes S seconds more before it exits 0 "
+          "(sglang's stops its scheduler and detokenizer first: about 4 s)", startup=True, field="shutdown_seconds"),
     Fault("escape_child", "flag", "spawns a child in its own session (SGLSIM_ESCAPED=1), logged as 'spawned "
           "scheduler pid=N'; it outlives a kill of the sim's process group, exits by itself after 600 s",
           startup=True),

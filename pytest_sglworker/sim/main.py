@@ -53,6 +53,8 @@ def _shutdown(sim: Sim, signum: int) -> int:
     while sim.running > 0 and time.monotonic() < deadline:
         time.sleep(0.01)
     log.info(f"Gracefully exiting... Remaining number of requests {sim.running}. Remaining requests remaining_rids=[].")
+    if sim.faults.shutdown_seconds:  # the scheduler and detokenizer stopping, as sglang's do
+        time.sleep(sim.faults.shutdown_seconds)
     if sim.grpc is not None:
         log.info("Received shutdown signal")
         sim.grpc.stop()

@@ -79,11 +79,13 @@ class PoolAhead:
             with self._gate:
                 self._at_work -= 1
 
-    def launch_ahead(self, config: WorkerConfig, *, holder: str, environ: Mapping[str, str] | None = None) -> bool:
+    def launch_ahead(self, config: WorkerConfig, *, holder: str, environ: Mapping[str, str] | None = None,
+                     wait_retiring: bool = True) -> bool:
         """Start ``config``'s group now, in the background, so that it is ready when its first test begins.
         Only on GPUs that are free this moment and that no other process waits for (it never evicts, never
         waits for a lease; without a free GPU, it waits for this process's retirements under way, and tries once
-        more); at most one launch ahead per configuration. Returns whether it started. The test
+        more, unless not ``wait_retiring``: a follower thread starts it once their GPUs are free); at most one
+        launch ahead per configuration. Returns whether it started. The test
         that needs it gets it from :meth:`acquire` (which waits for it), or the failure it met, exactly as if
         it had been launched then. Called on the main thread, which works out here everything the launch thread
         needs (the members' kinds and environments, ``environ``: default this process's, read now); the thread
@@ -103,7 +105,7 @@ class PoolAhead:
                 if self._start_ahead(config, holder, environ, lambda: self._prepare(config, environ),
                                      lambda prepared, lease: self._member_envs(config, prepared, lease)):
                     return True
-                if not self._retiring_now():
+                if not wait_retiring or not self._retiring_now():
                     return False
                 self._join_retiring()  # the GPUs it wants may be a group's retired off this thread
             return False

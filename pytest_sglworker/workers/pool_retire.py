@@ -87,8 +87,9 @@ class PoolRetire:
         job.thread.start()
 
     def _may_retire_later(self, entry: Entry, failed: bool) -> bool:
+        passed_on = getattr(self.leases, "hand_over", None) is not None  # Ray's placement groups
         return (self.retire_in_background and not failed and not entry.tainted and entry.poolable
-                and self._closing is None and entry.group.is_alive() and getattr(self.leases, "hand_over", None) is None)
+                and self._closing is None and entry.group.is_alive() and not passed_on)
 
     def _retiring_now(self) -> bool:
         with self._lock:

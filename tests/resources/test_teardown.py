@@ -435,7 +435,7 @@ def test_a_deaf_root_whose_proof_races_the_groups_sigkill_is_still_counted(
     import pytest_sglworker.resources.processes as processes
 
     tag = owner_tag(session_id())
-    root, pids = family(tmp_path, started, tag, mode="deaf")
+    root, _ = family(tmp_path, started, tag, mode="deaf")
     real = processes.signal_proven
 
     def racing(proc: psutil.Process, sig: int) -> bool:

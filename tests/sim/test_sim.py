@@ -704,6 +704,16 @@ def test_fault_ignore_sigterm(launch: Launcher) -> None:
     assert sim.wait_exit() == -signal.SIGKILL
 
 
+def test_fault_shutdown_takes_its_seconds_then_exits_0(launch: Launcher) -> None:
+    """sglang's clean shutdown takes seconds (its scheduler and detokenizer stop first): ``shutdown=S`` models it."""
+    sim = launch(*CI_ARGS, "--skip-server-warmup", env={"SGLSIM_FAULT": "shutdown=0.5"})
+    sim.wait_ready()
+    sent = time.monotonic()
+    sim.proc.send_signal(signal.SIGTERM)
+    assert sim.wait_exit() == 0
+    assert time.monotonic() - sent >= 0.5
+
+
 def test_fault_escape_child_survives_group_kill(launch: Launcher) -> None:
     sim = launch(*CI_ARGS, "--skip-server-warmup", env={"SGLSIM_FAULT": "escape_child"})
     sim.wait_ready()

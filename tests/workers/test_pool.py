@@ -692,6 +692,11 @@ def test_a_launch_ahead_on_the_gpu_of_a_retiring_group_waits_for_it(  # type: ig
     group = pool.acquire(a, holder="a")
     gate, _ = _held_stop(group[0], monkeypatch)
     pool.discard(group, failed=False)
+    ticks: list[int] = []
+    pool.on_tick = lambda: ticks.append(1)
+    # where a follower thread starts it once the GPU is free (an xdist worker's), the main thread does not wait
+    assert pool.launch_ahead(b, holder="b", wait_retiring=False) is False
+    assert ticks == [] and group[0].is_alive()
     pool.on_tick = gate.set
     assert pool.launch_ahead(b, holder="b") is True
     assert not group[0].is_alive()

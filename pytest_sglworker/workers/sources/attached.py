@@ -403,10 +403,11 @@ class AttachedSource:
             return SglWorkerError(f"{silent[0].describe()} stopped answering its health check during the test{why}")
         return None
 
-    def launch_ahead(self, config: WorkerConfig, *, holder: str, environ: Mapping[str, str]) -> bool:
+    def launch_ahead(self, config: WorkerConfig, *, holder: str, environ: Mapping[str, str],
+                     wait_retiring: bool = True) -> bool:
         if self.serves(config.spec):
             return False
-        return self.launching.launch_ahead(config, holder=holder, environ=environ)
+        return self.launching.launch_ahead(config, holder=holder, environ=environ, wait_retiring=wait_retiring)
 
     def ahead_kit(self, config: WorkerConfig, *, holder: str, environ: Mapping[str, str]) -> Any:
         if self.serves(config.spec):

@@ -136,9 +136,11 @@ class WorkerSource(Protocol):
         """Take ``group`` back after a test; the error that fails that test (a member died during it, an
         attached worker stopped answering), or None."""
 
-    def launch_ahead(self, config: WorkerConfig, *, holder: str, environ: Mapping[str, str]) -> bool:
+    def launch_ahead(self, config: WorkerConfig, *, holder: str, environ: Mapping[str, str],
+                     wait_retiring: bool = True) -> bool:
         """Start ``config``'s workers now, in the background, for a test to come, inheriting ``environ`` (the
-        snapshot the main thread made); whether it started."""
+        snapshot the main thread made); whether it started. ``wait_retiring``: with no GPU free, wait for this
+        process's groups being retired (false where a follower thread starts it once their GPUs are free)."""
 
     def ahead_kit(self, config: WorkerConfig, *, holder: str, environ: Mapping[str, str]) -> Any:
         """A launch ahead of ``config`` worked out now, for :meth:`launch_kit` to start from another thread (an xdist

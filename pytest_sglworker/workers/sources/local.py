@@ -188,10 +188,11 @@ class PoolSource:
         pool.yield_idle(keep=use.next_config)
         return None
 
-    def launch_ahead(self, config: WorkerConfig, *, holder: str, environ: Mapping[str, str]) -> bool:
+    def launch_ahead(self, config: WorkerConfig, *, holder: str, environ: Mapping[str, str],
+                     wait_retiring: bool = True) -> bool:
         if self._pool is None or not self.settings.reuse:
             return False  # nothing launched yet: the first test's own launch comes first
-        return self._pool.launch_ahead(config, holder=holder, environ=environ)
+        return self._pool.launch_ahead(config, holder=holder, environ=environ, wait_retiring=wait_retiring)
 
     def ahead_kit(self, config: WorkerConfig, *, holder: str, environ: Mapping[str, str]) -> AheadKit | None:
         hooked = self.hooks.env_hooked
