@@ -41,6 +41,8 @@ startup faults (SGLSIM_FAULT only, comma-separated):
   flood=MB               MB MiB of log lines to stdout and as many to stderr while the weights
                          load
   ignore_sigterm         SIGTERM is ignored (SIGINT and SIGKILL still work)
+  shutdown=S             on SIGTERM or SIGINT, its clean shutdown takes S seconds more before it
+                         exits 0 (sglang's stops its scheduler and detokenizer first: about 4 s)
   escape_child           spawns a child in its own session (SGLSIM_ESCAPED=1), logged as
                          'spawned scheduler pid=N'; it outlives a kill of the sim's process
                          group, exits by itself after 600 s
