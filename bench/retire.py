@@ -1,9 +1,9 @@
 #!/usr/bin/env python
-"""Retiring a group off the main thread (issue 43): a one-process run of configurations one after another, each
+"""Retiring a group off the main thread (issue 43): a run (one process, or ``--xdist N``) of configurations, each
 group's clean shutdown taking ``--shutdown`` seconds (sglang's: about 4 s), with the pool retiring groups on the main
 thread (``BENCH_RETIRE_ON_MAIN=1``: the baseline, as before the change) and off it, interleaved in the same run.
 
-    .venv/bin/python bench/retire.py [--rounds 3] [--shutdown 2] [--json PATH]
+    .venv/bin/python bench/retire.py [--rounds 3] [--shutdown 2] [--configs 4] [--xdist N] [--json PATH]
 
 The wall of a run and, from its report, the seconds between one configuration's last test's end and the next
 configuration's first test's start (what the main thread spent between them).
@@ -28,14 +28,15 @@ MEASURES = {NAME: ("pytest_sglworker/workers/pool.py", "pytest_sglworker/workers
 
 
 def gaps(report: dict[str, Any]) -> list[float]:
-    """Seconds from each configuration's last test's end to the next configuration's first test's start."""
-    spans = []
+    """Seconds from each configuration's last test's end to the next configuration's first test's start, on the same
+    process (an xdist worker's own sequence)."""
+    spans: dict[str, list[tuple[float, float]]] = {}
     for launch in report.get("launches", []):
         tests = launch.get("tests") or []
         if tests:
-            spans.append((min(t["t_start"] for t in tests), max(t["t_end"] for t in tests)))
-    spans.sort()
-    return [later[0] - earlier[1] for earlier, later in itertools.pairwise(spans)]
+            where = spans.setdefault(str(launch.get("xdist_worker") or "main"), [])
+            where.append((min(t["t_start"] for t in tests), max(t["t_end"] for t in tests)))
+    return [later[0] - earlier[1] for seq in spans.values() for earlier, later in itertools.pairwise(sorted(seq))]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -43,6 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--shutdown", type=float, default=2.0, help="each group's clean shutdown, seconds")
     parser.add_argument("--configs", type=int, default=4)
+    parser.add_argument("--xdist", type=int, default=0,
+                        help="xdist workers (the plugin's scheduler, a follower thread each); 0: one process")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     meta = start_meta(sys.argv[1:] if argv is None else argv)
@@ -51,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
            "BENCH_RETIRE_CONFIGS": str(args.configs)}
     variants = {}
     for gpus in (args.configs, 2):  # a GPU each (nothing waits for a retirement), then fewer GPUs than configurations
-        common = ["--sgl-gpus", f"sim:{gpus}", "-p", "no:xdist"]
+        common = ["--sgl-gpus", f"sim:{gpus}", *(["-n", str(args.xdist)] if args.xdist else ["-p", "no:xdist"])]
         variants[f"on_main_{gpus}"] = (SUITES / "retire", common, {**env, "BENCH_RETIRE_ON_MAIN": "1"})
         variants[f"off_main_{gpus}"] = (SUITES / "retire", common, env)
     with tempfile.TemporaryDirectory(prefix="bench-retire-") as tmp:
