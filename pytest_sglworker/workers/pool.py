@@ -738,14 +738,16 @@ class WorkerPool(PoolAhead, PoolWarm, PoolRetire):
         wanted: Any = list(counts) if getattr(self.leases, "per_member", False) else gpus
         memory = config.spec.memory_mib
         start = time.monotonic()
+        joined = False
         # First without waiting; evict idle groups (LRU first) while that frees a lease; launches ahead of
         # other configurations give way (called off: the test that needs its GPUs now comes first).
         while True:
             lease = self.leases.try_acquire(wanted, memory, holder=holder, **self._workers_kw(workers))
             if lease is not None:
                 return lease, time.monotonic() - start  # time spent evicting idle workers counts too
-            if self._retiring_now():  # the GPUs of a group retired off this thread may be the ones wanted
+            if not joined and self._retiring_now():  # the GPUs of a group retired off this thread may be wanted
                 self._join_retiring()
+                joined = True  # once: a retirement past the join's deadline is waited for as any holder
                 continue
             with self._lock:
                 aheads = [a for a in self._ahead.values() if a.config != config]
