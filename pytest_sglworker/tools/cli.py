@@ -26,7 +26,6 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from types import FrameType
 
 from ..engine.install_dirs import default_real_engine_dir, default_router_vocab_dir
 
@@ -143,38 +142,30 @@ def _end_group(process: subprocess.Popen[bytes], first: int) -> None:
     process.wait()
 
 
-class _Interrupted(Exception):
-    def __init__(self, signum: int) -> None:
-        self.signum = signum
-
-
-def _raise_interrupted(signum: int, frame: FrameType | None) -> None:
-    raise _Interrupted(signum)
-
-
 def _install(command: str, script: str, folder: Path, base_python_var: str) -> int:
     """Run the recipe in a process group of its own. SIGINT (Ctrl-C) or SIGTERM to this process is forwarded to
     that group, which is waited for (escalating to SIGTERM and SIGKILL): then one line, and the exit status
-    128 + the signal, with nothing of the install left running."""
-    previous = {sig: signal.signal(sig, _raise_interrupted) for sig in (signal.SIGINT, signal.SIGTERM)}
-    process: subprocess.Popen[bytes] | None = None
+    128 + the signal, with nothing of the install left running. The handler only notes the signal: one that lands
+    while the recipe starts (its first lines can run before ``Popen`` returns) still finds its group to end."""
+    interrupts: list[int] = []
+    previous = {sig: signal.signal(sig, lambda signum, frame: interrupts.append(signum))
+                for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        try:
-            # in the recipes' own folder: a working directory that holds a checkout's metadata would be on the
-            # path of every ``python -m pip`` the recipe runs, as PYTHONPATH would
-            process = subprocess.Popen(["bash", str(RECIPES / script), str(folder.absolute())],
-                                       env=_recipe_environ(base_python_var), cwd=RECIPES,
-                                       stdin=subprocess.DEVNULL, start_new_session=True)
-            return process.wait()
-        except _Interrupted as interrupt:
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
-            if process is not None:
-                _end_group(process, interrupt.signum)
-            name = signal.Signals(interrupt.signum).name
-            print(f"sglworker {command}: interrupted ({name}); the install stopped, nothing of it left running "
-                  f"(run it again to finish it: {folder})", file=sys.stderr)
-            return 128 + interrupt.signum
+        # in the recipes' own folder: a working directory that holds a checkout's metadata would be on the path of
+        # every ``python -m pip`` the recipe runs, as PYTHONPATH would
+        process = subprocess.Popen(["bash", str(RECIPES / script), str(folder.absolute())],
+                                   env=_recipe_environ(base_python_var), cwd=RECIPES,
+                                   stdin=subprocess.DEVNULL, start_new_session=True)
+        while not interrupts:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                return process.wait(timeout=0.2)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        _end_group(process, interrupts[0])
+        name = signal.Signals(interrupts[0]).name
+        print(f"sglworker {command}: interrupted ({name}); the install stopped, nothing of it left running "
+              f"(run it again to finish it: {folder})", file=sys.stderr)
+        return 128 + interrupts[0]
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

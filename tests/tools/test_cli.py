@@ -159,6 +159,38 @@ def test_an_interrupted_install_ends_its_whole_process_group(tmp_path: Path, sig
     assert [pid for pid in (background, foreground) if _running(pid)] == []
 
 
+# The driver again, with the interrupt landing while the recipe starts: sent from inside ``Popen``, after the recipe
+# began and before ``Popen`` returned (on a busy machine its first lines run that early: it was once left running)
+_DRIVER_EARLY = _DRIVER.replace("sys.exit(", """import os, signal, subprocess
+real = subprocess.Popen
+class Early(real):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        os.kill(os.getpid(), signal.SIGINT)
+cli.subprocess.Popen = Early
+sys.exit(""", 1)
+
+
+def test_an_interrupt_while_the_recipe_starts_still_ends_its_group(tmp_path: Path) -> None:
+    recipes = tmp_path / "recipes"
+    recipes.mkdir()
+    (recipes / "install-real-engine.sh").write_text(_SLOW_RECIPE)
+    folder = tmp_path / "engine"
+    process = subprocess.Popen([sys.executable, "-c", _DRIVER_EARLY, str(recipes), "install-real-engine", str(folder)],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
+    try:
+        _, err = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert process.returncode == 128 + signal.SIGINT, err
+    assert err.startswith("sglworker install-real-engine: interrupted (SIGINT)"), err
+    for name in ("background", "foreground"):  # what the recipe started by then is gone
+        path = Path(f"{folder}.{name}")
+        assert not (path.is_file() and path.read_text().strip() and _running(int(path.read_text()))), name
+
+
 def test_the_checkout_command_works_without_its_venv(tmp_path: Path) -> None:
     """A clone without ``.venv``, another venv activated (its ``python3`` first on PATH): ``scripts/gpu-check``
     picks that python by its bare name, which exec does not look up on PATH."""
