@@ -127,6 +127,17 @@ def _wait_for(path: Path, process: subprocess.Popen[str], deadline_s: float = 60
     raise AssertionError(f"the fake install never wrote {path}")
 
 
+def _slow_install(tmp_path: Path, driver: str) -> tuple[subprocess.Popen[str], Path]:
+    """``driver`` running ``install-real-engine`` with :data:`_SLOW_RECIPE` as its recipe; the install's folder."""
+    recipes = tmp_path / "recipes"
+    recipes.mkdir()
+    (recipes / "install-real-engine.sh").write_text(_SLOW_RECIPE)
+    folder = tmp_path / "engine"
+    process = subprocess.Popen([sys.executable, "-c", driver, str(recipes), "install-real-engine", str(folder)],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
+    return process, folder
+
+
 def _running(pid: int) -> bool:
     try:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
@@ -138,12 +149,7 @@ def _running(pid: int) -> bool:
 def test_an_interrupted_install_ends_its_whole_process_group(tmp_path: Path, sig: signal.Signals) -> None:
     """Ctrl-C (SIGINT to the command) or SIGTERM during an install: one line, exit 128 + the signal, and no process
     of the install left running, neither the recipe's foreground child nor one that ignores SIGINT."""
-    recipes = tmp_path / "recipes"
-    recipes.mkdir()
-    (recipes / "install-real-engine.sh").write_text(_SLOW_RECIPE)
-    folder = tmp_path / "engine"
-    process = subprocess.Popen([sys.executable, "-c", _DRIVER, str(recipes), "install-real-engine", str(folder)],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
+    process, folder = _slow_install(tmp_path, _DRIVER)
     try:
         background = _wait_for(Path(f"{folder}.background"), process)
         foreground = _wait_for(Path(f"{folder}.foreground"), process)
@@ -172,12 +178,7 @@ sys.exit(""", 1)
 
 
 def test_an_interrupt_while_the_recipe_starts_still_ends_its_group(tmp_path: Path) -> None:
-    recipes = tmp_path / "recipes"
-    recipes.mkdir()
-    (recipes / "install-real-engine.sh").write_text(_SLOW_RECIPE)
-    folder = tmp_path / "engine"
-    process = subprocess.Popen([sys.executable, "-c", _DRIVER_EARLY, str(recipes), "install-real-engine", str(folder)],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
+    process, folder = _slow_install(tmp_path, _DRIVER_EARLY)
     try:
         _, err = process.communicate(timeout=60)
     finally:
