@@ -61,10 +61,13 @@ def test_environment_handed_down_with_own_env_on_top(tmp_path: Path) -> None:
 
 
 def test_a_fresh_tag_per_process_naming_the_session_given(tmp_path: Path) -> None:
+    # The session named must be a live one (this pytest process): a child tagged with a session whose pid is gone
+    # is a leftover, and any session starting beside this one under xdist would rightly end it.
+    session = f"{os.getpid()}-abcdef12"
     environ = {"PATH": os.environ["PATH"], "SGLWORKER_TEST_MARK": os.environ["SGLWORKER_TEST_MARK"]}
-    first, _ = run_child(tmp_path, {}, environ, session_id="4242-abcdef12")
-    second, _ = run_child(tmp_path, {}, environ, session_id="4242-abcdef12")
-    assert tag_session(first["owner_tag"]) == tag_session(second["owner_tag"]) == "4242-abcdef12"
+    first, _ = run_child(tmp_path, {}, environ, session_id=session)
+    second, _ = run_child(tmp_path, {}, environ, session_id=session)
+    assert tag_session(first["owner_tag"]) == tag_session(second["owner_tag"]) == session
     assert first["owner_tag"] != second["owner_tag"]
 
 
