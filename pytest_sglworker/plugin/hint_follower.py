@@ -1,15 +1,18 @@
 """An xdist worker's follower of the controller's word (issue 43): a thread that reads this worker's launch hint
-(:mod:`.launch_hints`) while a test runs and starts the launches ahead it names at once.
+(:mod:`.launch_hints`) while a test runs, starts the launches ahead it names at once, and hands over to the run the
+ready groups launched ahead here whose tests the controller sent to another xdist worker.
 
 Without it, an xdist worker reads the hint only between its tests and while it waits for a launch of its own: a GPU
 the controller planned for a configuration of this worker stood idle for the rest of whatever test the worker was
-running (a second with the generated box suites' tests; with real models' tests, tens of seconds).
+running (a second with the generated box suites' tests; with real models' tests, tens of seconds), and so did the
+xdist worker waiting to adopt a group launched ahead here (its hand-over waited for this worker's test to end).
 
 The thread works from what the main thread handed it, nothing else: the hint file's place, and for each
 configuration a launch worked out on the main thread (the source's ``ahead_kit``: the kind hook asked there, the
 environment read there). It calls the source's ``launch_kit``, which asks nothing of the session and leaves alone a
-configuration that is already there, launching, acquired by the main thread, or handed over. A source that cannot
-launch that way hands no kits (a plugin hook shapes the workers' env, Ray), and nothing changes there.
+configuration that is already there, launching, acquired by the main thread, or handed over, and its
+``hand_over_ready`` (the plain case only: one ready group idle here; the rest stays the main thread's). A source that
+cannot launch that way hands no kits (a plugin hook shapes the workers' env, Ray), and nothing changes there.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .launch_hints import read_hint_file
+from .launch_hints import read_follow_words
 
 if TYPE_CHECKING:
     from ..workers.config import WorkerConfig
@@ -33,10 +36,12 @@ class HintFollower:
     """The thread, started by :meth:`start` and ended by :meth:`stop` (before the source closes)."""
 
     def __init__(self, directory: Path, worker: str, launch: Callable[[Any], bool],
-                 on_error: Callable[[str], None] | None = None, poll: float = POLL_S) -> None:
+                 on_error: Callable[[str], None] | None = None, poll: float = POLL_S,
+                 hand_over: Callable[[], None] | None = None) -> None:
         self._directory = directory
         self._worker = worker
         self._launch = launch
+        self._hand_over = hand_over
         self._on_error = on_error
         self._poll = poll
         self._kits: dict[str, Any] = {}
@@ -68,8 +73,15 @@ class HintFollower:
 
     def _run(self) -> None:
         while not self._stop.wait(self._poll):
-            keys, _ = read_hint_file(self._directory, self._worker)
+            keys, hand = read_follow_words(self._directory, self._worker)
             self.rounds += 1
+            if hand and self._hand_over is not None:
+                try:
+                    self._hand_over()
+                except Exception as exc:  # an optimisation: the main thread hands it over between tests
+                    if "hand over" not in self._failed and self._on_error is not None:
+                        self._failed.add("hand over")
+                        self._on_error(f"handing a group over while a test runs failed: {exc!r}")
             if not keys:
                 continue
             with self._lock:
@@ -99,7 +111,7 @@ def hand_follower(follower: HintFollower | None, place: tuple[Path, str], config
             if kit is not None:  # None: this source launches it ahead between tests only
                 kits[key] = kit
     if follower is None and kits:
-        follower = HintFollower(place[0], place[1], source.launch_kit, on_error=note)
+        follower = HintFollower(place[0], place[1], source.launch_kit, on_error=note, hand_over=source.hand_over_ready)
         follower.hand(kits)
         follower.start()
     elif follower is not None:

@@ -139,7 +139,18 @@ def hint_place(config: Any) -> tuple[Path, str] | None:
 
 def read_hint_file(directory: Path | None, worker: str | None) -> tuple[tuple[str, ...], frozenset[str]]:
     """:func:`read_launch_hint` from the run's directory and the worker's id: plain values, any thread."""
+    return _words(_read_hint(directory, worker))
+
+
+def read_follow_words(directory: Path | None, worker: str | None) -> tuple[tuple[str, ...], bool]:
+    """What a follower thread of the word reads, in one read (plain values, any thread): the configurations to launch
+    ahead (as :func:`read_hint_file`), and whether the word names groups to hand over (``hand``)."""
     data = _read_hint(directory, worker)
+    hand = data.get("hand") if data is not None else None
+    return _words(data)[0], isinstance(hand, list) and any(isinstance(k, str) for k in hand)
+
+
+def _words(data: dict[str, Any] | None) -> tuple[tuple[str, ...], frozenset[str]]:
     if data is None:
         return (), frozenset()
     keys, drop = data.get("configurations"), data.get("drop")

@@ -65,8 +65,9 @@ from dataclasses import dataclass, field
 
 #: tests a node holds at once (the one it runs, the next one xdist needs to know, one more in flight)
 WINDOW = 3
-#: what a hand-over within the run may cost (the giver hands a group over between its own tests): a node takes over
-#: another's launch ahead instead of its own only when that one is ready sooner by more than this
+#: what a hand-over within the run may cost (the giver's follower thread hands a ready group over while a test runs, or
+#: its main thread between tests where a plugin hook or Ray keeps the follower away): a node takes over another's launch
+#: ahead instead of its own only when that one is ready sooner by more than this
 HANDOVER_SECONDS = 1.0
 
 

@@ -144,6 +144,7 @@ class WorkerPool(PoolAhead, PoolWarm, PoolRetire):
         self.retire_in_background = retire_in_background
         self._retiring: list[Retiring] = []
         self._answered: set[str] = set()
+        self._handing = threading.Lock()  # one hand-over at a time: the main thread's, or the follower thread's
         self.not_kept: dict[str, str] = {}  # --sgl-keep-warm: why each configuration's last group was not kept
         self._closing: str | None = None  # "keep" or "stop" once close() has begun
         #: guards the entries (idle, busy, ahead) and the figures: a launch ahead registers its group and counts

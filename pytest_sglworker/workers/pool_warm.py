@@ -13,7 +13,10 @@ go) and it launches its own. A group launched ahead whose tests stay with the gi
 there as before. The words travel through a :class:`HandOver` the session gives (files of the run's private
 directory); no answer is waited for longer than the lease timeout, nor after the controller says the giver is gone.
 Nothing outlives the run: the taker retires an adopted group as any other; a group nobody adopted is ended by the
-controller at the end of the run, or by its keeper once the run's controller is gone. All on the main thread.
+controller at the end of the run, or by its keeper once the run's controller is gone. On the main thread, but for
+the plain case of a hand-over (one ready group of the configuration, idle here), which an xdist worker's follower
+thread also does while a test runs (:meth:`PoolWarm.hand_over_ready`): before, the taker waited for the giver's test
+to end (with real models' tests, tens of seconds) while the group stood ready.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from .config import WorkerConfig
 from .pool_parts import Ahead, Entry, Prepared
+from .pool_retire import Retiring
 from .warm import KeepRequest, Warm
 
 if TYPE_CHECKING:
@@ -69,6 +73,12 @@ class PoolWarm:
     _handed: set[WorkerConfig]
     #: configurations whose hand-over this process answered
     _answered: set[str]
+    #: one hand-over at a time (the main thread's :meth:`hand_over_ahead`, the follower's :meth:`hand_over_ready`)
+    _handing: threading.Lock
+    _gate: threading.RLock
+    _at_work: int
+    _stopping: bool
+    _retiring: list[Retiring]
 
     if TYPE_CHECKING:
         def stats_for(self, config: WorkerConfig) -> ConfigStats: ...
@@ -138,26 +148,82 @@ class PoolWarm:
         "no" (it launches its own)."""
         if self.handover is None or self.warm is None or self.warm.settings.run is None:
             return
-        for key in [k for k in self.handover.to_hand_over() if k not in self._answered]:
-            with self._lock:
-                if any(c.key == key and a.thread is not None and a.thread.is_alive() for c, a in self._ahead.items()):
-                    continue  # still starting: handed over once ready
-                for config in [c for c in self._ahead if c.key == key]:
-                    del self._ahead[config]  # done: its group is idle, or it failed (the taker launches its own)
-                entries = [self._idle.pop(gid) for gid, e in list(self._idle.items())
-                           if e.config.key == key and e.launched_ahead]
-            handed = False
-            for entry in entries:
+        with self._handing:  # the follower thread's, under way, ends first
+            for key in [k for k in self.handover.to_hand_over() if k not in self._answered]:
+                with self._lock:
+                    if any(c.key == key and a.thread is not None and a.thread.is_alive()
+                           for c, a in self._ahead.items()):
+                        continue  # still starting: handed over once ready
+                    for config in [c for c in self._ahead if c.key == key]:
+                        del self._ahead[config]  # done: its group is idle, or it failed (the taker launches its own)
+                    entries = [self._idle.pop(gid) for gid, e in list(self._idle.items())
+                               if e.config.key == key and e.launched_ahead]
+                handed = False
+                for entry in entries:
+                    request = KeepRequest(entry.group, entry.lease, entry.records, entry.envs, entry.environ,
+                                          entry.tainted, entry.keeper)
+                    if not handed and entry.group.is_alive() and self.warm.publish(request):
+                        handed = True
+                        with self._lock:
+                            self._handed.add(entry.config)
+                            self._count_gpu_seconds(entry.lease, entry.leased_at, self.stats_for(entry.config))
+                    else:
+                        self._retire(entry, failed=entry.tainted)
+                with self._lock:
+                    self._answered.add(key)
+                self.handover.answer(key, handed)
+
+    def hand_over_ready(self) -> None:
+        """:meth:`hand_over_ahead` from another thread (an xdist worker's follower of the controller's word, while a
+        test runs): a configuration sent to another xdist worker whose one group launched ahead here is ready and idle
+        goes to the run now, not once the test has ended. Anything else (still starting, dead, several groups, a
+        hand-over that fails, the main thread at work on the entries) is left to the main thread, which retires what it
+        cannot hand over and answers "no". Works from what the pool holds; what it has to say waits for the main thread
+        (:meth:`~.pool_retire.PoolRetire._flush_retired`)."""
+        if self.handover is None or self.warm is None or self.warm.settings.run is None:
+            return
+        if not self._handing.acquire(blocking=False):
+            return  # the main thread hands over now
+        try:
+            for key in self.handover.to_hand_over():
+                with self._gate:
+                    if self._stopping or self._at_work:
+                        return
+                    with self._lock:
+                        entry = self._ready_to_hand(key)
+                        if entry is None:
+                            continue
+                        del self._idle[entry.group.id]
+                        for config in [c for c in self._ahead if c.key == key]:
+                            del self._ahead[config]  # done: its group is the idle one
+                        self._handed.add(entry.config)  # not launched ahead again here meanwhile
+                said = Retiring(f"hand-over of {entry.config.label}")
                 request = KeepRequest(entry.group, entry.lease, entry.records, entry.envs, entry.environ,
                                       entry.tainted, entry.keeper)
-                if not handed and entry.group.is_alive() and self.warm.publish(request):
-                    handed = True
-                    self._handed.add(entry.config)
-                    self._count_gpu_seconds(entry.lease, entry.leased_at, self.stats_for(entry.config))
-                else:
-                    self._retire(entry, failed=entry.tainted)
-            self._answered.add(key)
-            self.handover.answer(key, handed)
+                handed = self.warm.publish(request, say=said.messages.append)
+                with self._lock:
+                    if handed:
+                        self._count_gpu_seconds(entry.lease, entry.leased_at, self.stats_for(entry.config))
+                        self._answered.add(key)
+                    else:  # the main thread tries once more, or retires it and answers "no"
+                        self._handed.discard(entry.config)
+                        self._idle[entry.group.id] = entry
+                    if said.messages:
+                        self._retiring.append(said)
+                if handed:
+                    self.handover.answer(key, True)
+        finally:
+            self._handing.release()
+
+    def _ready_to_hand(self, key: str) -> Entry | None:
+        """Under the lock: the one idle, live group launched ahead of ``key`` when nothing of it still starts and its
+        hand-over is not answered yet (None: the main thread's case)."""
+        if key in self._answered or any(c.key == key and a.thread is not None and a.thread.is_alive()
+                                        for c, a in self._ahead.items()):
+            return None
+        entries = [e for e in self._idle.values() if e.config.key == key and e.launched_ahead]
+        ready = len(entries) == 1 and not entries[0].tainted and entries[0].group.is_alive()
+        return entries[0] if ready else None
 
     def finish_hand_overs(self) -> None:
         """The giver's part at its session's end (the controller let its xdist worker go while a group it launched

@@ -42,6 +42,7 @@ import json
 import os
 import shutil
 import sys
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -285,12 +286,19 @@ class Warm:
     events: dict[str, list[dict[str, Any]]] = field(
         default_factory=lambda: {"adopted": [], "kept": [], "refused": []})
     _engines: dict[str, Any] = field(default_factory=dict)
+    #: the events and the engine identities are written by the main thread and by an xdist worker's follower thread
+    #: (:meth:`publish` while a test runs)
+    _guard: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def _engine(self, launcher: Sequence[str], environ: Mapping[str, str]) -> Any:
         key = _digest([list(launcher), engine_environ(environ)])
-        if key not in self._engines:
-            self._engines[key] = engine_identity(launcher, environ)
-        return self._engines[key]
+        with self._guard:
+            known = self._engines.get(key)
+        if known is None:
+            known = engine_identity(launcher, environ)
+            with self._guard:
+                self._engines.setdefault(key, known)
+        return known
 
     def _launcher(self, environ: Mapping[str, str]) -> list[str]:
         return list(self.settings.options.launcher or environment_launcher(environ))
@@ -515,17 +523,20 @@ class Warm:
         lease.keep_warm(record)
         self._kept(request, record)
 
-    def publish(self, request: KeepRequest) -> bool:
+    def publish(self, request: KeepRequest, *, say: Callable[[str], None] | None = None) -> bool:
         """Hand an idle group launched ahead to its keeper during the session, as a record of this session's run
         (:attr:`WarmSettings.run`): only a session of the run adopts it (the xdist worker the controller sent its
-        tests to), and its keeper ends it when the run ends. Whether it was handed over (else the pool retires it)."""
+        tests to), and its keeper ends it when the run ends. Whether it was handed over (else the pool retires it).
+        ``say``: where what went wrong is said (default ``on_message``; from another thread, a queue of its own)."""
+        say = self.on_message if say is None else say
         try:
-            return self._hand_over(request, DEFAULT_TTL, run=self.settings.run)
+            return self._hand_over(request, DEFAULT_TTL, run=self.settings.run, say=say)
         except Exception as exc:  # handing over is an optimisation: the group is torn down instead
-            self.on_message(f"could not hand {request.group.config.label} over: {type(exc).__name__}: {exc}")
+            say(f"could not hand {request.group.config.label} over: {type(exc).__name__}: {exc}")
             return False
 
-    def _hand_over(self, request: KeepRequest, ttl: float, *, run: Party | None = None) -> bool:
+    def _hand_over(self, request: KeepRequest, ttl: float, *, run: Party | None = None,
+                   say: Callable[[str], None] | None = None) -> bool:
         """Write the group's record and hand its keeper duplicates of its lock descriptors; once the keeper has
         taken them, forget this process's own (the flocks stay held all along)."""
         lease: Lease | None = request.lease
@@ -550,7 +561,8 @@ class Warm:
         if why is not None:
             with contextlib.suppress(OSError):
                 record_path(self.settings.lock_dir, keeper.session_id).unlink()
-            self.on_message(f"could not keep {group.config.label} warm: {why}; it is torn down instead")
+            (self.on_message if say is None else say)(f"could not keep {group.config.label} warm: {why}; it is torn "
+                                                      "down instead")
             return False
         for lock in locks:
             forget_lock(lock)
@@ -606,7 +618,8 @@ class Warm:
             event.update(why=why, ended=ended)
         if kind == "adopted":
             event.update(uses=record.uses, run=record.run is not None, adopter_pid=os.getpid())
-        self.events.setdefault(kind, []).append(event)  # "handed": only in a run that hands groups over
+        with self._guard:
+            self.events.setdefault(kind, []).append(event)  # "handed": only in a run that hands groups over
 
 
 def _create_time(pid: int) -> float:

@@ -94,6 +94,37 @@ def test_a_follower_without_kits_or_without_a_hint_starts_nothing(tmp_path: Path
         follower.stop()
 
 
+def test_the_follower_hands_over_while_the_word_names_groups_to_hand_over(tmp_path: Path) -> None:
+    """The word's ``hand`` (groups launched ahead here whose tests went to another xdist worker) makes the thread ask
+    the source to hand over what is ready, each round until the word no longer names one; a hand-over that raises is
+    said once."""
+    launches, errors, rounds = _Launches(), [], []
+
+    def hand_over() -> None:
+        rounds.append(threading.current_thread().name)
+        if len(rounds) == 2:
+            raise RuntimeError("keeper gone")
+
+    follower = HintFollower(tmp_path, "gw0", launches, on_error=errors.append, poll=0.01, hand_over=hand_over)
+    follower.start()
+    try:
+        write_launch_hint(tmp_path, "gw0", [], drop=[])
+        since = follower.rounds
+        assert _wait_for(lambda: follower.rounds >= since + 2)
+        assert rounds == []  # nothing to hand over: not asked
+        write_launch_hint(tmp_path, "gw0", [], drop=[], hand=["c1"])
+        assert _wait_for(lambda: len(rounds) >= 3)
+        assert set(rounds) == {"sglworker-follow-gw0"}
+        write_launch_hint(tmp_path, "gw0", [], drop=[])
+        seen = len(rounds)
+        since = follower.rounds
+        assert _wait_for(lambda: follower.rounds >= since + 3)
+        assert len(rounds) <= seen + 1  # a round that had read the word before it changed, at most
+    finally:
+        follower.stop()
+    assert errors == ["handing a group over while a test runs failed: RuntimeError('keeper gone')"]
+
+
 #: two configurations under -n 1 on sim:2, GPU 1 held by a process outside the run until the first test lets it go.
 #: So the launch ahead of b, which the controller asks for at once, finds no free GPU when the first test's own
 #: launch starts it; the first test lets GPU 1 go and waits until b's engine runs, started by this xdist worker.

@@ -41,6 +41,15 @@ def handed(run_dir):
             pass
     return False
 
+def answered(run_dir):  # a giver's answer: its group went to the run
+    for path in run_dir.glob("handed-*.json"):
+        try:
+            if json.loads(path.read_text()).get("handed") is True:
+                return True
+        except ValueError:
+            pass
+    return False
+
 @pytest.mark.sgl_worker(args=["--max-total-tokens", "4096"])
 @pytest.mark.parametrize("i", range(4))
 def test_c0(sgl_worker, i, request):
@@ -50,6 +59,11 @@ def test_c0(sgl_worker, i, request):
         while not handed(run_dir) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert handed(run_dir), "no configuration launched ahead here was handed to the other xdist worker"
+        if os.environ.get("HANDOVER_WHILE_RUNNING"):  # handed over by this worker while this very test runs
+            deadline = time.monotonic() + 60
+            while not answered(run_dir) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert answered(run_dir), "the group launched ahead here was not handed over while this test ran"
     if i == 3 and os.environ.get("HANDOVER_GATE"):  # the run is still on when the test that started it acts on it
         gate = Path(os.environ["HANDOVER_GATE"])
         deadline = time.monotonic() + 120
@@ -127,6 +141,28 @@ def test_a_group_launched_ahead_by_one_xdist_worker_is_adopted_by_the_other(
         assert log.is_file() and log.parent == Path(by_pid[record["pid"]]["log_path"]).parent
     assert "handed to another xdist worker" in result.stdout.str()
     assert "adopted" in result.stdout.str() and "started ahead in this run" in result.stdout.str()
+    _nothing_left(handover, started)
+    assert sorted(exited) == sorted(started)
+
+
+def test_a_ready_group_is_handed_over_while_the_givers_own_test_runs(
+        pytester: pytest.Pytester, handover: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The giver's follower thread hands a ready group over while the giver's own test runs: its first test waits for
+    the giver's answer, and the other xdist worker adopts the group meanwhile. Before, the answer came only between the
+    giver's tests (that test failed at its deadline, and the taker waited for the whole of it)."""
+    pytester.makepyfile(test_handover=SUITE)
+    monkeypatch.setenv("HANDOVER_WHILE_RUNNING", "1")
+    report = handover / "report.json"
+    result = pytester.runpytest_subprocess(*SIM, "-n", "2", "--sgl-gpus", "sim:8", "--sgl-report", str(report),
+                                           timeout=180)
+    result.assert_outcomes(passed=19)
+    started, exited = _sims(handover / "sim-record.jsonl")
+    assert len(started) == 6, started  # each configuration's engine launched once
+    launches: list[dict[str, Any]] = json.loads(report.read_text())["launches"]
+    givers = {r["pid"]: r["xdist_worker"] for r in launches if r["outcome"] == "handed_over"}
+    taken = [r for r in launches if r["outcome"] == "adopted" and r["pid"] in givers
+             and r["xdist_worker"] != givers[r["pid"]]]
+    assert taken and all(r["tests"] for r in taken), launches
     _nothing_left(handover, started)
     assert sorted(exited) == sorted(started)
 

@@ -438,21 +438,16 @@ class _Word:
         return self.answers.get(key)
 
 
-def test_a_giver_let_go_while_its_promised_launch_starts_hands_it_over_once_ready(
-        make_pool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
-    """The controller promised a group one xdist worker launched ahead to another, then let the first go (it had no
-    test left) while that group still started: the giver's session end waits for it and hands it over, not cancels
-    it, so the taker adopts it instead of launching it again, its whole startup later."""
-    import os
-
+def _giver_and_taker(make_pool, tmp_path: Path, config: WorkerConfig,  # type: ignore[no-untyped-def]
+                     answers: dict[str, bool]) -> tuple[WorkerPool, WorkerPool]:
+    """Two pools of one run, as two xdist workers: the giver launched ``config`` ahead, the controller sent its tests
+    to the taker."""
     import psutil
 
     from pytest_sglworker.resources.processes import SESSION_ID
     from pytest_sglworker.resources.warm_records import Party
     from pytest_sglworker.workers.warm import Warm, WarmSettings
 
-    config = WorkerConfig.of(QWEN, ["--max-total-tokens", "512"])
-    answers: dict[str, bool] = {}
     run = Party(os.getpid(), psutil.Process().create_time(), SESSION_ID, "the xdist controller")
 
     def pool_of(name: str) -> WorkerPool:
@@ -461,7 +456,27 @@ def test_a_giver_let_go_while_its_promised_launch_starts_hands_it_over_once_read
                                       options=pool.options, holder=name, run=run), pool.leases, pool.records)
         return pool
 
-    giver, taker = pool_of("giver"), pool_of("taker")
+    return pool_of("giver"), pool_of("taker")
+
+
+def _ended(pid: int) -> bool:
+    import psutil
+
+    deadline = time.monotonic() + 30
+    while psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE \
+            and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_a_giver_let_go_while_its_promised_launch_starts_hands_it_over_once_ready(
+        make_pool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    """The controller promised a group one xdist worker launched ahead to another, then let the first go (it had no
+    test left) while that group still started: the giver's session end waits for it and hands it over, not cancels
+    it, so the taker adopts it instead of launching it again, its whole startup later."""
+    config = WorkerConfig.of(QWEN, ["--max-total-tokens", "512"])
+    answers: dict[str, bool] = {}
+    giver, taker = _giver_and_taker(make_pool, tmp_path, config, answers)
     monkeypatch.setenv("SGLSIM_STARTUP_SECONDS", "1.5")
     assert giver.launch_ahead(config, holder="ahead")
     assert giver._ahead[config].thread.is_alive()  # still starting when its xdist worker is let go
@@ -472,11 +487,68 @@ def test_a_giver_let_go_while_its_promised_launch_starts_hands_it_over_once_read
     pid = group[0].pid
     taker.release(group)
     taker.close()
-    deadline = time.monotonic() + 30
-    while psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE \
-            and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    assert _ended(pid)
+
+
+def test_a_ready_group_promised_elsewhere_is_handed_over_from_another_thread(
+        make_pool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    """The follower's part (issue 43): from another thread, while the giver's main thread runs a test, a ready group it
+    launched ahead and the controller promised to another xdist worker goes to the run at once, and the taker adopts
+    it; while the group still starts, or while the main thread is at work on the entries, the thread leaves it alone.
+    The main thread's own pass then has nothing left to do."""
+    config = WorkerConfig.of(QWEN, ["--max-total-tokens", "512"])
+    answers: dict[str, bool] = {}
+    giver, taker = _giver_and_taker(make_pool, tmp_path, config, answers)
+    monkeypatch.setenv("SGLSIM_STARTUP_SECONDS", "1.0")
+    assert giver.launch_ahead(config, holder="ahead")
+    _in_thread(giver.hand_over_ready)  # still starting
+    assert answers == {}
+    giver._ahead[config].thread.join(30)
+    with giver._at_work_on():
+        _in_thread(giver.hand_over_ready)
+    assert answers == {}
+    _in_thread(giver.hand_over_ready)
+    assert answers == {config.key: True}
+    assert [r.outcome for r in giver.launches] == ["handed_over"]
+    giver.hand_over_ahead()  # between its tests: answered already, nothing retired
+    assert answers == {config.key: True} and giver.messages == []
+    group = taker.acquire(config, holder="taker")
+    assert group[0].is_alive() and taker.stats[config.key].launches == 0  # adopted, not launched again
+    pid = group[0].pid
+    assert not giver.launch_ahead(config, holder="ahead")  # handed over: not launched ahead again here
+    taker.release(group)
+    taker.close()
+    giver.close()
+    assert _ended(pid)
+
+
+def test_a_hand_over_from_another_thread_that_fails_is_left_to_the_main_thread(
+        make_pool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    """A hand-over the follower cannot make puts the group back and answers nothing: the main thread then retires it
+    and answers "no" (the taker launches its own), and says what went wrong, on its own thread."""
+    config = WorkerConfig.of(QWEN, ["--max-total-tokens", "512"])
+    answers: dict[str, bool] = {}
+    giver, _ = _giver_and_taker(make_pool, tmp_path, config, answers)
+    assert giver.warm is not None
+    threads: list[str] = []
+
+    def refuse(request, *, say=None) -> bool:  # type: ignore[no-untyped-def]
+        threads.append(threading.current_thread().name)
+        (say or giver.on_message)("the keeper is gone")
+        return False
+
+    monkeypatch.setattr(giver.warm, "publish", refuse)
+    assert giver.launch_ahead(config, holder="ahead")
+    giver._ahead[config].thread.join(30)
+    pid = next(iter(giver._idle.values())).group[0].pid
+    _in_thread(giver.hand_over_ready)
+    assert answers == {} and giver.messages == [] and len(giver._idle) == 1  # back in the pool, nothing said yet
+    giver.hand_over_ahead()  # between its tests: tried once more, then retired
+    assert answers == {config.key: False} and giver._idle == {}
+    assert threads[0] != threading.current_thread().name and threads[1] == threading.current_thread().name
+    giver._flush_retired()
+    assert giver.messages == ["the keeper is gone", "the keeper is gone"]
+    assert _ended(pid)
 
 
 # -- a launch ahead started from another thread (an xdist worker's follower of the controller, issue 43) -------------

@@ -423,6 +423,9 @@ class AttachedSource:
     def hand_over_ahead(self) -> None:
         self.launching.hand_over_ahead()
 
+    def hand_over_ready(self) -> None:
+        self.launching.hand_over_ready()
+
     def gpu_count(self) -> int | None:
         return self.launching.gpu_count()
 

@@ -148,8 +148,8 @@ class WorkerSource(Protocol):
         way (nothing launched yet, a plugin hook shapes the workers' env, leases that are not this machine's)."""
 
     def launch_kit(self, kit: Any) -> bool:
-        """Start :meth:`ahead_kit`'s launch ahead unless it is there already; whether it started. The one method
-        called from another thread: it asks nothing of the session."""
+        """Start :meth:`ahead_kit`'s launch ahead unless it is there already; whether it started. Called from another
+        thread, as :meth:`hand_over_ready` is: it asks nothing of the session."""
 
     def retire_idle(self, keys: Collection[str]) -> None:
         """Stop the idle workers of the configurations ``keys`` (no later test needs them)."""
@@ -157,6 +157,10 @@ class WorkerSource(Protocol):
     def hand_over_ahead(self) -> None:
         """Hand the groups launched ahead here whose tests the xdist controller sent to another xdist worker of the
         run over to the run (:mod:`..pool_warm`); nothing for a source that launches nothing here."""
+
+    def hand_over_ready(self) -> None:
+        """:meth:`hand_over_ahead` from another thread (the follower of the controller's word, while a test runs),
+        for the plain case only: one ready group, idle here (:mod:`..pool_warm`). Asks nothing of the session."""
 
     def gpu_count(self) -> int | None:
         """How many GPUs this source leases from (the xdist scheduler budgets by it); None when unknown. May

@@ -214,6 +214,11 @@ class PoolSource:
         if self._pool is not None:
             self._pool.hand_over_ahead()
 
+    def hand_over_ready(self) -> None:
+        pool = self._pool
+        if pool is not None:
+            pool.hand_over_ready()
+
     def gpu_count(self) -> int | None:
         return len(self.leases.inventory.static_gpus())
 
