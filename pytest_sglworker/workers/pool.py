@@ -145,6 +145,7 @@ class WorkerPool(PoolAhead, PoolWarm, PoolRetire):
         self._retiring: list[Retiring] = []
         self._answered: set[str] = set()
         self._handing = threading.Lock()  # one hand-over at a time: the main thread's, or the follower thread's
+        self._left_to_main: set[str] = set()  # hand-overs the follower thread could not make: the main thread's now
         self.not_kept: dict[str, str] = {}  # --sgl-keep-warm: why each configuration's last group was not kept
         self._closing: str | None = None  # "keep" or "stop" once close() has begun
         #: guards the entries (idle, busy, ahead) and the figures: a launch ahead registers its group and counts

@@ -75,6 +75,8 @@ class PoolWarm:
     _answered: set[str]
     #: one hand-over at a time (the main thread's :meth:`hand_over_ahead`, the follower's :meth:`hand_over_ready`)
     _handing: threading.Lock
+    #: configurations whose hand-over the follower thread could not make: it leaves them to the main thread
+    _left_to_main: set[str]
     _gate: threading.RLock
     _at_work: int
     _stopping: bool
@@ -205,9 +207,10 @@ class PoolWarm:
                     if handed:
                         self._count_gpu_seconds(entry.lease, entry.leased_at, self.stats_for(entry.config))
                         self._answered.add(key)
-                    else:  # the main thread tries once more, or retires it and answers "no"
+                    else:  # the main thread tries once more, or retires it and answers "no"; this thread, not again
                         self._handed.discard(entry.config)
                         self._idle[entry.group.id] = entry
+                        self._left_to_main.add(key)
                     if said.messages:
                         self._retiring.append(said)
                 if handed:
@@ -218,8 +221,8 @@ class PoolWarm:
     def _ready_to_hand(self, key: str) -> Entry | None:
         """Under the lock: the one idle, live group launched ahead of ``key`` when nothing of it still starts and its
         hand-over is not answered yet (None: the main thread's case)."""
-        if key in self._answered or any(c.key == key and a.thread is not None and a.thread.is_alive()
-                                        for c, a in self._ahead.items()):
+        if key in self._answered or key in self._left_to_main or any(
+                c.key == key and a.thread is not None and a.thread.is_alive() for c, a in self._ahead.items()):
             return None
         entries = [e for e in self._idle.values() if e.config.key == key and e.launched_ahead]
         ready = len(entries) == 1 and not entries[0].tainted and entries[0].group.is_alive()

@@ -524,8 +524,9 @@ def test_a_ready_group_promised_elsewhere_is_handed_over_from_another_thread(
 
 def test_a_hand_over_from_another_thread_that_fails_is_left_to_the_main_thread(
         make_pool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
-    """A hand-over the follower cannot make puts the group back and answers nothing: the main thread then retires it
-    and answers "no" (the taker launches its own), and says what went wrong, on its own thread."""
+    """A hand-over the follower cannot make puts the group back, answers nothing and is not tried again from a thread:
+    the main thread tries it once more, then retires it and answers "no" (the taker launches its own), and says what
+    went wrong, on its own thread."""
     config = WorkerConfig.of(QWEN, ["--max-total-tokens", "512"])
     answers: dict[str, bool] = {}
     giver, _ = _giver_and_taker(make_pool, tmp_path, config, answers)
@@ -542,7 +543,9 @@ def test_a_hand_over_from_another_thread_that_fails_is_left_to_the_main_thread(
     giver._ahead[config].thread.join(30)
     pid = next(iter(giver._idle.values())).group[0].pid
     _in_thread(giver.hand_over_ready)
+    _in_thread(giver.hand_over_ready)  # not tried again from a thread: the main thread's now
     assert answers == {} and giver.messages == [] and len(giver._idle) == 1  # back in the pool, nothing said yet
+    assert len(threads) == 1
     giver.hand_over_ahead()  # between its tests: tried once more, then retired
     assert answers == {config.key: False} and giver._idle == {}
     assert threads[0] != threading.current_thread().name and threads[1] == threading.current_thread().name
