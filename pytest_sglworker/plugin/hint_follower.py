@@ -37,7 +37,7 @@ class HintFollower:
 
     def __init__(self, directory: Path, worker: str, launch: Callable[[Any], bool],
                  on_error: Callable[[str], None] | None = None, poll: float = POLL_S,
-                 hand_over: Callable[[], None] | None = None) -> None:
+                 hand_over: Callable[[tuple[str, ...]], None] | None = None) -> None:
         self._directory = directory
         self._worker = worker
         self._launch = launch
@@ -77,7 +77,7 @@ class HintFollower:
             self.rounds += 1
             if hand and self._hand_over is not None:
                 try:
-                    self._hand_over()
+                    self._hand_over(hand)
                 except Exception as exc:  # an optimisation: the main thread hands it over between tests
                     if "hand over" not in self._failed and self._on_error is not None:
                         self._failed.add("hand over")

@@ -142,12 +142,12 @@ def read_hint_file(directory: Path | None, worker: str | None) -> tuple[tuple[st
     return _words(_read_hint(directory, worker))
 
 
-def read_follow_words(directory: Path | None, worker: str | None) -> tuple[tuple[str, ...], bool]:
+def read_follow_words(directory: Path | None, worker: str | None) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """What a follower thread of the word reads, in one read (plain values, any thread): the configurations to launch
-    ahead (as :func:`read_hint_file`), and whether the word names groups to hand over (``hand``)."""
+    ahead (as :func:`read_hint_file`), and the groups launched ahead here to hand over (``hand``)."""
     data = _read_hint(directory, worker)
     hand = data.get("hand") if data is not None else None
-    return _words(data)[0], isinstance(hand, list) and any(isinstance(k, str) for k in hand)
+    return _words(data)[0], tuple(k for k in hand if isinstance(k, str)) if isinstance(hand, list) else ()
 
 
 def _words(data: dict[str, Any] | None) -> tuple[tuple[str, ...], frozenset[str]]:

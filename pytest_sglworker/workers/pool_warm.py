@@ -96,7 +96,7 @@ class PoolWarm:
         assert self.warm is not None
         with self._lock:
             idle = [e for e in self._idle.values() if e.poolable]
-        requests = [KeepRequest(e.group, e.lease, e.records, e.envs, e.environ, e.tainted, e.keeper) for e in idle]
+        requests = [_keep_request(e) for e in idle]
         kept = self.warm.keep(requests, still=still)
         for entry in idle:
             if entry.group.id not in kept:
@@ -153,8 +153,7 @@ class PoolWarm:
         with self._handing:  # the follower thread's, under way, ends first
             for key in [k for k in self.handover.to_hand_over() if k not in self._answered]:
                 with self._lock:
-                    if any(c.key == key and a.thread is not None and a.thread.is_alive()
-                           for c, a in self._ahead.items()):
+                    if self._starting(key):
                         continue  # still starting: handed over once ready
                     for config in [c for c in self._ahead if c.key == key]:
                         del self._ahead[config]  # done: its group is idle, or it failed (the taker launches its own)
@@ -162,9 +161,7 @@ class PoolWarm:
                                if e.config.key == key and e.launched_ahead]
                 handed = False
                 for entry in entries:
-                    request = KeepRequest(entry.group, entry.lease, entry.records, entry.envs, entry.environ,
-                                          entry.tainted, entry.keeper)
-                    if not handed and entry.group.is_alive() and self.warm.publish(request):
+                    if not handed and entry.group.is_alive() and self.warm.publish(_keep_request(entry)):
                         handed = True
                         with self._lock:
                             self._handed.add(entry.config)
@@ -175,19 +172,20 @@ class PoolWarm:
                     self._answered.add(key)
                 self.handover.answer(key, handed)
 
-    def hand_over_ready(self) -> None:
+    def hand_over_ready(self, keys: Collection[str]) -> None:
         """:meth:`hand_over_ahead` from another thread (an xdist worker's follower of the controller's word, while a
-        test runs): a configuration sent to another xdist worker whose one group launched ahead here is ready and idle
-        goes to the run now, not once the test has ended. Anything else (still starting, dead, several groups, a
-        hand-over that fails, the main thread at work on the entries) is left to the main thread, which retires what it
-        cannot hand over and answers "no". Works from what the pool holds; what it has to say waits for the main thread
-        (:meth:`~.pool_retire.PoolRetire._flush_retired`)."""
+        test runs), of ``keys`` (the word's ``hand``, as that thread read it): a configuration sent to another xdist
+        worker whose one group launched ahead here is ready and idle goes to the run now, not once the test has ended.
+        Anything else (still starting, dead, several groups, a hand-over that fails, the main thread at work on the
+        entries) is left to the main thread, which retires what it cannot hand over and answers "no". Works from what
+        the pool holds; what it has to say waits for the main thread (:meth:`~.pool_retire.PoolRetire._flush_retired`).
+        """
         if self.handover is None or self.warm is None or self.warm.settings.run is None:
             return
         if not self._handing.acquire(blocking=False):
             return  # the main thread hands over now
         try:
-            for key in self.handover.to_hand_over():
+            for key in keys:
                 with self._gate:
                     if self._stopping or self._at_work:
                         return
@@ -200,9 +198,7 @@ class PoolWarm:
                             del self._ahead[config]  # done: its group is the idle one
                         self._handed.add(entry.config)  # not launched ahead again here meanwhile
                 said = Retiring(f"hand-over of {entry.config.label}")
-                request = KeepRequest(entry.group, entry.lease, entry.records, entry.envs, entry.environ,
-                                      entry.tainted, entry.keeper)
-                handed = self.warm.publish(request, say=said.messages.append)
+                handed = self.warm.publish(_keep_request(entry), say=said.messages.append)
                 with self._lock:
                     if handed:
                         self._count_gpu_seconds(entry.lease, entry.leased_at, self.stats_for(entry.config))
@@ -221,12 +217,15 @@ class PoolWarm:
     def _ready_to_hand(self, key: str) -> Entry | None:
         """Under the lock: the one idle, live group launched ahead of ``key`` when nothing of it still starts and its
         hand-over is not answered yet (None: the main thread's case)."""
-        if key in self._answered or key in self._left_to_main or any(
-                c.key == key and a.thread is not None and a.thread.is_alive() for c, a in self._ahead.items()):
+        if key in self._answered or key in self._left_to_main or self._starting(key):
             return None
         entries = [e for e in self._idle.values() if e.config.key == key and e.launched_ahead]
         ready = len(entries) == 1 and not entries[0].tainted and entries[0].group.is_alive()
         return entries[0] if ready else None
+
+    def _starting(self, key: str) -> bool:
+        """Under the lock: a launch ahead of ``key`` is still starting here."""
+        return any(c.key == key and a.thread is not None and a.thread.is_alive() for c, a in self._ahead.items())
 
     def finish_hand_overs(self) -> None:
         """The giver's part at its session's end (the controller let its xdist worker go while a group it launched
@@ -254,3 +253,8 @@ class PoolWarm:
                 and time.monotonic() < deadline:
             time.sleep(0.05)
             looked = self._while_waiting(config, looked)
+
+
+def _keep_request(entry: Entry) -> KeepRequest:
+    """What the warm side needs to keep or hand over ``entry``'s group."""
+    return KeepRequest(entry.group, entry.lease, entry.records, entry.envs, entry.environ, entry.tainted, entry.keeper)

@@ -100,7 +100,8 @@ def test_the_follower_hands_over_while_the_word_names_groups_to_hand_over(tmp_pa
     said once."""
     launches, errors, rounds = _Launches(), [], []
 
-    def hand_over() -> None:
+    def hand_over(keys: tuple[str, ...]) -> None:
+        assert keys == ("c1",)
         rounds.append(threading.current_thread().name)
         if len(rounds) == 2:
             raise RuntimeError("keeper gone")

@@ -501,13 +501,13 @@ def test_a_ready_group_promised_elsewhere_is_handed_over_from_another_thread(
     giver, taker = _giver_and_taker(make_pool, tmp_path, config, answers)
     monkeypatch.setenv("SGLSIM_STARTUP_SECONDS", "1.0")
     assert giver.launch_ahead(config, holder="ahead")
-    _in_thread(giver.hand_over_ready)  # still starting
+    _in_thread(lambda: giver.hand_over_ready((config.key,)))  # still starting
     assert answers == {}
     giver._ahead[config].thread.join(30)
     with giver._at_work_on():
-        _in_thread(giver.hand_over_ready)
+        _in_thread(lambda: giver.hand_over_ready((config.key,)))
     assert answers == {}
-    _in_thread(giver.hand_over_ready)
+    _in_thread(lambda: giver.hand_over_ready((config.key,)))
     assert answers == {config.key: True}
     assert [r.outcome for r in giver.launches] == ["handed_over"]
     giver.hand_over_ahead()  # between its tests: answered already, nothing retired
@@ -542,8 +542,8 @@ def test_a_hand_over_from_another_thread_that_fails_is_left_to_the_main_thread(
     assert giver.launch_ahead(config, holder="ahead")
     giver._ahead[config].thread.join(30)
     pid = next(iter(giver._idle.values())).group[0].pid
-    _in_thread(giver.hand_over_ready)
-    _in_thread(giver.hand_over_ready)  # not tried again from a thread: the main thread's now
+    _in_thread(lambda: giver.hand_over_ready((config.key,)))
+    _in_thread(lambda: giver.hand_over_ready((config.key,)))  # not tried again from a thread: the main thread's now
     assert answers == {} and giver.messages == [] and len(giver._idle) == 1  # back in the pool, nothing said yet
     assert len(threads) == 1
     giver.hand_over_ahead()  # between its tests: tried once more, then retired

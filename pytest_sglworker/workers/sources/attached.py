@@ -423,8 +423,8 @@ class AttachedSource:
     def hand_over_ahead(self) -> None:
         self.launching.hand_over_ahead()
 
-    def hand_over_ready(self) -> None:
-        self.launching.hand_over_ready()
+    def hand_over_ready(self, keys: Collection[str]) -> None:
+        self.launching.hand_over_ready(keys)
 
     def gpu_count(self) -> int | None:
         return self.launching.gpu_count()

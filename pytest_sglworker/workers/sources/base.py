@@ -158,9 +158,10 @@ class WorkerSource(Protocol):
         """Hand the groups launched ahead here whose tests the xdist controller sent to another xdist worker of the
         run over to the run (:mod:`..pool_warm`); nothing for a source that launches nothing here."""
 
-    def hand_over_ready(self) -> None:
-        """:meth:`hand_over_ahead` from another thread (the follower of the controller's word, while a test runs),
-        for the plain case only: one ready group, idle here (:mod:`..pool_warm`). Asks nothing of the session."""
+    def hand_over_ready(self, keys: Collection[str]) -> None:
+        """:meth:`hand_over_ahead` from another thread (the follower of the controller's word, while a test runs), of
+        ``keys`` (the word's, read by that thread), for the plain case only: one ready group, idle here
+        (:mod:`..pool_warm`). Asks nothing of the session."""
 
     def gpu_count(self) -> int | None:
         """How many GPUs this source leases from (the xdist scheduler budgets by it); None when unknown. May

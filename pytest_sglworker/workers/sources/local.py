@@ -214,10 +214,10 @@ class PoolSource:
         if self._pool is not None:
             self._pool.hand_over_ahead()
 
-    def hand_over_ready(self) -> None:
+    def hand_over_ready(self, keys: Collection[str]) -> None:
         pool = self._pool
         if pool is not None:
-            pool.hand_over_ready()
+            pool.hand_over_ready(keys)
 
     def gpu_count(self) -> int | None:
         return len(self.leases.inventory.static_gpus())
