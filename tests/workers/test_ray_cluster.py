@@ -402,7 +402,8 @@ def test_a_stopped_groups_placement_group_serves_the_next_lease_of_its_shape(
     result = _run(pytester, "-p", "no:xdist", "-p", "no:randomly", "--sgl-launch-ahead", "0", "--sgl-reorder", "off")
     result.assert_outcomes(passed=len(order.split()) + 2)
     lives = lifetimes(on_ray)
-    assert len(lives) == groups
+    # the whole record and the run's output when it fails: once, in a full run, an eighth engine lived 0.84 s
+    assert len(lives) == groups, f"{on_ray.read_text()}\n{result.stdout.str()[-4000:]}"
     assert_exclusive(lives, gpu_count=GPUS)
     assert pgs.read_text().split() == [str(placement_groups)], result.stdout.str()[-3000:]
 
