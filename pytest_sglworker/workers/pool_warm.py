@@ -155,8 +155,7 @@ class PoolWarm:
                 with self._lock:
                     if self._starting(key):
                         continue  # still starting: handed over once ready
-                    for config in [c for c in self._ahead if c.key == key]:
-                        del self._ahead[config]  # done: its group is idle, or it failed (the taker launches its own)
+                    self._forget_ahead(key)  # done: its group is idle, or it failed (the taker launches its own)
                     entries = [self._idle.pop(gid) for gid, e in list(self._idle.items())
                                if e.config.key == key and e.launched_ahead]
                 handed = False
@@ -194,8 +193,7 @@ class PoolWarm:
                         if entry is None:
                             continue
                         del self._idle[entry.group.id]
-                        for config in [c for c in self._ahead if c.key == key]:
-                            del self._ahead[config]  # done: its group is the idle one
+                        self._forget_ahead(key)  # done: its group is the idle one
                         self._handed.add(entry.config)  # not launched ahead again here meanwhile
                 said = Retiring(f"hand-over of {entry.config.label}")
                 handed = self.warm.publish(_keep_request(entry), say=said.messages.append)
@@ -222,6 +220,11 @@ class PoolWarm:
         entries = [e for e in self._idle.values() if e.config.key == key and e.launched_ahead]
         ready = len(entries) == 1 and not entries[0].tainted and entries[0].group.is_alive()
         return entries[0] if ready else None
+
+    def _forget_ahead(self, key: str) -> None:
+        """Under the lock: the launches ahead of ``key`` are done (their group, if any, is an idle entry)."""
+        for config in [c for c in self._ahead if c.key == key]:
+            del self._ahead[config]
 
     def _starting(self, key: str) -> bool:
         """Under the lock: a launch ahead of ``key`` is still starting here."""

@@ -539,6 +539,7 @@ class Warm:
                    say: Callable[[str], None] | None = None) -> bool:
         """Write the group's record and hand its keeper duplicates of its lock descriptors; once the keeper has
         taken them, forget this process's own (the flocks stay held all along)."""
+        say = self.on_message if say is None else say
         lease: Lease | None = request.lease
         group = request.group
         keeper = request.keeper
@@ -561,8 +562,7 @@ class Warm:
         if why is not None:
             with contextlib.suppress(OSError):
                 record_path(self.settings.lock_dir, keeper.session_id).unlink()
-            (self.on_message if say is None else say)(f"could not keep {group.config.label} warm: {why}; it is torn "
-                                                      "down instead")
+            say(f"could not keep {group.config.label} warm: {why}; it is torn down instead")
             return False
         for lock in locks:
             forget_lock(lock)

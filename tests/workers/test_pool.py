@@ -459,14 +459,13 @@ def _giver_and_taker(make_pool, tmp_path: Path, config: WorkerConfig,  # type: i
     return pool_of("giver"), pool_of("taker")
 
 
-def _ended(pid: int) -> bool:
+def _exited(pid: int) -> bool:
     import psutil
 
-    deadline = time.monotonic() + 30
-    while psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE \
-            and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
 
 
 def test_a_giver_let_go_while_its_promised_launch_starts_hands_it_over_once_ready(
@@ -487,7 +486,7 @@ def test_a_giver_let_go_while_its_promised_launch_starts_hands_it_over_once_read
     pid = group[0].pid
     taker.release(group)
     taker.close()
-    assert _ended(pid)
+    _until(lambda: _exited(pid), f"engine {pid} to end")
 
 
 def test_a_ready_group_promised_elsewhere_is_handed_over_from_another_thread(
@@ -519,7 +518,7 @@ def test_a_ready_group_promised_elsewhere_is_handed_over_from_another_thread(
     taker.release(group)
     taker.close()
     giver.close()
-    assert _ended(pid)
+    _until(lambda: _exited(pid), f"engine {pid} to end")
 
 
 def test_a_hand_over_from_another_thread_that_fails_is_left_to_the_main_thread(
@@ -551,7 +550,7 @@ def test_a_hand_over_from_another_thread_that_fails_is_left_to_the_main_thread(
     assert threads[0] != threading.current_thread().name and threads[1] == threading.current_thread().name
     giver._flush_retired()
     assert giver.messages == ["the keeper is gone", "the keeper is gone"]
-    assert _ended(pid)
+    _until(lambda: _exited(pid), f"engine {pid} to end")
 
 
 # -- a launch ahead started from another thread (an xdist worker's follower of the controller, issue 43) -------------
