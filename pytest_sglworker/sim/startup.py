@@ -438,6 +438,11 @@ def run_startup(sim: Sim, pre_bind: float, warmup: float) -> SimHTTPServer | Non
 
     host, port = args["host"], args["port"]
     server_cls = SimHTTPServer6 if ":" in host else SimHTTPServer
+    # uvicorn's order: its process and the application's startup first, then the bind (which may fail), so a health
+    # probe answered once the socket listens is never logged above these lines
+    log.uvicorn("INFO", f"Started server process [{os.getpid()}]")
+    log.uvicorn("INFO", "Waiting for application startup.")
+    log.uvicorn("INFO", "Application startup complete.")
     try:
         server = server_cls((host, port), sim)
     except OSError as exc:
@@ -451,12 +456,11 @@ def run_startup(sim: Sim, pre_bind: float, warmup: float) -> SimHTTPServer | Non
         wait_forever()
     sim.bound = True
     sim.server = server
-    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, name="sim-http", daemon=True).start()
-    log.uvicorn("INFO", f"Started server process [{os.getpid()}]")
-    log.uvicorn("INFO", "Waiting for application startup.")
-    log.uvicorn("INFO", "Application startup complete.")
     shown = f"[{host}]" if ":" in host else host
+    # before the first request is answered, as uvicorn's one event loop logs it: a probe that connected meanwhile
+    # waits in the listen queue
     log.uvicorn("INFO", f"Uvicorn running on http://{shown}:{port} (Press CTRL+C to quit)")
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, name="sim-http", daemon=True).start()
     if faults.hang:
         wait_forever()
     if not args["skip_server_warmup"]:
