@@ -17,6 +17,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from port_grab import PORT_RANGE_ENV, xdist_port_slice
 from second_user import SecondUser, interpreter, make_second_user, shared_base, unavailable
 
 pytest_plugins = ["pytester"]
@@ -33,6 +34,10 @@ def pytest_configure(config: pytest.Config) -> None:
     # XDG_CACHE_HOME keeps naming for them (platformdirs reads it first).
     os.environ.setdefault("XDG_CACHE_HOME", str(Path.home() / ".cache"))
     if hasattr(config, "workerinput"):
+        # the inner sessions of each xdist worker reserve ports in a slice of their own (port_grab.xdist_port_slice)
+        share = xdist_port_slice(config.workerinput["workerid"], int(config.workerinput["workercount"]))
+        if share is not None:
+            os.environ.setdefault(PORT_RANGE_ENV, share)
         return
     import compileall
 

@@ -71,12 +71,46 @@ def grab_launcher(module: str) -> str:
 _CLAIMED: list[IO[str]] = []
 
 
-def free_port_block(low: int = 20000, high: int = 32767) -> int:
-    """An aligned port in ``low``..``high`` (by default below the ephemeral range: the plugin's default range) whose
-    block of 4 is free now and claimed by no other test process of this run: tests that run at once (xdist) never
-    pin the same ports, where a free-now check alone let two of them pick the first free block and the second wait
-    for the first one's server. The claim is an exclusive ``flock`` on a per-block file, held until this process
-    ends."""
+#: The variable the plugin reads its port range from (``--sgl-port-range``).
+PORT_RANGE_ENV = "SGLWORKER_PORT_RANGE"
+
+
+def xdist_port_slice(worker_id: str, count: int) -> str | None:
+    """The share of the plugin's default port range that the inner sessions of xdist worker ``worker_id`` (one of
+    ``count``) use, as ``LOW-HIGH``: the widest part of the default range outside the ports other services hand out,
+    cut into ``count`` slices of whole blocks. Each test gives its inner sessions a lock directory of their own, so
+    two tests running at once on different xdist workers never saw each other's reservations: a router once got a
+    port another test's server had just taken, and its launch was retried. None when a slice would hold fewer than
+    32 blocks."""
+    from pytest_sglworker.resources.ports import FOREIGN_PORTS, PORT_BLOCK_SIZE, default_port_range
+
+    parts = [default_port_range()]
+    for lo, hi in FOREIGN_PORTS:
+        parts = [piece for low, high in parts
+                 for piece in ((low, min(high, lo - 1)), (max(low, hi + 1), high)) if piece[0] <= piece[1]]
+    low, high = max(parts, key=lambda part: part[1] - part[0])
+    blocks = (high - low + 1) // PORT_BLOCK_SIZE // max(count, 1)
+    index = int(worker_id.removeprefix("gw")) if worker_id.removeprefix("gw").isdigit() else -1
+    if blocks < 32 or not 0 <= index < count:
+        return None
+    first = low + index * blocks * PORT_BLOCK_SIZE
+    return f"{first}-{first + blocks * PORT_BLOCK_SIZE - 1}"
+
+
+def _default_range() -> tuple[int, int]:
+    value = os.environ.get(PORT_RANGE_ENV, "")
+    low, sep, high = value.partition("-")
+    return (int(low), int(high)) if sep and low.isdigit() and high.isdigit() else (20000, 32767)
+
+
+def free_port_block(low: int | None = None, high: int | None = None) -> int:
+    """An aligned port in ``low``..``high`` (by default the inner sessions' port range: this xdist worker's slice,
+    :func:`xdist_port_slice`, else below the ephemeral range) whose block of 4 is free now and claimed by no other
+    test process of this run: tests that run at once (xdist) never pin the same ports, where a free-now check alone
+    let two of them pick the first free block and the second wait for the first one's server. The claim is an
+    exclusive ``flock`` on a per-block file, held until this process ends."""
+    if low is None or high is None:
+        low, high = _default_range()
     claims = Path(tempfile.gettempdir()) / f"pytest-sglworker-tests-ports-{os.getuid()}"
     claims.mkdir(mode=0o700, exist_ok=True)
     info = claims.lstat()

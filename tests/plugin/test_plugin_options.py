@@ -3,6 +3,8 @@ sessions (no worker is launched here)."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnknownMarkWarning")
@@ -213,7 +215,11 @@ def test_header_shows_models_and_engine(pytester: pytest.Pytester) -> None:
     result.stdout.fnmatch_lines(["sglworker: models: llama-1b; engine: sim (simulated engine)*"])
 
 
-def test_plugin_is_quiet_when_unused(pytester: pytest.Pytester) -> None:
+def test_plugin_is_quiet_when_unused(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    # no option of the plugin's set by the environment either (the suite's conftest sets a port range under xdist;
+    # the test mark is no option)
+    for key in [k for k in os.environ if k.startswith("SGLWORKER_") and k != "SGLWORKER_TEST_MARK"]:
+        monkeypatch.delenv(key)
     pytester.makepyfile("def test_x(): pass")
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
     result.assert_outcomes(passed=1)
