@@ -197,6 +197,21 @@ class ProcessRef:
         ident = identity(self.pid)
         return self._matches(ident) and ident is not None and not ident.zombie
 
+    def wait_exit(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for the process to exit; True as soon as it has (its pidfd turns readable
+        when it does, reaped or not). Without a pidfd this only sleeps ``timeout`` and says False: the caller polls."""
+        if self._fd is None:
+            time.sleep(max(timeout, 0.0))
+            return False
+        import select
+
+        poller = select.poll()
+        poller.register(self._fd, select.POLLIN)
+        try:
+            return bool(poller.poll(max(int(timeout * 1000), 0)))
+        except OSError:  # the fd closed meanwhile (another thread closed the ref)
+            return False
+
     def mark_held(self, moment: float) -> None:
         """Record that the process held its pid at ``moment`` (a parent that has not reaped its child knows)."""
         self.last_held = max(self.last_held, moment)

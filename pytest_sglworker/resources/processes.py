@@ -692,10 +692,10 @@ def _terminate(process: ProcessHandle | None, ref: ProcessRef | None, collect: C
         _signal_root(process, ref, signal.SIGTERM)
         # A signal can land on a thread that does not act on it (a resumed engine's HTTP thread while its main
         # thread sleeps): once more after a second, then the rest of the grace.
-        _wait_gone(process, [], resend_after)
+        _wait_gone(process, [], resend_after, ref)
         if process.poll() is None:
             _signal_root(process, ref, signal.SIGTERM)
-            _wait_gone(process, [], root_rest)
+            _wait_gone(process, [], root_rest, ref)
         procs.update((p.pid, p) for p in collect())
     remaining = [p for p in procs.values() if _alive(p)]
     if ref is not None:
@@ -703,7 +703,7 @@ def _terminate(process: ProcessHandle | None, ref: ProcessRef | None, collect: C
     for proc in remaining:
         signal_proven(proc, signal.SIGCONT)
         signal_proven(proc, signal.SIGTERM)
-    _wait_gone(process, remaining, group_grace)
+    _wait_gone(process, remaining, group_grace, ref)
     procs.update((p.pid, p) for p in collect())
     leftovers = [p for p in procs.values() if _alive(p)]
     killed: list[int] = []
@@ -786,11 +786,24 @@ def _alive(proc: psutil.Process) -> bool:
         return False
 
 
-def _wait_gone(process: ProcessHandle | None, procs: list[psutil.Process], timeout: float) -> None:
+def _wait_gone(process: ProcessHandle | None, procs: list[psutil.Process], timeout: float,
+               ref: ProcessRef | None = None) -> None:
+    """Until the root and ``procs`` are gone, or ``timeout``: polled every 50 ms, and, while the root runs and ``ref``
+    (the root's) holds a pidfd, woken at once by the root's exit (a worker's stop waits on it first)."""
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    exit_seen = False  # the pidfd said so once: from then on plain polls (never a spin on a handle slow to agree)
+    while True:
+        now = time.monotonic()
+        if now >= deadline:
+            return
         if process is not None:
             process.poll()  # reap our direct child so it does not linger as a zombie
-        if not any(_alive(p) for p in procs) and (process is None or process.poll() is not None):
+        root_runs = process is not None and process.poll() is None
+        if not root_runs and not any(_alive(p) for p in procs):
             return
-        time.sleep(0.05)
+        pause = min(0.05, deadline - now)  # pragma: no mutate (how often, never whether)
+        # woken at the root's exit rather than up to 50 ms later: how soon, never whether
+        if root_runs and ref is not None and not exit_seen:  # pragma: no mutate
+            exit_seen = ref.wait_exit(pause)  # pragma: no mutate
+        else:
+            time.sleep(pause)

@@ -273,3 +273,24 @@ def test_a_closed_ref_signals_nothing(mode: str, tmp_path: Path) -> None:
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_a_ref_wakes_at_its_process_exit_through_the_pidfd(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``ProcessRef.wait_exit``, what a teardown waits on for the root's exit: False while the process runs, True once
+    it has exited (not yet reaped); without a pidfd it only waits, and says False (the caller polls)."""
+    proc = subprocess.Popen([sys.executable, "-c", SLEEPER])
+    try:
+        ref = pidrefs.ProcessRef.child(proc.pid)
+        assert ref is not None and ref.has_pidfd
+        assert ref.wait_exit(0.05) is False  # runs
+        os.kill(proc.pid, signal.SIGKILL)
+        assert ref.wait_exit(30) is True  # a zombie now: its parent has not reaped it
+        assert psutil.Process(proc.pid).status() == psutil.STATUS_ZOMBIE
+        ref.close()
+        monkeypatch.setattr(pidrefs, "open_pidfd", lambda pid: None)
+        blind = pidrefs.ProcessRef.child(proc.pid)
+        assert blind is not None and not blind.has_pidfd
+        assert blind.wait_exit(0.01) is False
+    finally:
+        proc.kill()
+        proc.wait()
