@@ -23,14 +23,20 @@ import socket, sys, time
 s = socket.socket()
 s.bind(("127.0.0.1", int(sys.argv[1])))
 s.listen(64)
-s.settimeout(0.2)
+s.settimeout(0.02)
+watched = sys.argv[2] if len(sys.argv) > 2 else ""  # a log: leave once it shows the engine's bind failed there
 end = time.monotonic() + 60
 while time.monotonic() < end:
+    if watched:
+        with open(watched, errors="replace") as fh:
+            if "address already in use" in fh.read().lower():
+                break
     try:
         c, _ = s.accept()
         c.close()
     except OSError:
         pass
+s.close()
 """
 
 SPAWN = """
@@ -46,7 +52,9 @@ flag = os.environ["GRAB_FLAG"]
 if not os.path.exists(flag):
     # Not ours: no owner tag, and not our descendant either (started through a parent that exits at once).
     env = {k: v for k, v in os.environ.items() if k != "SGLWORKER_OWNER"}
-    foreign = int(subprocess.run([sys.executable, "-c", SPAWN, LISTENER, str(port)], env=env, check=True,
+    # GRAB_LEAVE=1: the listener leaves as soon as the engine's log (this launcher's stdout) shows the failed bind
+    watched = [os.readlink("/proc/self/fd/1")] if os.environ.get("GRAB_LEAVE") == "1" else []
+    foreign = int(subprocess.run([sys.executable, "-c", SPAWN, LISTENER, str(port), *watched], env=env, check=True,
                                  stdin=subprocess.DEVNULL, capture_output=True, text=True).stdout)
     for _ in range(500):
         try:

@@ -41,7 +41,7 @@ from __future__ import annotations
 import errno
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING
@@ -290,6 +290,7 @@ def reserve_port_block(
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
     reuse_addr: bool = False,
+    last: Collection[int] = (),
 ) -> PortBlock:
     """Reserve ``size`` consecutive free ports for one worker; hold them until ``release()``.
 
@@ -300,7 +301,8 @@ def reserve_port_block(
     ``notice_interval`` seconds. Raises :class:`PortUnavailable` naming the range and why each block was
     skipped (reserved, in use, quarantined, an unusable lock file) when the time is up. ``reuse_addr``: the
     ports are checked the way an engine that binds with ``SO_REUSEADDR`` finds them (see the module docstring).
-    The block's :attr:`~PortBlock.waited` says how long the wait took.
+    The block's :attr:`~PortBlock.waited` says how long the wait took. ``last``: the base ports of blocks to try only
+    when no other block is free (a retry after an engine found a port of its block taken: the taker may come back).
     """
     if size < 2:
         raise ValueError(f"a port block needs at least 2 ports (HTTP and NCCL), not {size}")
@@ -322,7 +324,7 @@ def reserve_port_block(
     try:
         while True:
             block, scan = _scan(lock_dir, low, size, blocks, host, avoid=FOREIGN_PORTS if port_range is None else (),
-                                reuse_addr=reuse_addr)
+                                reuse_addr=reuse_addr, last=last)
             now = clock()
             if block is not None:
                 block.waited = now - start if waiting_flag is not None else 0.0
@@ -343,11 +345,15 @@ def reserve_port_block(
 
 
 def _scan(lock_dir: Path, low: int, size: int, blocks: int, host: str,
-          avoid: tuple[tuple[int, int], ...] = (), *, reuse_addr: bool = False) -> tuple[PortBlock | None, _Scan]:
+          avoid: tuple[tuple[int, int], ...] = (), *, reuse_addr: bool = False,
+          last: Collection[int] = ()) -> tuple[PortBlock | None, _Scan]:
     """One pass over the blocks, from a per-process start: the first free one, locked, or why there is none.
-    Blocks that overlap a range of ``avoid`` are not looked at."""
+    Blocks that overlap a range of ``avoid`` are not looked at; those whose base is in ``last`` are looked at after
+    every other one."""
     order = [k for k in _block_order(blocks, _start_block(blocks))
              if not any(low + k * size <= hi and low + (k + 1) * size - 1 >= lo for lo, hi in avoid)]
+    if last:
+        order = [k for k in order if low + k * size not in last] + [k for k in order if low + k * size in last]
     scan = _Scan(len(order))
     for k in order:
         base = low + k * size

@@ -404,6 +404,7 @@ def spawn_worker(
         raise LaunchError(f"worker {spec.name}: a {kind.name} worker pins {len(kind.port_names)} ports "
                           f"({', '.join(kind.port_names)}); let it reserve a port block instead of giving port=")
     attempts = 1 if port is not None else max(1, options.port_retries)
+    taken: list[int] = []  # blocks a port of which was taken between the reservation and the bind
     for attempt in range(1, attempts + 1):
         block = None
         if port is None:
@@ -411,7 +412,7 @@ def spawn_worker(
                 state.ensure_private_dir(options.lock_dir or state.default_lock_dir(), what="lock directory",
                                          shared_ok=options.lock_dir is not None),  # as the plugin's GPU leases
                 port_range=options.port_range, size=PORT_BLOCK_SIZE, timeout=options.port_wait_timeout,
-                on_wait=options.on_port_wait, reuse_addr=options.reuse_addr,
+                on_wait=options.on_port_wait, reuse_addr=options.reuse_addr, last=taken,
             )
             ports = dict(zip(kind.port_names, block.ports, strict=False))
         else:
@@ -435,6 +436,8 @@ def spawn_worker(
         except WorkerStartupError as exc:
             instance.stop()
             if exc.diagnosis is not None and exc.diagnosis.kind is Kind.PORT_IN_USE and attempt < attempts:
+                if block is not None:
+                    taken.append(block.port)  # another block first: this one's taker may come back
                 continue
             raise
         except LaunchCancelled:

@@ -444,9 +444,10 @@ def start_router(group: WorkerGroup, options: RouterOptions, records: RunRecords
                                         shared_ok=options.lock_dir is not None)
     timeout = startup_timeout or min(options.startup_timeout, DEFAULT_ROUTER_TIMEOUT)
     stats = _router_stats(records, group, policy)
+    taken: list[int] = []  # blocks a port of which was taken between the reservation and the bind
     for attempt in (1, 2, 3):
         block = reserve_port_block(lock_dir, port_range=options.port_range, timeout=options.port_wait_timeout,
-                                   on_wait=options.on_message, reuse_addr=options.reuse_addr)
+                                   on_wait=options.on_message, reuse_addr=options.reuse_addr, last=taken)
         ports = dict(zip(ROUTER_PORTS, block.ports, strict=False))
         argv = router_argv(launcher, port=ports["http"], prometheus_port=ports["prometheus"], group=group,
                            policy=policy, args=args, members=members, dp_aware=dp_aware)
@@ -486,6 +487,7 @@ def start_router(group: WorkerGroup, options: RouterOptions, records: RunRecords
                 raise RouterUnavailable(f"the router died at startup without its vocabulary: {vocab_hint}") from exc
             stats.failures += 1
             if isinstance(exc, WorkerStartupError) and "in use" in router.log_text() and attempt < 3:
+                taken.append(block.port)
                 continue  # the port was taken between reservation and bind: another block
             raise
         except BaseException:

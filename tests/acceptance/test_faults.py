@@ -424,12 +424,18 @@ def test_worker_death_during_tests(pytester: pytest.Pytester, sim_env: dict[str,
 GRAB_LAUNCHER = grab_launcher("pytest_sglworker.sim")
 
 
+@pytest.mark.parametrize("leaves", [False, True], ids=["taker-stays", "taker-leaves"])
 def test_port_taken_between_reservation_and_bind_is_retried_on_another_block(
-    pytester: pytest.Pytester, sim_env: dict[str, str], monkeypatch: pytest.MonkeyPatch
+    pytester: pytest.Pytester, sim_env: dict[str, str], monkeypatch: pytest.MonkeyPatch, leaves: bool
 ) -> None:
+    """The retry takes another block, whether the taker still listens there (the block's check refuses it) or has
+    left by then (it listens no more once the engine's log shows the failed bind): the block a retry names last
+    would otherwise be this process's first again."""
     pytester.makepyfile(grab_launcher=GRAB_LAUNCHER)
     flag = pytester.path / "grabbed"
     monkeypatch.setenv("GRAB_FLAG", str(flag))
+    if leaves:
+        monkeypatch.setenv("GRAB_LEAVE", "1")
     pytester.makepyfile(test_grab="""
         import os
 
@@ -448,7 +454,8 @@ def test_port_taken_between_reservation_and_bind_is_retried_on_another_block(
         text = first_log.read_text()
         assert "error while attempting to bind on address ('127.0.0.1', " + str(port) in text
         assert "address already in use" in text.lower()
-        assert not _gone(foreign)  # nobody of ours touched the foreign process
+        if not leaves:
+            assert not _gone(foreign)  # nobody of ours touched the foreign process
     finally:
         if flag.exists():
             with contextlib.suppress(psutil.Error):

@@ -141,6 +141,22 @@ def test_a_released_block_is_forgotten(tmp_path: Path) -> None:
     assert ref() is None
 
 
+def test_blocks_named_last_are_taken_only_when_no_other_is_free(tmp_path: Path) -> None:
+    """A retry after an engine found a port of its block taken names that block ``last``: another free block comes
+    first, whichever this process would look at first; the block itself is taken again when nothing else is free
+    (a one-block range)."""
+    low, high = free_range(3, 4)
+    with reserve_port_block(tmp_path, port_range=(low, high)) as first:
+        first_base = first.port  # the block this process looks at first
+    with reserve_port_block(tmp_path, port_range=(low, high), last=[first_base]) as other:
+        assert other.port != first_base
+    bases = [low, low + 4, low + 8]
+    with reserve_port_block(tmp_path, port_range=(low, high), last=[b for b in bases if b != first_base]) as kept:
+        assert kept.port == first_base  # only the others named: the usual order
+    with reserve_port_block(tmp_path, port_range=(first_base, first_base + 3), last=[first_base]) as only:
+        assert only.port == first_base  # nothing else to take
+
+
 def test_reservations_never_overlap_and_exhaust(tmp_path: Path) -> None:
     low, high = free_range(5, 4)
     # an unaligned tail (high + 2) never forms a block of its own

@@ -258,15 +258,19 @@ def test_no_port_left(sgl_router):
 GRAB_ROUTER = grab_launcher("sglang_router.launch_router")
 
 
+@pytest.mark.parametrize("leaves", [False, True], ids=["taker-stays", "taker-leaves"])
 def test_router_port_taken_between_reservation_and_bind_is_retried_on_another_block(
-    pytester: pytest.Pytester, sim_env: dict[str, str], monkeypatch: pytest.MonkeyPatch
+    pytester: pytest.Pytester, sim_env: dict[str, str], monkeypatch: pytest.MonkeyPatch, leaves: bool
 ) -> None:
     """A foreign process binds the router's reserved port before the router does: the router exits with
-    "Address already in use", and the fixture starts it again on another port block; the foreign process is
-    left alone."""
+    "Address already in use", and the fixture starts it again on another port block, whether the foreign process
+    still listens there or has left once the router's log showed the failure; a foreign process that stays is left
+    alone."""
     pytester.makepyfile(grab_router=GRAB_ROUTER)
     flag = pytester.path / "grabbed"
     monkeypatch.setenv("GRAB_FLAG", str(flag))
+    if leaves:
+        monkeypatch.setenv("GRAB_LEAVE", "1")
     pytester.makepyfile(test_grab="""
 import os
 import pytest
@@ -293,7 +297,8 @@ def test_serves_on_another_port(sgl_router, sgl_workers):
         assert len(routers) == 2, routers
         assert (routers[0]["port"], routers[0]["outcome"]) == (port, "startup_failed")
         assert routers[1]["port"] != port and routers[1]["outcome"] != "startup_failed"
-        assert psutil.pid_exists(foreign) and psutil.Process(foreign).status() != psutil.STATUS_ZOMBIE
+        if not leaves:
+            assert psutil.pid_exists(foreign) and psutil.Process(foreign).status() != psutil.STATUS_ZOMBIE
     finally:
         if flag.exists():
             with contextlib.suppress(psutil.Error):
