@@ -58,7 +58,7 @@ class GrpcHealth(Readiness):
         except _NotListening as exc:
             return Probe(False, f"not listening yet ({exc})", listening=False)
         except _Timeout:
-            return Probe(False, "no complete gRPC health answer in time")
+            return Probe(False, "no complete gRPC health answer in time", complete=False)
         except _RpcFailed as exc:
             return Probe(False, str(exc))
         finally:

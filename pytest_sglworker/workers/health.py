@@ -186,12 +186,14 @@ def _dechunk(data: bytes) -> bytes:
 @dataclass(frozen=True)
 class Probe:
     """One readiness probe's answer. ``listening``: something answered at all (a refused connection is
-    not yet listening); ``stale``: an answer came from a process that is not ours."""
+    not yet listening); ``stale``: an answer came from a process that is not ours; ``complete``: False when the probe
+    ran out of time before a whole answer came."""
 
     ready: bool
     status: str
     listening: bool = True
     stale: bool = False
+    complete: bool = True
 
 
 class Watched(Protocol):
@@ -252,7 +254,7 @@ class HttpHealth(Readiness):
         except ConnectionRefusedError:
             return Probe(False, "not listening yet", listening=False)
         except ProbeTimeout:
-            return Probe(False, f"no complete answer to GET {self.path} in time")
+            return Probe(False, f"no complete answer to GET {self.path} in time", complete=False)
         except OSError as exc:
             return Probe(False, type(exc).__name__)
         if resp.status != 200:
@@ -337,6 +339,7 @@ def wait_until_ready(
     deadline = target.started_at + timeout
     last_progress = 0.0
     last_status = "not listening yet"
+    probed = False  # a probe has answered something (last_status is no longer the default)
     stale_seen = False
     probe_budget = FIRST_PROBE_SECONDS
     watch = _LogWatch(target.log_path, ready_line)
@@ -376,7 +379,12 @@ def wait_until_ready(
             target.ready_probe_seconds = target.ready_at - probed_at
             target.ready_log_offset = log_size(target.log_path)
             return
-        last_status = probe.status
+        # A probe the startup's own deadline cut short says nothing of the server: the answer before it stays the
+        # last one (on a busy machine the last probe was cut where a quiet one had its 503)
+        cut_short = not probe.complete and probe_deadline >= deadline and time.monotonic() >= deadline
+        if not cut_short or not probed:
+            last_status = probe.status
+        probed = True
         stale_seen = stale_seen or probe.stale
         if time.monotonic() >= probe_deadline and not exited():
             probe_budget *= 2  # a slow endpoint gets more time next round (still bounded by the deadline)

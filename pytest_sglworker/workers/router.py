@@ -192,7 +192,7 @@ class RouterReadiness(Readiness):
         except ConnectionRefusedError:
             return Probe(False, "not listening yet", listening=False)
         except ProbeTimeout:
-            return Probe(False, "no complete answer in time")
+            return Probe(False, "no complete answer in time", complete=False)
         except OSError as exc:
             return Probe(False, type(exc).__name__)
         try:

@@ -39,6 +39,7 @@ import contextlib
 import hashlib
 import importlib.util
 import json
+import math
 import os
 import shutil
 import sys
@@ -612,7 +613,7 @@ class Warm:
             "kept_by_pid": record.kept_by.pid,
         }
         if kind == "kept":
-            event.update(until=round(record.expires_at, 3), ttl=record.ttl,
+            event.update(until=ms_below(record.expires_at), ttl=record.ttl,
                          keeper_pid=record.keeper.pid if record.keeper else None)
         if kind == "refused":
             event.update(why=why, ended=ended)
@@ -620,6 +621,12 @@ class Warm:
             event.update(uses=record.uses, run=record.run is not None, adopter_pid=os.getpid())
         with self._guard:
             self.events.setdefault(kind, []).append(event)  # "handed": only in a run that hands groups over
+
+
+def ms_below(moment: float) -> float:
+    """``moment`` (epoch seconds) to the millisecond below, never above (``round`` took 12:00:20.9996 to 12:00:21.000):
+    its second is the one a line that names the unrounded moment shows."""
+    return math.floor(moment * 1000) / 1000
 
 
 def _create_time(pid: int) -> float:

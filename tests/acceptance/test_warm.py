@@ -203,6 +203,17 @@ def test_keeper_ends_the_group_at_its_ttl_without_a_later_session(pytester: pyte
     assert late < 43200, (line, until)
 
 
+def test_the_reports_until_names_the_second_the_keepers_line_names() -> None:
+    """The report's ``until`` is cut to the millisecond, never rounded up into the next second: the keeper's line
+    formats the unrounded moment (once, in a loaded run, the two named 18:01:21 and 18:01:20)."""
+    from pytest_sglworker.workers.warm import ms_below
+
+    for moment in (1796660480.9996, 1796660480.0004, 1796660480.5):
+        assert time.strftime("%H:%M:%S", time.localtime(ms_below(moment))) == \
+            time.strftime("%H:%M:%S", time.localtime(moment)), moment
+        assert moment - 0.001 < ms_below(moment) <= moment
+
+
 def _seconds_of_day(hms: str) -> int:
     h, m, s = map(int, hms.split(":"))
     return h * 3600 + m * 60 + s

@@ -244,6 +244,40 @@ def test_deadline_holds_and_says_the_last_answer(child: _Target) -> None:
     assert readiness.probes and max(readiness.probes) < child.started_at + 2, readiness.probes
 
 
+class _AnswersThenHangs(Readiness):
+    """Answers ``first`` to its first probe (None: hangs from the start), then hangs until each probe's deadline."""
+
+    def __init__(self, first: str | None) -> None:
+        self.first = first
+        self.probes = 0
+
+    def probe(self, target, deadline, abort):  # type: ignore[no-untyped-def]
+        self.probes += 1
+        if self.probes == 1 and self.first is not None:
+            return Probe(False, self.first)
+        while time.monotonic() < deadline:
+            time.sleep(0.01)
+        return Probe(False, "no complete answer to GET /ready in time", complete=False)
+
+
+@pytest.mark.parametrize(("first", "said"), [("HTTP 503", "HTTP 503"),
+                                             (None, "no complete answer to GET /ready in time")])
+def test_a_probe_the_deadline_cuts_short_is_not_the_last_answer(child: _Target, monkeypatch: pytest.MonkeyPatch,
+                                                                first: str | None, said: str) -> None:
+    """A probe's budget is made an hour: every probe after the first is cut short by the startup's own deadline. The
+    answer before it is the one the timeout names (a busy machine's last probe was cut where a quiet one had its
+    503); a wait whose only probe was cut says so."""
+    import pytest_sglworker.workers.health as health
+
+    monkeypatch.setattr(health, "FIRST_PROBE_SECONDS", 3600.0)
+    readiness = _AnswersThenHangs(first)
+    child.started_at = time.monotonic()
+    raised = _raised(lambda: wait_until_ready(child, readiness, timeout=3))
+    assert isinstance(raised, WorkerStartupTimeout), raised
+    assert f"(last health answer: {said})" in str(raised), raised
+    assert readiness.probes == (2 if first is not None else 1)
+
+
 def test_fatal_log_line_fails_after_the_grace(child: _Target, monkeypatch: pytest.MonkeyPatch) -> None:
     import pytest_sglworker.workers.health as health
 
