@@ -106,9 +106,10 @@ def xdist_port_slice(worker_id: str, count: int) -> str | None:
 
 
 def _default_range() -> tuple[int, int]:
-    value = os.environ.get(PORT_RANGE_ENV, "")
-    low, sep, high = value.partition("-")
-    return (int(low), int(high)) if sep and low.isdigit() and high.isdigit() else (20000, 32767)
+    from pytest_sglworker.resources.ports import parse_port_range
+
+    value = os.environ.get(PORT_RANGE_ENV)
+    return parse_port_range(value) if value else (20000, 32767)
 
 
 def free_port_block(low: int | None = None, high: int | None = None) -> int:
