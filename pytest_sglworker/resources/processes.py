@@ -796,8 +796,7 @@ def _wait_gone(process: ProcessHandle | None, procs: list[psutil.Process], timeo
         now = time.monotonic()
         if now >= deadline:
             return
-        if process is not None:
-            process.poll()  # reap our direct child so it does not linger as a zombie
+        # poll() also reaps our direct child, so it does not linger as a zombie
         root_runs = process is not None and process.poll() is None
         if not root_runs and not any(_alive(p) for p in procs):
             return
