@@ -89,6 +89,19 @@ def test_a_large_suite_s_reference_is_a_schedule_no_worse_than_the_rules_and_nev
         assert ideal.declared_reference(configs, n) >= wall - 1e-9  # knowing less never finds a shorter one
 
 
+def test_the_declared_reference_is_the_median_over_the_orders_the_declared_startups_cannot_part(
+        ideal: ModuleType) -> None:
+    # 2 GPUs, 1 xdist worker, three one-GPU configurations of one 1 s test each, every startup declared 2 s: every
+    # order is equally short as declared. True, the third starts in 2 s and the others in 1 s. Started among the first
+    # two, it is ready when the worker is free: 4 s (four orders); started last, at 2 s, its test ends at 5 s (two
+    # orders, the first of them the search's first). The reference is the median, 4 s, not the first order's 5 s.
+    configs = [{"kind": "tp1", "startup": s, "declared": 2.0, "tests": [1.0]} for s in (1.0, 1.0, 2.0)]
+    assert ideal.play(ideal.jobs_of(configs), [0, 1, 2], 1, 2) == pytest.approx(5.0)
+    assert ideal.declared_reference(configs, 1, 2) == pytest.approx(4.0)
+    walls = sorted(ideal.play(ideal.jobs_of(configs), order, 1, 2) for order in itertools.permutations(range(3)))
+    assert walls == pytest.approx([4.0, 4.0, 4.0, 4.0, 5.0, 5.0])
+
+
 def test_the_committed_references_are_what_the_model_computes_now(ideal: ModuleType, boxgen: ModuleType) -> None:
     figures = json.loads((BENCH / "results" / "box_suites.json").read_text())
     for seed in ("0", "5", "12"):  # one suite of every order (5: every start order; 0, 12: the local search)
