@@ -218,14 +218,19 @@ def _act_once_handed(pytester: pytest.Pytester, handover: Path, monkeypatch: pyt
     return proc.returncode, output.decode(errors="replace")
 
 
+@pytest.mark.parametrize("whom", ["group", "controller"])
 def test_nothing_outlives_an_interrupted_run(pytester: pytest.Pytester, handover: Path,
-                                            monkeypatch: pytest.MonkeyPatch) -> None:
+                                            monkeypatch: pytest.MonkeyPatch, whom: str) -> None:
     """Once a group launched ahead is handed to the run (its record in the lock directory), Ctrl-C on the run (SIGINT to
-    its process group): the run ends, and with it every engine, keeper and record."""
+    its process group), or a SIGINT to the xdist controller alone (``kill -INT``, which its xdist workers do not get:
+    xdist ends them as the controller stops): the run ends, and with it every engine, keeper and record."""
     import signal
 
     def interrupt(record: WarmRecord, run: int) -> bool:
-        os.killpg(run, signal.SIGINT)
+        if whom == "group":
+            os.killpg(run, signal.SIGINT)
+        else:
+            os.kill(run, signal.SIGINT)
         return True
 
     status, text = _act_once_handed(pytester, handover, monkeypatch, interrupt)
