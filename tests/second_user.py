@@ -159,9 +159,9 @@ def make_second_user(base: Path) -> Iterator[SecondUser]:
             left = user.wait_idle(30)
             # The user is new and unique: whatever runs as it descends from what we started. A test failure below
             # names them; the user can only be removed once they are gone.
-            for proc in user.processes():
+            for stray in user.processes():
                 with _suppress():
-                    proc.kill()
+                    stray.kill()
         subprocess.run(["userdel", name], capture_output=True, text=True, timeout=60)
         assert not left, f"processes of the second user {name} left running: {left}"
 
