@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -301,7 +302,9 @@ def test_a_configurations_group_goes_as_its_last_test_here_ends(
                                            timeout=180)
     result.assert_outcomes(passed=4)
     launches = json.loads(report.read_text())["launches"]
-    by_args = {("4096" if "4096" in r["argv"] else "4097"): r for r in launches}
+    # by the flag, not a substring of the argv: its --port may hold "4096" too (port 24096 was seen)
+    by_args = {m.group(1) if (m := re.search(r"--max-total-tokens (\d+)", r["argv"])) else r["argv"]: r
+               for r in launches}
     assert len(launches) == 2 and set(by_args) == {"4096", "4097"}, launches  # each launched once
     a, b = by_args["4096"], by_args["4097"]
     assert [t["nodeid"].rsplit("-", 1)[1] for t in a["tests"]] == ["0]", "1]"]
