@@ -159,6 +159,9 @@ class WorkerPool(PoolAhead, PoolWarm, PoolRetire):
         #: none of the entries for a moment (being checked, set back, retired), and its own launch comes first
         self._at_work = 0
         self._stopping = False  # close() has begun: no launch ahead starts
+        #: configurations whose last test of this process has run (:meth:`finish`): no launch ahead of them (under
+        #: ``_gate``), until a test acquires one again
+        self._finished: set[str] = set()
 
     # -- public -------------------------------------------------------------------------------------------
     @property
@@ -181,6 +184,8 @@ class WorkerPool(PoolAhead, PoolWarm, PoolRetire):
         fresh = fresh or options is not None
         asked = time.time()
         self._flush_retired()
+        with self._gate:
+            self._finished.discard(config.key)  # a test takes it again (a test run again after a crash elsewhere)
         with self._at_work_on():  # a launch ahead another thread has begun is registered: it is joined below
             try:
                 return self._acquire(config, holder=holder, fresh=fresh, options=options, environ=environ)
@@ -291,6 +296,14 @@ class WorkerPool(PoolAhead, PoolWarm, PoolRetire):
             with self._lock:
                 stats.resets += 1
         return True
+
+    def finish(self, key: str) -> None:
+        """No later test of this process takes configuration ``key`` (its last test here has run; called before its
+        group is let go): no launch ahead of it starts from now on, until a test acquires it again. Under xdist, the
+        controller's word still names it until the controller has heard that the test ran, and this process's
+        follower of that word, reading it meanwhile, launched the group just let go again, for no test (issue 43)."""
+        with self._gate:
+            self._finished.add(key)
 
     def discard(self, group: WorkerGroup, *, failed: bool = True, then: WorkerConfig | None = None) -> None:
         """Stop a group now (a member died, the test asked for fresh workers, or no later test needs it). ``then``:

@@ -45,6 +45,7 @@ class PoolAhead:
     _gate: threading.RLock
     _at_work: int
     _stopping: bool
+    _finished: set[str]
     _idle: OrderedDict[str, Entry]
     _busy: dict[str, Entry]
     _ahead: dict[WorkerConfig, Ahead]
@@ -85,14 +86,15 @@ class PoolAhead:
         Only on GPUs that are free this moment and that no other process waits for (it never evicts, never
         waits for a lease; without a free GPU, it waits for this process's retirements under way, and tries once
         more, unless not ``wait_retiring``: a follower thread starts it once their GPUs are free); at most one
-        launch ahead per configuration. Returns whether it started. The test
+        launch ahead per configuration, and none of one whose last test here has run (:meth:`finish`). Returns
+        whether it started. The test
         that needs it gets it from :meth:`acquire` (which waits for it), or the failure it met, exactly as if
         it had been launched then. Called on the main thread, which works out here everything the launch thread
         needs (the members' kinds and environments, ``environ``: default this process's, read now); the thread
         touches nothing else of the session."""
         environ = inherited_environ() if environ is None else environ
         with self._gate:
-            if self._stopping or self._has_group(config):
+            if self._stopping or config.key in self._finished or self._has_group(config):
                 return False
             adopted = self._adopt(config, holder=holder, environ=environ)
             if adopted is not None:  # a warm group of an earlier session: adopted now, ready when its test begins
@@ -124,11 +126,12 @@ class PoolAhead:
         the session is asked. Nothing starts while the main thread acquires, gives back or stops a group (its own
         launch comes first, and it starts the launches ahead it was told of meanwhile itself: ``follow``; a group
         given back is in none of the entries while it is set back); a configuration whose group is
-        here, launched ahead, handed over, or coming from another xdist worker, and one a warm record names (adopting
-        is the main thread's) is left alone. Returns whether it started."""
+        here, launched ahead, handed over, or coming from another xdist worker, one a warm record names (adopting
+        is the main thread's), and one whose last test here has run (:meth:`finish`) is left alone. Returns whether
+        it started."""
         config = kit.config
         with self._gate:
-            if self._stopping or self._at_work or self._has_group(config):
+            if self._stopping or self._at_work or config.key in self._finished or self._has_group(config):
                 return False
             if self.handover is not None and self.handover.expects(config.key):
                 return False

@@ -316,3 +316,59 @@ def test_a_configurations_group_goes_as_its_last_test_here_ends(
     pids = [r["pid"] for r in launches]
     assert _wait_for(lambda: not [p for p in pids if psutil.pid_exists(p)
                                   and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]), "engines left running"
+
+
+#: a, then b (launched ahead while a runs: the controller's word names it until it hears that b's one test ran), then
+#: a test of no worker; the controller hears of b's teardown a second late, so the word that this xdist worker's
+#: follower reads through z still names b, whose group went as that test ended
+STALE_SUITE = '''
+import time
+import pytest
+
+@pytest.mark.sgl_worker(args=["--max-total-tokens", "4096"])
+@pytest.mark.parametrize("i", range(2))
+def test_a(sgl_worker, i):
+    time.sleep(0.3)
+
+@pytest.mark.sgl_worker(args=["--max-total-tokens", "4097"])
+def test_b(sgl_worker):
+    pass
+
+def test_z():
+    time.sleep(1.5)
+'''
+STALE_CONFTEST = '''
+import time
+
+CONTROLLER = []
+
+def pytest_configure(config):
+    if not hasattr(config, "workerinput"):  # not an xdist worker (the environment may say so: an outer run's)
+        CONTROLLER.append(True)
+
+def pytest_runtest_logreport(report):
+    if CONTROLLER and report.when == "teardown" and "test_b[" in report.nodeid:
+        time.sleep(1.0)  # the controller: what it writes next (the word without b) comes a second late
+'''
+
+
+def test_a_stale_word_does_not_launch_again_a_configuration_whose_last_test_here_ran(
+        pytester: pytest.Pytester, sim_env: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """b's group goes as its last test here ends; the follower then reads a word that still names b (written before
+    the controller heard of that test) and, before the fix, launched b again for no test: seen in a full run as a
+    third engine stopped unused at the session's end. b is launched once."""
+    record = tmp_path / "sim-record.jsonl"
+    monkeypatch.setenv("SGLSIM_RECORD", str(record))
+    monkeypatch.delenv("PYTEST_ADDOPTS", raising=False)
+    pytester.makepyfile(test_stale=STALE_SUITE)
+    pytester.makeconftest(STALE_CONFTEST)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--sgl-engine", "sim", "--sgl-gpus", "sim:2",
+                                           "-n", "1", "-v", "--sgl-model", "qwen3-0.6b", timeout=180)
+    result.assert_outcomes(passed=4)
+    result.stdout.fnmatch_lines(["*PASSED test_stale.py::test_b*", "*PASSED test_stale.py::test_z*"])  # z after b
+    lines = [json.loads(line) for line in record.read_text().splitlines()]
+    started = [e["pid"] for e in lines if e["event"] == "start"]
+    assert len(started) == 2, (lines, result.stdout.str()[-3000:])  # a and b, each launched once
+    result.stdout.fnmatch_lines(["*--max-total-tokens 4097: 1 launched*"])
+    assert _wait_for(lambda: not [p for p in started if psutil.pid_exists(p)
+                                  and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]), "engines left running"

@@ -585,6 +585,29 @@ def test_a_launch_ahead_from_another_thread_starts_what_the_main_thread_worked_o
     assert _in_thread(lambda: pool.launch_ahead_kit(kit)) is False  # its group is here
 
 
+def test_no_launch_ahead_of_a_configuration_whose_last_test_here_has_run(make_pool) -> None:  # type: ignore[no-untyped-def]
+    """The group of A goes after its last test here; a launch ahead of A read from a word that still names it (the
+    controller has not heard yet that the test ran) starts nothing, from any thread, until a test acquires A again
+    (a test run again after a crash elsewhere), which launches it as usual. Seen: a third engine, launched after
+    the last test of its configuration and stopped unused at the session's end."""
+    pool = make_pool(gpus=2)
+    a = WorkerConfig.of(QWEN, ["--max-total-tokens", "256"])
+    kit = _kit(pool, a)
+    group = pool.acquire(a, holder="a")
+    pool.finish(a.key)
+    pool.discard(group, failed=False)
+    pool._join_retiring()
+    assert _in_thread(lambda: pool.launch_ahead_kit(kit)) is False
+    assert pool.launch_ahead(a, holder="ahead") is False
+    assert [r.config for r in pool.launches] == [a.key] and pool.leases.holders() == {}
+    again = pool.acquire(a, holder="a, run again")
+    assert again[0].is_alive() and pool.stats[a.key].launches == 2
+    pool.release(again)
+    pool.retire_idle((a.key,))
+    pool._join_retiring()
+    assert _in_thread(lambda: pool.launch_ahead_kit(kit)) is True  # acquired again: no longer finished
+
+
 def test_a_launch_ahead_from_another_thread_waits_for_a_free_gpu_without_starting_anything(
         make_pool) -> None:  # type: ignore[no-untyped-def]
     """No free GPU: nothing starts (no keeper, no lease, no record), and the same kit starts once the GPU is free."""

@@ -175,6 +175,8 @@ class PoolSource:
         no later test needs it, or a member died). A member that died during a passing test is the error."""
         pool = self.pool
         pool.served(group, use.nodeid, use.t_start, use.t_end, use.outcome)
+        if use.last_use:
+            pool.finish(group.config.key)  # before its group goes: a stale word must not launch it again
         dead = [m for m in group if not m.is_alive() and not m.stopped]
         if dead or not group.is_alive():
             pool.discard(group, failed=use.failed or bool(dead))
