@@ -41,6 +41,18 @@ def handed(run_dir):
             pass
     return False
 
+def adopted_here():  # this xdist worker adopted a group handed over within the run (its warm record says so)
+    from pytest_sglworker.resources.warm_records import warm_records
+
+    return any(e.record is not None and e.record.adopter is not None and e.record.adopter.pid == os.getpid()
+               for e in warm_records(Path(os.environ["SGLWORKER_LOCK_DIR"])))
+
+def wait_for_gate():
+    gate = Path(os.environ["HANDOVER_GATE"])
+    deadline = time.monotonic() + 120
+    while not gate.exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+
 def answered(run_dir):  # a giver's answer: its group went to the run
     for path in run_dir.glob("handed-*.json"):
         try:
@@ -65,10 +77,7 @@ def test_c0(sgl_worker, i, request):
                 time.sleep(0.05)
             assert answered(run_dir), "the group launched ahead here was not handed over while this test ran"
     if i == 3 and os.environ.get("HANDOVER_GATE"):  # the run is still on when the test that started it acts on it
-        gate = Path(os.environ["HANDOVER_GATE"])
-        deadline = time.monotonic() + 120
-        while not gate.exists() and time.monotonic() < deadline:
-            time.sleep(0.02)
+        wait_for_gate()
 '''
 for _n in range(1, 6):
     SUITE += f'''
@@ -77,6 +86,8 @@ for _n in range(1, 6):
 @pytest.mark.parametrize("i", range(3))
 def test_c{_n}(sgl_worker, i):
     assert sgl_worker.client.get("/health").status_code == 200
+    if i == 0 and os.environ.get("HANDOVER_GATE") and adopted_here():
+        wait_for_gate()  # the act (a kill, an interrupt) lands in this test, however fast its process runs
     (DONE / f"done-{_n}-{{i}}").write_text(os.environ["PYTEST_XDIST_WORKER"] + " " + str(sgl_worker.pid))
     assert os.environ.get("HANDOVER_FAIL") != "c{_n}", "failing on purpose"
 '''
@@ -187,9 +198,12 @@ def test_nothing_outlives_the_run_when_the_adopting_test_fails_or_is_skipped(
 def _act_once_handed(pytester: pytest.Pytester, handover: Path, monkeypatch: pytest.MonkeyPatch,
                      act: Callable[[WarmRecord, int], bool]) -> tuple[int, str]:
     """Run SUITE under ``-n 2`` as a process group of its own, with its signals at their defaults (a suite run as a
-    shell's background job inherits SIGINT ignored, which the plugin rightly respects). Its last c0 test waits for a
-    gate, so that the run is still on while ``act(record, run_pid)`` is called for each record of a group handed to
-    the run, until it returns True; then the gate opens. Returns the run's exit status and output."""
+    shell's background job inherits SIGINT ignored, which the plugin rightly respects). Its last c0 test, and the
+    first test of a group adopted within the run, wait for a gate, so that the run is still on, and the adopter still
+    in a test of the group, while ``act(record, run_pid)`` is called for each record of a group handed to the run,
+    until it returns True; then the gate opens. (Without the adopter's wait, a loaded machine let the adopter's
+    tests end before the act, and a kill of the adopter landed between two tests.) Returns the run's exit status and
+    output."""
     import signal
     import subprocess
     import sys
@@ -258,5 +272,7 @@ def test_nothing_outlives_an_xdist_worker_killed_during_the_hand_over(
     # the run went on: the test it crashed in fails, every other test passes (19 when the crash came in the teardown
     # of a test whose call had passed: xdist reports both)
     assert "crashed while running" in text and re.search(r"\b1 failed, 1[89] passed in", text), text[-3000:]
+    if whom == "adopter":  # in the adopted group's first test, which waits for the act
+        assert re.search(r"crashed while running '\S*test_c[1-5]\[\S*-0\]'", text), text[-3000:]
     started, _ = _sims(handover / "sim-record.jsonl")
     _nothing_left(handover, started)
