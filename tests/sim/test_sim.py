@@ -572,8 +572,9 @@ def test_a_sigterm_that_lands_on_another_thread_still_shuts_it_down(launch: Laun
         sim.wait_log("Uvicorn running on")
     else:
         sim.wait_ready()
-    others = [t.id for t in psutil.Process(sim.proc.pid).threads() if t.id != sim.proc.pid]
-    assert others, "the engine has no thread besides its main one"
+    # "Uvicorn running on" comes before the serving thread starts (uvicorn's order): wait for a thread besides the main
+    others = wait_for(lambda: [t.id for t in psutil.Process(sim.proc.pid).threads() if t.id != sim.proc.pid], 30,
+                      "a thread of the engine besides its main one")
     _tgkill(sim.proc.pid, others[0], signal.SIGTERM)
     assert sim.wait_exit(30) == 0  # without waking, the main thread sleeps on: no exit before a SIGKILL
     positions_in_order(sim.log(), ["SIGTERM received.", "Gracefully exiting", "INFO:     Finished server process"])
