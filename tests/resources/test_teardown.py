@@ -351,9 +351,11 @@ def test_a_root_deaf_to_its_first_sigterm_gets_another_before_its_children_are_s
         tmp_path: Path, started: list[int]) -> None:
     tag = owner_tag(session_id())
     root, pids = family(tmp_path, started, tag, mode="deaf-once")
+    began = boot_clock()
     killed = terminate_tree(root, lambda: process_tree(root.pid, tag), term_timeout=10.0, kill_timeout=10.0)
-    assert killed == [] and root.returncode == 0
     out = next(tmp_path.glob("family-*.json"))
+    assert killed == [], f"SIGKILLed: {killed} (the family: {pids}); {child_story(out, began)}"
+    assert root.returncode == 0
     assert Path(f"{out}.term").read_text() == "children alive"
     assert Path(f"{out}.child").read_text() == "parent gone"
     assert [name for name, pid in pids.items() if not gone(pid)] == []
