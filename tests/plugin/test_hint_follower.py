@@ -20,6 +20,17 @@ from pytest_sglworker.plugin.hint_follower import HintFollower
 from pytest_sglworker.plugin.launch_hints import write_launch_hint
 
 
+def _all_ended(pids: list[int]) -> bool:
+    """Every process of ``pids`` has ended (a zombie counts: its parent reaps it)."""
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                return False
+        except psutil.NoSuchProcess:
+            continue
+    return True
+
+
 def _wait_for(condition, seconds: float = 30.0) -> bool:  # type: ignore[no-untyped-def]
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
@@ -207,8 +218,7 @@ def _follow_run(pytester: pytest.Pytester, sim_env: dict[str, str], tmp_path: Pa
     started = [json.loads(line)["pid"] for line in record.read_text().splitlines()
                if json.loads(line)["event"] == "start"] if record.exists() else []
     assert len(started) == 2, (started, result.stdout.str()[-3000:])  # a and b, each launched once
-    assert _wait_for(lambda: not [p for p in started if psutil.pid_exists(p)
-                                  and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]), "engines left running"
+    assert _wait_for(lambda: _all_ended(started)), "engines left running"
     assert os.path.exists(lock)  # the outside holder's file is not the run's to remove
     return result
 
@@ -314,8 +324,7 @@ def test_a_configurations_group_goes_as_its_last_test_here_ends(
     assert a["t_stop_requested"] >= max(t["t_end"] for t in a["tests"])  # not before its last test
     assert a["t_released"] is not None and a["t_released"] >= a["t_stop_requested"]
     pids = [r["pid"] for r in launches]
-    assert _wait_for(lambda: not [p for p in pids if psutil.pid_exists(p)
-                                  and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]), "engines left running"
+    assert _wait_for(lambda: _all_ended(pids)), "engines left running"
 
 
 #: a, then b (launched ahead while a runs: the controller's word names it until it hears that b's one test ran), then
@@ -370,5 +379,4 @@ def test_a_stale_word_does_not_launch_again_a_configuration_whose_last_test_here
     started = [e["pid"] for e in lines if e["event"] == "start"]
     assert len(started) == 2, (lines, result.stdout.str()[-3000:])  # a and b, each launched once
     result.stdout.fnmatch_lines(["*--max-total-tokens 4097: 1 launched*"])
-    assert _wait_for(lambda: not [p for p in started if psutil.pid_exists(p)
-                                  and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]), "engines left running"
+    assert _wait_for(lambda: _all_ended(started)), "engines left running"
